@@ -1,0 +1,32 @@
+# The two commands of the README:
+#   make pipeline   set up .venv if needed, then run the whole pipeline (dvc repro) on the default
+#   make test       set up .venv if needed, then run the tests
+PYTHON ?= python3
+VENV := .venv
+BIN := $(CURDIR)/$(VENV)/bin
+# Stage commands in dvc.yaml call `python`: make it the venv's.
+export PATH := $(BIN):$(PATH)
+export TORCH_EXTENSIONS_DIR ?= $(CURDIR)/.cache/torch_extensions
+
+.PHONY: install pipeline test lock
+
+$(VENV)/.installed: pyproject.toml requirements.lock
+	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	$(BIN)/pip install -q --upgrade pip
+	$(BIN)/pip install -q -c requirements.lock -e '.[dev]'
+	touch $@
+
+install: $(VENV)/.installed
+
+pipeline: install
+	dvc repro
+	@echo
+	@echo "Done. Metrics: dvc metrics show   (files: outputs/*/metrics.json)"
+	@echo "Per-step logs: outputs/*/*.tsv    Checkpoints (Hugging Face format): outputs/*/model"
+
+test: install
+	pytest -q
+
+lock: install
+	$(BIN)/pip freeze --exclude-editable | sed 's/^torch==\(.*\)+cpu/torch==\1/' > requirements.lock.new
+	mv requirements.lock.new requirements.lock

@@ -1,0 +1,1 @@
+"""InstructGPT-style RLHF as one reproducible pipeline: prepare -> sft -> reward -> ppo -> evaluate."""

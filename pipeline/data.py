@@ -1,0 +1,65 @@
+"""Reading the stages' inputs with validation, and tokenizing them for training.
+
+Every record is checked before any compute: a malformed line, a missing field or an empty text
+stops the stage with `file:line: what is wrong`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from transformers import PreTrainedTokenizerBase
+
+from .errors import DataError
+from .io import read_jsonl
+from .tokenizer import encode_prompt, encode_response
+
+IGNORE = -100  # label value that HF causal-LM losses skip
+
+
+def load_demonstrations(path: Path) -> list[dict]:
+    return read_jsonl(path, required=("prompt", "response"), nonempty=("prompt", "response"))
+
+
+def load_prompts(path: Path) -> list[str]:
+    return [r["prompt"] for r in read_jsonl(path, required=("prompt",), nonempty=("prompt",))]
+
+
+@dataclass(frozen=True)
+class Example:
+    """One tokenized demonstration: prompt ids then response ids (ending in eos)."""
+    input_ids: list[int]
+    n_prompt: int
+
+
+def tokenize_demonstrations(rows: list[dict], tok: PreTrainedTokenizerBase, max_length: int,
+                            source: Path) -> tuple[list[Example], int]:
+    """Tokenize; a demonstration longer than `max_length` keeps its response and loses the
+    prompt's left end (the instruction's tail and the response matter most). Returns examples and
+    how many were truncated; a response alone longer than the limit is an error."""
+    examples, truncated = [], 0
+    for i, row in enumerate(rows):
+        p, r = encode_prompt(tok, row["prompt"]), encode_response(tok, row["response"])
+        if len(r) >= max_length:
+            raise DataError(f"{source}: record {i + 1}: response of {len(r)} tokens exceeds "
+                             f"sft.max_length={max_length}")
+        if len(p) + len(r) > max_length:
+            p, truncated = p[len(p) + len(r) - max_length:], truncated + 1
+        examples.append(Example(p + r, len(p)))
+    return examples, truncated
+
+
+def collate_sft(batch: list[Example], pad_id: int) -> dict[str, torch.Tensor]:
+    """Right-padded (B, T) input_ids/attention_mask and labels with prompt and pads ignored."""
+    width = max(len(e.input_ids) for e in batch)
+    ids = torch.full((len(batch), width), pad_id, dtype=torch.long)
+    labels = torch.full((len(batch), width), IGNORE, dtype=torch.long)
+    mask = torch.zeros((len(batch), width), dtype=torch.long)
+    for i, e in enumerate(batch):
+        n = len(e.input_ids)
+        ids[i, :n] = torch.tensor(e.input_ids)
+        mask[i, :n] = 1
+        labels[i, e.n_prompt:n] = ids[i, e.n_prompt:n]
+    return {"input_ids": ids, "attention_mask": mask, "labels": labels}

@@ -1,0 +1,107 @@
+"""Batched sampling with a KV cache from left-padded prompts.
+
+Our own loop instead of `model.generate` because PPO needs, from the same pass, the log-probability
+of every sampled token under the temperature-scaled distribution, and a response mask that stops
+at the first eos. Shapes: B batch, P prompt length (after left padding), R response length.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from transformers import DynamicCache, PreTrainedModel
+
+from .config import SamplingConfig
+from .tokenizer import decode_response, encode_prompt
+
+
+@dataclass
+class Sampled:
+    """The result of one batched sampling call."""
+    prompt_ids: torch.Tensor       # (B, P) left-padded prompt token ids
+    prompt_mask: torch.Tensor      # (B, P) bool, True on real prompt tokens
+    response_ids: torch.Tensor     # (B, R) sampled ids; pad after the first eos
+    response_mask: torch.Tensor    # (B, R) bool, True on real response tokens (eos included)
+    logprobs: torch.Tensor         # (B, R) log pi(a_t|s_t) of the sampled token, temperature-scaled
+    ended: torch.Tensor            # (B,) bool, True when the response emitted eos
+
+
+def left_pad(prompts: list[list[int]], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(B, P) ids and bool mask, padded on the left so every prompt ends at the same column."""
+    width = max(map(len, prompts))
+    ids = torch.full((len(prompts), width), pad_id, dtype=torch.long)
+    mask = torch.zeros((len(prompts), width), dtype=torch.bool)
+    for i, p in enumerate(prompts):
+        ids[i, width - len(p):] = torch.tensor(p, dtype=torch.long)
+        mask[i, width - len(p):] = True
+    return ids, mask
+
+
+def filter_logits(logits: torch.Tensor, top_k: int, top_p: float) -> torch.Tensor:
+    """Top-k then nucleus (top-p) filtering of (B, V) logits; removed entries become -inf."""
+    if top_k > 0 and top_k < logits.size(-1):
+        kth = torch.topk(logits, top_k, dim=-1).values[:, -1:]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    if top_p < 1.0:
+        sorted_logits, order = torch.sort(logits, descending=True, dim=-1)
+        cum = torch.softmax(sorted_logits, dim=-1).cumsum(-1)
+        # Drop a token when the mass before it already reaches top_p (the first always stays).
+        drop_sorted = (cum - torch.softmax(sorted_logits, dim=-1)) >= top_p
+        drop = torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted)
+        logits = logits.masked_fill(drop, float("-inf"))
+    return logits
+
+
+@torch.inference_mode()
+def sample(model: PreTrainedModel, prompts: list[list[int]], pad_id: int, eos_id: int,
+           cfg: SamplingConfig, generator: torch.Generator | None = None, greedy: bool = False) -> Sampled:
+    """Sample (or greedily decode) up to `cfg.max_new_tokens` per prompt, stopping at eos."""
+    prompt_ids, prompt_mask = left_pad(prompts, pad_id)
+    B = prompt_ids.size(0)
+    attn = prompt_mask.long()                                   # (B, P + t)
+    positions = (attn.cumsum(-1) - 1).clamp(min=0)              # (B, P) positions ignore left pads
+    cache = DynamicCache()
+    out = model(input_ids=prompt_ids, attention_mask=attn, position_ids=positions,
+                cache=cache, use_cache=True)
+    next_pos = positions[:, -1:] + 1                            # (B, 1)
+    done = torch.zeros(B, dtype=torch.bool)
+    tokens, logps, masks = [], [], []
+    for _ in range(cfg.max_new_tokens):
+        logits = out.logits[:, -1, :].float() / cfg.temperature  # (B, V)
+        logprobs_all = torch.log_softmax(logits, dim=-1)
+        if greedy:
+            token = logits.argmax(-1)
+        else:
+            probs = torch.softmax(filter_logits(logits, cfg.top_k, cfg.top_p), dim=-1)
+            token = torch.multinomial(probs, 1, generator=generator).squeeze(-1)
+        token = torch.where(done, torch.full_like(token, pad_id), token)   # (B,)
+        masks.append(~done)
+        tokens.append(token)
+        logps.append(logprobs_all.gather(-1, token[:, None]).squeeze(-1).masked_fill(done, 0.0))
+        done = done | (token == eos_id)
+        if bool(done.all()):
+            break
+        attn = torch.cat([attn, torch.ones((B, 1), dtype=attn.dtype)], dim=-1)
+        out = model(input_ids=token[:, None], attention_mask=attn, position_ids=next_pos,
+                    cache=cache, use_cache=True)
+        next_pos = next_pos + 1
+    return Sampled(prompt_ids=prompt_ids, prompt_mask=prompt_mask,
+                   response_ids=torch.stack(tokens, dim=1), response_mask=torch.stack(masks, dim=1),
+                   logprobs=torch.stack(logps, dim=1), ended=done)
+
+
+def generate_texts(model: PreTrainedModel, tok, prompts: list[str], cfg: SamplingConfig, seed: int,
+                   greedy: bool, batch_size: int = 64) -> tuple[list[str], list[bool]]:
+    """Responses (text cut at eos) to `prompts` and whether each emitted eos."""
+    gen = torch.Generator().manual_seed(seed)
+    texts, ended = [], []
+    was_training = model.training
+    model.eval()
+    for start in range(0, len(prompts), batch_size):
+        chunk = [encode_prompt(tok, p) for p in prompts[start:start + batch_size]]
+        out = sample(model, chunk, tok.pad_token_id, tok.eos_token_id, cfg, gen, greedy=greedy)
+        texts += [decode_response(tok, row.tolist()) for row in out.response_ids]
+        ended += out.ended.tolist()
+    model.train(was_training)
+    return texts, ended

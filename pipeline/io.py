@@ -1,0 +1,103 @@
+"""Atomic outputs and validated JSONL inputs.
+
+Every file or folder a stage produces is written under a temporary name in the same directory and
+renamed into place, so a crash never leaves a half-written output that DVC would then cache.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import shutil
+import tempfile
+from pathlib import Path
+from typing import Any, Iterator, Sequence
+
+
+from .errors import DataError
+
+
+def atomic_write_text(path: str | Path, text: str) -> None:
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as f:
+            f.write(text)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(tmp)
+        raise
+
+
+def atomic_write_json(path: str | Path, obj: Any) -> None:
+    atomic_write_text(path, json.dumps(obj, indent=2, sort_keys=True) + "\n")
+
+
+def write_jsonl(path: str | Path, rows: Sequence[dict[str, Any]]) -> None:
+    atomic_write_text(path, "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in rows))
+
+
+@contextlib.contextmanager
+def atomic_dir(target: str | Path) -> Iterator[Path]:
+    """Yield a fresh temporary folder; on success it replaces `target` whole, on error it vanishes.
+
+    The old `target` is kept until the new one is complete, so an interrupted run loses nothing.
+    """
+    target = Path(target)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(dir=target.parent, prefix=f".{target.name}.", suffix=".tmp"))
+    try:
+        yield tmp
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    old = target.with_name(f".{target.name}.old")
+    shutil.rmtree(old, ignore_errors=True)
+    if target.exists():
+        os.replace(target, old)
+    os.replace(tmp, target)
+    shutil.rmtree(old, ignore_errors=True)
+
+
+def read_jsonl(path: str | Path, required: Sequence[str], nonempty: Sequence[str] = ()) -> list[dict[str, Any]]:
+    """Read a JSONL file, checking each line; errors read `file:line: what is wrong`.
+
+    `required` fields must be present; `nonempty` fields must be strings with visible text.
+    """
+    path = Path(path)
+    rows = []
+    try:
+        raw = path.read_bytes()
+    except FileNotFoundError:
+        raise DataError(f"{path}: no such file") from None
+    for lineno, line in enumerate(raw.split(b"\n"), start=1):
+        if not line.strip():
+            continue
+        try:
+            text = line.decode("utf-8")
+        except UnicodeDecodeError as err:
+            raise DataError(f"{path}:{lineno}: invalid UTF-8 at byte {err.start}") from None
+        try:
+            row = json.loads(text)
+        except json.JSONDecodeError as err:
+            raise DataError(f"{path}:{lineno}: malformed JSON: {err.msg} (column {err.colno})") from None
+        if not isinstance(row, dict):
+            raise DataError(f"{path}:{lineno}: expected a JSON object, got {type(row).__name__}")
+        for key in required:
+            if key not in row:
+                raise DataError(f"{path}:{lineno}: missing field '{key}'")
+        for key in nonempty:
+            value = row.get(key)
+            if not isinstance(value, str):
+                raise DataError(f"{path}:{lineno}: field '{key}' must be a string, got {type(value).__name__}")
+            if not value.strip():
+                raise DataError(f"{path}:{lineno}: field '{key}' is empty")
+        rows.append(row)
+    if not rows:
+        raise DataError(f"{path}: no records")
+    return rows

@@ -1,0 +1,250 @@
+"""Rewards, advantages and KL control for PPO on language models.
+
+Pure functions: tensors and floats in, tensors plus a dict of detached float
+stats out. Shapes follow the vocabulary in ``pipeline/ppo/__init__.py``.
+Every per-token tensor is (B, R) and comes with ``response_mask`` (B, R) bool,
+True on real response tokens; responses are right-padded, so each row of the
+mask is a contiguous prefix of True followed by False.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+import torch
+
+KLEstimator = Literal["k1", "k2", "k3"]
+
+
+def _check_mask(mask: torch.Tensor, *tensors: torch.Tensor) -> None:
+    """Fail early on the two mistakes that silently corrupt masked math:
+    a float/int mask (wrong polarity or weights) and a shape mismatch."""
+    if mask.dtype != torch.bool:
+        raise TypeError(f"response_mask must be torch.bool, got {mask.dtype}")
+    for t in tensors:
+        if t.shape != mask.shape:
+            raise ValueError(f"expected shape {tuple(mask.shape)} like response_mask, got {tuple(t.shape)}")
+
+
+def _check_right_padded(mask: torch.Tensor) -> None:
+    """Raise unless every row of ``mask`` (B, R) is a contiguous prefix of True.
+
+    GAE and reward assembly treat the first False as the end of the episode;
+    a True after a False (a hole, or left padding) would be silently mishandled.
+    """
+    if mask.shape[-1] > 1 and bool((mask[:, 1:] & ~mask[:, :-1]).any()):
+        raise ValueError("response_mask rows must be right-padded: True on a prefix, then only False")
+
+
+def masked_mean(
+    x: torch.Tensor,  # (B, R) any per-token quantity
+    mask: torch.Tensor,  # (B, R) bool response_mask
+    dim: int | None = None,
+) -> torch.Tensor:
+    """Mean of ``x`` over real tokens: a scalar, or per row/column along ``dim``.
+
+    ``torch.where`` rather than ``x * mask`` so that inf/NaN garbage on pads
+    cannot leak into the sum (0 * inf = NaN). Empty slices give 0, not NaN.
+    """
+    total = torch.where(mask, x, torch.zeros_like(x)).sum(dim=dim)
+    count = mask.sum(dim=dim).clamp_min(1)
+    return total / count
+
+
+def masked_var(
+    x: torch.Tensor,  # (B, R)
+    mask: torch.Tensor,  # (B, R) bool response_mask
+    unbiased: bool = True,
+) -> torch.Tensor:
+    """Variance of ``x`` over all real tokens of the batch (a scalar)."""
+    mean = masked_mean(x, mask)
+    var = masked_mean((x - mean) ** 2, mask)
+    if unbiased:
+        n = int(mask.sum())
+        if n < 2:
+            raise ValueError(f"unbiased masked variance needs at least 2 real tokens, got {n}")
+        var = var * n / (n - 1)  # Bessel's correction
+    return var
+
+
+def masked_whiten(
+    x: torch.Tensor,  # (B, R)
+    mask: torch.Tensor,  # (B, R) bool response_mask
+    shift_mean: bool = True,
+) -> torch.Tensor:  # (B, R), zero on pads
+    """Normalise ``x`` to mean 0, std 1 over real tokens of the whole batch.
+
+    Used for advantage normalisation (seed 000 §16.2.5, step 2). With
+    ``shift_mean=False`` the mean is restored after scaling, as TRL does when
+    whitening rewards, so only the scale changes.
+    """
+    mean = masked_mean(x, mask)
+    var = masked_var(x, mask)
+    whitened = (x - mean) * torch.rsqrt(var + 1e-8)  # 1e-8: guard a constant batch
+    if not shift_mean:
+        whitened = whitened + mean
+    return torch.where(mask, whitened, torch.zeros_like(whitened))
+
+
+def kl_penalty(
+    logprobs: torch.Tensor,  # (B, R) log pi(a_t|s_t) of the sampled tokens
+    ref_logprobs: torch.Tensor,  # (B, R) log pi_ref(a_t|s_t) of the same tokens
+    estimator: KLEstimator,
+) -> torch.Tensor:  # (B, R) per-token estimate of KL(pi || pi_ref); pads are not masked
+    """Single-sample estimators of KL(pi || pi_ref) from tokens sampled from pi.
+
+    Schulman (2020), "Approximating KL divergence", with log r = logref - logp:
+      k1 = -log r             unbiased, high variance, can be negative
+      k2 = 0.5 (log r)^2      biased, low variance, >= 0
+      k3 = (r - 1) - log r    unbiased, low variance, >= 0 (seed 000 §16.2.7)
+    """
+    log_ratio = ref_logprobs - logprobs
+    if estimator == "k1":
+        return -log_ratio
+    if estimator == "k2":
+        return 0.5 * log_ratio**2
+    if estimator == "k3":
+        return torch.expm1(log_ratio) - log_ratio  # expm1: exact near log r = 0
+    raise ValueError(f"kl estimator must be one of 'k1', 'k2', 'k3', got {estimator!r}")
+
+
+def assemble_rewards(
+    scores: torch.Tensor,  # (B,) reward-model score of each full response
+    kl: torch.Tensor,  # (B, R) per-token KL estimate from kl_penalty
+    response_mask: torch.Tensor,  # (B, R) bool, right-padded
+    kl_coef: float,
+) -> tuple[torch.Tensor, dict[str, float]]:
+    """Per-token rewards: dense KL penalty plus the sparse score at the end.
+
+    r_t = -kl_coef * KL_t + score * 1[t is the last real token]
+    (Ziegler et al. 2019 §2.2; InstructGPT eq. 2; seed 000 §16.2.4). Zero on pads.
+    Returns rewards (B, R) and stats.
+    """
+    _check_mask(response_mask, kl)
+    _check_right_padded(response_mask)
+    if scores.shape != response_mask.shape[:1]:
+        raise ValueError(f"scores must have shape ({response_mask.shape[0]},), got {tuple(scores.shape)}")
+    zeros = torch.zeros_like(kl)
+    non_score = torch.where(response_mask, -kl_coef * kl, zeros)
+    # The last real token is the one whose successor is a pad (or the end of
+    # the row). One-hot per non-empty row, so no loop over samples is needed.
+    next_is_pad = torch.ones_like(response_mask)
+    next_is_pad[:, :-1] = ~response_mask[:, 1:]
+    last_token = response_mask & next_is_pad
+    rewards = non_score + torch.where(last_token, scores[:, None].to(kl.dtype), zeros)
+    kl_per_seq = torch.where(response_mask, kl, zeros).sum(dim=1)
+    non_score_per_seq = non_score.sum(dim=1)
+    stats = {
+        "objective/kl": kl_per_seq.mean().item(),
+        "objective/non_score_reward": non_score_per_seq.mean().item(),
+        "objective/scores": scores.detach().float().mean().item(),
+        "objective/rlhf_reward": (non_score_per_seq + scores).mean().item(),
+    }
+    return rewards, stats
+
+
+@torch.no_grad()  # advantages and returns are fixed targets for the update
+def gae(
+    rewards: torch.Tensor,  # (B, R) per-token rewards from assemble_rewards
+    values: torch.Tensor,  # (B, R) V(s_t) from the critic at rollout time
+    response_mask: torch.Tensor,  # (B, R) bool, right-padded
+    gamma: float,
+    lam: float,
+) -> tuple[torch.Tensor, torch.Tensor]:  # advantages, returns: (B, R), zero on pads
+    """Generalised advantage estimation along the response axis (Schulman et al. 2016).
+
+    delta_t = r_t + gamma * V(s_{t+1}) - V(s_t);  A_t = delta_t + gamma * lam * A_{t+1}.
+    Same values as seed 000's per-sample ``compute_gae_for_llm`` except that
+    the state after the last real token is terminal (V = 0, A = 0) even when
+    the row is padded; the seed bootstraps from the pad's value there.
+    Assumes right-padded masks (checked). One loop over R, none over samples.
+    """
+    _check_mask(response_mask, rewards, values)
+    _check_right_padded(response_mask)
+    zeros = torch.zeros_like(values)
+    # Zeroing pads makes V(s_{t+1}) = 0 and A_{t+1} = 0 past each row's end,
+    # which is exactly the terminal condition.
+    values = torch.where(response_mask, values, zeros)
+    rewards = torch.where(response_mask, rewards, zeros)
+    num_steps = values.shape[1]
+    next_value = values.new_zeros(values.shape[0])  # (B,)
+    next_advantage = values.new_zeros(values.shape[0])  # (B,)
+    advantages_reversed = []
+    for t in reversed(range(num_steps)):
+        delta = rewards[:, t] + gamma * next_value - values[:, t]
+        advantage = torch.where(response_mask[:, t], delta + gamma * lam * next_advantage, 0.0)
+        advantages_reversed.append(advantage)
+        next_value, next_advantage = values[:, t], advantage
+    advantages = torch.stack(advantages_reversed[::-1], dim=1)
+    returns = torch.where(response_mask, advantages + values, zeros)  # the critic's target
+    return advantages, returns
+
+
+def explained_variance(
+    values: torch.Tensor,  # (B, R) critic predictions
+    returns: torch.Tensor,  # (B, R) targets from gae
+    mask: torch.Tensor,  # (B, R) bool response_mask
+) -> float:
+    """1 - Var[returns - values] / Var[returns] over real tokens (CleanRL's
+    ``explained_variance``): 1 is a perfect critic, 0 no better than a constant.
+    NaN when the returns are constant, since the ratio is then undefined."""
+    _check_mask(mask, values, returns)
+    var_returns = masked_var(returns, mask, unbiased=False)
+    if float(var_returns) == 0.0:
+        return float("nan")
+    return float(1.0 - masked_var(returns - values, mask, unbiased=False) / var_returns)
+
+
+class AdaptiveKLController:
+    """Adaptive KL coefficient (Ziegler et al. 2019, §2.2).
+
+    e_t = clip(KL_t / target - 1, -0.2, 0.2);  beta <- beta * (1 + e_t * n_steps / horizon).
+    The clip bounds each change so one noisy KL estimate cannot blow up beta.
+    """
+
+    def __init__(self, init_kl_coef: float, target: float, horizon: float) -> None:
+        if init_kl_coef < 0 or target <= 0 or horizon <= 0:
+            raise ValueError(
+                f"need init_kl_coef >= 0, target > 0, horizon > 0; got {init_kl_coef}, {target}, {horizon}"
+            )
+        self.kl_coef = float(init_kl_coef)
+        self.target = float(target)
+        self.horizon = float(horizon)
+
+    def update(self, current_kl: float, n_steps: int) -> float:
+        """Update from the KL measured over the last ``n_steps`` samples; returns the new kl_coef."""
+        proportional_error = min(max(current_kl / self.target - 1.0, -0.2), 0.2)
+        self.kl_coef *= 1.0 + proportional_error * n_steps / self.horizon
+        return self.kl_coef
+
+    def state_dict(self) -> dict[str, float | str]:
+        return {"kind": "adaptive", "kl_coef": self.kl_coef}
+
+    def load_state_dict(self, state: dict[str, float | str]) -> None:
+        _check_kind(state, "adaptive")
+        self.kl_coef = float(state["kl_coef"])
+
+
+class FixedKLController:
+    """Constant KL coefficient; same interface as AdaptiveKLController."""
+
+    def __init__(self, kl_coef: float) -> None:
+        if kl_coef < 0:
+            raise ValueError(f"kl_coef must be >= 0, got {kl_coef}")
+        self.kl_coef = float(kl_coef)
+
+    def update(self, current_kl: float, n_steps: int) -> float:
+        return self.kl_coef
+
+    def state_dict(self) -> dict[str, float | str]:
+        return {"kind": "fixed", "kl_coef": self.kl_coef}
+
+    def load_state_dict(self, state: dict[str, float | str]) -> None:
+        _check_kind(state, "fixed")
+        self.kl_coef = float(state["kl_coef"])
+
+
+def _check_kind(state: dict[str, float | str], expected: str) -> None:
+    """Refuse to resume one controller kind from the other's checkpoint."""
+    if state.get("kind") != expected or "kl_coef" not in state:
+        raise ValueError(f"expected a {expected!r} KL controller state with 'kl_coef', got {state!r}")

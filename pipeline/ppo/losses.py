@@ -1,0 +1,159 @@
+"""PPO policy and value losses, and per-token quantities from logits.
+
+Pure functions: tensors and floats in, a loss (or tensor) plus a dict of
+detached float stats out. Shapes follow the vocabulary in
+``pipeline/ppo/__init__.py``; ``response_mask`` (B, R) bool is True on real
+response tokens.
+
+Micro-batch accumulation: both losses take ``loss_denominator``. Left as None
+the loss is the token mean over this batch's real tokens. Given the number of
+real tokens in the whole minibatch, the loss is this micro-batch's token sum
+over that count, so the micro-batch losses (and their gradients) add up to the
+full-minibatch token mean exactly, however unevenly the tokens are split.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from pipeline.ppo.advantages import _check_mask, masked_mean
+
+
+def _token_mean(
+    per_token: torch.Tensor,  # (B, R)
+    response_mask: torch.Tensor,  # (B, R) bool
+    loss_denominator: float | None,
+) -> torch.Tensor:  # scalar
+    """Token mean, or token sum / loss_denominator for micro-batch accumulation."""
+    if loss_denominator is None:
+        return masked_mean(per_token, response_mask)
+    if loss_denominator <= 0:
+        raise ValueError(f"loss_denominator must be > 0 (real tokens in the minibatch), got {loss_denominator}")
+    return torch.where(response_mask, per_token, torch.zeros_like(per_token)).sum() / loss_denominator
+
+
+def _masked_float(x: torch.Tensor, mask: torch.Tensor) -> float:
+    return masked_mean(x.detach().to(torch.float64), mask).item()
+
+
+def policy_loss(
+    logprobs: torch.Tensor,  # (B, R) log pi_theta(a_t|s_t), current policy, with grad
+    old_logprobs: torch.Tensor,  # (B, R) log pi_old(a_t|s_t) at sampling time
+    advantages: torch.Tensor,  # (B, R) from gae, usually whitened
+    response_mask: torch.Tensor,  # (B, R) bool
+    clip_eps: float,
+    dual_clip: float | None = None,
+    loss_denominator: float | None = None,
+) -> tuple[torch.Tensor, dict[str, float]]:
+    """PPO-clip surrogate loss (Schulman et al. 2017, eq. 7), as a loss to minimise.
+
+    objective_t = min(rho_t A_t, clip(rho_t, 1 - eps, 1 + eps) A_t), rho_t = pi_theta / pi_old.
+    The min is pessimistic: it caps the gain from moving further in the
+    advantage's direction and never caps the correction of a mistake (seed 003 §3).
+
+    Dual clip (Ye et al. 2020, "Mastering Complex Control in MOBA Games", eq. 5):
+    for A_t < 0, objective_t = max(objective_t, dual_clip * A_t) with dual_clip > 1.
+    Plain PPO-clip is unbounded below when A_t < 0 and rho_t -> inf (the
+    unclipped branch rho_t A_t wins the min); the floor bounds the loss of such
+    a token by -dual_clip * A_t and zeroes its gradient once rho_t > dual_clip.
+
+    Stats: policy/clipfrac counts tokens where the PPO-clip branch is taken
+    (zero gradient); policy/dual_clipfrac the tokens held at the dual-clip floor.
+    """
+    _check_mask(response_mask, logprobs, old_logprobs, advantages)
+    if not 0.0 < clip_eps < 1.0:
+        raise ValueError(f"clip_eps must be in (0, 1), got {clip_eps}")
+    if dual_clip is not None and dual_clip <= 1.0:
+        raise ValueError(f"dual_clip must be > 1 (Ye et al. 2020), got {dual_clip}")
+    # Masking the log-ratio before exp keeps garbage log-probs on pads from
+    # overflowing: exp(inf) on a pad would give a NaN gradient through where().
+    log_ratio = torch.where(response_mask, logprobs - old_logprobs, torch.zeros_like(logprobs))
+    ratio = torch.exp(log_ratio)
+    surrogate = ratio * advantages
+    surrogate_clipped = torch.clamp(ratio, 1.0 - clip_eps, 1.0 + clip_eps) * advantages
+    objective = torch.minimum(surrogate, surrogate_clipped)
+    if dual_clip is not None:
+        floor = dual_clip * advantages
+        dual_clipped = (advantages < 0) & (objective < floor)
+        objective = torch.where(advantages < 0, torch.maximum(objective, floor), objective)
+    loss = _token_mean(-objective, response_mask, loss_denominator)
+
+    with torch.no_grad():
+        clipped = surrogate_clipped < surrogate  # min picked the clipped branch
+        masked_ratio = torch.where(response_mask, ratio, torch.full_like(ratio, -torch.inf))
+        stats = {
+            # 0.5 E[(log rho)^2] (k2): TRL's approxkl, low variance, >= 0.
+            "policy/approxkl": 0.5 * _masked_float(log_ratio**2, response_mask),
+            # k1 estimate of KL(pi_old || pi_theta) from tokens sampled from pi_old.
+            "policy/approxkl_k1": _masked_float(-log_ratio, response_mask),
+            "policy/clipfrac": _masked_float(clipped.double(), response_mask),
+            "val/ratio": _masked_float(ratio, response_mask),
+            "val/ratio_max": masked_ratio.max().item() if response_mask.any() else float("nan"),
+        }
+        if dual_clip is not None:
+            stats["policy/dual_clipfrac"] = _masked_float(dual_clipped.double(), response_mask)
+    return loss, stats
+
+
+def value_loss(
+    values: torch.Tensor,  # (B, R) V_phi(s_t), current critic, with grad
+    old_values: torch.Tensor,  # (B, R) V_phi_old(s_t) at rollout time
+    returns: torch.Tensor,  # (B, R) targets from gae
+    response_mask: torch.Tensor,  # (B, R) bool
+    clip_eps_value: float | None,
+    loss_denominator: float | None = None,
+) -> tuple[torch.Tensor, dict[str, float]]:
+    """Clipped value loss, 0.5 * max((V - R)^2, (V_clip - R)^2), token mean
+    (seed 000 §16.2.6; Schulman et al. 2017 baselines' ppo2).
+
+    V_clip = V_old + clamp(V - V_old, -eps, eps). The max means a prediction
+    that moved more than eps from V_old gets no credit for being closer to the
+    return, so the critic cannot jump in one update. ``clip_eps_value=None``
+    gives the plain 0.5 * (V - R)^2.
+    """
+    _check_mask(response_mask, values, old_values, returns)
+    error = (values - returns) ** 2
+    if clip_eps_value is None:
+        per_token = 0.5 * error
+        clipped = torch.zeros_like(response_mask)
+    else:
+        if clip_eps_value <= 0:
+            raise ValueError(f"clip_eps_value must be > 0 or None, got {clip_eps_value}")
+        values_clipped = old_values + torch.clamp(values - old_values, -clip_eps_value, clip_eps_value)
+        error_clipped = (values_clipped - returns) ** 2
+        per_token = 0.5 * torch.maximum(error, error_clipped)
+        clipped = error_clipped > error  # max picked the clipped branch: zero gradient
+    loss = _token_mean(per_token, response_mask, loss_denominator)
+    stats = {
+        "val/clipfrac": _masked_float(clipped.double(), response_mask),
+        "val/vpred": _masked_float(values, response_mask),
+        "val/error": _masked_float(error, response_mask),
+    }
+    return loss, stats
+
+
+def logprobs_from_logits(
+    logits: torch.Tensor,  # (B, R, V) next-token logits aligned with labels
+    labels: torch.Tensor,  # (B, R) int64 token ids whose log-prob is wanted
+) -> torch.Tensor:  # (B, R) log softmax(logits)[labels]
+    """log p(label) = logit[label] - logsumexp(logits).
+
+    Avoids keeping a (B, R, V) log_softmax copy alive for backward; logsumexp
+    is stable (max-shifted). Pass float32 or wider logits: logsumexp over a
+    large vocabulary in bfloat16 loses the precision PPO ratios need.
+    """
+    picked = torch.gather(logits, dim=-1, index=labels.unsqueeze(-1)).squeeze(-1)
+    return picked - torch.logsumexp(logits, dim=-1)
+
+
+def entropy_from_logits(
+    logits: torch.Tensor,  # (B, R, V)
+) -> torch.Tensor:  # (B, R) entropy of softmax(logits) in nats
+    """H = logsumexp(z) - sum_v softmax(z)_v z_v, the stable form of -sum p log p.
+
+    The sum over V is an einsum (a batched dot product) rather than
+    ``(probs * logits).sum(-1)``, which would allocate a second (B, R, V)
+    tensor. Logits must be finite (-inf gives 0 * -inf = NaN).
+    """
+    probs = torch.softmax(logits, dim=-1)
+    return torch.logsumexp(logits, dim=-1) - torch.einsum("...v,...v->...", probs, logits)

@@ -1,0 +1,77 @@
+"""Shared fixtures: tiny params and a throwaway git+DVC copy of this repository."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from ruamel.yaml import YAML
+
+REPO = Path(__file__).resolve().parents[1]
+BIN = Path(sys.executable).parent
+
+# Small enough that a whole `dvc repro` takes seconds; the structure is the default's.
+TINY = {
+    "data": {"n_sft": 64, "n_sft_eval": 16, "n_pairs": 48, "n_pairs_eval": 16, "n_ppo_prompts": 16,
+             "n_eval_prompts": 8},
+    "model": {"hidden_size": 32, "num_layers": 1, "num_heads": 2, "intermediate_size": 64},
+    "sft": {"epochs": 1.0, "batch_size": 16, "eval_every": 2, "n_eval_generations": 8,
+            "sampling": {"max_new_tokens": 16}},
+}
+
+
+def merge(base: dict, override: dict) -> dict:
+    out = dict(base)
+    for k, v in override.items():
+        out[k] = merge(out.get(k, {}), v) if isinstance(v, dict) else v
+    return out
+
+
+def write_params(path: Path, override: dict) -> None:
+    """params.yaml = the repository's params with `override` merged in."""
+    yaml = YAML(typ="safe", pure=True)
+    base = yaml.load((REPO / "params.yaml").read_text())
+    with open(path, "w") as f:
+        yaml.dump(merge(base, override), f)
+
+
+def run_env() -> dict[str, str]:
+    """Environment for subprocesses: this interpreter's venv first on PATH (dvc.yaml calls `python`)."""
+    env = dict(os.environ)
+    env["PATH"] = f"{BIN}{os.pathsep}{env.get('PATH', '')}"
+    return env
+
+
+def run(cmd: list[str], cwd: Path, check: bool = True, timeout: int = 900) -> subprocess.CompletedProcess:
+    proc = subprocess.run(cmd, cwd=cwd, env=run_env(), capture_output=True, text=True, timeout=timeout)
+    if check and proc.returncode != 0:
+        raise AssertionError(f"{' '.join(cmd)} exited {proc.returncode}\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}")
+    return proc
+
+
+def copy_repo(dest: Path) -> Path:
+    """A git repository holding this checkout's tracked and unignored files (not outputs, not .venv)."""
+    files = subprocess.run(["git", "ls-files", "--cached", "--others", "--exclude-standard", "-z"],
+                           cwd=REPO, capture_output=True, text=True, check=True).stdout.split("\0")
+    for rel in filter(None, files):
+        src = REPO / rel
+        if src.is_file() and not rel.startswith(("outputs/", "dvc.lock")):
+            (dest / rel).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy2(src, dest / rel)
+    run(["git", "init", "-q", "-b", "main"], dest)
+    run(["git", "-c", "user.name=t", "-c", "user.email=t@t", "add", "-A"], dest)
+    run(["git", "-c", "user.name=t", "-c", "user.email=t@t", "commit", "-q", "-m", "copy"], dest)
+    return dest
+
+
+@pytest.fixture
+def tiny_repo(tmp_path: Path) -> Path:
+    """A copy of the repository with tiny params committed."""
+    repo = copy_repo(tmp_path / "repo")
+    write_params(repo / "params.yaml", TINY)
+    run(["git", "-c", "user.name=t", "-c", "user.email=t@t", "commit", "-q", "-am", "tiny params"], repo)
+    return repo

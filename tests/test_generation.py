@@ -1,0 +1,89 @@
+"""Sampling: KV-cached log-probs equal a full forward pass; masks stop at eos; filters are right."""
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, GPT2Config, LlamaConfig
+
+from pipeline.config import SamplingConfig
+from pipeline.generation import filter_logits, left_pad, sample
+
+EOS, PAD = 1, 0
+
+
+def _tiny(arch: str):
+    torch.manual_seed(0)
+    if arch == "llama":
+        cfg = LlamaConfig(vocab_size=40, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                          num_attention_heads=2, num_key_value_heads=2, bos_token_id=2, eos_token_id=EOS,
+                          pad_token_id=PAD)
+    else:
+        cfg = GPT2Config(vocab_size=40, n_embd=32, n_layer=2, n_head=2, n_positions=64, bos_token_id=2,
+                         eos_token_id=EOS, pad_token_id=PAD, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
+    return AutoModelForCausalLM.from_config(cfg).eval()
+
+
+def _full_forward_logprobs(model, out, temperature):
+    ids = torch.cat([out.prompt_ids, out.response_ids], 1)
+    mask = torch.cat([out.prompt_mask, out.response_mask], 1).long()
+    pos = (mask.cumsum(-1) - 1).clamp(min=0)
+    with torch.no_grad():
+        logits = model(input_ids=ids, attention_mask=mask, position_ids=pos).logits
+    P = out.prompt_ids.size(1)
+    logp = torch.log_softmax(logits[:, P - 1:-1].float() / temperature, -1)
+    return logp.gather(-1, out.response_ids[..., None]).squeeze(-1)
+
+
+@pytest.mark.parametrize("arch", ["llama", "gpt2"])
+def test_kv_cached_logprobs_equal_full_forward(arch):
+    model = _tiny(arch)
+    prompts = [[2, 5, 6, 7, 8, 9], [2, 10, 11], [2, 12, 13, 14]]
+    cfg = SamplingConfig(max_new_tokens=12, temperature=0.7)
+    out = sample(model, prompts, PAD, EOS, cfg, torch.Generator().manual_seed(3))
+    full = _full_forward_logprobs(model, out, 0.7)
+    m = out.response_mask
+    assert m.any()
+    assert torch.allclose(full[m], out.logprobs[m], atol=1e-5)
+    assert (out.logprobs[~m] == 0).all()
+
+
+def test_left_padded_prompt_samples_like_unpadded():
+    """A prompt's greedy continuation must not depend on the other prompts in its batch."""
+    model = _tiny("llama")
+    cfg = SamplingConfig(max_new_tokens=8)
+    alone = sample(model, [[2, 10, 11]], PAD, EOS, cfg, greedy=True)
+    batched = sample(model, [[2, 5, 6, 7, 8, 9], [2, 10, 11]], PAD, EOS, cfg, greedy=True)
+    n = alone.response_ids.size(1)
+    assert torch.equal(alone.response_ids[0], batched.response_ids[1, :n])
+
+
+def test_response_mask_stops_after_first_eos():
+    model = _tiny("llama")
+    # Force eos to be likely: bias the output layer towards it.
+    with torch.no_grad():
+        model.lm_head.weight[EOS] += 0.5
+    out = sample(model, [[2, 3, 4]] * 8, PAD, EOS, SamplingConfig(max_new_tokens=10),
+                 torch.Generator().manual_seed(0))
+    for ids, mask, ended in zip(out.response_ids, out.response_mask, out.ended):
+        n = int(mask.sum())
+        assert mask[:n].all() and not mask[n:].any()       # a contiguous prefix
+        assert (ids[n:] == PAD).all()
+        assert bool(ended) == (ids[n - 1].item() == EOS)
+        assert (ids[:n - 1] != EOS).all()                  # eos only as the last real token
+
+
+def test_left_pad():
+    ids, mask = left_pad([[5, 6, 7], [8]], pad_id=0)
+    assert ids.tolist() == [[5, 6, 7], [0, 0, 8]]
+    assert mask.tolist() == [[True, True, True], [False, False, True]]
+
+
+def test_filter_logits_top_k_and_top_p():
+    logits = torch.log(torch.tensor([[0.5, 0.2, 0.15, 0.1, 0.05]]))
+    k2 = filter_logits(logits, top_k=2, top_p=1.0)
+    assert torch.isfinite(k2).tolist() == [[True, True, False, False, False]]
+    # top_p 0.6: 0.5 alone is below 0.6, so the second token is kept; the third is not.
+    p6 = filter_logits(logits, top_k=0, top_p=0.6)
+    assert torch.isfinite(p6).tolist() == [[True, True, False, False, False]]
+    p5 = filter_logits(logits, top_k=0, top_p=0.5)
+    assert torch.isfinite(p5).tolist() == [[True, False, False, False, False]]
+    assert torch.equal(filter_logits(logits, 0, 1.0), logits)
