@@ -93,11 +93,43 @@ class SFTConfig:
 
 
 @dataclass(frozen=True)
+class PreferenceDataConfig:
+    """Where the reward model's preference pairs come from (`reward.dataset`)."""
+    path: Optional[str] = None          # None: the pairs written by `prepare`
+    train_split: str = "train"
+    eval_split: str = "test"
+    revision: Optional[str] = None
+    layout: Literal["auto", "text", "conversation", "messages"] = "auto"
+    margin_column: Optional[str] = None
+
+
+@dataclass(frozen=True)
+class RewardConfig:
+    """`reward`: Bradley-Terry reward model on preference pairs."""
+    name_or_path: Optional[str] = None  # None: initialise from the SFT checkpoint (InstructGPT)
+    seed: int = num(0, ge=0)
+    lr: float = num(1e-3, gt=0.0)
+    weight_decay: float = num(0.0, ge=0.0)
+    batch_size: int = num(32, ge=1)
+    epochs: float = num(2.0, gt=0.0)
+    warmup_ratio: float = num(0.05, ge=0.0, lt=1.0)
+    max_grad_norm: float = num(1.0, gt=0.0)
+    max_length: int = num(96, ge=8)
+    eval_every: int = num(100, ge=1)
+    head_init_std: Optional[float] = num(None, gt=0.0)
+    normalize: bool = True
+    n_sft_samples: int = num(200, ge=2)
+    calibration_bins: int = num(10, ge=2)
+    dataset: PreferenceDataConfig = field(default_factory=PreferenceDataConfig)
+
+
+@dataclass(frozen=True)
 class Params:
     """The whole params file. Stages read only the sections `dvc.yaml` lists for them."""
     data: DataConfig = field(default_factory=DataConfig)
     model: ModelConfig = field(default_factory=ModelConfig)
     sft: SFTConfig = field(default_factory=SFTConfig)
+    reward: RewardConfig = field(default_factory=RewardConfig)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -121,7 +153,8 @@ def _check_bounds(value: float, meta: typing.Mapping[str, Any], where: str, kind
           and (meta.get("lt") is None or value < meta["lt"]) and (meta.get("le") is None or value <= meta["le"]))
     if not ok:
         positive = meta.get("gt") == 0 and all(meta.get(k) is None for k in ("ge", "lt", "le"))
-        expected = f"a positive {kind}" if positive else f"a {kind} {_bounds_text(meta)}"
+        article = "an" if kind[0] in "aeiou" else "a"
+        expected = f"a positive {kind}" if positive else f"{article} {kind} {_bounds_text(meta)}"
         raise ConfigError(f"{where}: expected {expected}, got {_describe(value)}")
 
 
@@ -167,7 +200,7 @@ def from_dict(cls: type, data: Any, where: str) -> Any:
     if data is None:
         data = {}
     if not isinstance(data, typing.Mapping):
-        raise ConfigError(f"{where}: expected a mapping of keys, got {_describe(data)}")
+        raise ConfigError(f"{where.rstrip(': ')}: expected a mapping of keys, got {_describe(data)}")
     hints = typing.get_type_hints(cls)
     fields = {f.name: f for f in dataclasses.fields(cls)}
     sep = "." if not where.endswith(": ") else ""

@@ -64,17 +64,14 @@ def atomic_dir(target: str | Path) -> Iterator[Path]:
     shutil.rmtree(old, ignore_errors=True)
 
 
-def read_jsonl(path: str | Path, required: Sequence[str], nonempty: Sequence[str] = ()) -> list[dict[str, Any]]:
-    """Read a JSONL file, checking each line; errors read `file:line: what is wrong`.
-
-    `required` fields must be present; `nonempty` fields must be strings with visible text.
-    """
+def numbered_jsonl(path: str | Path) -> list[tuple[int, dict[str, Any]]]:
+    """(line number, object) for every non-blank line; a malformed line is a `file:line:` error."""
     path = Path(path)
-    rows = []
     try:
         raw = path.read_bytes()
     except FileNotFoundError:
         raise DataError(f"{path}: no such file") from None
+    rows = []
     for lineno, line in enumerate(raw.split(b"\n"), start=1):
         if not line.strip():
             continue
@@ -88,6 +85,19 @@ def read_jsonl(path: str | Path, required: Sequence[str], nonempty: Sequence[str
             raise DataError(f"{path}:{lineno}: malformed JSON: {err.msg} (column {err.colno})") from None
         if not isinstance(row, dict):
             raise DataError(f"{path}:{lineno}: expected a JSON object, got {type(row).__name__}")
+        rows.append((lineno, row))
+    if not rows:
+        raise DataError(f"{path}: no records")
+    return rows
+
+
+def read_jsonl(path: str | Path, required: Sequence[str], nonempty: Sequence[str] = ()) -> list[dict[str, Any]]:
+    """Read a JSONL file, checking each line; errors read `file:line: what is wrong`.
+
+    `required` fields must be present; `nonempty` fields must be strings with visible text.
+    """
+    rows = []
+    for lineno, row in numbered_jsonl(path):
         for key in required:
             if key not in row:
                 raise DataError(f"{path}:{lineno}: missing field '{key}'")
@@ -98,6 +108,4 @@ def read_jsonl(path: str | Path, required: Sequence[str], nonempty: Sequence[str
             if not value.strip():
                 raise DataError(f"{path}:{lineno}: field '{key}' is empty")
         rows.append(row)
-    if not rows:
-        raise DataError(f"{path}: no records")
     return rows

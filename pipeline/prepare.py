@@ -34,7 +34,9 @@ def _random_style(rng: random.Random) -> reviews.Style:
 
 def bradley_terry_label(rng: random.Random, gold_a: float, gold_b: float, temperature: float) -> bool:
     """True when a is preferred: P(a > b) = sigmoid((gold_a - gold_b) / temperature)."""
-    p = 1.0 / (1.0 + math.exp(-(gold_a - gold_b) / temperature))
+    z = (gold_a - gold_b) / temperature
+    # Stable sigmoid: exp of a large positive argument overflows for small temperatures.
+    p = 1.0 / (1.0 + math.exp(-z)) if z >= 0 else math.exp(z) / (1.0 + math.exp(z))
     return rng.random() < p
 
 

@@ -8,14 +8,12 @@ annotator next to the held-out demonstrations, so the metrics say how good imita
 
 from __future__ import annotations
 
-import math
 import time
 from pathlib import Path
 from typing import Any
 
 import torch
 from tqdm import tqdm
-from transformers import get_cosine_schedule_with_warmup
 
 from .config import Params, to_dict
 from .data import collate_sft, load_demonstrations, load_prompts, tokenize_demonstrations
@@ -24,6 +22,7 @@ from .io import atomic_dir, atomic_write_json
 from .models import init_policy, save_checkpoint
 from .tasks import get_judge, reviews
 from .tracking import StepLog, write_metrics
+from .training import adamw_with_schedule, shuffled_batches, total_steps, update
 
 
 @torch.no_grad()
@@ -60,39 +59,27 @@ def train(params: Params, data_dir: Path, log_dir: Path, progress: bool = True) 
     eval_ex, _ = tokenize_demonstrations(eval_rows, tok, cfg.max_length, data_dir / "sft_eval.jsonl")
 
     torch.manual_seed(cfg.seed)
-    gen = torch.Generator().manual_seed(cfg.seed)
-    steps_per_epoch = math.ceil(len(train_ex) / cfg.batch_size)
-    total_steps = max(1, round(steps_per_epoch * cfg.epochs))
-    opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
-    sched = get_cosine_schedule_with_warmup(opt, round(cfg.warmup_ratio * total_steps), total_steps)
+    steps = total_steps(len(train_ex), cfg.batch_size, cfg.epochs)
+    opt, sched = adamw_with_schedule(model.parameters(), cfg.lr, cfg.weight_decay, cfg.warmup_ratio, steps)
     train_log = StepLog(log_dir / "train.tsv", ["loss", "lr", "grad_norm"])
     eval_log = StepLog(log_dir / "eval.tsv", ["loss"])
 
     model.train()
-    order: list[int] = []
+    batches = shuffled_batches(len(train_ex), cfg.batch_size, cfg.seed)
     t0 = time.perf_counter()
-    bar = tqdm(range(1, total_steps + 1), desc="sft", disable=not progress, mininterval=1.0)
-    for step in bar:
-        if len(order) < cfg.batch_size:
-            order += torch.randperm(len(train_ex), generator=gen).tolist()
-        idx, order = order[:cfg.batch_size], order[cfg.batch_size:]
-        loss = model(**collate_sft([train_ex[i] for i in idx], tok.pad_token_id)).loss
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        grad_norm = float(torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.max_grad_norm))
-        opt.step()
-        train_log.log(step, {"loss": loss.item(), "lr": sched.get_last_lr()[0], "grad_norm": grad_norm})
-        sched.step()
-        if step % cfg.eval_every == 0 or step == total_steps:
+    for step in tqdm(range(1, steps + 1), desc="sft", disable=not progress, mininterval=1.0):
+        loss = model(**collate_sft([train_ex[i] for i in next(batches)], tok.pad_token_id)).loss
+        lr, grad_norm = update(model, loss, opt, sched, cfg.max_grad_norm)
+        train_log.log(step, {"loss": loss.item(), "lr": lr, "grad_norm": grad_norm})
+        if step % cfg.eval_every == 0 or step == steps:
             eval_log.log(step, {"loss": eval_loss(model, eval_ex, tok.pad_token_id, 2 * cfg.batch_size)})
             train_log.flush()
             eval_log.flush()
-            bar.set_postfix(loss=f"{loss.item():.3f}", eval=f"{eval_log.rows[-1]['loss']:.3f}")
     train_time = time.perf_counter() - t0
 
     metrics: dict[str, Any] = {
         "train/loss": train_log.rows[-1]["loss"], "eval/loss": eval_log.rows[-1]["loss"],
-        "train/steps": total_steps, "train/seconds": train_time, "data/truncated": n_trunc,
+        "train/steps": steps, "train/seconds": train_time, "data/truncated": n_trunc,
     }
     metrics.update(evaluate_policy(model, tok, params, data_dir))
     return model, tok, metrics

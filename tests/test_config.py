@@ -1,0 +1,236 @@
+"""Typed, frozen, validated configuration: the shipped params.yaml, exact error messages, the CLI."""
+
+from __future__ import annotations
+
+import dataclasses
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from pipeline.config import (
+    DataConfig,
+    ModelConfig,
+    Params,
+    SamplingConfig,
+    SFTConfig,
+    flatten,
+    from_dict,
+    load_params,
+    read_yaml,
+    to_dict,
+)
+from pipeline.errors import ConfigError, UserError
+
+ROOT = Path(__file__).resolve().parents[1]
+SHIPPED = ROOT / "params.yaml"
+
+
+def write_params(tmp_path: Path, text: str, name: str = "params.yaml") -> Path:
+    path = tmp_path / name
+    path.write_text(text, encoding="utf-8")
+    return path
+
+
+def load_error(tmp_path: Path, text: str) -> str:
+    with pytest.raises(ConfigError) as err:
+        load_params(write_params(tmp_path, text))
+    return str(err.value)
+
+
+# ---- The shipped file ---------------------------------------------------------------------------
+
+
+def test_shipped_params_equal_dataclass_defaults():
+    assert load_params(SHIPPED) == Params()
+
+
+def test_shipped_params_list_every_field():
+    # Equality above would still hold if params.yaml left a key out; every key must be documented there.
+    assert set(flatten(read_yaml(SHIPPED))) == set(flatten(to_dict(Params())))
+    assert flatten(read_yaml(SHIPPED)) == flatten(to_dict(Params()))
+
+
+def test_shipped_values_spot_check():
+    p = load_params(SHIPPED)
+    assert p.sft.lr == 2e-3 and isinstance(p.sft.lr, float)
+    assert p.sft.epochs == 8.0 and isinstance(p.sft.epochs, float)
+    assert p.sft.batch_size == 32 and isinstance(p.sft.batch_size, int)
+    assert p.model.name_or_path is None
+    assert p.sft.sampling == SamplingConfig(max_new_tokens=48, temperature=1.0, top_k=0, top_p=1.0)
+    assert p.data.label_temperature == 0.5
+
+
+# ---- Error messages -----------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("text, message", [
+    ("sft:\n  lr: fast\n",
+     "params.yaml: sft.lr: expected a positive float, got 'fast'"),
+    ("sft:\n  batch_size: 3.5\n",
+     "params.yaml: sft.batch_size: expected an integer >= 1, got 3.5 (float)"),
+    ("sft:\n  batch_size: true\n",
+     "params.yaml: sft.batch_size: expected an integer >= 1, got True (bool)"),
+    ("model:\n  trust_remote_code: \"yes\"\n",
+     "params.yaml: model.trust_remote_code: expected true or false, got 'yes'"),
+    ("model:\n  arch: bert\n",
+     "params.yaml: model.arch: expected one of 'llama', 'gpt2', got 'bert'"),
+    ("data:\n  eval_title_fraction: 1.0\n",
+     "params.yaml: data.eval_title_fraction: expected a float > 0.0 and < 1.0, got 1.0 (float)"),
+    ("sft:\n  sampling:\n    top_p: 1.5\n",
+     "params.yaml: sft.sampling.top_p: expected a float > 0.0 and <= 1.0, got 1.5 (float)"),
+    ("sft:\n  lr: 0\n",
+     "params.yaml: sft.lr: expected a positive float, got 0.0 (float)"),
+    ("sft:\n  lr: .nan\n",
+     "params.yaml: sft.lr: expected a positive float, got nan (float)"),
+    ("model:\n  hidden_size: 130\n",
+     "params.yaml: model.hidden_size: 130 is not divisible by model.num_heads=4"),
+    ("model:\n  name_or_path: \"\"\n",
+     "params.yaml: model.name_or_path: expected a non-empty string, got ''"),
+    ("sft: 3\n",
+     "params.yaml: sft: expected a mapping of keys, got 3 (int)"),
+])
+def test_error_messages(tmp_path, text, message):
+    assert load_error(tmp_path, text) == message
+
+
+def known(cls: type) -> str:
+    return ", ".join(sorted(f.name for f in dataclasses.fields(cls)))
+
+
+def test_unknown_keys(tmp_path):
+    # The known lists are derived from the dataclasses (sections get added as stages land);
+    # the subset checks pin the names this file relies on.
+    assert {"data", "model", "sft"} <= {f.name for f in dataclasses.fields(Params)}
+    assert known(SFTConfig).startswith("batch_size, epochs, eval_every, lr, max_grad_norm, max_length, ")
+    assert known(SamplingConfig) == "max_new_tokens, temperature, top_k, top_p"
+    assert load_error(tmp_path, "sfft:\n  lr: 0.1\n") == f"params.yaml: sfft: unknown key (known: {known(Params)})"
+    assert load_error(tmp_path, "sft:\n  lrr: 0.1\n") == \
+        f"params.yaml: sft.lrr: unknown key (known: {known(SFTConfig)})"
+    assert load_error(tmp_path, "sft:\n  sampling:\n    topp: 0.9\n") == \
+        "params.yaml: sft.sampling.topp: unknown key (known: max_new_tokens, temperature, top_k, top_p)"
+
+
+def test_integer_out_of_range_message(tmp_path):
+    assert load_error(tmp_path, "sft:\n  batch_size: 0\n") == \
+        "params.yaml: sft.batch_size: expected an integer >= 1, got 0 (int)"
+
+
+def test_integer_out_of_range_is_rejected(tmp_path):
+    # The range check itself works (only the wording above is off).
+    msg = load_error(tmp_path, "sft:\n  batch_size: 0\n")
+    assert msg.startswith("params.yaml: sft.batch_size: expected a") and msg.endswith("integer >= 1, got 0 (int)")
+    msg = load_error(tmp_path, "data:\n  n_sft: 7\n")
+    assert msg.startswith("params.yaml: data.n_sft: ") and msg.endswith(">= 8, got 7 (int)")
+
+
+def test_top_level_not_a_mapping_message(tmp_path):
+    assert load_error(tmp_path, "- 1\n- 2\n") == "params.yaml: expected a mapping of keys, got [1, 2] (list)"
+
+
+def test_error_names_the_file_it_read(tmp_path):
+    with pytest.raises(ConfigError) as err:
+        load_params(write_params(tmp_path, "sft:\n  lr: fast\n", name="exp7.yaml"))
+    assert str(err.value) == "exp7.yaml: sft.lr: expected a positive float, got 'fast'"
+
+
+def test_not_yaml(tmp_path):
+    path = write_params(tmp_path, "a: [1, 2")
+    with pytest.raises(ConfigError) as err:
+        load_params(path)
+    msg = str(err.value)
+    assert msg.startswith(f"{path}:1: not valid YAML: ")
+    assert "\n" not in msg
+    assert isinstance(err.value, UserError)
+
+
+def test_missing_file(tmp_path):
+    path = tmp_path / "nope.yaml"
+    with pytest.raises(ConfigError) as err:
+        load_params(path)
+    assert str(err.value) == f"{path}: no such params file"
+
+
+def test_not_utf8(tmp_path):
+    path = tmp_path / "params.yaml"
+    path.write_bytes(b"sft:\n  lr: \xff\n")
+    with pytest.raises(ConfigError) as err:
+        load_params(path)
+    assert str(err.value) == f"{path}: not UTF-8 text (invalid start byte at byte 11)"
+
+
+# ---- Values as DVC writes them ------------------------------------------------------------------
+
+
+def test_unquoted_exponent_is_a_float(tmp_path):
+    # `dvc exp run -S sft.lr=3e-05` writes exactly this; PyYAML would return the string '3e-05'.
+    p = load_params(write_params(tmp_path, "sft:\n  lr: 3e-05\n  epochs: 2\n"))
+    assert p.sft.lr == 3e-05 and type(p.sft.lr) is float
+    assert p.sft.epochs == 2.0 and type(p.sft.epochs) is float   # int accepted for a float field
+    assert p.sft.batch_size == 32                                # untouched keys keep defaults
+    assert p.data == DataConfig() and p.model == ModelConfig()
+
+
+def test_partial_override_merges_with_defaults(tmp_path):
+    p = load_params(write_params(tmp_path, "sft:\n  sampling:\n    top_k: 5\nmodel:\n  arch: gpt2\n"))
+    assert p.sft == dataclasses.replace(SFTConfig(), sampling=SamplingConfig(top_k=5))
+    assert p.model == ModelConfig(arch="gpt2")
+
+
+def test_frozen(tmp_path):
+    p = load_params(SHIPPED)
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        p.sft.lr = 1.0  # type: ignore[misc]
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        p.sft.sampling.top_p = 0.5  # type: ignore[misc]
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        p.data = DataConfig()  # type: ignore[misc]
+    assert p.sft.lr == 2e-3
+
+
+def test_from_dict_where_prefix():
+    with pytest.raises(ConfigError) as err:
+        from_dict(SamplingConfig, {"top_k": -1}, "x.yaml: sft.sampling")
+    msg = str(err.value)  # the article is checked by test_integer_out_of_range_message
+    assert msg.startswith("x.yaml: sft.sampling.top_k: expected a") and msg.endswith("integer >= 0, got -1 (int)")
+    assert from_dict(SamplingConfig, None, "x.yaml: s") == SamplingConfig()
+
+
+def test_flatten():
+    nested = {"sft": {"lr": 1e-3, "sampling": {"top_p": 0.9, "top_k": 0}}, "data": {"seed": 1}, "x": None}
+    assert flatten(nested) == {"sft.lr": 1e-3, "sft.sampling.top_p": 0.9, "sft.sampling.top_k": 0,
+                               "data.seed": 1, "x": None}
+    assert flatten({}) == {}
+    assert flatten({"a": {}}) == {}
+    assert flatten({"a": 1}, prefix="p.") == {"p.a": 1}
+
+
+# ---- The CLI ------------------------------------------------------------------------------------
+
+
+def run_cli(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "pipeline", *args], cwd=ROOT, capture_output=True,
+                          text=True, timeout=120)
+
+
+def test_cli_check_bad_params(tmp_path):
+    bad = write_params(tmp_path, "data:\n  seed: 0\nsft:\n  lr: fast\n", name="bad_params.yaml")
+    proc = run_cli("check", "--params", str(bad))
+    assert proc.returncode == 2
+    assert "Traceback" not in proc.stderr
+    lines = proc.stderr.splitlines()
+    assert lines == ["error: bad_params.yaml: sft.lr: expected a positive float, got 'fast'"]
+    assert proc.stdout == ""
+
+
+def test_cli_check_missing_file(tmp_path):
+    proc = run_cli("check", "--params", str(tmp_path / "nope.yaml"))
+    assert proc.returncode == 2
+    assert proc.stderr.splitlines() == [f"error: {tmp_path / 'nope.yaml'}: no such params file"]
+
+
+def test_cli_check_good_params():
+    proc = run_cli("check", "--params", "params.yaml")
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout == "params.yaml: ok\n"
