@@ -23,8 +23,17 @@ def _parser() -> argparse.ArgumentParser:
     sft = sub.add_parser("sft", help="supervised fine-tuning on demonstrations")
     sft.add_argument("--data", type=Path, default=Path("data/prepared"))
     sft.add_argument("--out", type=Path, default=Path("outputs/sft"))
+    reward = sub.add_parser("reward", help="reward model on preference pairs")
+    reward.add_argument("--data", type=Path, default=Path("data/prepared"))
+    reward.add_argument("--sft", type=Path, default=Path("outputs/sft/model"))
+    reward.add_argument("--out", type=Path, default=Path("outputs/reward"))
+    ppo = sub.add_parser("ppo", help="PPO against the reward model")
+    ppo.add_argument("--data", type=Path, default=Path("data/prepared"))
+    ppo.add_argument("--sft", type=Path, default=Path("outputs/sft/model"))
+    ppo.add_argument("--reward", type=Path, default=Path("outputs/reward/model"))
+    ppo.add_argument("--out", type=Path, default=Path("outputs/ppo"))
     check = sub.add_parser("check", help="validate the params file and exit")
-    for p in (prep, sft, check):
+    for p in (prep, sft, reward, ppo, check):
         p.add_argument("--params", type=Path, default=Path("params.yaml"))
         p.add_argument("--no-progress", action="store_true", help="hide progress bars")
     return ap
@@ -43,6 +52,16 @@ def main(argv: list[str] | None = None) -> int:
             from . import sft
             metrics = sft.run(params, args.data, args.out, progress=not args.no_progress)
             print(f"sft: wrote {args.out}; " + ", ".join(f"{k}={v:.3f}" for k, v in metrics.items()
+                                                       if k.startswith("eval/")))
+        elif args.stage == "reward":
+            from . import reward
+            metrics = reward.run(params, args.data, args.sft, args.out, progress=not args.no_progress)
+            print(f"reward: wrote {args.out}; " + ", ".join(f"{k}={v:.3f}" for k, v in metrics.items()
+                                                          if k.startswith("eval/")))
+        elif args.stage == "ppo":
+            from .ppo import stage
+            metrics = stage.run(params, args.data, args.sft, args.reward, args.out, progress=not args.no_progress)
+            print(f"ppo: wrote {args.out}; " + ", ".join(f"{k}={v:.3f}" for k, v in metrics.items()
                                                        if k.startswith("eval/")))
         else:
             print(f"{args.params}: ok")

@@ -124,12 +124,65 @@ class RewardConfig:
 
 
 @dataclass(frozen=True)
+class PPOConfig:
+    """`ppo`: PPO against the reward model (InstructGPT step 3). Names follow TRL where they can."""
+    seed: int = num(0, ge=0)
+    iterations: int = num(100, ge=1, doc="rollout + update rounds")
+    rollout_batch_size: int = num(64, ge=2, doc="prompts sampled per iteration")
+    minibatch_size: int = num(32, ge=1, doc="rollouts per optimizer step")
+    micro_batch_size: int = num(16, ge=1, doc="rollouts per forward/backward (gradient accumulation)")
+    ppo_epochs: int = num(4, ge=1)
+    lr: float = num(1e-4, gt=0.0, doc="actor learning rate")
+    critic_lr: float = num(3e-4, gt=0.0)
+    lr_schedule: Literal["constant", "linear"] = "linear"
+    max_grad_norm: float = num(1.0, gt=0.0)
+    clip_eps: float = num(0.2, gt=0.0, lt=1.0)
+    clip_eps_value: Optional[float] = num(0.2, gt=0.0, doc="None: unclipped value loss")
+    dual_clip: Optional[float] = num(None, gt=1.0)
+    entropy_coef: float = num(0.0, ge=0.0)
+    gamma: float = num(1.0, gt=0.0, le=1.0)
+    lam: float = num(0.95, ge=0.0, le=1.0)
+    kl_coef: float = num(0.05, ge=0.0, doc="KL penalty in the reward (initial value when adaptive)")
+    kl_loss_coef: float = num(0.0, ge=0.0, doc="KL term in the loss instead (GRPO style)")
+    kl_estimator: Literal["k1", "k2", "k3"] = "k1"
+    adaptive_kl: bool = False
+    kl_target: float = num(6.0, gt=0.0)
+    kl_horizon: float = num(10000.0, gt=0.0)
+    target_kl: Optional[float] = num(None, gt=0.0, doc="stop the epochs early above this approx KL")
+    score_clip: Optional[float] = num(None, gt=0.0)
+    whiten_rewards: bool = False
+    missing_eos_score: Optional[float] = -3.0
+    critic_init: Literal["reward", "sft"] = "reward"
+    reward_source: str = "reward_model"
+    save_every: int = num(10, ge=1)
+    n_eval_prompts: int = num(200, ge=2)
+    sampling: SamplingConfig = field(default_factory=SamplingConfig)
+
+    def __post_init__(self) -> None:
+        if self.kl_coef > 0 and self.kl_loss_coef > 0:
+            raise ConfigError("ppo.kl_loss_coef: the KL penalty is already in the reward (ppo.kl_coef="
+                              f"{self.kl_coef}); set one of them to 0, never both (double penalty)")
+        if self.adaptive_kl and self.kl_coef == 0:
+            raise ConfigError("ppo.adaptive_kl: needs ppo.kl_coef > 0 as its initial value")
+        if self.rollout_batch_size % self.minibatch_size:
+            raise ConfigError(f"ppo.minibatch_size: {self.minibatch_size} must divide "
+                              f"ppo.rollout_batch_size={self.rollout_batch_size}")
+        if self.minibatch_size % self.micro_batch_size:
+            raise ConfigError(f"ppo.micro_batch_size: {self.micro_batch_size} must divide "
+                              f"ppo.minibatch_size={self.minibatch_size}")
+        if self.reward_source != "reward_model" and ":" not in self.reward_source:
+            raise ConfigError(f"ppo.reward_source: expected 'reward_model' or 'module:function', "
+                              f"got {self.reward_source!r}")
+
+
+@dataclass(frozen=True)
 class Params:
     """The whole params file. Stages read only the sections `dvc.yaml` lists for them."""
     data: DataConfig = field(default_factory=DataConfig)
     model: ModelConfig = field(default_factory=ModelConfig)
     sft: SFTConfig = field(default_factory=SFTConfig)
     reward: RewardConfig = field(default_factory=RewardConfig)
+    ppo: PPOConfig = field(default_factory=PPOConfig)
 
 
 # ----------------------------------------------------------------------------------------------

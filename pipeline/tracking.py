@@ -25,19 +25,24 @@ from .io import atomic_write_json, atomic_write_text
 
 
 class StepLog:
-    """One TSV file of per-step rows with a fixed column order (the first row's keys)."""
+    """One TSV file of per-step rows with a fixed column order (given, or the first row's keys)."""
 
-    def __init__(self, path: Path, columns: list[str]):
-        self.path, self.columns = Path(path), ["step", *columns]
+    def __init__(self, path: Path, columns: list[str] | None = None):
+        self.path = Path(path)
+        self.columns = ["step", *columns] if columns is not None else None
         self.rows: list[dict[str, Any]] = []
 
     def log(self, step: int, metrics: Mapping[str, float]) -> None:
+        if self.columns is None:
+            self.columns = ["step", *metrics]
         unknown = set(metrics) - set(self.columns)
         if unknown:
             raise KeyError(f"{self.path.name}: metrics {sorted(unknown)} are not columns of this log")
         self.rows.append({"step": step, **metrics})
 
     def flush(self) -> None:
+        if self.columns is None:
+            return
         lines = ["\t".join(self.columns)]
         for row in self.rows:
             lines.append("\t".join(_fmt(row.get(c, "")) for c in self.columns))

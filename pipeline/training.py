@@ -20,15 +20,39 @@ def adamw_with_schedule(parameters: Iterable[torch.nn.Parameter], lr: float, wei
     return opt, get_cosine_schedule_with_warmup(opt, round(warmup_ratio * steps), steps)
 
 
+class BatchSampler:
+    """Endless index batches: each epoch a fresh seeded permutation; a batch may span two epochs.
+
+    Its whole state (generator and the rest of the current permutation) is a `state_dict`, so a
+    resumed run draws exactly the batches the uninterrupted run would have drawn.
+    """
+
+    def __init__(self, n: int, batch_size: int, seed: int):
+        self.n, self.batch_size = n, batch_size
+        self.gen = torch.Generator().manual_seed(seed)
+        self.order: list[int] = []
+
+    def __iter__(self) -> "BatchSampler":
+        return self
+
+    def __next__(self) -> list[int]:
+        while len(self.order) < self.batch_size:
+            self.order += torch.randperm(self.n, generator=self.gen).tolist()
+        batch, self.order = self.order[:self.batch_size], self.order[self.batch_size:]
+        return batch
+
+    def state_dict(self) -> dict:
+        return {"gen": self.gen.get_state(), "order": list(self.order), "n": self.n}
+
+    def load_state_dict(self, state: dict) -> None:
+        if state["n"] != self.n:
+            raise ValueError(f"sampler state is for {state['n']} examples, this data has {self.n}")
+        self.gen.set_state(state["gen"])
+        self.order = list(state["order"])
+
+
 def shuffled_batches(n: int, batch_size: int, seed: int) -> Iterator[list[int]]:
-    """Endless index batches: each epoch a fresh seeded permutation; a batch may span two epochs."""
-    gen = torch.Generator().manual_seed(seed)
-    order: list[int] = []
-    while True:
-        while len(order) < batch_size:
-            order += torch.randperm(n, generator=gen).tolist()
-        yield order[:batch_size]
-        order = order[batch_size:]
+    return BatchSampler(n, batch_size, seed)
 
 
 def update(model: torch.nn.Module, loss: torch.Tensor, opt, sched, max_grad_norm: float) -> tuple[float, float]:

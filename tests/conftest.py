@@ -21,6 +21,9 @@ TINY = {
     "model": {"hidden_size": 32, "num_layers": 1, "num_heads": 2, "intermediate_size": 64},
     "sft": {"epochs": 1.0, "batch_size": 16, "eval_every": 2, "n_eval_generations": 8,
             "sampling": {"max_new_tokens": 16}},
+    "reward": {"epochs": 1.0, "batch_size": 16, "eval_every": 2, "n_sft_samples": 8},
+    "ppo": {"iterations": 3, "rollout_batch_size": 8, "minibatch_size": 4, "micro_batch_size": 2, "ppo_epochs": 2,
+            "save_every": 2, "n_eval_prompts": 8, "sampling": {"max_new_tokens": 12}},
 }
 
 

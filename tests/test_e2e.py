@@ -3,7 +3,7 @@
 import json
 
 import torch
-from transformers import AutoModelForCausalLM, AutoTokenizer
+from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification, AutoTokenizer
 
 from conftest import BIN, run
 from pipeline.tokenizer import decode_response, encode_prompt
@@ -36,9 +36,38 @@ def test_dvc_repro_tiny_pipeline(tiny_repo):
     assert out.shape[1] > ids.shape[1]
     assert isinstance(decode_response(tok, out[0, ids.shape[1]:].tolist()), str)
 
+    # The reward model: a sequence classifier with the normalisation offset in its config.
+    rm_metrics = json.loads((tiny_repo / "outputs/reward/metrics.json").read_text())["eval"]
+    assert 0.0 <= rm_metrics["accuracy"] <= 1.0 and 0.0 <= rm_metrics["calibration_error"] <= 1.0
+    assert rm_metrics["noise_ceiling"] == stats["noise_ceiling"]["pairs_eval"]
+    assert -1.0 <= rm_metrics["spearman_gold_heldout"] <= 1.0
+    assert -1.0 <= rm_metrics["spearman_gold_sft_samples"] <= 1.0
+    reward = AutoModelForSequenceClassification.from_pretrained(str(tiny_repo / "outputs/reward/model"))
+    assert reward.config.num_labels == 1
+    assert reward.config.reward_offset == rm_metrics["offset"]
+    assert (tiny_repo / "outputs/reward/calibration.png").read_bytes()[:4] == b"\x89PNG"
+
+    # PPO: three iterations logged, every metric present, the actor saved as a plain HF checkpoint.
+    ppo_rows = (tiny_repo / "outputs/ppo/train.tsv").read_text().splitlines()
+    header = ppo_rows[0].split("\t")
+    assert len(ppo_rows) == 4
+    for name in ("objective/rlhf_reward", "objective/scores", "objective/kl", "objective/non_score_reward",
+                 "objective/entropy", "policy/approxkl", "policy/clipfrac", "loss/policy", "loss/value",
+                 "val/clipfrac", "val/ratio", "val/ratio_max", "val/explained_variance", "val/num_eos_tokens",
+                 "kl_coef", "lr", "time/rollout", "time/scoring", "time/update", "objective/gold_scores"):
+        assert name in header, name
+    ppo = json.loads((tiny_repo / "outputs/ppo/metrics.json").read_text())["eval"]
+    for name in ("gold_sft", "gold_ppo", "gold_gain", "kl_ppo", "rm_ppo", "rm_sft"):
+        assert isinstance(ppo[name], float) and isinstance(ppo[name + "_ci95"], float)
+    assert ppo["kl_sft"] == 0.0                               # the reference against itself
+    AutoModelForCausalLM.from_pretrained(str(tiny_repo / "outputs/ppo/model"))
+
     # Nothing changed: a second repro runs no stage; a params change reruns only what reads it.
     assert "didn't change" in run([str(BIN / "dvc"), "repro"], tiny_repo).stdout
     params = (tiny_repo / "params.yaml").read_text()
+    (tiny_repo / "params.yaml").write_text(params.replace("calibration_bins: 10", "calibration_bins: 5"))
+    status = json.loads(run([str(BIN / "dvc"), "status", "--json"], tiny_repo).stdout)
+    assert set(status) == {"reward"}
     (tiny_repo / "params.yaml").write_text(params.replace("lr: 0.002", "lr: 3e-05"))
     status = json.loads(run([str(BIN / "dvc"), "status", "--json"], tiny_repo).stdout)
-    assert set(status) == {"sft"}
+    assert set(status) == {"sft"}             # reward reruns after, when the SFT model changes

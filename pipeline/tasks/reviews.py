@@ -270,3 +270,8 @@ def sample_review(rng: random.Random, prompt: str, style: Style = Style()) -> st
     if rng.random() < style.p_closing:
         sentences.append(_closing(rng, style))
     return " ".join(sentences)
+
+
+def gold_scores(prompts: list[str], responses: list[str]) -> list[float]:
+    """Batch form of `gold_score`, usable as PPO's `reward_source` for an oracle run."""
+    return [gold_score(p, r) for p, r in zip(prompts, responses)]

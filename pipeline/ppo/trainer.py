@@ -1,0 +1,193 @@
+"""The PPO loop. It only orchestrates; the math lives in advantages.py and losses.py.
+
+One iteration (numbered as in the code):
+  1. rollout     sample responses to a batch of prompts from the actor (KV cache, stop at eos)
+  2. score       old/ref log-probs, critic values, reward-source scores (one forward per model)
+  3. rewards     per-token -kl_coef * KL_t plus the score on the last real token
+  4. advantages  GAE over response tokens, returns = advantages + values, whitened advantages
+  5. update      ppo_epochs of shuffled minibatches, micro-batch gradient accumulation,
+                 clipped policy and value losses, early stop above target_kl
+  6. log         metrics of the iteration, health warnings, checkpoint every save_every
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import time
+from dataclasses import dataclass
+from typing import Callable, Optional
+
+import torch
+
+from ..config import PPOConfig
+from ..errors import UserError
+from ..training import BatchSampler
+from . import advantages as adv
+from .losses import policy_loss, value_loss
+from .placement import PPOModels
+from .rollout import Rollout, rollout
+from .scoring import Scored, critic_values, policy_logprobs, score_rollout
+
+log = logging.getLogger(__name__)
+
+
+class NumericalError(UserError):
+    """A loss, gradient, reward or advantage became NaN or infinite; the message names which and when."""
+
+
+def _check_finite(name: str, value: torch.Tensor | float, iteration: int) -> None:
+    if not bool(torch.isfinite(torch.as_tensor(value)).all()):
+        raise NumericalError(f"ppo iteration {iteration}: {name} is NaN or infinite; stopped, the last "
+                             f"checkpoint is kept")
+
+
+@dataclass
+class Batch:
+    """A rollout with everything the update needs."""
+    ro: Rollout
+    sc: Scored
+    advantages: torch.Tensor   # (B, R) whitened GAE advantages, zero on pads
+    returns: torch.Tensor      # (B, R) value targets, zero on pads
+
+
+class PPOTrainer:
+    def __init__(self, cfg: PPOConfig, models: PPOModels, prompts: list[str],
+                 judge: Optional[Callable[[str, str], float]] = None):
+        self.cfg, self.m, self.prompts, self.judge = cfg, models, prompts, judge
+        n_updates = cfg.iterations * cfg.ppo_epochs * (cfg.rollout_batch_size // cfg.minibatch_size)
+        self.actor_opt = torch.optim.AdamW(models.actor.parameters(), lr=cfg.lr, weight_decay=0.0)
+        self.critic_opt = torch.optim.AdamW(models.critic.parameters(), lr=cfg.critic_lr, weight_decay=0.0)
+        decay = (lambda step: max(0.0, 1.0 - step / n_updates)) if cfg.lr_schedule == "linear" else (lambda step: 1.0)
+        self.actor_sched = torch.optim.lr_scheduler.LambdaLR(self.actor_opt, decay)
+        self.critic_sched = torch.optim.lr_scheduler.LambdaLR(self.critic_opt, decay)
+        self.kl_ctl = (adv.AdaptiveKLController(cfg.kl_coef, cfg.kl_target, cfg.kl_horizon) if cfg.adaptive_kl
+                       else adv.FixedKLController(cfg.kl_coef))
+        self.prompt_sampler = BatchSampler(len(prompts), cfg.rollout_batch_size, cfg.seed)
+        self.sample_gen = torch.Generator().manual_seed(cfg.seed + 1)
+        self.shuffle_gen = torch.Generator().manual_seed(cfg.seed + 2)
+        self.iteration = 0  # iterations completed
+
+    # ---- steps 3-4 -------------------------------------------------------------------------
+    def make_batch(self, ro: Rollout, sc: Scored) -> tuple[Batch, dict[str, float]]:
+        cfg, mask = self.cfg, ro.response_mask
+        kl = adv.kl_penalty(sc.old_logprobs, sc.ref_logprobs, cfg.kl_estimator)            # (B, R)
+        kl_coef = self.kl_ctl.kl_coef if cfg.kl_loss_coef == 0 else 0.0
+        rewards, stats = adv.assemble_rewards(sc.scores, kl, mask, kl_coef)                 # (B, R)
+        if cfg.kl_loss_coef > 0:  # the penalty lives in the loss; still report the KL itself
+            stats["objective/kl"] = adv.masked_mean(kl, mask, dim=1).mul(mask.sum(1)).mean().item()
+        if cfg.whiten_rewards:
+            rewards = adv.masked_whiten(rewards, mask, shift_mean=False)
+        advantages, returns = adv.gae(rewards, sc.values, mask, cfg.gamma, cfg.lam)
+        advantages = adv.masked_whiten(advantages, mask)
+        stats["val/explained_variance"] = adv.explained_variance(sc.values, returns, mask)
+        return Batch(ro, sc, advantages, returns), stats
+
+    # ---- step 5 ------------------------------------------------------------------------------
+    def micro_step(self, b: Batch, idx: torch.Tensor, n_tokens: float) -> dict[str, float]:
+        """Forward/backward of one micro-batch; losses are sums over tokens / minibatch tokens."""
+        cfg, ro = self.cfg, b.ro.select(idx)
+        mask = ro.response_mask
+        logprobs, entropy = policy_logprobs(self.m.actor, ro, cfg.sampling.temperature, with_entropy=True)
+        pg_loss, stats = policy_loss(logprobs, b.sc.old_logprobs[idx], b.advantages[idx], mask,
+                                     cfg.clip_eps, cfg.dual_clip, loss_denominator=n_tokens)
+        ent_sum = torch.where(mask, entropy, 0.0).sum() / n_tokens
+        loss = pg_loss - cfg.entropy_coef * ent_sum
+        if cfg.kl_loss_coef > 0:
+            kl = adv.kl_penalty(logprobs, b.sc.ref_logprobs[idx], cfg.kl_estimator)
+            loss = loss + cfg.kl_loss_coef * torch.where(mask, kl, 0.0).sum() / n_tokens
+        values = critic_values(self.m.critic, ro)
+        v_loss, vstats = value_loss(values, b.sc.values[idx], b.returns[idx], mask, cfg.clip_eps_value,
+                                    loss_denominator=n_tokens)
+        _check_finite("loss/policy", pg_loss.detach(), self.iteration + 1)
+        _check_finite("loss/value", v_loss.detach(), self.iteration + 1)
+        (loss + v_loss).backward()  # disjoint parameters: one backward serves both models
+        weight = float(mask.sum()) / n_tokens
+        out = {k: v * weight for k, v in {**stats, **vstats}.items() if k != "val/ratio_max"}
+        out.update({"loss/policy": pg_loss.item(), "loss/value": v_loss.item(),
+                    "objective/entropy": ent_sum.item(), "val/ratio_max": stats["val/ratio_max"]})
+        return out
+
+    def optimizer_step(self) -> tuple[float, float]:
+        norms = []
+        for model, opt, sched in ((self.m.actor, self.actor_opt, self.actor_sched),
+                                  (self.m.critic, self.critic_opt, self.critic_sched)):
+            norm = torch.nn.utils.clip_grad_norm_(model.parameters(), self.cfg.max_grad_norm)
+            _check_finite("gradient norm", norm, self.iteration + 1)
+            opt.step()
+            sched.step()
+            opt.zero_grad(set_to_none=True)
+            norms.append(float(norm))
+        return norms[0], norms[1]
+
+    def update(self, b: Batch) -> dict[str, float]:
+        cfg, B = self.cfg, len(b.ro.prompts)
+        totals: dict[str, float] = {}
+        n_minibatches, epochs_done = 0, 0
+        for _ in range(cfg.ppo_epochs):
+            perm = torch.randperm(B, generator=self.shuffle_gen)
+            epoch_kl = []
+            for mb in perm.split(cfg.minibatch_size):
+                n_tokens = float(b.ro.response_mask[mb].sum().clamp(min=1))
+                mb_stats: dict[str, float] = {}
+                for micro in mb.split(cfg.micro_batch_size):
+                    for k, v in self.micro_step(b, micro, n_tokens).items():
+                        mb_stats[k] = max(mb_stats.get(k, v), v) if k == "val/ratio_max" else mb_stats.get(k, 0.0) + v
+                mb_stats["policy/grad_norm"], mb_stats["val/grad_norm"] = self.optimizer_step()
+                for k, v in mb_stats.items():
+                    totals[k] = max(totals.get(k, v), v) if k == "val/ratio_max" else totals.get(k, 0.0) + v
+                epoch_kl.append(mb_stats["policy/approxkl"])
+                n_minibatches += 1
+            epochs_done += 1
+            # Early stop (seed 000, 16.2.5): the policy has moved far enough from the rollout policy.
+            if cfg.target_kl is not None and sum(epoch_kl) / len(epoch_kl) > cfg.target_kl:
+                break
+        out = {k: (v if k == "val/ratio_max" else v / n_minibatches) for k, v in totals.items()}
+        out["policy/epochs"] = float(epochs_done)
+        return out
+
+    # ---- one iteration ------------------------------------------------------------------------
+    def step(self) -> dict[str, float]:
+        cfg, it = self.cfg, self.iteration + 1
+        self.m.actor.eval()   # dropout off everywhere; gradients still flow in the update
+        t0 = time.perf_counter()
+        prompts = [self.prompts[i] for i in next(self.prompt_sampler)]
+        ro = rollout(self.m.actor, self.m.tok, prompts, cfg.sampling, self.sample_gen)            # 1
+        t1 = time.perf_counter()
+        sc = score_rollout(self.m.actor, self.m.ref, self.m.critic, self.m.reward, ro,             # 2
+                           cfg.sampling.temperature, cfg.micro_batch_size, cfg.missing_eos_score, cfg.score_clip)
+        _check_finite("rewards (scores)", sc.raw_scores, it)
+        batch, stats = self.make_batch(ro, sc)                                                     # 3, 4
+        _check_finite("advantages", batch.advantages, it)
+        t2 = time.perf_counter()
+        stats.update(self.update(batch))                                                           # 5
+        t3 = time.perf_counter()
+        n_tokens = float(ro.response_mask.sum())
+        stats.update({                                                                             # 6
+            "kl_coef": self.kl_ctl.kl_coef, "lr": self.actor_sched.get_last_lr()[0],
+            "val/num_eos_tokens": float(ro.ended.sum()),
+            "objective/response_length": n_tokens / len(prompts),
+            "time/rollout": t1 - t0, "time/scoring": t2 - t1, "time/update": t3 - t2,
+            "tokens_per_second/rollout": n_tokens / max(t1 - t0, 1e-9),
+            "tokens_per_second/update": n_tokens * stats["policy/epochs"] / max(t3 - t2, 1e-9),
+        })
+        if self.judge is not None:
+            stats["objective/gold_scores"] = sum(self.judge(p, r) for p, r in zip(prompts, ro.responses)) / len(prompts)
+        self.kl_ctl.update(stats["objective/kl"], cfg.rollout_batch_size)
+        self.iteration = it
+        warn_health(stats, it)
+        return stats
+
+
+def warn_health(stats: dict[str, float], iteration: int) -> None:
+    """Log the warning signs the seeds describe (000, 16.2.8): ratio far from 1, KL exploding,
+    many clipped updates. Warnings only: these are judgement calls, not errors."""
+    if abs(stats["val/ratio"] - 1.0) > 0.2:
+        log.warning("iteration %d: mean ratio %.3f is far from 1: updates are too large (lower lr or epochs)",
+                    iteration, stats["val/ratio"])
+    if stats["objective/kl"] > 20.0 or not math.isfinite(stats["objective/kl"]):
+        log.warning("iteration %d: KL to the reference is %.2f nats per response and growing: raise kl_coef",
+                    iteration, stats["objective/kl"])
+    if stats["policy/clipfrac"] > 0.3:
+        log.warning("iteration %d: %.0f%% of tokens clipped: the policy moves too fast per update",
+                    iteration, 100 * stats["policy/clipfrac"])

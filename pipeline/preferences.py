@@ -1,0 +1,141 @@
+"""Preference pairs from the common layouts, loaded through `datasets`.
+
+Layouts (`reward.dataset.layout`, or `auto` to detect from the columns):
+- `text`: `prompt`, `chosen`, `rejected` text columns (the default task; many public sets).
+- `conversation`: `chosen` and `rejected` hold whole dialogues that share everything up to the last
+  assistant turn, as in Anthropic's HH-RLHF (`\\n\\nHuman: ... \\n\\nAssistant: ...`).
+- `messages`: `chosen` and `rejected` are lists of `{role, content}` chat messages whose last one
+  is the assistant's answer, as in UltraFeedback binarized (a `prompt` column may sit beside them).
+An optional margin column gives per-pair margins for the loss.
+
+A local `.jsonl` file is first read line by line so a malformed line is reported as `file:line:`;
+other sources (hub ids, `save_to_disk` folders, Parquet/CSV) report `source: row N:`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Literal, Optional
+
+from .errors import DataError
+from .io import numbered_jsonl
+
+Layout = Literal["auto", "text", "conversation", "messages"]
+ASSISTANT_TURN = "\n\nAssistant:"
+
+
+@dataclass(frozen=True)
+class Pair:
+    prompt: str
+    chosen: str
+    rejected: str
+    margin: float = 0.0
+
+
+def _rows(source: str, split: str, revision: Optional[str]) -> list[tuple[str, dict]]:
+    """Raw rows, each with how errors name it (`file:line` for JSONL, `source: row N` otherwise)."""
+    path = Path(source)
+    if path.suffix == ".jsonl" and path.is_file():
+        return [(f"{source}:{line}", row) for line, row in numbered_jsonl(path)]
+    import datasets  # imported here: it is slow to import and only some sources need it
+
+    try:
+        if path.is_dir():
+            ds = datasets.load_from_disk(str(path))
+            ds = ds[split] if isinstance(ds, datasets.DatasetDict) else ds
+        elif path.is_file():
+            kind = {".json": "json", ".parquet": "parquet", ".csv": "csv"}.get(path.suffix)
+            if kind is None:
+                raise DataError(f"{source}: unsupported file type {path.suffix!r} (use .jsonl, .json, .parquet, .csv)")
+            ds = datasets.load_dataset(kind, data_files=str(path), split="train")
+        else:
+            ds = datasets.load_dataset(source, split=split, revision=revision)
+    except DataError:
+        raise
+    except Exception as err:  # datasets raises many types; the user needs the source named
+        raise DataError(f"{source}: cannot load dataset: {err}") from None
+    return [(f"{source}: row {i + 1}", dict(r)) for i, r in enumerate(ds)]
+
+
+def detect_layout(row: dict[str, Any]) -> str:
+    if isinstance(row.get("chosen"), list):
+        return "messages"
+    if "prompt" in row:
+        return "text"
+    return "conversation"
+
+
+def _text(value: Any, where: str, key: str) -> str:
+    if not isinstance(value, str):
+        raise DataError(f"{where}: field '{key}' must be a string, got {type(value).__name__}")
+    if not value.strip():
+        raise DataError(f"{where}: field '{key}' is empty")
+    return value
+
+
+def _split_conversation(chosen: str, rejected: str, where: str) -> tuple[str, str, str]:
+    """Shared dialogue up to the last assistant turn, then the two final answers."""
+    cut_c, cut_r = chosen.rfind(ASSISTANT_TURN), rejected.rfind(ASSISTANT_TURN)
+    if cut_c < 0 or cut_r < 0:
+        raise DataError(f"{where}: conversation has no '\\n\\nAssistant:' turn")
+    prompt = chosen[:cut_c + len(ASSISTANT_TURN)]
+    if rejected[:cut_r + len(ASSISTANT_TURN)] != prompt:
+        raise DataError(f"{where}: chosen and rejected conversations differ before the last assistant turn")
+    return prompt.strip(), chosen[len(prompt):].strip(), rejected[len(prompt):].strip()
+
+
+def render_messages(messages: list[dict[str, Any]]) -> str:
+    """Plain-text rendering of chat messages, used when no chat template applies."""
+    return "\n".join(f"{m['role']}: {m['content']}" for m in messages)
+
+
+def _split_messages(row: dict[str, Any], where: str) -> tuple[str, str, str]:
+    answers = []
+    for key in ("chosen", "rejected"):
+        msgs = row[key]
+        if not isinstance(msgs, list) or not msgs or not all(isinstance(m, dict) and "role" in m
+                                                             and "content" in m for m in msgs):
+            raise DataError(f"{where}: field '{key}' must be a non-empty list of {{role, content}} messages")
+        if msgs[-1]["role"] != "assistant":
+            raise DataError(f"{where}: the last message of '{key}' must be the assistant's")
+        answers.append(msgs)
+    prompt = row.get("prompt") or render_messages(answers[0][:-1])
+    return prompt, answers[0][-1]["content"], answers[1][-1]["content"]
+
+
+def to_pair(row: dict[str, Any], layout: str, where: str, margin_column: Optional[str]) -> Pair:
+    """Normalise one raw row to a Pair, checking every field."""
+    for key in ("chosen", "rejected") + (("prompt",) if layout == "text" else ()):
+        if key not in row:
+            raise DataError(f"{where}: missing field '{key}'")
+    if layout == "text":
+        prompt, chosen, rejected = row["prompt"], row["chosen"], row["rejected"]
+    elif layout == "conversation":
+        prompt, chosen, rejected = _split_conversation(_text(row["chosen"], where, "chosen"),
+                                                       _text(row["rejected"], where, "rejected"), where)
+    else:
+        prompt, chosen, rejected = _split_messages(row, where)
+    prompt, chosen, rejected = (_text(prompt, where, "prompt"), _text(chosen, where, "chosen"),
+                                _text(rejected, where, "rejected"))
+    if chosen.strip() == rejected.strip():
+        raise DataError(f"{where}: chosen and rejected are identical")
+    margin = 0.0
+    if margin_column is not None:
+        if margin_column not in row:
+            raise DataError(f"{where}: missing margin field '{margin_column}'")
+        value = row[margin_column]
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise DataError(f"{where}: margin field '{margin_column}' must be a number, got {value!r}")
+        margin = float(value)
+    return Pair(prompt, chosen, rejected, margin)
+
+
+def load_pairs(source: str | Path, split: str = "train", revision: Optional[str] = None,
+               layout: Layout = "auto", margin_column: Optional[str] = None) -> list[Pair]:
+    """All pairs of `source` (a local file or folder, or a hub id), validated."""
+    rows = _rows(str(source), split, revision)
+    if not rows:
+        raise DataError(f"{source}: no records")
+    chosen_layout = detect_layout(rows[0][1]) if layout == "auto" else layout
+    return [to_pair(row, chosen_layout, where, margin_column) for where, row in rows]

@@ -1,0 +1,172 @@
+"""The `reward` stage: a Bradley-Terry reward model on preference pairs (InstructGPT step 2).
+
+Initialised from the SFT checkpoint by default. Trained with -log sigmoid(r_chosen - r_rejected),
+each optimizer step scoring chosen and rejected of a batch in one forward pass. Afterwards the
+scores are normalised on the held-out demonstrations and the model is measured against the task's
+gold annotator: pairwise accuracy next to the noise ceiling, Spearman correlation with gold on
+held-out responses and on responses of the SFT policy (the distribution PPO starts from), score
+statistics of chosen vs rejected, and calibration.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+from scipy.stats import spearmanr
+from tqdm import tqdm
+
+from . import reward_model as rm
+from .config import Params, to_dict
+from .data import load_demonstrations, load_prompts
+from .generation import generate_texts
+from .io import atomic_dir, atomic_write_text
+from .models import load_policy
+from .plots import calibration_plot
+from .preferences import Pair, load_pairs
+from .tasks import get_judge
+from .tracking import StepLog, write_metrics
+from .training import adamw_with_schedule, shuffled_batches, total_steps, update
+
+
+def pair_sources(params: Params, data_dir: Path) -> tuple[list[Pair], list[Pair]]:
+    ds = params.reward.dataset
+    if ds.path is None:
+        return (load_pairs(data_dir / "pairs_train.jsonl", layout=ds.layout, margin_column=ds.margin_column),
+                load_pairs(data_dir / "pairs_eval.jsonl", layout=ds.layout, margin_column=ds.margin_column))
+    return (load_pairs(ds.path, ds.train_split, ds.revision, ds.layout, ds.margin_column),
+            load_pairs(ds.path, ds.eval_split, ds.revision, ds.layout, ds.margin_column))
+
+
+def batch_scores(model, tok, pairs: list[Pair], max_length: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Raw (B,) scores of chosen and rejected, from one forward pass over the 2B sequences."""
+    seqs = [rm.encode_pair_text(tok, p.prompt, p.chosen, max_length) for p in pairs]
+    seqs += [rm.encode_pair_text(tok, p.prompt, p.rejected, max_length) for p in pairs]
+    scores = rm.raw_scores(model, *rm.pad_right(seqs, tok.pad_token_id))
+    return scores[:len(pairs)], scores[len(pairs):]
+
+
+@torch.inference_mode()
+def score_pairs(model, tok, pairs: list[Pair], max_length: int, batch_size: int = 64) -> tuple[torch.Tensor, torch.Tensor]:
+    model.eval()
+    chosen, rejected = zip(*(batch_scores(model, tok, pairs[i:i + batch_size], max_length)
+                             for i in range(0, len(pairs), batch_size)))
+    model.train()
+    return torch.cat(chosen), torch.cat(rejected)
+
+
+def calibration(diff: torch.Tensor, bins: int) -> tuple[list[dict], float]:
+    """Predicted vs observed preference rate. Each pair counts in both orders (p for the labelled
+    winner with outcome 1, 1 - p for the loser with outcome 0), so a calibrated model lies on the
+    diagonal. Returns the bins and the expected calibration error (count-weighted |pred - obs|)."""
+    p = torch.sigmoid(diff.double())
+    pred, obs = torch.cat([p, 1 - p]), torch.cat([torch.ones_like(p), torch.zeros_like(p)])
+    idx = (pred * bins).long().clamp(max=bins - 1)
+    rows, ece = [], 0.0
+    for b in range(bins):
+        sel = idx == b
+        n = int(sel.sum())
+        if n:
+            rows.append({"bin": b, "predicted": float(pred[sel].mean()), "observed": float(obs[sel].mean()), "count": n})
+            ece += n * abs(rows[-1]["predicted"] - rows[-1]["observed"])
+    return rows, ece / len(pred)
+
+
+def _spearman(x: list[float], y: list[float]) -> float:
+    return float(spearmanr(x, y).statistic)
+
+
+def evaluate(model, tok, params: Params, data_dir: Path, sft_dir: Path, eval_pairs: list[Pair],
+             out_dir: Path) -> dict[str, Any]:
+    """Metrics of the trained (and normalised) reward model; writes calibration.tsv/png."""
+    cfg, judge = params.reward, get_judge(params.data.task)
+    rc, rr = score_pairs(model, tok, eval_pairs, cfg.max_length)
+    rc, rr = rc - rm.offset(model), rr - rm.offset(model)
+    bins, ece = calibration(rc - rr, cfg.calibration_bins)
+    m: dict[str, Any] = {
+        "eval/accuracy": float((rc > rr).float().mean()),
+        "eval/chosen_mean": float(rc.mean()), "eval/chosen_std": float(rc.std()),
+        "eval/rejected_mean": float(rr.mean()), "eval/rejected_std": float(rr.std()),
+        "eval/calibration_error": ece,
+    }
+    cal_log = StepLog(out_dir / "calibration.tsv", ["predicted", "observed", "count"])
+    for row in bins:
+        cal_log.log(row["bin"], {k: row[k] for k in ("predicted", "observed", "count")})
+    cal_log.flush()
+    calibration_plot(bins, out_dir / "calibration.png")
+    stats_path = data_dir / "stats.json"
+    if params.reward.dataset.path is None and stats_path.is_file():
+        ceiling = json.loads(stats_path.read_text())["noise_ceiling"]["pairs_eval"]
+        m["eval/noise_ceiling"] = ceiling
+        m["eval/accuracy_of_ceiling"] = m["eval/accuracy"] / ceiling
+    if judge is not None:
+        prompts = [p.prompt for p in eval_pairs] * 2
+        responses = [p.chosen for p in eval_pairs] + [p.rejected for p in eval_pairs]
+        gold = [judge(p, r) for p, r in zip(prompts, responses)]
+        m["eval/spearman_gold_heldout"] = _spearman(torch.cat([rc, rr]).tolist(), gold)
+        policy, ptok = load_policy(sft_dir)
+        sft_prompts = load_prompts(data_dir / "eval_prompts.jsonl")
+        sft_prompts = (sft_prompts * (cfg.n_sft_samples // len(sft_prompts) + 1))[:cfg.n_sft_samples]
+        texts, _ = generate_texts(policy, ptok, sft_prompts, params.sft.sampling, cfg.seed, greedy=False)
+        scores = rm.score_texts(model, tok, sft_prompts, texts, cfg.max_length)
+        m["eval/spearman_gold_sft_samples"] = _spearman(scores.tolist(), [judge(p, r) for p, r in zip(sft_prompts, texts)])
+        m["eval/sft_samples_score_mean"] = float(scores.mean())
+    return m
+
+
+def normalise(model, tok, params: Params, data_dir: Path) -> float:
+    """Store the mean raw score of held-out demonstrations as the offset; returns that mean."""
+    demos = load_demonstrations(data_dir / "sft_eval.jsonl")
+    setattr(model.config, rm.OFFSET_KEY, 0.0)
+    mean = float(rm.score_texts(model, tok, [d["prompt"] for d in demos], [d["response"] for d in demos],
+                                params.reward.max_length).mean())
+    setattr(model.config, rm.OFFSET_KEY, mean)
+    return mean
+
+
+def train(params: Params, data_dir: Path, sft_dir: Path, out_dir: Path, progress: bool = True):
+    cfg = params.reward
+    train_pairs, eval_pairs = pair_sources(params, data_dir)
+    init = cfg.name_or_path if cfg.name_or_path is not None else sft_dir
+    model, tok = rm.init_reward_model(init, cfg.seed, cfg.head_init_std, params.model.trust_remote_code)
+    torch.manual_seed(cfg.seed)
+    steps = total_steps(len(train_pairs), cfg.batch_size, cfg.epochs)
+    opt, sched = adamw_with_schedule(model.parameters(), cfg.lr, cfg.weight_decay, cfg.warmup_ratio, steps)
+    train_log = StepLog(out_dir / "train.tsv", ["loss", "accuracy", "lr", "grad_norm"])
+    eval_log = StepLog(out_dir / "eval.tsv", ["loss", "accuracy"])
+    batches = shuffled_batches(len(train_pairs), cfg.batch_size, cfg.seed)
+    model.train()
+    t0 = time.perf_counter()
+    for step in tqdm(range(1, steps + 1), desc="reward", disable=not progress, mininterval=1.0):
+        batch = [train_pairs[i] for i in next(batches)]
+        rc, rr = batch_scores(model, tok, batch, cfg.max_length)
+        loss, stats = rm.pairwise_loss(rc, rr, torch.tensor([p.margin for p in batch]))
+        lr, grad_norm = update(model, loss, opt, sched, cfg.max_grad_norm)
+        train_log.log(step, {**stats, "lr": lr, "grad_norm": grad_norm})
+        if step % cfg.eval_every == 0 or step == steps:
+            erc, err = score_pairs(model, tok, eval_pairs, cfg.max_length)
+            eval_log.log(step, rm.pairwise_loss(erc, err, torch.tensor([p.margin for p in eval_pairs]))[1])
+            train_log.flush()
+            eval_log.flush()
+    metrics: dict[str, Any] = {"train/steps": steps, "train/seconds": time.perf_counter() - t0,
+                               "train/loss": train_log.rows[-1]["loss"], "eval/loss": eval_log.rows[-1]["loss"]}
+    if cfg.normalize:
+        metrics["eval/offset"] = normalise(model, tok, params, data_dir)
+    metrics.update(evaluate(model, tok, params, data_dir, sft_dir, eval_pairs, out_dir))
+    return model, tok, metrics
+
+
+def run(params: Params, data_dir: Path, sft_dir: Path, out: Path, progress: bool = True) -> dict[str, Any]:
+    out.mkdir(parents=True, exist_ok=True)
+    model, tok, metrics = train(params, data_dir, sft_dir, out, progress)
+    with atomic_dir(out / "model") as tmp:
+        model.save_pretrained(str(tmp), safe_serialization=True)
+        tok.save_pretrained(str(tmp))
+    atomic_write_text(out / "config.json", json.dumps(
+        {"data": {"task": params.data.task}, "model": {"trust_remote_code": params.model.trust_remote_code},
+         "sft": {"sampling": to_dict(params.sft.sampling)}, "reward": to_dict(params.reward)}, indent=2) + "\n")
+    write_metrics(out / "metrics.json", metrics)
+    return metrics

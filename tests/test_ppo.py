@@ -1,0 +1,163 @@
+"""The PPO stage on tiny models: ratio 1 at the first update, accumulation equivalence, the EOS
+trick, NaN detection, reward functions, and a killed-then-resumed run equal to an uninterrupted one."""
+
+import csv
+import dataclasses
+import json
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, LlamaConfig
+
+from pipeline import reward_model as rm
+from pipeline.config import Params, PPOConfig, SamplingConfig, from_dict
+from pipeline.errors import ConfigError
+from pipeline.generation import sample
+from pipeline.ppo import stage
+from pipeline.ppo.placement import place_models
+from pipeline.ppo.rollout import rollout
+from pipeline.ppo.scoring import policy_logprobs, score_rollout
+from pipeline.ppo.trainer import NumericalError, PPOTrainer
+from pipeline.prepare import run as prepare_run
+from pipeline.config import DataConfig
+from pipeline.tokenizer import load_tokenizer
+
+TINY_PPO = dict(iterations=4, rollout_batch_size=8, minibatch_size=4, micro_batch_size=2, ppo_epochs=2,
+                save_every=2, n_eval_prompts=8, lr=1e-3, critic_lr=1e-3,
+                sampling=SamplingConfig(max_new_tokens=10))
+
+
+@pytest.fixture(scope="module")
+def dirs(tmp_path_factory):
+    """Prepared data, a tiny 'SFT' model and a reward model built from it (untrained is enough)."""
+    root = tmp_path_factory.mktemp("ppo")
+    prepare_run(DataConfig(n_sft=8, n_sft_eval=4, n_pairs=8, n_pairs_eval=4, n_ppo_prompts=32, n_eval_prompts=8),
+                root / "data")
+    tok = load_tokenizer(root / "data/tokenizer")
+    torch.manual_seed(0)
+    cfg = LlamaConfig(vocab_size=len(tok), hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                      num_attention_heads=2, num_key_value_heads=2, pad_token_id=tok.pad_token_id,
+                      bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id, tie_word_embeddings=True)
+    AutoModelForCausalLM.from_config(cfg).save_pretrained(root / "sft")
+    tok.save_pretrained(root / "sft")
+    model, rtok = rm.init_reward_model(root / "sft", seed=0, head_std=None)
+    model.config.reward_offset = 0.5
+    model.save_pretrained(root / "rm")
+    rtok.save_pretrained(root / "rm")
+    return root
+
+
+def _params(**ppo):
+    return Params(ppo=PPOConfig(**{**TINY_PPO, **ppo}))
+
+
+def test_ratio_is_one_at_first_minibatch_and_sampling_logprobs_match(dirs):
+    params = _params()
+    m = place_models(params, dirs / "sft", dirs / "rm")
+    prompts = ["Review the film Silent River . Focus on the music ."] * 3 + ["Review the film Lost Harbor . Focus on the plot ."]
+    gen = torch.Generator().manual_seed(0)
+    ro = rollout(m.actor, m.tok, prompts, params.ppo.sampling, gen)
+    sc = score_rollout(m.actor, m.ref, m.critic, m.reward, ro, 1.0, 2, None, None)
+    lp, _ = policy_logprobs(m.actor, ro.select(torch.tensor([2, 0])), 1.0)
+    ratio = torch.exp(lp - sc.old_logprobs[[2, 0]])[ro.response_mask[[2, 0]]]
+    assert torch.allclose(ratio, torch.ones_like(ratio), atol=1e-5)
+    # The KV-cached sampling pass computed the same log-probs.
+    again = sample(m.actor, [__import__("pipeline.tokenizer", fromlist=["x"]).encode_prompt(m.tok, p) for p in prompts],
+                   m.tok.pad_token_id, m.tok.eos_token_id, params.ppo.sampling, torch.Generator().manual_seed(0))
+    assert torch.equal(again.response_ids, ro.input_ids[:, ro.n_prompt:])
+    assert torch.allclose(again.logprobs[ro.response_mask], sc.old_logprobs[ro.response_mask], atol=1e-5)
+    # Frozen models get no gradients.
+    assert not any(p.requires_grad for p in m.ref.parameters())
+
+
+def test_eos_trick_and_score_clip(dirs):
+    params = _params()
+    m = place_models(params, dirs / "sft", dirs / "rm")
+    ro = rollout(m.actor, m.tok, ["Review the film Silent River . Focus on the music ."] * 6,
+                 SamplingConfig(max_new_tokens=2), torch.Generator().manual_seed(1))
+    assert not ro.ended.all()   # two tokens are too few for most responses to end
+    sc = score_rollout(m.actor, m.ref, m.critic, m.reward, ro, 1.0, 4, missing_eos_score=-7.0, score_clip=5.0)
+    expected = torch.where(ro.ended, sc.raw_scores.clamp(-5, 5), torch.full_like(sc.raw_scores, -5.0))
+    assert torch.equal(sc.scores, expected)
+
+
+def test_micro_batch_accumulation_equals_full_minibatch(dirs):
+    """Same update with micro-batches of 1, 2 and 4 rollouts: identical weights (float64)."""
+    results = []
+    for micro in (4, 2, 1):
+        params = _params(micro_batch_size=micro)
+        m = place_models(params, dirs / "sft", dirs / "rm")
+        m.actor.double()
+        m.critic.double()
+        m.ref.double()
+        trainer = PPOTrainer(params.ppo, m, ["Review the film Silent River . Focus on the music ."] * 8)
+        trainer.step()
+        results.append(torch.cat([p.detach().flatten() for p in [*m.actor.parameters(), *m.critic.parameters()]]))
+    assert torch.allclose(results[0], results[1], atol=1e-10, rtol=0)
+    assert torch.allclose(results[0], results[2], atol=1e-10, rtol=0)
+
+
+def test_function_reward_source_gold_oracle(dirs):
+    params = _params(reward_source="pipeline.tasks.reviews:gold_scores")
+    m = place_models(params, dirs / "sft", dirs / "rm")
+    from pipeline.tasks.reviews import gold_score
+    prompts = ["Review the film Silent River . Focus on the music ."] * 2
+    responses = ["the music was good . overall , see it .", "the plot is bad ."]
+    assert m.reward.score(prompts, responses).tolist() == [gold_score(p, r) for p, r in zip(prompts, responses)]
+
+
+def test_kl_in_reward_and_loss_together_is_rejected():
+    with pytest.raises(ConfigError, match=r"params.yaml: ppo.kl_loss_coef: .*never both"):
+        from_dict(Params, {"ppo": {"kl_coef": 0.1, "kl_loss_coef": 0.1}}, "params.yaml: ")
+    from_dict(Params, {"ppo": {"kl_coef": 0.0, "kl_loss_coef": 0.1}}, "params.yaml: ")   # either alone is fine
+
+
+def test_nan_reward_stops_with_iteration_and_keeps_checkpoint(dirs, tmp_path, monkeypatch):
+    params = _params()
+    calls = {"n": 0}
+    real_score = rm.score_texts
+
+    def flaky(*args, **kwargs):
+        calls["n"] += 1
+        out = real_score(*args, **kwargs)
+        return out if calls["n"] <= 2 else out * float("nan")   # iterations 1-2 fine, 3 broken
+    monkeypatch.setattr(rm, "score_texts", flaky)
+    with pytest.raises(NumericalError, match=r"ppo iteration 3: rewards \(scores\) is NaN"):
+        stage.run(params, dirs / "data", dirs / "sft", dirs / "rm", tmp_path / "out", progress=False)
+    state = json.loads((tmp_path / "out/checkpoint/state.json").read_text())
+    assert state["iteration"] == 2
+
+
+def _metrics_without_time(path):
+    rows = list(csv.DictReader(open(path), delimiter="\t"))
+    return [{k: v for k, v in r.items() if not k.startswith(("time/", "tokens_per_second/"))} for r in rows]
+
+
+def test_killed_and_resumed_run_equals_uninterrupted(dirs, tmp_path, monkeypatch):
+    params = _params()
+    full = stage.run(params, dirs / "data", dirs / "sft", dirs / "rm", tmp_path / "full", progress=False)
+
+    real_step = PPOTrainer.step
+
+    def dying_step(self):
+        if self.iteration == 3:          # killed during iteration 4; checkpoint of iteration 2 exists
+            raise KeyboardInterrupt
+        return real_step(self)
+    monkeypatch.setattr(PPOTrainer, "step", dying_step)
+    with pytest.raises(KeyboardInterrupt):
+        stage.run(params, dirs / "data", dirs / "sft", dirs / "rm", tmp_path / "resumed", progress=False)
+    assert json.loads((tmp_path / "resumed/checkpoint/state.json").read_text())["iteration"] == 2
+    assert not (tmp_path / "resumed/model").exists()
+    monkeypatch.setattr(PPOTrainer, "step", real_step)
+    resumed = stage.run(params, dirs / "data", dirs / "sft", dirs / "rm", tmp_path / "resumed", progress=False)
+
+    a = AutoModelForCausalLM.from_pretrained(str(tmp_path / "full/model")).state_dict()
+    b = AutoModelForCausalLM.from_pretrained(str(tmp_path / "resumed/model")).state_dict()
+    assert all(torch.equal(a[k], b[k]) for k in a)
+    assert _metrics_without_time(tmp_path / "full/train.tsv") == _metrics_without_time(tmp_path / "resumed/train.tsv")
+    assert {k: v for k, v in full.items() if "time" not in k and "tokens_per_second" not in k} == \
+           {k: v for k, v in resumed.items() if "time" not in k and "tokens_per_second" not in k}
+    # A changed config does not resume from the stale checkpoint.
+    other = dataclasses.replace(params, ppo=dataclasses.replace(params.ppo, lr=5e-4))
+    changed = stage.run(other, dirs / "data", dirs / "sft", dirs / "rm", tmp_path / "resumed", progress=False)
+    assert changed["train/lr"] != full["train/lr"] or changed["eval/rm_ppo"] != full["eval/rm_ppo"]

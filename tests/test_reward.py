@@ -1,0 +1,199 @@
+"""Reward model: loss, scoring position, normalisation, data layouts and their errors, calibration."""
+
+import json
+import math
+
+import datasets
+import pytest
+import torch
+from transformers import AutoModelForSequenceClassification, GPT2Config, LlamaConfig
+
+from pipeline import reward_model as rm
+from pipeline.errors import DataError
+from pipeline.preferences import Pair, load_pairs
+from pipeline.reward import calibration
+
+
+def test_pairwise_loss_hand_computed():
+    rc, rr = torch.tensor([1.0, 0.0], dtype=torch.float64), torch.tensor([0.0, 0.5], dtype=torch.float64)
+    # -log sigmoid(1) = log(1 + e^-1) = 0.3132617; -log sigmoid(-0.5) = log(1 + e^0.5) = 0.9740770
+    expected = (math.log1p(math.exp(-1.0)) + math.log1p(math.exp(0.5))) / 2
+    loss, stats = rm.pairwise_loss(rc, rr)
+    assert loss.item() == pytest.approx(expected, abs=1e-12)
+    assert expected == pytest.approx(0.6436694, abs=1e-6)
+    assert stats["accuracy"] == 0.5
+    # A margin of 1 on the first pair: -log sigmoid(1 - 1) = log 2.
+    loss_m, _ = rm.pairwise_loss(rc, rr, torch.tensor([1.0, 0.0], dtype=torch.float64))
+    assert loss_m.item() == pytest.approx((math.log(2) + math.log1p(math.exp(0.5))) / 2, abs=1e-12)
+
+
+def test_pairwise_loss_gradient_pushes_chosen_up():
+    rc = torch.tensor([0.0], requires_grad=True)
+    rr = torch.tensor([0.0], requires_grad=True)
+    rm.pairwise_loss(rc, rr)[0].backward()
+    assert rc.grad.item() == pytest.approx(-0.5) and rr.grad.item() == pytest.approx(0.5)
+
+
+def _tiny_rm(arch):
+    torch.manual_seed(0)
+    if arch == "llama":
+        cfg = LlamaConfig(vocab_size=30, hidden_size=16, intermediate_size=32, num_hidden_layers=2,
+                          num_attention_heads=2, num_key_value_heads=2, pad_token_id=0, num_labels=1)
+    else:  # GPT-2 convention: pad == eos, where HF's own pad-based pooling picks the wrong token
+        cfg = GPT2Config(vocab_size=30, n_embd=16, n_layer=2, n_head=2, n_positions=64, pad_token_id=1,
+                         eos_token_id=1, num_labels=1, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
+    return AutoModelForSequenceClassification.from_config(cfg).eval()
+
+
+@pytest.mark.parametrize("arch", ["llama", "gpt2"])
+def test_score_read_at_last_real_token_any_padding_side(arch):
+    model = _tiny_rm(arch)
+    pad = model.config.pad_token_id
+    seqs = [[5, 6, 7, 8, 1], [9, 10, 1], [11, 12, 13, 1]]      # each ends with eos = 1
+    right_ids, right_mask = rm.pad_right(seqs, pad)
+    width = right_ids.size(1)
+    left_ids = torch.full_like(right_ids, pad)
+    left_mask = torch.zeros_like(right_mask)
+    for i, s in enumerate(seqs):
+        left_ids[i, width - len(s):] = torch.tensor(s)
+        left_mask[i, width - len(s):] = 1
+    with torch.no_grad():
+        right = rm.raw_scores(model, right_ids, right_mask)
+        left = rm.raw_scores(model, left_ids, left_mask)
+        alone = torch.cat([rm.raw_scores(model, torch.tensor([s]), torch.ones(1, len(s), dtype=torch.long))
+                           for s in seqs])
+    assert torch.allclose(right, alone, atol=1e-5)
+    assert torch.allclose(left, alone, atol=1e-5)
+    assert rm.last_token_index(right_mask).tolist() == [4, 2, 3]
+    assert rm.last_token_index(left_mask).tolist() == [4, 4, 4]
+
+
+def test_head_init_std_and_offset(tmp_path):
+    from pipeline.tokenizer import build_word_tokenizer
+    tok = build_word_tokenizer(["a", "b", "good", "."])
+    cfg = LlamaConfig(vocab_size=len(tok), hidden_size=64, intermediate_size=32, num_hidden_layers=1,
+                      num_attention_heads=2, num_key_value_heads=2, pad_token_id=tok.pad_token_id)
+    from transformers import AutoModelForCausalLM
+    AutoModelForCausalLM.from_config(cfg).save_pretrained(tmp_path / "sft")
+    tok.save_pretrained(tmp_path / "sft")
+    model, _ = rm.init_reward_model(tmp_path / "sft", seed=0, head_std=None)
+    w = rm.head(model).weight
+    assert w.shape == (1, 64)
+    assert w.std().item() == pytest.approx(1 / math.sqrt(65), rel=0.35)   # 64 draws of N(0, 1/65)
+    assert rm.offset(model) == 0.0
+
+
+def test_normalisation_makes_reference_mean_zero(tmp_path):
+    from pipeline.config import Params
+    from pipeline.reward import normalise
+    from pipeline.tasks import reviews
+    from pipeline.tokenizer import build_word_tokenizer
+    from transformers import AutoModelForCausalLM
+    tok = build_word_tokenizer(reviews.vocabulary())
+    cfg = LlamaConfig(vocab_size=len(tok), hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                      num_attention_heads=2, num_key_value_heads=2, pad_token_id=tok.pad_token_id)
+    AutoModelForCausalLM.from_config(cfg).save_pretrained(tmp_path / "sft")
+    tok.save_pretrained(tmp_path / "sft")
+    model, tok = rm.init_reward_model(tmp_path / "sft", seed=1, head_std=1.0)
+    demos = [{"prompt": "Review the film Lost River . Focus on the music .", "response": r}
+             for r in ("the music was good . overall , see it .", "I hated the plot .", "the film is bad .")]
+    (tmp_path / "sft_eval.jsonl").write_text("".join(json.dumps(d) + "\n" for d in demos))
+    raw_mean = normalise(model, tok, Params(), tmp_path)
+    scores = rm.score_texts(model, tok, [d["prompt"] for d in demos], [d["response"] for d in demos], 96)
+    assert abs(raw_mean) > 1e-3                       # the offset did something
+    assert scores.mean().item() == pytest.approx(0.0, abs=1e-5)
+    assert rm.offset(model) == pytest.approx(raw_mean)
+
+
+# ---- Data layouts -------------------------------------------------------------------------------
+
+HH = [{"chosen": "\n\nHuman: Is the sky blue?\n\nAssistant: Yes, on a clear day.",
+       "rejected": "\n\nHuman: Is the sky blue?\n\nAssistant: No."},
+      {"chosen": "\n\nHuman: Hi\n\nAssistant: Hello!\n\nHuman: Name a colour.\n\nAssistant: Red.",
+       "rejected": "\n\nHuman: Hi\n\nAssistant: Hello!\n\nHuman: Name a colour.\n\nAssistant: Seven."}]
+UF = [{"prompt": "Name a colour.",
+       "chosen": [{"role": "user", "content": "Name a colour."}, {"role": "assistant", "content": "Red."}],
+       "rejected": [{"role": "user", "content": "Name a colour."}, {"role": "assistant", "content": "Seven."}],
+       "score_chosen": 8.0, "score_rejected": 2.0}]
+
+
+def _jsonl(path, rows):
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return path
+
+
+def test_text_layout_jsonl(tmp_path):
+    src = _jsonl(tmp_path / "p.jsonl", [{"prompt": "q", "chosen": "good", "rejected": "bad", "m": 0.5}])
+    assert load_pairs(src, margin_column="m") == [Pair("q", "good", "bad", 0.5)]
+
+
+def test_conversation_layout_like_hh_rlhf(tmp_path):
+    pairs = load_pairs(_jsonl(tmp_path / "hh.jsonl", HH))
+    assert pairs[0] == Pair("Human: Is the sky blue?\n\nAssistant:", "Yes, on a clear day.", "No.")
+    assert pairs[1].prompt == "Human: Hi\n\nAssistant: Hello!\n\nHuman: Name a colour.\n\nAssistant:"
+    assert (pairs[1].chosen, pairs[1].rejected) == ("Red.", "Seven.")
+
+
+def test_messages_layout_like_ultrafeedback_parquet_and_saved_dataset(tmp_path):
+    ds = datasets.Dataset.from_list(UF)
+    ds.to_parquet(str(tmp_path / "uf.parquet"))
+    expected = [Pair("Name a colour.", "Red.", "Seven.")]
+    assert load_pairs(tmp_path / "uf.parquet") == expected
+    datasets.DatasetDict({"train_prefs": ds, "test_prefs": ds}).save_to_disk(str(tmp_path / "uf_saved"))
+    assert load_pairs(tmp_path / "uf_saved", split="test_prefs") == expected
+    # Without a prompt column the prompt is the rendered conversation before the answer.
+    no_prompt = [{k: v for k, v in UF[0].items() if k != "prompt"}]
+    assert load_pairs(_jsonl(tmp_path / "np.jsonl", no_prompt))[0].prompt == "user: Name a colour."
+
+
+def test_csv_text_layout(tmp_path):
+    (tmp_path / "p.csv").write_text("prompt,chosen,rejected\nq,yes,no\n")
+    assert load_pairs(tmp_path / "p.csv") == [Pair("q", "yes", "no")]
+
+
+@pytest.mark.parametrize("row, message", [
+    ({"prompt": "q", "chosen": "a"}, "missing field 'rejected'"),
+    ({"prompt": "q", "chosen": "same", "rejected": "same"}, "chosen and rejected are identical"),
+    ({"prompt": "q", "chosen": "  ", "rejected": "b"}, "field 'chosen' is empty"),
+    ({"prompt": "", "chosen": "a", "rejected": "b"}, "field 'prompt' is empty"),
+    ({"prompt": "q", "chosen": 3, "rejected": "b"}, "field 'chosen' must be a string, got int"),
+])
+def test_malformed_pair_names_file_and_line(tmp_path, row, message):
+    good = {"prompt": "q", "chosen": "a", "rejected": "b"}
+    src = tmp_path / "pairs.jsonl"
+    src.write_text(json.dumps(good) + "\n\n" + json.dumps(row) + "\n")   # the bad row is on line 3
+    with pytest.raises(DataError) as err:
+        load_pairs(src)
+    assert str(err.value) == f"{src}:3: {message}"
+
+
+def test_malformed_json_and_bad_conversation(tmp_path):
+    src = tmp_path / "bad.jsonl"
+    src.write_text('{"prompt": "q", "chosen": "a", "rejected": "b"}\n{"prompt": \n')
+    with pytest.raises(DataError, match=r"bad\.jsonl:2: malformed JSON"):
+        load_pairs(src)
+    hh = _jsonl(tmp_path / "hh.jsonl", [{"chosen": "\n\nHuman: a\n\nAssistant: b",
+                                         "rejected": "\n\nHuman: DIFFERENT\n\nAssistant: c"}])
+    with pytest.raises(DataError, match=r"hh\.jsonl:1: chosen and rejected conversations differ"):
+        load_pairs(hh)
+
+
+def test_bad_row_in_parquet_names_row(tmp_path):
+    datasets.Dataset.from_list([{"prompt": "q", "chosen": "a", "rejected": "b"},
+                                {"prompt": "q", "chosen": "x", "rejected": "x"}]).to_parquet(str(tmp_path / "p.parquet"))
+    with pytest.raises(DataError) as err:
+        load_pairs(tmp_path / "p.parquet")
+    assert str(err.value) == f"{tmp_path / 'p.parquet'}: row 2: chosen and rejected are identical"
+
+
+# ---- Calibration --------------------------------------------------------------------------------
+
+def test_calibration_bins_and_error():
+    # Two pairs with predicted P = sigmoid(0) = 0.5: both orders land in the 0.5 bin, observed 0.5.
+    bins, ece = calibration(torch.zeros(2), bins=10)
+    assert bins == [{"bin": 5, "predicted": 0.5, "observed": 0.5, "count": 4}]
+    assert ece == 0.0
+    # A confident model (P = 0.99) that is always right: bins 9 (obs 1) and 0 (obs 0); ECE = 0.01.
+    bins, ece = calibration(torch.full((3,), math.log(99.0), dtype=torch.float64), bins=10)
+    assert [(b["bin"], b["observed"], b["count"]) for b in bins] == [(0, 0.0, 3), (9, 1.0, 3)]
+    assert ece == pytest.approx(0.01, abs=1e-9)
