@@ -21,8 +21,11 @@ install: $(VENV)/.installed
 pipeline: install
 	dvc repro
 	@echo
-	@echo "Done. Metrics: dvc metrics show   (files: outputs/*/metrics.json)"
-	@echo "Per-step logs: outputs/*/*.tsv    Checkpoints (Hugging Face format): outputs/*/model"
+	@echo "Done."
+	@echo "  Report:      outputs/evaluate/report.md (with scores.png, kl_frontier.png, samples.md)"
+	@echo "  Metrics:     .venv/bin/dvc metrics show   (files: outputs/*/metrics.json; step logs outputs/*/*.tsv)"
+	@echo "  Checkpoints: outputs/{sft,reward,ppo}/model (Hugging Face format)"
+	@echo "  MLflow UI:   .venv/bin/mlflow ui --backend-store-uri sqlite:///$(CURDIR)/mlflow.db"
 
 test: install
 	pytest -q

@@ -32,8 +32,16 @@ def _parser() -> argparse.ArgumentParser:
     ppo.add_argument("--sft", type=Path, default=Path("outputs/sft/model"))
     ppo.add_argument("--reward", type=Path, default=Path("outputs/reward/model"))
     ppo.add_argument("--out", type=Path, default=Path("outputs/ppo"))
+    ev = sub.add_parser("evaluate", help="SFT, best-of-n and PPO on the held-out prompts")
+    ev.add_argument("--data", type=Path, default=Path("data/prepared"))
+    ev.add_argument("--sft", type=Path, default=Path("outputs/sft/model"))
+    ev.add_argument("--reward", type=Path, default=Path("outputs/reward/model"))
+    ev.add_argument("--ppo", type=Path, default=Path("outputs/ppo/model"))
+    ev.add_argument("--out", type=Path, default=Path("outputs/evaluate"))
+    frontier = sub.add_parser("frontier", help="plot gold and RM score against KL across DVC experiments")
+    frontier.add_argument("--out", type=Path, default=Path("outputs/frontier.png"))
     check = sub.add_parser("check", help="validate the params file and exit")
-    for p in (prep, sft, reward, ppo, check):
+    for p in (prep, sft, reward, ppo, ev, check):
         p.add_argument("--params", type=Path, default=Path("params.yaml"))
         p.add_argument("--no-progress", action="store_true", help="hide progress bars")
     return ap
@@ -41,6 +49,10 @@ def _parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
+    if args.stage == "frontier":
+        from . import frontier
+        frontier.main(args.out)
+        return 0
     try:
         params = load_params(args.params)
         if args.stage == "prepare":
@@ -63,6 +75,13 @@ def main(argv: list[str] | None = None) -> int:
             metrics = stage.run(params, args.data, args.sft, args.reward, args.out, progress=not args.no_progress)
             print(f"ppo: wrote {args.out}; " + ", ".join(f"{k}={v:.3f}" for k, v in metrics.items()
                                                        if k.startswith("eval/")))
+        elif args.stage == "evaluate":
+            from . import evaluate
+            metrics = evaluate.run(params, args.data, args.sft, args.reward, args.ppo, args.out)
+            print(f"evaluate: wrote {args.out}; report: {args.out / 'report.md'}")
+            for key in ("sft/gold", "best_of_n/gold", "ppo/gold", "win_rate/ppo_vs_sft_gold"):
+                if key in metrics:
+                    print(f"  {key} = {metrics[key]:.3f}")
         else:
             print(f"{args.params}: ok")
     except UserError as err:

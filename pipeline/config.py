@@ -41,7 +41,7 @@ class DataConfig:
     seed: int = num(0, ge=0)
     n_sft: int = num(4000, ge=8)
     n_sft_eval: int = num(400, ge=4)
-    n_pairs: int = num(6000, ge=8)
+    n_pairs: int = num(20000, ge=8)
     n_pairs_eval: int = num(1000, ge=4)
     n_ppo_prompts: int = num(2000, ge=4)
     n_eval_prompts: int = num(200, ge=4)
@@ -176,6 +176,16 @@ class PPOConfig:
 
 
 @dataclass(frozen=True)
+class EvaluateConfig:
+    """`evaluate`: SFT, best-of-n and PPO policies on the held-out prompts (sampled as in `ppo.sampling`)."""
+    seed: int = num(0, ge=0)
+    n_prompts: int = num(200, ge=2)
+    best_of_n: int = num(4, ge=2, doc="samples per prompt for the best-of-n baseline")
+    bootstrap: int = num(1000, ge=100, doc="bootstrap resamples for win-rate intervals")
+    n_samples_shown: int = num(12, ge=0, doc="rows of the sample table in the report")
+
+
+@dataclass(frozen=True)
 class Params:
     """The whole params file. Stages read only the sections `dvc.yaml` lists for them."""
     data: DataConfig = field(default_factory=DataConfig)
@@ -183,6 +193,7 @@ class Params:
     sft: SFTConfig = field(default_factory=SFTConfig)
     reward: RewardConfig = field(default_factory=RewardConfig)
     ppo: PPOConfig = field(default_factory=PPOConfig)
+    evaluate: EvaluateConfig = field(default_factory=EvaluateConfig)
 
 
 # ----------------------------------------------------------------------------------------------

@@ -1,7 +1,9 @@
 """The real pipeline end to end: `dvc repro` on tiny params in a temporary git repository."""
 
 import json
+import math
 
+import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification, AutoTokenizer
 
@@ -62,6 +64,22 @@ def test_dvc_repro_tiny_pipeline(tiny_repo):
     assert ppo["kl_sft"] == 0.0                               # the reference against itself
     AutoModelForCausalLM.from_pretrained(str(tiny_repo / "outputs/ppo/model"))
 
+    # Evaluate: every policy measured, win rates with intervals, best-of-n KL by its formula.
+    ev = json.loads((tiny_repo / "outputs/evaluate/metrics.json").read_text())
+    for policy in ("sft", "best_of_n", "ppo"):
+        assert -10 < ev[policy]["gold"] < 5 and 0 <= ev[policy]["eos_rate"] <= 1
+        assert 0 <= ev[policy]["distinct_2"] <= 1 and ev[policy]["length"] > 0
+    assert ev["best_of_n"]["kl"] == pytest.approx(math.log(2) - 0.5)
+    assert ev["sft"]["kl"] == 0.0
+    for key in ("gold", "rm"):
+        w = ev["win_rate"]
+        assert 0 <= w[f"ppo_vs_sft_{key}_low"] <= w[f"ppo_vs_sft_{key}"] <= w[f"ppo_vs_sft_{key}_high"] <= 1
+    assert ev["overoptimisation"]["win_rate_gap"] == pytest.approx(w["ppo_vs_sft_rm"] - w["ppo_vs_sft_gold"])
+    report = (tiny_repo / "outputs/evaluate/report.md").read_text()
+    assert "![scores](scores.png)" in report and "| ppo |" in report
+    for png in ("scores.png", "kl_frontier.png"):
+        assert (tiny_repo / "outputs/evaluate" / png).read_bytes()[:4] == b"\x89PNG"
+
     # Nothing changed: a second repro runs no stage; a params change reruns only what reads it.
     assert "didn't change" in run([str(BIN / "dvc"), "repro"], tiny_repo).stdout
     params = (tiny_repo / "params.yaml").read_text()
@@ -71,3 +89,28 @@ def test_dvc_repro_tiny_pipeline(tiny_repo):
     (tiny_repo / "params.yaml").write_text(params.replace("lr: 0.002", "lr: 3e-05"))
     status = json.loads(run([str(BIN / "dvc"), "status", "--json"], tiny_repo).stdout)
     assert set(status) == {"sft"}             # reward reruns after, when the SFT model changes
+
+
+def test_dvc_exp_run_changes_param_and_reports_eval_metrics(tiny_repo):
+    """`dvc exp run -S ppo.kl_coef=...` gives an experiment whose params and evaluate metrics
+    line up in `dvc exp show`, next to the baseline."""
+    run([str(BIN / "dvc"), "repro"], tiny_repo)
+    run(["git", "-c", "user.name=t", "-c", "user.email=t@t", "add", "-A"], tiny_repo)
+    run(["git", "-c", "user.name=t", "-c", "user.email=t@t", "commit", "-qm", "baseline"], tiny_repo)
+    run([str(BIN / "dvc"), "exp", "run", "-n", "kl-high", "-S", "ppo.kl_coef=0.2"], tiny_repo)
+    import dvc.api
+    rows = {row["Experiment"] or row["rev"]: row for row in dvc.api.exp_show(repo=str(tiny_repo))}
+    assert "kl-high" in rows
+
+    def find(row, suffix):
+        return [v for k, v in row.items() if k.endswith(suffix)]
+    assert find(rows["kl-high"], "ppo.kl_coef") == [0.2]
+    baseline = next(r for name, r in rows.items() if name not in ("kl-high", "workspace"))
+    assert find(baseline, "ppo.kl_coef") == [0.05]
+    for row in (rows["kl-high"], baseline):
+        gold = find(row, "ppo.gold")
+        assert len(gold) == 1 and isinstance(gold[0], float)
+    # The experiment re-ran PPO with the new penalty: its logged kl_coef is the new one.
+    assert find(rows["kl-high"], "train.kl_coef") == [0.2]
+    assert find(baseline, "train.kl_coef") == [0.05]
+

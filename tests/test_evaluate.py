@@ -1,0 +1,64 @@
+"""Evaluation statistics: win rates with bootstrap intervals, best-of-n KL, diversity."""
+
+import math
+import random
+
+import pytest
+
+from pipeline.evaluate import best_of_n_kl, best_of_n_kl_exact, distinct_n, mean_ci, win_rate
+
+
+def test_win_rate_against_itself_is_one_half():
+    rng = random.Random(0)
+    scores = [rng.gauss(0, 1) for _ in range(300)]
+    rate, low, high = win_rate(scores, scores, n_boot=500, seed=0)
+    assert (rate, low, high) == (0.5, 0.5, 0.5)        # all ties count half
+    other = [rng.gauss(0, 1) for _ in range(300)]      # another sample of the same policy
+    rate, low, high = win_rate(other, scores, n_boot=500, seed=0)
+    assert low < 0.5 < high and high - low < 0.2
+
+
+def test_win_rate_counts_ties_half_and_detects_a_better_policy():
+    assert win_rate([1, 2, 3, 4], [0, 2, 5, 1], n_boot=200, seed=1)[0] == pytest.approx((1 + 0.5 + 0 + 1) / 4)
+    rng = random.Random(2)
+    better = [rng.gauss(1, 1) for _ in range(300)]
+    base = [rng.gauss(0, 1) for _ in range(300)]
+    rate, low, high = win_rate(better, base, n_boot=500, seed=0)
+    assert 0.5 < low <= rate <= high      # P(N(1,1) > N(0,1)) = Phi(1/sqrt 2) = 0.76
+    assert rate == pytest.approx(0.76, abs=0.06)
+
+
+@pytest.mark.parametrize("n", [2, 4, 16])
+def test_best_of_n_kl_formula_matches_exact_kl(n):
+    # Many equally likely outcomes with distinct rewards: the tie-free limit of the formula.
+    m = 20000
+    exact = best_of_n_kl_exact([1 / m] * m, list(range(m)), n)
+    assert exact == pytest.approx(best_of_n_kl(n), abs=2e-3)
+    assert best_of_n_kl(4) == pytest.approx(math.log(4) - 0.75)
+
+
+def test_best_of_n_kl_exact_small_case():
+    # Two outcomes, p = (0.5, 0.5), n = 2: best-of-2 picks the better one w.p. 3/4.
+    kl = best_of_n_kl_exact([0.5, 0.5], [0.0, 1.0], 2)
+    assert kl == pytest.approx(0.25 * math.log(0.5) + 0.75 * math.log(1.5))
+
+
+def test_distinct_n_and_mean_ci():
+    assert distinct_n(["a b a b", "a b"], 2) == pytest.approx(2 / 4)   # bigrams ab, ba, ab, ab
+    assert distinct_n(["x"], 2) == 0.0
+    mean, half = mean_ci([1.0, 2.0, 3.0, 4.0])
+    assert mean == 2.5 and half == pytest.approx(1.96 * math.sqrt((5 / 3) / 4))
+
+
+def test_frontier_collects_points_from_exp_show_rows():
+    from pipeline.frontier import collect
+    rows = [
+        {"Experiment": None, "rev": "workspace", "outputs/evaluate/metrics.json:ppo.kl": 3.0,
+         "outputs/evaluate/metrics.json:ppo.rm": 1.0, "outputs/evaluate/metrics.json:ppo.gold": 0.8,
+         "params.yaml:ppo.kl_coef": 0.05},
+        {"Experiment": "exp-a", "rev": "abc", "ppo.kl": 9.0, "ppo.rm": 2.0, "ppo.gold": 0.1, "ppo.kl_coef": 0.0},
+        {"Experiment": "queued", "rev": "def", "ppo.kl_coef": 0.2},   # no metrics yet: skipped
+    ]
+    points = collect(rows)
+    assert [(p["name"], p["kl_coef"], p["kl"], p["rm"], p["gold"]) for p in points] == [
+        ("exp-a", 0.0, 9.0, 2.0, 0.1), ("workspace", 0.05, 3.0, 1.0, 0.8)]
