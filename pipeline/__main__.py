@@ -15,35 +15,30 @@ from .config import load_params
 from .errors import UserError
 
 
+DATA, SFT, RM, PPO = "data/prepared", "outputs/sft/model", "outputs/reward/model", "outputs/ppo/model"
+# stage -> (help, {path argument: default}); the defaults are the paths dvc.yaml passes.
+STAGES: dict[str, tuple[str, dict[str, str]]] = {
+    "prepare": ("write the default task's splits and tokenizer", {"out": DATA}),
+    "sft": ("supervised fine-tuning on demonstrations", {"data": DATA, "out": "outputs/sft"}),
+    "reward": ("reward model on preference pairs", {"data": DATA, "sft": SFT, "out": "outputs/reward"}),
+    "ppo": ("PPO against the reward model", {"data": DATA, "sft": SFT, "reward": RM, "out": "outputs/ppo"}),
+    "evaluate": ("SFT, best-of-n and PPO on the held-out prompts",
+                 {"data": DATA, "sft": SFT, "reward": RM, "ppo": PPO, "out": "outputs/evaluate"}),
+    "frontier": ("plot gold and RM score against KL across DVC experiments", {"out": "outputs/frontier.png"}),
+    "check": ("validate the params file and exit", {}),
+}
+
+
 def _parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="python -m pipeline", description=__doc__.splitlines()[0])
     sub = ap.add_subparsers(dest="stage", required=True)
-    prep = sub.add_parser("prepare", help="write the default task's splits and tokenizer")
-    prep.add_argument("--out", type=Path, default=Path("data/prepared"))
-    sft = sub.add_parser("sft", help="supervised fine-tuning on demonstrations")
-    sft.add_argument("--data", type=Path, default=Path("data/prepared"))
-    sft.add_argument("--out", type=Path, default=Path("outputs/sft"))
-    reward = sub.add_parser("reward", help="reward model on preference pairs")
-    reward.add_argument("--data", type=Path, default=Path("data/prepared"))
-    reward.add_argument("--sft", type=Path, default=Path("outputs/sft/model"))
-    reward.add_argument("--out", type=Path, default=Path("outputs/reward"))
-    ppo = sub.add_parser("ppo", help="PPO against the reward model")
-    ppo.add_argument("--data", type=Path, default=Path("data/prepared"))
-    ppo.add_argument("--sft", type=Path, default=Path("outputs/sft/model"))
-    ppo.add_argument("--reward", type=Path, default=Path("outputs/reward/model"))
-    ppo.add_argument("--out", type=Path, default=Path("outputs/ppo"))
-    ev = sub.add_parser("evaluate", help="SFT, best-of-n and PPO on the held-out prompts")
-    ev.add_argument("--data", type=Path, default=Path("data/prepared"))
-    ev.add_argument("--sft", type=Path, default=Path("outputs/sft/model"))
-    ev.add_argument("--reward", type=Path, default=Path("outputs/reward/model"))
-    ev.add_argument("--ppo", type=Path, default=Path("outputs/ppo/model"))
-    ev.add_argument("--out", type=Path, default=Path("outputs/evaluate"))
-    frontier = sub.add_parser("frontier", help="plot gold and RM score against KL across DVC experiments")
-    frontier.add_argument("--out", type=Path, default=Path("outputs/frontier.png"))
-    check = sub.add_parser("check", help="validate the params file and exit")
-    for p in (prep, sft, reward, ppo, ev, check):
-        p.add_argument("--params", type=Path, default=Path("params.yaml"))
-        p.add_argument("--no-progress", action="store_true", help="hide progress bars")
+    for stage, (help_text, paths) in STAGES.items():
+        p = sub.add_parser(stage, help=help_text)
+        for name, default in paths.items():
+            p.add_argument(f"--{name}", type=Path, default=Path(default))
+        if stage != "frontier":
+            p.add_argument("--params", type=Path, default=Path("params.yaml"))
+            p.add_argument("--no-progress", action="store_true", help="hide progress bars")
     return ap
 
 

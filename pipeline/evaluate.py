@@ -28,6 +28,7 @@ from .plots import evaluation_plots
 from .reward_source import RewardModelSource
 from .tasks import get_judge
 from .tokenizer import encode_prompt, encode_response
+from .mlflow_tracking import stage_tracking
 from .tracking import StepLog, write_metrics
 
 POLICIES = ("sft", "best_of_n", "ppo")
@@ -186,8 +187,19 @@ def report_markdown(m: dict[str, Any], samples: str, has_gold: bool) -> str:
 
 
 def run(params: Params, data_dir: Path, sft_dir: Path, reward_dir: Path, ppo_dir: Path, out: Path) -> dict[str, Any]:
-    cfg, judge = params.evaluate, get_judge(params.data.task)
+    resolved = {"data": {"task": params.data.task}, "evaluate": to_dict(params.evaluate),
+                "ppo": {"sampling": to_dict(params.ppo.sampling)}}
     out.mkdir(parents=True, exist_ok=True)
+    with stage_tracking("evaluate", resolved, [data_dir, sft_dir, reward_dir, ppo_dir]) as tracker:
+        m = _run(params, data_dir, sft_dir, reward_dir, ppo_dir, out, resolved)
+        write_metrics(out / "metrics.json", m, tracker)
+        tracker.log_outputs(out)
+    return m
+
+
+def _run(params: Params, data_dir: Path, sft_dir: Path, reward_dir: Path, ppo_dir: Path, out: Path,
+         resolved: dict) -> dict[str, Any]:
+    cfg, judge = params.evaluate, get_judge(params.data.task)
     prompts = load_prompts(data_dir / "eval_prompts.jsonl")[:cfg.n_prompts]
     reward = RewardModelSource(reward_dir, params.reward.max_length, params.model.trust_remote_code)
     per = sample_policies(params, sft_dir, ppo_dir, reward, prompts)
@@ -200,7 +212,5 @@ def run(params: Params, data_dir: Path, sft_dir: Path, reward_dir: Path, ppo_dir
     samples = samples_markdown(per, prompts, cfg.n_samples_shown)
     atomic_write_text(out / "samples.md", samples)
     atomic_write_text(out / "report.md", report_markdown(m, samples, judge is not None))
-    atomic_write_json(out / "config.json", {"data": {"task": params.data.task}, "evaluate": to_dict(cfg),
-                                            "ppo": {"sampling": to_dict(params.ppo.sampling)}})
-    write_metrics(out / "metrics.json", m)
+    atomic_write_json(out / "config.json", resolved)
     return m

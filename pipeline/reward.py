@@ -28,7 +28,8 @@ from .models import load_policy
 from .plots import calibration_plot
 from .preferences import Pair, load_pairs
 from .tasks import get_judge
-from .tracking import StepLog, write_metrics
+from .mlflow_tracking import stage_tracking
+from .tracking import NO_TRACKER, StepLog, Tracker, write_metrics
 from .training import adamw_with_schedule, shuffled_batches, total_steps, update
 
 
@@ -127,7 +128,8 @@ def normalise(model, tok, params: Params, data_dir: Path) -> float:
     return mean
 
 
-def train(params: Params, data_dir: Path, sft_dir: Path, out_dir: Path, progress: bool = True):
+def train(params: Params, data_dir: Path, sft_dir: Path, out_dir: Path, progress: bool = True,
+          tracker: Tracker = NO_TRACKER):
     cfg = params.reward
     train_pairs, eval_pairs = pair_sources(params, data_dir)
     init = cfg.name_or_path if cfg.name_or_path is not None else sft_dir
@@ -135,8 +137,8 @@ def train(params: Params, data_dir: Path, sft_dir: Path, out_dir: Path, progress
     torch.manual_seed(cfg.seed)
     steps = total_steps(len(train_pairs), cfg.batch_size, cfg.epochs)
     opt, sched = adamw_with_schedule(model.parameters(), cfg.lr, cfg.weight_decay, cfg.warmup_ratio, steps)
-    train_log = StepLog(out_dir / "train.tsv", ["loss", "accuracy", "lr", "grad_norm"])
-    eval_log = StepLog(out_dir / "eval.tsv", ["loss", "accuracy"])
+    train_log = StepLog(out_dir / "train.tsv", ["loss", "accuracy", "lr", "grad_norm"], tracker, series="train")
+    eval_log = StepLog(out_dir / "eval.tsv", ["loss", "accuracy"], tracker, series="eval")
     batches = shuffled_batches(len(train_pairs), cfg.batch_size, cfg.seed)
     model.train()
     t0 = time.perf_counter()
@@ -160,13 +162,15 @@ def train(params: Params, data_dir: Path, sft_dir: Path, out_dir: Path, progress
 
 
 def run(params: Params, data_dir: Path, sft_dir: Path, out: Path, progress: bool = True) -> dict[str, Any]:
+    resolved = {"data": {"task": params.data.task}, "model": {"trust_remote_code": params.model.trust_remote_code},
+                "sft": {"sampling": to_dict(params.sft.sampling)}, "reward": to_dict(params.reward)}
     out.mkdir(parents=True, exist_ok=True)
-    model, tok, metrics = train(params, data_dir, sft_dir, out, progress)
-    with atomic_dir(out / "model") as tmp:
-        model.save_pretrained(str(tmp), safe_serialization=True)
-        tok.save_pretrained(str(tmp))
-    atomic_write_text(out / "config.json", json.dumps(
-        {"data": {"task": params.data.task}, "model": {"trust_remote_code": params.model.trust_remote_code},
-         "sft": {"sampling": to_dict(params.sft.sampling)}, "reward": to_dict(params.reward)}, indent=2) + "\n")
-    write_metrics(out / "metrics.json", metrics)
+    with stage_tracking("reward", resolved, [data_dir, sft_dir]) as tracker:
+        model, tok, metrics = train(params, data_dir, sft_dir, out, progress, tracker)
+        with atomic_dir(out / "model") as tmp:
+            model.save_pretrained(str(tmp), safe_serialization=True)
+            tok.save_pretrained(str(tmp))
+        atomic_write_text(out / "config.json", json.dumps(resolved, indent=2) + "\n")
+        write_metrics(out / "metrics.json", metrics, tracker)
+        tracker.log_outputs(out)
     return metrics

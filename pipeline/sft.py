@@ -21,7 +21,8 @@ from .generation import generate_texts
 from .io import atomic_dir, atomic_write_json
 from .models import init_policy, save_checkpoint
 from .tasks import get_judge, reviews
-from .tracking import StepLog, write_metrics
+from .mlflow_tracking import stage_tracking
+from .tracking import NO_TRACKER, StepLog, Tracker, write_metrics
 from .training import adamw_with_schedule, shuffled_batches, total_steps, update
 
 
@@ -49,7 +50,8 @@ def judge_responses(prompts: list[str], responses: list[str], ended: list[bool],
     return out
 
 
-def train(params: Params, data_dir: Path, log_dir: Path, progress: bool = True) -> tuple[Any, Any, dict]:
+def train(params: Params, data_dir: Path, log_dir: Path, progress: bool = True,
+          tracker: Tracker = NO_TRACKER) -> tuple[Any, Any, dict]:
     """Train and return (model, tokenizer, metrics); per-step TSVs are written into `log_dir`."""
     cfg = params.sft
     train_rows = load_demonstrations(data_dir / "sft_train.jsonl")
@@ -61,8 +63,8 @@ def train(params: Params, data_dir: Path, log_dir: Path, progress: bool = True) 
     torch.manual_seed(cfg.seed)
     steps = total_steps(len(train_ex), cfg.batch_size, cfg.epochs)
     opt, sched = adamw_with_schedule(model.parameters(), cfg.lr, cfg.weight_decay, cfg.warmup_ratio, steps)
-    train_log = StepLog(log_dir / "train.tsv", ["loss", "lr", "grad_norm"])
-    eval_log = StepLog(log_dir / "eval.tsv", ["loss"])
+    train_log = StepLog(log_dir / "train.tsv", ["loss", "lr", "grad_norm"], tracker, series="train")
+    eval_log = StepLog(log_dir / "eval.tsv", ["loss"], tracker, series="eval")
 
     model.train()
     batches = shuffled_batches(len(train_ex), cfg.batch_size, cfg.seed)
@@ -101,11 +103,13 @@ def evaluate_policy(model, tok, params: Params, data_dir: Path) -> dict[str, Any
 
 def run(params: Params, data_dir: Path, out: Path, progress: bool = True) -> dict[str, Any]:
     """The stage: train, then write model/, metrics.json, config.json and the step logs atomically."""
+    resolved = {"data": {"task": params.data.task}, "model": to_dict(params.model), "sft": to_dict(params.sft)}
     out.mkdir(parents=True, exist_ok=True)
-    model, tok, metrics = train(params, data_dir, out, progress)
-    with atomic_dir(out / "model") as tmp:
-        save_checkpoint(model, tok, tmp)
-    atomic_write_json(out / "config.json", {"data": {"task": params.data.task},
-                                            "model": to_dict(params.model), "sft": to_dict(params.sft)})
-    write_metrics(out / "metrics.json", metrics)
+    with stage_tracking("sft", resolved, [data_dir]) as tracker:
+        model, tok, metrics = train(params, data_dir, out, progress, tracker)
+        with atomic_dir(out / "model") as tmp:
+            save_checkpoint(model, tok, tmp)
+        atomic_write_json(out / "config.json", resolved)
+        write_metrics(out / "metrics.json", metrics, tracker)
+        tracker.log_outputs(out)
     return metrics

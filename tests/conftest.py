@@ -11,6 +11,10 @@ from pathlib import Path
 import pytest
 from ruamel.yaml import YAML
 
+# MLflow off unless a test turns it on (tests/test_tracking.py does, against its own stores), so
+# in-process stage runs never write the workspace's mlflow.db.
+os.environ.setdefault("PIPELINE_TRACKING", "off")
+
 REPO = Path(__file__).resolve().parents[1]
 BIN = Path(sys.executable).parent
 

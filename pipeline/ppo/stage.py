@@ -10,60 +10,26 @@ from __future__ import annotations
 
 import json
 import logging
-import math
 from pathlib import Path
 from typing import Any, Callable, Optional
 
-import torch
 from tqdm import tqdm
 
 from ..config import Params, to_dict
 from ..data import load_prompts
+from ..evaluate import mean_ci, sequence_kl
 from ..generation import generate_texts
 from ..io import atomic_dir, atomic_write_text
+from ..mlflow_tracking import stage_tracking
 from ..models import save_checkpoint
 from ..reward_source import RewardSource
 from ..tasks import get_judge
-from ..tokenizer import encode_prompt, encode_response
-from ..tracking import StepLog, write_metrics
+from ..tracking import StepLog, Tracker, write_metrics
 from . import checkpoint
 from .placement import place_models
-from .rollout import Rollout
-from .scoring import policy_logprobs
 from .trainer import PPOTrainer
 
 log = logging.getLogger(__name__)
-
-
-def _mean_ci(xs: list[float]) -> tuple[float, float]:
-    """Mean and the half-width of its normal 95% confidence interval."""
-    n = len(xs)
-    mean = sum(xs) / n
-    var = sum((x - mean) ** 2 for x in xs) / max(n - 1, 1)
-    return mean, 1.96 * math.sqrt(var / n)
-
-
-@torch.inference_mode()
-def sequence_kl(policy, ref, tok, prompts: list[str], responses: list[str], temperature: float) -> list[float]:
-    """Per-response sum over tokens of log pi(a_t) - log pi_ref(a_t): a sampled estimate of the
-    sequence-level KL(pi || pi_ref) when the responses were sampled from pi."""
-    from ..generation import left_pad
-    out = []
-    for start in range(0, len(prompts), 32):
-        ps = [encode_prompt(tok, p) for p in prompts[start:start + 32]]
-        rs = [encode_response(tok, r) for r in responses[start:start + 32]]
-        p_ids, p_mask = left_pad(ps, tok.pad_token_id)
-        width = max(map(len, rs))
-        r_ids = torch.full((len(rs), width), tok.pad_token_id, dtype=torch.long)
-        r_mask = torch.zeros((len(rs), width), dtype=torch.bool)
-        for i, r in enumerate(rs):
-            r_ids[i, :len(r)], r_mask[i, :len(r)] = torch.tensor(r), True
-        ro = Rollout([], [], torch.cat([p_ids, r_ids], 1), torch.cat([p_mask, r_mask], 1).long(), r_mask,
-                     torch.ones(len(rs), dtype=torch.bool), p_ids.size(1))
-        lp, _ = policy_logprobs(policy, ro, temperature)
-        lr, _ = policy_logprobs(ref, ro, temperature)
-        out += torch.where(r_mask, lp - lr, 0.0).sum(1).tolist()
-    return out
 
 
 def compare_policies(models, params: Params, prompts: list[str], judge: Optional[Callable],
@@ -80,29 +46,35 @@ def compare_policies(models, params: Params, prompts: list[str], judge: Optional
             per[name]["gold"] = [judge(p, r) for p, r in zip(prompts, texts)]
         m[f"eval/eos_rate_{name}"] = sum(ended) / len(ended)
         for key, values in per[name].items():
-            m[f"eval/{key}_{name}"], m[f"eval/{key}_{name}_ci95"] = _mean_ci(values)
+            m[f"eval/{key}_{name}"], m[f"eval/{key}_{name}_ci95"] = mean_ci(values)
     if judge is not None:
         diff = [a - b for a, b in zip(per["ppo"]["gold"], per["sft"]["gold"])]
-        m["eval/gold_gain"], m["eval/gold_gain_ci95"] = _mean_ci(diff)
+        m["eval/gold_gain"], m["eval/gold_gain_ci95"] = mean_ci(diff)
     return m
 
 
 def run(params: Params, data_dir: Path, sft_dir: Path, reward_dir: Path, out: Path,
         progress: bool = True) -> dict[str, Any]:
-    cfg = params.ppo
+    resolved = {"data": {"task": params.data.task}, "model": {"trust_remote_code": params.model.trust_remote_code},
+                "reward": {"max_length": params.reward.max_length}, "ppo": to_dict(params.ppo)}
     out.mkdir(parents=True, exist_ok=True)
+    with stage_tracking("ppo", resolved, [data_dir, sft_dir, reward_dir]) as tracker:
+        return _run(params, data_dir, sft_dir, reward_dir, out, resolved, tracker, progress)
+
+
+def _run(params: Params, data_dir: Path, sft_dir: Path, reward_dir: Path, out: Path, resolved: dict,
+         tracker: Tracker, progress: bool) -> dict[str, Any]:
+    cfg = params.ppo
     prompts = load_prompts(data_dir / "ppo_prompts.jsonl")
     eval_prompts = load_prompts(data_dir / "eval_prompts.jsonl")[:cfg.n_eval_prompts]
     judge = get_judge(params.data.task)
     models = place_models(params, sft_dir, reward_dir)
     trainer = PPOTrainer(cfg, models, prompts, judge)
-    resolved = {"data": {"task": params.data.task}, "model": {"trust_remote_code": params.model.trust_remote_code},
-                "reward": {"max_length": params.reward.max_length}, "ppo": to_dict(cfg)}
     fp = checkpoint.fingerprint(resolved, [sft_dir, reward_dir])
-    step_log = StepLog(out / "train.tsv")
+    step_log = StepLog(out / "train.tsv", tracker=tracker, series="train")
     rows = checkpoint.load(trainer, out / "checkpoint", fp)
     if rows:
-        step_log.rows, step_log.columns = rows, list(rows[0])
+        step_log.restore(rows)
         log.warning("ppo: resuming from %s at iteration %d", out / "checkpoint", trainer.iteration)
     bar = tqdm(total=cfg.iterations, initial=trainer.iteration, desc="ppo", disable=not progress, mininterval=1.0)
     while trainer.iteration < cfg.iterations:
@@ -122,5 +94,6 @@ def run(params: Params, data_dir: Path, sft_dir: Path, reward_dir: Path, out: Pa
     with atomic_dir(out / "model") as tmp:
         save_checkpoint(models.actor, models.tok, tmp)
     atomic_write_text(out / "config.json", json.dumps(resolved, indent=2) + "\n")
-    write_metrics(out / "metrics.json", metrics)
+    write_metrics(out / "metrics.json", metrics, tracker)
+    tracker.log_outputs(out)
     return metrics

@@ -1,0 +1,325 @@
+"""MLflow tracking: a real `mlflow server` fed by `dvc exp run` (one parent, nested stage runs, params,
+per-step and final metrics, checkpoints, DVC/git tags), a server killed mid-run, an unreachable
+server, the default SQLite store at the repository root, and the naming of per-step metrics."""
+
+import json
+import logging
+import os
+import signal
+import socket
+import subprocess
+import time
+import urllib.request
+from pathlib import Path
+
+import pytest
+import torch
+from mlflow import MlflowClient
+from transformers import AutoModelForCausalLM, LlamaConfig
+
+from conftest import BIN, TINY, run
+from pipeline import reward_model as rm
+from pipeline import mlflow_tracking as tracking
+from pipeline import sft
+from pipeline.config import DataConfig, ModelConfig, Params, PPOConfig, SamplingConfig, SFTConfig, load_params
+from pipeline.errors import ConfigError
+from pipeline.ppo import stage as ppo_stage
+from pipeline.prepare import run as prepare_run
+from pipeline.tokenizer import load_tokenizer
+from pipeline.mlflow_tracking import deps_hash, lock_deps_hash, stage_tracking, tracking_uri
+from pipeline.tracking import NO_TRACKER, StepLog, Tracker, write_metrics
+
+TINY_MODEL = ModelConfig(hidden_size=32, num_layers=1, num_heads=2, intermediate_size=64)
+
+
+@pytest.fixture(autouse=True)
+def tracking_env(monkeypatch):
+    """Tracking on, no parent or DVC context from outside; MLflow's HTTP settings the tracker sets
+    with setdefault are undone after each test."""
+    for name in ("MLFLOW_PARENT_RUN_ID", "MLFLOW_EXPERIMENT_NAME", "MLFLOW_TRACKING_URI", "DVC_ROOT", "DVC_STAGE",
+                 "DVC_EXP_NAME", "DVC_EXP_BASELINE_REV", "RANK", *tracking.HTTP_DEFAULTS):
+        monkeypatch.setenv(name, "x")     # recorded, so the teardown restores the outside value
+        monkeypatch.delenv(name)
+    monkeypatch.setenv("PIPELINE_TRACKING", "on")
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Server:
+    """`mlflow server` on a free localhost port, SQLite backend and proxied artifacts under `root`."""
+
+    def __init__(self, root: Path):
+        root.mkdir(parents=True)
+        self.port = _free_port()
+        self.uri = f"http://127.0.0.1:{self.port}"
+        # Its background job runners are seven more processes a test doesn't need.
+        env = {**os.environ, "MLFLOW_SERVER_ENABLE_JOB_EXECUTION": "false"}
+        self.log = open(root / "server.log", "w")
+        # A session of its own: the server forks uvicorn, and kill() must end both.
+        self.proc = subprocess.Popen(
+            [str(BIN / "mlflow"), "server", "--backend-store-uri", f"sqlite:///{root}/db.sqlite",
+             "--artifacts-destination", str(root / "art"), "--host", "127.0.0.1", "--port", str(self.port),
+             "--workers", "1"], stdout=self.log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+
+    def wait(self, timeout: float = 90) -> None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise AssertionError(f"mlflow server exited {self.proc.returncode}: {Path(self.log.name).read_text()}")
+            try:
+                with urllib.request.urlopen(self.uri + "/health", timeout=2) as resp:
+                    if resp.status == 200:
+                        return
+            except OSError:
+                time.sleep(0.2)
+        raise AssertionError(f"mlflow server not healthy after {timeout}s: {Path(self.log.name).read_text()}")
+
+    def kill(self) -> None:
+        if self.proc.poll() is None:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+            self.proc.wait()
+        self.log.close()
+
+
+@pytest.fixture
+def server(tmp_path):
+    srv = Server(tmp_path / "mlflow")
+    yield srv
+    srv.kill()
+
+
+def _tsv(path: Path) -> list[dict[str, str]]:
+    header, *rows = path.read_text().splitlines()
+    return [dict(zip(header.split("\t"), row.split("\t"))) for row in rows]
+
+
+def _flat(nested: dict, prefix: str = "") -> dict:
+    out = {}
+    for k, v in nested.items():
+        out.update(_flat(v, f"{prefix}{k}/") if isinstance(v, dict) else {f"{prefix}{k}": v})
+    return out
+
+
+def test_dvc_exp_run_logs_one_parent_with_nested_stage_runs(tiny_repo, tmp_path, server, monkeypatch):
+    head = run(["git", "rev-parse", "HEAD"], tiny_repo).stdout.strip()
+    server.wait()
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", server.uri)
+    run([str(BIN / "dvc"), "exp", "run", "-n", "tiny-exp", "reward"], tiny_repo)
+
+    client = MlflowClient(server.uri)
+    runs = client.search_runs([client.get_experiment_by_name("rlhf-pipeline").experiment_id])
+    (parent,) = [r for r in runs if "mlflow.parentRunId" not in r.data.tags]
+    assert parent.info.run_name == "pipeline tiny-exp" and parent.info.status == "FINISHED"
+    assert parent.data.tags["pipeline_execution"].count(":") == 2          # host:pid:start time of `dvc exp run`
+    stages = {r.info.run_name: r for r in runs if r is not parent}
+    assert set(stages) == {"sft", "reward"}
+    for name, r in stages.items():
+        out = tiny_repo / "outputs" / name
+        tags = r.data.tags
+        assert tags["mlflow.parentRunId"] == parent.info.run_id and r.info.status == "FINISHED"
+        assert (tags["stage"], tags["git_commit"], tags["dvc_exp_name"]) == (name, head, "tiny-exp")
+        # The hash DVC recorded for this run's deps in the dvc.lock it wrote after the stage.
+        assert tags["deps_hash_source"] == "dvc"
+        assert tags["deps_hash"] == lock_deps_hash(tiny_repo / "dvc.lock", name)
+        # Per-step metrics: one point per TSV row, at its step.
+        for series in ("train", "eval"):
+            rows = _tsv(out / f"{series}.tsv")
+            history = client.get_metric_history(r.info.run_id, f"{series}/loss")
+            assert [m.step for m in history] == [int(row["step"]) for row in rows]
+            assert [m.value for m in history] == pytest.approx([float(row["loss"]) for row in rows], rel=1e-5)
+        # Final metrics: every number of metrics.json.
+        final = _flat(json.loads((out / "metrics.json").read_text()))
+        assert {k: r.data.metrics[k] for k in final} == pytest.approx(final)
+        # The checkpoint, byte for byte, and the step logs.
+        assert {a.path for a in client.list_artifacts(r.info.run_id, "model")} >= {"model/config.json",
+                                                                                   "model/model.safetensors"}
+        got = Path(client.download_artifacts(r.info.run_id, "model/model.safetensors", str(tmp_path / "dl" / name)))
+        assert got.read_bytes() == (out / "model/model.safetensors").read_bytes()
+        assert {"train.tsv", "eval.tsv", "metrics.json", "config.json"} <= {a.path for a in client.list_artifacts(r.info.run_id)}
+    sft_run, rm_run = stages["sft"].data, stages["reward"].data
+    params = load_params(tiny_repo / "params.yaml")
+    assert sft_run.params["sft.lr"] == str(params.sft.lr) and sft_run.params["model.hidden_size"] == "32"
+    assert sft_run.params["sft.sampling.max_new_tokens"] == str(TINY["sft"]["sampling"]["max_new_tokens"])
+    assert rm_run.params["reward.batch_size"] == str(TINY["reward"]["batch_size"])
+    assert rm_run.params["sft.sampling.temperature"] == str(params.sft.sampling.temperature)
+    assert len(client.get_metric_history(stages["sft"].info.run_id, "train/loss")) == 4     # 64 demos / batch 16
+    assert "calibration.png" in {a.path for a in client.list_artifacts(stages["reward"].info.run_id)}
+
+    # deps_hash describes the deps as they are now, not the dvc.lock of the last run.
+    monkeypatch.chdir(tiny_repo)
+    monkeypatch.setenv("DVC_STAGE", "sft")
+    source = tiny_repo / "pipeline/sft.py"
+    text = source.read_text()
+    source.write_text(text + "# changed\n")
+    changed, how = deps_hash("sft", [])
+    source.write_text(text)
+    assert how == "dvc" and changed != lock_deps_hash(tiny_repo / "dvc.lock", "sft")
+    assert deps_hash("sft", []) == (lock_deps_hash(tiny_repo / "dvc.lock", "sft"), "dvc")
+
+
+def _tiny_data(root: Path) -> Path:
+    prepare_run(DataConfig(n_sft=32, n_sft_eval=8, n_pairs=8, n_pairs_eval=4, n_ppo_prompts=8, n_eval_prompts=4),
+                root / "data")
+    return root / "data"
+
+
+TINY_SFT = Params(model=TINY_MODEL, sft=SFTConfig(epochs=1.0, batch_size=8, eval_every=2, n_eval_generations=4,
+                                                  sampling=SamplingConfig(max_new_tokens=8)))
+
+
+def _tracking_records(caplog) -> list[logging.LogRecord]:
+    return [r for r in caplog.records if r.levelno >= logging.WARNING
+            and r.name.startswith(("pipeline", "mlflow", "urllib3", "requests"))]
+
+
+def test_server_killed_mid_run_warns_once_and_the_stage_completes(tmp_path, server, monkeypatch, caplog, capfd):
+    data = _tiny_data(tmp_path)          # while the server starts
+    server.wait()
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", server.uri)
+    seen = {}
+    real_flush = tracking.MlflowTracker.flush
+
+    def flush_after_killing_the_server(self):
+        if not seen:
+            seen.update(run_id=self.run_id, enabled=self.enabled)
+            server.kill()
+        real_flush(self)
+    monkeypatch.setattr(tracking.MlflowTracker, "flush", flush_after_killing_the_server)
+    caplog.set_level(logging.WARNING)
+    t0 = time.perf_counter()
+    metrics = sft.run(TINY_SFT, data, tmp_path / "out", progress=False)
+    elapsed = time.perf_counter() - t0
+
+    assert seen["run_id"] and seen["enabled"]            # the run was live on the server before the kill
+    assert [int(r["step"]) for r in _tsv(tmp_path / "out/train.tsv")] == [1, 2, 3, 4]
+    assert [int(r["step"]) for r in _tsv(tmp_path / "out/eval.tsv")] == [2, 4]
+    assert _flat(json.loads((tmp_path / "out/metrics.json").read_text())) == metrics
+    assert (tmp_path / "out/model/model.safetensors").is_file()
+    (warning,) = _tracking_records(caplog)
+    assert server.uri in warning.getMessage() and "sending metrics" in warning.getMessage()
+    assert "WARNING mlflow" not in capfd.readouterr().err           # MLflow's own logger said nothing
+    assert elapsed < 60
+
+
+def test_unreachable_server_costs_one_warning_and_little_time(tmp_path, monkeypatch, caplog):
+    uri = f"http://127.0.0.1:{_free_port()}"             # nothing listens there
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", uri)
+    caplog.set_level(logging.WARNING)
+    (tmp_path / "input.txt").write_text("x")
+    t0 = time.perf_counter()
+    with stage_tracking("sft", {"sft": {"lr": 1e-3}}, [tmp_path / "input.txt"]) as tracker:
+        steps = StepLog(tmp_path / "train.tsv", ["loss"], tracker, series="train")
+        for step in range(1, 6):
+            steps.log(step, {"loss": 1.0 / step})
+            steps.flush()
+        write_metrics(tmp_path / "metrics.json", {"train/loss": 0.2}, tracker)
+        tracker.log_outputs(tmp_path)
+    elapsed = time.perf_counter() - t0
+    (warning,) = _tracking_records(caplog)
+    assert uri in warning.getMessage() and "Connection refused" in warning.getMessage()
+    assert not tracker.enabled and elapsed < 15          # MLflow's own retries would take minutes
+    assert len(_tsv(tmp_path / "train.tsv")) == 5
+    assert json.loads((tmp_path / "metrics.json").read_text()) == {"train": {"loss": 0.2}}
+
+
+def test_default_store_is_sqlite_at_the_repository_root_by_absolute_path(tmp_path, monkeypatch):
+    (tmp_path / "dvc.yaml").write_text("stages: {}\n")
+    (tmp_path / "a/b").mkdir(parents=True)
+    monkeypatch.chdir(tmp_path / "a/b")
+    assert tracking_uri() == f"sqlite:///{tmp_path.resolve()}/mlflow.db"
+    assert tracking_uri().startswith("sqlite:////")             # four slashes: an absolute path
+    # `dvc exp run --temp` runs in a copy; DVC_ROOT names the workspace, whose database is the one.
+    monkeypatch.setenv("DVC_ROOT", str(tmp_path / "a"))
+    assert tracking_uri() == f"sqlite:///{(tmp_path / 'a').resolve()}/mlflow.db"
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", "http://team:5000")
+    assert tracking_uri() == "http://team:5000"
+
+
+def _tiny_ppo_inputs(root: Path) -> tuple[Path, Path, Path]:
+    """Prepared data, an untrained tiny policy and a reward model built from it (as in test_ppo)."""
+    data = _tiny_data(root)
+    tok = load_tokenizer(data / "tokenizer")
+    torch.manual_seed(0)
+    cfg = LlamaConfig(vocab_size=len(tok), hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                      num_attention_heads=2, num_key_value_heads=2, pad_token_id=tok.pad_token_id,
+                      bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id, tie_word_embeddings=True)
+    AutoModelForCausalLM.from_config(cfg).save_pretrained(root / "sft")
+    tok.save_pretrained(root / "sft")
+    model, rtok = rm.init_reward_model(root / "sft", seed=0, head_std=None)
+    model.save_pretrained(root / "rm")
+    rtok.save_pretrained(root / "rm")
+    return data, root / "sft", root / "rm"
+
+
+def test_ppo_stage_on_the_default_sqlite_store(tmp_path, monkeypatch):
+    (tmp_path / "dvc.yaml").write_text("stages: {}\n")
+    monkeypatch.chdir(tmp_path)
+    data, sft_dir, rm_dir = _tiny_ppo_inputs(tmp_path / "in")
+    params = Params(ppo=PPOConfig(iterations=2, rollout_batch_size=4, minibatch_size=4, micro_batch_size=2,
+                                  ppo_epochs=1, save_every=1, n_eval_prompts=4, sampling=SamplingConfig(max_new_tokens=6)))
+    metrics = ppo_stage.run(params, data, sft_dir, rm_dir, tmp_path / "out", progress=False)
+
+    client = MlflowClient(f"sqlite:///{tmp_path.resolve()}/mlflow.db")
+    exp = client.get_experiment_by_name("rlhf-pipeline")
+    assert exp.artifact_location == (tmp_path.resolve() / "mlartifacts").as_uri()
+    (ppo,) = client.search_runs([exp.experiment_id], "tags.stage = 'ppo'")
+    parent = client.get_run(ppo.data.tags["mlflow.parentRunId"])   # a parent of its own: no DVC above pytest
+    assert parent.info.run_name.startswith("pipeline ") and parent.info.status == "FINISHED"
+    assert ppo.data.tags["deps_hash"] == tracking.inputs_hash([data, sft_dir, rm_dir])
+    assert ppo.data.params["ppo.sampling.temperature"] == "1.0" and ppo.data.params["ppo.iterations"] == "2"
+    rows = _tsv(tmp_path / "out/train.tsv")
+    kl = client.get_metric_history(ppo.info.run_id, "objective/kl")    # PPO's own names keep their slash
+    assert [(m.step, m.value) for m in kl] == [(int(r["step"]), pytest.approx(float(r["objective/kl"]), rel=1e-5))
+                                               for r in rows]
+    assert [m.step for m in client.get_metric_history(ppo.info.run_id, "train/kl_coef")] == [1, 2]
+    assert ppo.data.metrics["eval/rm_ppo"] == pytest.approx(metrics["eval/rm_ppo"])
+    weights = tmp_path / "mlartifacts" / ppo.info.run_id / "artifacts/model/model.safetensors"
+    assert weights.read_bytes() == (tmp_path / "out/model/model.safetensors").read_bytes()
+
+
+class Recorder(Tracker):
+    def __init__(self):
+        self.points, self.flushes = [], 0
+
+    def log_metrics(self, step, metrics):
+        self.points += [(name, step, value) for name, value in metrics.items()]
+
+    def flush(self):
+        self.flushes += 1
+
+
+def test_step_log_names_metrics_by_series_and_resends_restored_rows(tmp_path):
+    rec = Recorder()
+    log = StepLog(tmp_path / "train.tsv", tracker=rec, series="train")
+    log.log(1, {"objective/kl": 0.5, "lr": 0.1})
+    log.flush()
+    assert rec.points == [("objective/kl", 1, 0.5), ("train/lr", 1, 0.1)] and rec.flushes == 1
+    rec2 = Recorder()
+    resumed = StepLog(tmp_path / "train.tsv", tracker=rec2, series="train")
+    resumed.restore(log.rows)
+    resumed.log(2, {"objective/kl": 0.25, "lr": 0.05})
+    resumed.flush()
+    assert [p[:2] for p in rec2.points] == [("objective/kl", 1), ("train/lr", 1), ("objective/kl", 2), ("train/lr", 2)]
+    assert _tsv(tmp_path / "train.tsv") == [{"step": "1", "objective/kl": "0.5", "lr": "0.1"},
+                                           {"step": "2", "objective/kl": "0.25", "lr": "0.05"}]
+
+
+def test_tracking_off_or_not_rank_zero_is_a_no_op(tmp_path, monkeypatch):
+    (tmp_path / "dvc.yaml").write_text("stages: {}\n")
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("PIPELINE_TRACKING", "off")
+    with stage_tracking("sft", {"sft": {"lr": 1e-3}}, []) as tracker:
+        assert tracker is NO_TRACKER
+    monkeypatch.setenv("PIPELINE_TRACKING", "on")
+    monkeypatch.setenv("RANK", "1")
+    with stage_tracking("sft", {"sft": {"lr": 1e-3}}, []) as tracker:
+        assert tracker is NO_TRACKER
+    assert not (tmp_path / "mlflow.db").exists()
+    monkeypatch.setenv("PIPELINE_TRACKING", "of")
+    with pytest.raises(ConfigError, match="PIPELINE_TRACKING: expected 'on' or 'off', got 'of'"):
+        with stage_tracking("sft", {}, []):
+            pass
