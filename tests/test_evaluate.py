@@ -58,6 +58,8 @@ def test_frontier_collects_points_from_exp_show_rows():
          "params.yaml:ppo.kl_coef": 0.05},
         {"Experiment": "exp-a", "rev": "abc", "ppo.kl": 9.0, "ppo.rm": 2.0, "ppo.gold": 0.1, "ppo.kl_coef": 0.0},
         {"Experiment": "queued", "rev": "def", "ppo.kl_coef": 0.2},   # no metrics yet: skipped
+        {"Experiment": None, "rev": "main", "ppo.kl": 3.0, "ppo.rm": 1.0, "ppo.gold": 0.8,
+         "ppo.kl_coef": 0.05},                                        # the baseline again: once
     ]
     points = collect(rows)
     assert [(p["name"], p["kl_coef"], p["kl"], p["rm"], p["gold"]) for p in points] == [
