@@ -83,3 +83,27 @@ def tiny_repo(tmp_path: Path) -> Path:
     write_params(repo / "params.yaml", TINY)
     run(["git", "-c", "user.name=t", "-c", "user.email=t@t", "commit", "-q", "-am", "tiny params"], repo)
     return repo
+
+
+def tiny_policy_and_reward_model(root: Path, data_dir: Path, offset: float = 0.0) -> tuple[Path, Path]:
+    """An untrained tiny 'SFT' policy on the prepared tokenizer and a reward model built from it
+    (root/sft, root/rm): enough for the PPO and tracking machinery, which never needs them trained."""
+    import torch
+    from transformers import AutoModelForCausalLM, LlamaConfig
+
+    from pipeline import reward_model as rm
+    from pipeline.tokenizer import load_tokenizer
+
+    tok = load_tokenizer(data_dir / "tokenizer")
+    torch.manual_seed(0)
+    cfg = LlamaConfig(vocab_size=len(tok), hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                      num_attention_heads=2, num_key_value_heads=2, pad_token_id=tok.pad_token_id,
+                      bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id, tie_word_embeddings=True)
+    AutoModelForCausalLM.from_config(cfg).save_pretrained(root / "sft")
+    tok.save_pretrained(root / "sft")
+    model, rtok = rm.init_reward_model(root / "sft", seed=0, head_std=None)
+    model.config.reward_offset = offset
+    model.save_pretrained(root / "rm")
+    rtok.save_pretrained(root / "rm")
+    return root / "sft", root / "rm"
+

@@ -7,10 +7,11 @@ import json
 
 import pytest
 import torch
-from transformers import AutoModelForCausalLM, LlamaConfig
+from transformers import AutoModelForCausalLM
 
+from conftest import tiny_policy_and_reward_model
 from pipeline import reward_model as rm
-from pipeline.config import Params, PPOConfig, SamplingConfig, from_dict
+from pipeline.config import DataConfig, Params, PPOConfig, SamplingConfig, from_dict
 from pipeline.errors import ConfigError
 from pipeline.generation import sample
 from pipeline.ppo import stage
@@ -19,8 +20,7 @@ from pipeline.ppo.rollout import rollout
 from pipeline.ppo.scoring import policy_logprobs, score_rollout
 from pipeline.ppo.trainer import NumericalError, PPOTrainer
 from pipeline.prepare import run as prepare_run
-from pipeline.config import DataConfig
-from pipeline.tokenizer import load_tokenizer
+from pipeline.tokenizer import encode_prompt
 
 TINY_PPO = dict(iterations=4, rollout_batch_size=8, minibatch_size=4, micro_batch_size=2, ppo_epochs=2,
                 save_every=2, n_eval_prompts=8, lr=1e-3, critic_lr=1e-3,
@@ -33,17 +33,7 @@ def dirs(tmp_path_factory):
     root = tmp_path_factory.mktemp("ppo")
     prepare_run(DataConfig(n_sft=8, n_sft_eval=4, n_pairs=8, n_pairs_eval=4, n_ppo_prompts=32, n_eval_prompts=8),
                 root / "data")
-    tok = load_tokenizer(root / "data/tokenizer")
-    torch.manual_seed(0)
-    cfg = LlamaConfig(vocab_size=len(tok), hidden_size=32, intermediate_size=64, num_hidden_layers=1,
-                      num_attention_heads=2, num_key_value_heads=2, pad_token_id=tok.pad_token_id,
-                      bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id, tie_word_embeddings=True)
-    AutoModelForCausalLM.from_config(cfg).save_pretrained(root / "sft")
-    tok.save_pretrained(root / "sft")
-    model, rtok = rm.init_reward_model(root / "sft", seed=0, head_std=None)
-    model.config.reward_offset = 0.5
-    model.save_pretrained(root / "rm")
-    rtok.save_pretrained(root / "rm")
+    tiny_policy_and_reward_model(root, root / "data", offset=0.5)
     return root
 
 
@@ -62,7 +52,7 @@ def test_ratio_is_one_at_first_minibatch_and_sampling_logprobs_match(dirs):
     ratio = torch.exp(lp - sc.old_logprobs[[2, 0]])[ro.response_mask[[2, 0]]]
     assert torch.allclose(ratio, torch.ones_like(ratio), atol=1e-5)
     # The KV-cached sampling pass computed the same log-probs.
-    again = sample(m.actor, [__import__("pipeline.tokenizer", fromlist=["x"]).encode_prompt(m.tok, p) for p in prompts],
+    again = sample(m.actor, [encode_prompt(m.tok, p) for p in prompts],
                    m.tok.pad_token_id, m.tok.eos_token_id, params.ppo.sampling, torch.Generator().manual_seed(0))
     assert torch.equal(again.response_ids, ro.input_ids[:, ro.n_prompt:])
     assert torch.allclose(again.logprobs[ro.response_mask], sc.old_logprobs[ro.response_mask], atol=1e-5)

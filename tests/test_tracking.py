@@ -13,20 +13,16 @@ import urllib.request
 from pathlib import Path
 
 import pytest
-import torch
 from mlflow import MlflowClient
-from transformers import AutoModelForCausalLM, LlamaConfig
 
-from conftest import BIN, TINY, run
-from pipeline import reward_model as rm
+from conftest import BIN, TINY, run, tiny_policy_and_reward_model
 from pipeline import mlflow_tracking as tracking
 from pipeline import sft
 from pipeline.config import DataConfig, ModelConfig, Params, PPOConfig, SamplingConfig, SFTConfig, load_params
 from pipeline.errors import ConfigError
+from pipeline.mlflow_tracking import deps_hash, lock_deps_hash, stage_tracking, tracking_uri
 from pipeline.ppo import stage as ppo_stage
 from pipeline.prepare import run as prepare_run
-from pipeline.tokenizer import load_tokenizer
-from pipeline.mlflow_tracking import deps_hash, lock_deps_hash, stage_tracking, tracking_uri
 from pipeline.tracking import NO_TRACKER, StepLog, Tracker, write_metrics
 
 TINY_MODEL = ModelConfig(hidden_size=32, num_layers=1, num_heads=2, intermediate_size=64)
@@ -242,17 +238,7 @@ def test_default_store_is_sqlite_at_the_repository_root_by_absolute_path(tmp_pat
 def _tiny_ppo_inputs(root: Path) -> tuple[Path, Path, Path]:
     """Prepared data, an untrained tiny policy and a reward model built from it (as in test_ppo)."""
     data = _tiny_data(root)
-    tok = load_tokenizer(data / "tokenizer")
-    torch.manual_seed(0)
-    cfg = LlamaConfig(vocab_size=len(tok), hidden_size=32, intermediate_size=64, num_hidden_layers=1,
-                      num_attention_heads=2, num_key_value_heads=2, pad_token_id=tok.pad_token_id,
-                      bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id, tie_word_embeddings=True)
-    AutoModelForCausalLM.from_config(cfg).save_pretrained(root / "sft")
-    tok.save_pretrained(root / "sft")
-    model, rtok = rm.init_reward_model(root / "sft", seed=0, head_std=None)
-    model.save_pretrained(root / "rm")
-    rtok.save_pretrained(root / "rm")
-    return data, root / "sft", root / "rm"
+    return (data, *tiny_policy_and_reward_model(root, data))
 
 
 def test_ppo_stage_on_the_default_sqlite_store(tmp_path, monkeypatch):
