@@ -3,7 +3,8 @@
 Outputs under `outputs/ppo/`: `model/` (the actor, a plain HF checkpoint), `train.tsv` (every
 metric of every iteration), `metrics.json` (final training metrics and the held-out comparison of
 the PPO policy with the SFT policy it started from), `config.json`, and `checkpoint/` (resumable
-state; not a DVC output that is cleared on re-run, so a killed run resumes).
+state; a `persist: true` DVC output, which DVC does not clear before re-running, so a killed run
+resumes).
 """
 
 from __future__ import annotations
