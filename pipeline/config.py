@@ -74,6 +74,7 @@ class SamplingConfig:
     temperature: float = num(1.0, gt=0.0)
     top_k: int = num(0, ge=0, doc="0 disables top-k")
     top_p: float = num(1.0, gt=0.0, le=1.0)
+    stop_token: Optional[str] = None  # also end a response at this token (kept); eos always ends it
 
 
 @dataclass(frozen=True)

@@ -86,7 +86,9 @@ def distinct_n(texts: list[str], n: int) -> float:
 def sequence_kl(policy, ref, tok, prompts: list[str], responses: list[str], temperature: float,
                 batch_size: int = 32) -> list[float]:
     """Per response: sum over tokens of log pi(a_t) - log pi_ref(a_t). Its mean over responses
-    sampled from pi estimates the sequence-level KL(pi || pi_ref)."""
+    sampled from pi estimates the sequence-level KL(pi || pi_ref). The text is re-encoded with eos
+    appended: exact for responses that ended with eos (all of them on the default task); for one
+    cut by the length limit or a stop token the eos term is one token the policy did not sample."""
     out: list[float] = []
     for start in range(0, len(prompts), batch_size):
         p_ids, p_mask = left_pad([encode_prompt(tok, p) for p in prompts[start:start + batch_size]], tok.pad_token_id)

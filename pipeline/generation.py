@@ -13,6 +13,7 @@ import torch
 from transformers import DynamicCache, PreTrainedModel
 
 from .config import SamplingConfig
+from .errors import ConfigError
 from .tokenizer import decode_response, encode_prompt
 
 
@@ -24,7 +25,7 @@ class Sampled:
     response_ids: torch.Tensor     # (B, R) sampled ids; pad after the first eos
     response_mask: torch.Tensor    # (B, R) bool, True on real response tokens (eos included)
     logprobs: torch.Tensor         # (B, R) log pi(a_t|s_t) of the sampled token, temperature-scaled
-    ended: torch.Tensor            # (B,) bool, True when the response emitted eos
+    ended: torch.Tensor            # (B,) bool, True when the response emitted eos (or the stop token)
 
 
 def left_pad(prompts: list[list[int]], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -55,8 +56,10 @@ def filter_logits(logits: torch.Tensor, top_k: int, top_p: float) -> torch.Tenso
 
 @torch.inference_mode()
 def sample(model: PreTrainedModel, prompts: list[list[int]], pad_id: int, eos_id: int,
-           cfg: SamplingConfig, generator: torch.Generator | None = None, greedy: bool = False) -> Sampled:
-    """Sample (or greedily decode) up to `cfg.max_new_tokens` per prompt, stopping at eos."""
+           cfg: SamplingConfig, generator: torch.Generator | None = None, greedy: bool = False,
+           stop_id: int | None = None) -> Sampled:
+    """Sample (or greedily decode) up to `cfg.max_new_tokens` per prompt, stopping at eos, or at
+    `stop_id` too when given (the stop token is kept as the response's last token)."""
     prompt_ids, prompt_mask = left_pad(prompts, pad_id)
     B = prompt_ids.size(0)
     attn = prompt_mask.long()                                   # (B, P + t)
@@ -79,7 +82,7 @@ def sample(model: PreTrainedModel, prompts: list[list[int]], pad_id: int, eos_id
         masks.append(~done)
         tokens.append(token)
         logps.append(logprobs_all.gather(-1, token[:, None]).squeeze(-1).masked_fill(done, 0.0))
-        done = done | (token == eos_id)
+        done = done | (token == eos_id) | (token == (eos_id if stop_id is None else stop_id))
         if bool(done.all()):
             break
         attn = torch.cat([attn, torch.ones((B, 1), dtype=attn.dtype)], dim=-1)
@@ -91,6 +94,16 @@ def sample(model: PreTrainedModel, prompts: list[list[int]], pad_id: int, eos_id
                    logprobs=torch.stack(logps, dim=1), ended=done)
 
 
+def stop_token_id(tok, cfg: SamplingConfig) -> int | None:
+    """The id of `cfg.stop_token`, which must be a single token of `tok`; None when unset."""
+    if cfg.stop_token is None:
+        return None
+    ids = tok(cfg.stop_token, add_special_tokens=False)["input_ids"]
+    if len(ids) != 1 or ids[0] == tok.unk_token_id:
+        raise ConfigError(f"sampling.stop_token: {cfg.stop_token!r} is not a single token of the tokenizer")
+    return ids[0]
+
+
 def generate_texts(model: PreTrainedModel, tok, prompts: list[str], cfg: SamplingConfig, seed: int,
                    greedy: bool, batch_size: int = 64) -> tuple[list[str], list[bool]]:
     """Responses (text cut at eos) to `prompts` and whether each emitted eos."""
@@ -100,7 +113,8 @@ def generate_texts(model: PreTrainedModel, tok, prompts: list[str], cfg: Samplin
     model.eval()
     for start in range(0, len(prompts), batch_size):
         chunk = [encode_prompt(tok, p) for p in prompts[start:start + batch_size]]
-        out = sample(model, chunk, tok.pad_token_id, tok.eos_token_id, cfg, gen, greedy=greedy)
+        out = sample(model, chunk, tok.pad_token_id, tok.eos_token_id, cfg, gen, greedy=greedy,
+                     stop_id=stop_token_id(tok, cfg))
         texts += [decode_response(tok, row.tolist()) for row in out.response_ids]
         ended += out.ended.tolist()
     model.train(was_training)

@@ -104,12 +104,12 @@ def test_unknown_keys(tmp_path):
     # the subset checks pin the names this file relies on.
     assert {"data", "model", "sft"} <= {f.name for f in dataclasses.fields(Params)}
     assert known(SFTConfig).startswith("batch_size, epochs, eval_every, lr, max_grad_norm, max_length, ")
-    assert known(SamplingConfig) == "max_new_tokens, temperature, top_k, top_p"
+    assert known(SamplingConfig) == "max_new_tokens, stop_token, temperature, top_k, top_p"
     assert load_error(tmp_path, "sfft:\n  lr: 0.1\n") == f"params.yaml: sfft: unknown key (known: {known(Params)})"
     assert load_error(tmp_path, "sft:\n  lrr: 0.1\n") == \
         f"params.yaml: sft.lrr: unknown key (known: {known(SFTConfig)})"
     assert load_error(tmp_path, "sft:\n  sampling:\n    topp: 0.9\n") == \
-        "params.yaml: sft.sampling.topp: unknown key (known: max_new_tokens, temperature, top_k, top_p)"
+        "params.yaml: sft.sampling.topp: unknown key (known: max_new_tokens, stop_token, temperature, top_k, top_p)"
 
 
 def test_integer_out_of_range_message(tmp_path):

@@ -87,3 +87,29 @@ def test_filter_logits_top_k_and_top_p():
     p5 = filter_logits(logits, top_k=0, top_p=0.5)
     assert torch.isfinite(p5).tolist() == [[True, False, False, False, False]]
     assert torch.equal(filter_logits(logits, 0, 1.0), logits)
+
+
+def test_stop_token_ends_response_and_is_kept():
+    model = _tiny("llama")
+    STOP = 7
+    with torch.no_grad():
+        model.lm_head.weight[STOP] += 0.6   # make the stop token likely
+    out = sample(model, [[2, 3, 4]] * 8, PAD, EOS, SamplingConfig(max_new_tokens=10),
+                 torch.Generator().manual_seed(0), stop_id=STOP)
+    assert out.ended.any()
+    for ids, mask, ended in zip(out.response_ids, out.response_mask, out.ended):
+        n = int(mask.sum())
+        assert not ((ids[:n - 1] == STOP) | (ids[:n - 1] == EOS)).any()   # nothing after a stop
+        assert bool(ended) == (ids[n - 1].item() in (STOP, EOS))
+
+
+def test_stop_token_must_be_one_token():
+    from pipeline.errors import ConfigError
+    from pipeline.generation import stop_token_id
+    from pipeline.tasks.reviews import vocabulary
+    from pipeline.tokenizer import build_word_tokenizer
+    tok = build_word_tokenizer(vocabulary())
+    assert stop_token_id(tok, SamplingConfig()) is None
+    assert stop_token_id(tok, SamplingConfig(stop_token=".")) == tok.convert_tokens_to_ids(".")
+    with pytest.raises(ConfigError, match="sampling.stop_token: 'not a token' is not a single token"):
+        stop_token_id(tok, SamplingConfig(stop_token="not a token"))

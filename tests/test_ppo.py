@@ -151,3 +151,18 @@ def test_killed_and_resumed_run_equals_uninterrupted(dirs, tmp_path, monkeypatch
     other = dataclasses.replace(params, ppo=dataclasses.replace(params.ppo, lr=5e-4))
     changed = stage.run(other, dirs / "data", dirs / "sft", dirs / "rm", tmp_path / "resumed", progress=False)
     assert changed["train/lr"] != full["train/lr"] or changed["eval/rm_ppo"] != full["eval/rm_ppo"]
+
+
+def test_stop_token_truncates_rollouts(dirs):
+    params = _params()
+    m = place_models(params, dirs / "sft", dirs / "rm")
+    cfg = SamplingConfig(max_new_tokens=12, stop_token=".")
+    ro = rollout(m.actor, m.tok, ["Review the film Silent River . Focus on the music ."] * 16, cfg,
+                 torch.Generator().manual_seed(3))
+    dot, eos = m.tok.convert_tokens_to_ids("."), m.tok.eos_token_id
+    ids = ro.input_ids[:, ro.n_prompt:]
+    last = ids.gather(1, (ro.response_mask.sum(1, keepdim=True) - 1).clamp(min=0)).squeeze(1)
+    assert ro.ended.any() and torch.equal(ro.ended, (last == dot) | (last == eos))
+    inner = ro.response_mask.clone()
+    inner[torch.arange(16), ro.response_mask.sum(1) - 1] = False   # all but the last real token
+    assert not ((ids == dot) & inner).any()

@@ -13,7 +13,7 @@ import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from ..config import SamplingConfig
-from ..generation import sample
+from ..generation import sample, stop_token_id
 from ..tokenizer import decode_response, encode_prompt
 
 
@@ -43,8 +43,10 @@ class Rollout:
 @torch.inference_mode()
 def rollout(actor: PreTrainedModel, tok: PreTrainedTokenizerBase, prompts: list[str], cfg: SamplingConfig,
             generator: torch.Generator) -> Rollout:
-    """Sample one response per prompt with the KV cache (generation.sample), stopping at eos."""
-    out = sample(actor, [encode_prompt(tok, p) for p in prompts], tok.pad_token_id, tok.eos_token_id, cfg, generator)
+    """Sample one response per prompt with the KV cache (generation.sample), stopping at eos or at
+    `cfg.stop_token` (TRL's stop-token truncation: nothing after it is part of the response)."""
+    out = sample(actor, [encode_prompt(tok, p) for p in prompts], tok.pad_token_id, tok.eos_token_id, cfg, generator,
+                 stop_id=stop_token_id(tok, cfg))
     responses = [decode_response(tok, row.tolist()) for row in out.response_ids]
     input_ids = torch.cat([out.prompt_ids, out.response_ids], dim=1)
     attention_mask = torch.cat([out.prompt_mask, out.response_mask], dim=1).long()
