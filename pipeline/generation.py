@@ -69,6 +69,7 @@ def sample(model: PreTrainedModel, prompts: list[list[int]], pad_id: int, eos_id
                 cache=cache, use_cache=True)
     next_pos = positions[:, -1:] + 1                            # (B, 1)
     done = torch.zeros(B, dtype=torch.bool)
+    stop_ids = torch.tensor([eos_id] if stop_id is None else [eos_id, stop_id])
     tokens, logps, masks = [], [], []
     for _ in range(cfg.max_new_tokens):
         logits = out.logits[:, -1, :].float() / cfg.temperature  # (B, V)
@@ -82,7 +83,7 @@ def sample(model: PreTrainedModel, prompts: list[list[int]], pad_id: int, eos_id
         masks.append(~done)
         tokens.append(token)
         logps.append(logprobs_all.gather(-1, token[:, None]).squeeze(-1).masked_fill(done, 0.0))
-        done = done | (token == eos_id) | (token == (eos_id if stop_id is None else stop_id))
+        done = done | torch.isin(token, stop_ids)
         if bool(done.all()):
             break
         attn = torch.cat([attn, torch.ones((B, 1), dtype=attn.dtype)], dim=-1)

@@ -30,7 +30,7 @@ from .preferences import Pair, load_pairs
 from .tasks import get_judge
 from .mlflow_tracking import stage_tracking
 from .tracking import NO_TRACKER, StepLog, Tracker, write_metrics
-from .training import adamw_with_schedule, shuffled_batches, total_steps, update
+from .training import BatchSampler, adamw_with_schedule, total_steps, update
 
 
 def pair_sources(params: Params, data_dir: Path) -> tuple[list[Pair], list[Pair]]:
@@ -139,7 +139,7 @@ def train(params: Params, data_dir: Path, sft_dir: Path, out_dir: Path, progress
     opt, sched = adamw_with_schedule(model.parameters(), cfg.lr, cfg.weight_decay, cfg.warmup_ratio, steps)
     train_log = StepLog(out_dir / "train.tsv", ["loss", "accuracy", "lr", "grad_norm"], tracker, series="train")
     eval_log = StepLog(out_dir / "eval.tsv", ["loss", "accuracy"], tracker, series="eval")
-    batches = shuffled_batches(len(train_pairs), cfg.batch_size, cfg.seed)
+    batches = BatchSampler(len(train_pairs), cfg.batch_size, cfg.seed)
     model.train()
     t0 = time.perf_counter()
     for step in tqdm(range(1, steps + 1), desc="reward", disable=not progress, mininterval=1.0):

@@ -23,7 +23,7 @@ from .models import init_policy, save_checkpoint
 from .tasks import get_judge, reviews
 from .mlflow_tracking import stage_tracking
 from .tracking import NO_TRACKER, StepLog, Tracker, write_metrics
-from .training import adamw_with_schedule, shuffled_batches, total_steps, update
+from .training import BatchSampler, adamw_with_schedule, total_steps, update
 
 
 @torch.no_grad()
@@ -67,7 +67,7 @@ def train(params: Params, data_dir: Path, log_dir: Path, progress: bool = True,
     eval_log = StepLog(log_dir / "eval.tsv", ["loss"], tracker, series="eval")
 
     model.train()
-    batches = shuffled_batches(len(train_ex), cfg.batch_size, cfg.seed)
+    batches = BatchSampler(len(train_ex), cfg.batch_size, cfg.seed)
     t0 = time.perf_counter()
     for step in tqdm(range(1, steps + 1), desc="sft", disable=not progress, mininterval=1.0):
         loss = model(**collate_sft([train_ex[i] for i in next(batches)], tok.pad_token_id)).loss

@@ -87,9 +87,11 @@ class StepLog:
         self.rows.append({"step": step, **metrics})
         self.tracker.log_metrics(step, {self.metric_name(k): v for k, v in metrics.items()})
 
-    def restore(self, rows: list[dict[str, Any]]) -> None:
-        """Take over the rows of an interrupted run (resume); the tracker's new run gets them too."""
-        self.rows, self.columns = [], list(rows[0]) if rows else self.columns
+    def restore(self, rows: list[dict[str, Any]], columns: list[str] | None = None) -> None:
+        """Take over the rows of an interrupted run (resume); the tracker's new run gets them too.
+        `columns` (with "step") keeps the interrupted run's column order."""
+        self.rows = []
+        self.columns = list(columns) if columns else (list(rows[0]) if rows else self.columns)
         for row in rows:
             self.log(row["step"], {k: v for k, v in row.items() if k != "step"})
 

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import math
-from typing import Iterable, Iterator
+from typing import Iterable
 
 import torch
 from transformers import get_cosine_schedule_with_warmup
@@ -49,10 +49,6 @@ class BatchSampler:
             raise ValueError(f"sampler state is for {state['n']} examples, this data has {self.n}")
         self.gen.set_state(state["gen"])
         self.order = list(state["order"])
-
-
-def shuffled_batches(n: int, batch_size: int, seed: int) -> Iterator[list[int]]:
-    return BatchSampler(n, batch_size, seed)
 
 
 def update(model: torch.nn.Module, loss: torch.Tensor, opt, sched, max_grad_norm: float) -> tuple[float, float]:

@@ -145,12 +145,21 @@ def test_killed_and_resumed_run_equals_uninterrupted(dirs, tmp_path, monkeypatch
     b = AutoModelForCausalLM.from_pretrained(str(tmp_path / "resumed/model")).state_dict()
     assert all(torch.equal(a[k], b[k]) for k in a)
     assert _metrics_without_time(tmp_path / "full/train.tsv") == _metrics_without_time(tmp_path / "resumed/train.tsv")
+    header = (tmp_path / "full/train.tsv").read_text().splitlines()[0]
+    assert (tmp_path / "resumed/train.tsv").read_text().splitlines()[0] == header   # same column order
     assert {k: v for k, v in full.items() if "time" not in k and "tokens_per_second" not in k} == \
            {k: v for k, v in resumed.items() if "time" not in k and "tokens_per_second" not in k}
-    # A changed config does not resume from the stale checkpoint.
+    # A changed config does not resume from the stale checkpoint: it trains from iteration 1 and
+    # its checkpoint belongs to the new run.
+    state_file = tmp_path / "resumed/checkpoint/state.json"
+    old_fp = json.loads(state_file.read_text())["fingerprint"]
     other = dataclasses.replace(params, ppo=dataclasses.replace(params.ppo, lr=5e-4))
-    changed = stage.run(other, dirs / "data", dirs / "sft", dirs / "rm", tmp_path / "resumed", progress=False)
-    assert changed["train/lr"] != full["train/lr"] or changed["eval/rm_ppo"] != full["eval/rm_ppo"]
+    monkeypatch.setattr(PPOTrainer, "step", dying_step)     # would die at iteration 4 if it resumed at 2
+    with pytest.raises(KeyboardInterrupt):
+        stage.run(other, dirs / "data", dirs / "sft", dirs / "rm", tmp_path / "resumed", progress=False)
+    state = json.loads(state_file.read_text())
+    assert state["fingerprint"] != old_fp and state["iteration"] == 2
+    assert [r["step"] for r in state["log"]["rows"]] == [1, 2]
 
 
 def test_stop_token_truncates_rollouts(dirs):

@@ -4,8 +4,8 @@ Contents of the checkpoint folder:
 - `actor.safetensors`, `critic.safetensors`: weights (safetensors, shared tensors handled)
 - `optim.pt`: both optimizers and schedulers (tensors and numbers only; loaded with weights_only=True)
 - `rng.pt`: the sampling, shuffling and prompt-order generators and torch's global RNG
-- `state.json`: iteration, KL controller, the prompt sampler's pending order, the step log so far,
-  and the fingerprint of the run it belongs to
+- `state.json`: iteration, KL controller, the prompt sampler's pending order, the step log so far
+  (columns in order, and rows), and the fingerprint of the run it belongs to
 
 The fingerprint hashes the resolved params of the stage and the input checkpoints' weights, so a
 changed config or a retrained SFT/RM model never resumes from a stale state.
@@ -23,11 +23,17 @@ from safetensors.torch import load_model, save_model
 
 from ..errors import CheckpointError
 from ..io import atomic_dir, atomic_write_json
+from ..tracking import StepLog
 from .trainer import PPOTrainer
 
 
+# Bump when the checkpoint's layout changes: it is part of the fingerprint, so an older
+# checkpoint is never read with the new layout (the run starts afresh instead).
+FORMAT = 2
+
+
 def fingerprint(config: dict[str, Any], inputs: list[Path]) -> str:
-    h = hashlib.sha256(json.dumps(config, sort_keys=True, default=str).encode())
+    h = hashlib.sha256(json.dumps({"format": FORMAT, "config": config}, sort_keys=True, default=str).encode())
     for folder in inputs:
         for f in sorted(Path(folder).glob("*.safetensors")):
             with open(f, "rb") as fh:
@@ -36,7 +42,7 @@ def fingerprint(config: dict[str, Any], inputs: list[Path]) -> str:
     return h.hexdigest()
 
 
-def save(trainer: PPOTrainer, rows: list[dict], path: Path, fp: str) -> None:
+def save(trainer: PPOTrainer, step_log: StepLog, path: Path, fp: str) -> None:
     with atomic_dir(path) as tmp:
         save_model(trainer.m.actor, str(tmp / "actor.safetensors"))
         save_model(trainer.m.critic, str(tmp / "critic.safetensors"))
@@ -48,11 +54,13 @@ def save(trainer: PPOTrainer, rows: list[dict], path: Path, fp: str) -> None:
                     "prompts": sampler.pop("gen"), "torch": torch.get_rng_state()}, tmp / "rng.pt")
         atomic_write_json(tmp / "state.json", {"fingerprint": fp, "iteration": trainer.iteration,
                                                "kl_controller": trainer.kl_ctl.state_dict(),
-                                               "sampler": sampler, "rows": rows})
+                                               "sampler": sampler,
+                                               "log": {"columns": step_log.columns, "rows": step_log.rows}})
 
 
-def load(trainer: PPOTrainer, path: Path, fp: str) -> list[dict] | None:
-    """Restore `trainer` from `path` when it holds a checkpoint of this run; returns the log rows."""
+def load(trainer: PPOTrainer, path: Path, fp: str) -> dict | None:
+    """Restore `trainer` from `path` when it holds a checkpoint of this run; returns the step log
+    state ({"columns", "rows"}), or None when there is nothing to resume."""
     state_file = path / "state.json"
     if not state_file.is_file():
         return None
@@ -76,4 +84,4 @@ def load(trainer: PPOTrainer, path: Path, fp: str) -> list[dict] | None:
     trainer.prompt_sampler.load_state_dict({**state["sampler"], "gen": rng["prompts"]})
     trainer.kl_ctl.load_state_dict(state["kl_controller"])
     trainer.iteration = state["iteration"]
-    return state["rows"]
+    return state["log"]

@@ -73,9 +73,9 @@ def _run(params: Params, data_dir: Path, sft_dir: Path, reward_dir: Path, out: P
     trainer = PPOTrainer(cfg, models, prompts, judge)
     fp = checkpoint.fingerprint(resolved, [sft_dir, reward_dir])
     step_log = StepLog(out / "train.tsv", tracker=tracker, series="train")
-    rows = checkpoint.load(trainer, out / "checkpoint", fp)
-    if rows:
-        step_log.restore(rows)
+    saved_log = checkpoint.load(trainer, out / "checkpoint", fp)
+    if saved_log is not None:
+        step_log.restore(saved_log["rows"], saved_log["columns"])
         log.warning("ppo: resuming from %s at iteration %d", out / "checkpoint", trainer.iteration)
     bar = tqdm(total=cfg.iterations, initial=trainer.iteration, desc="ppo", disable=not progress, mininterval=1.0)
     while trainer.iteration < cfg.iterations:
@@ -85,7 +85,7 @@ def _run(params: Params, data_dir: Path, sft_dir: Path, reward_dir: Path, out: P
         bar.set_postfix(score=f"{stats['objective/scores']:.2f}", kl=f"{stats['objective/kl']:.2f}")
         if trainer.iteration % cfg.save_every == 0 or trainer.iteration == cfg.iterations:
             step_log.flush()
-            checkpoint.save(trainer, step_log.rows, out / "checkpoint", fp)
+            checkpoint.save(trainer, step_log, out / "checkpoint", fp)
     bar.close()
     step_log.flush()
 
