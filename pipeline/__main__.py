@@ -8,9 +8,11 @@ with status 2; they never show a traceback.
 from __future__ import annotations
 
 import argparse
+import subprocess
 import sys
 from pathlib import Path
 
+from . import distributed
 from .config import load_params
 from .errors import UserError
 
@@ -50,6 +52,13 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     try:
         params = load_params(args.params)
+        if args.stage in ("sft", "reward", "ppo"):
+            dist = getattr(params, args.stage).distributed
+            if distributed.needs_launch(dist):
+                # Re-run this very command under the launcher, one copy per process.
+                cmd = distributed.launch_command(dist, sys.argv[1:] if argv is None else argv)
+                print(f"{args.stage}: launching {dist.world_size} processes: {' '.join(cmd)}", flush=True)
+                return subprocess.call(cmd)
         if args.stage == "prepare":
             from . import prepare
             stats = prepare.run(params.data, args.out)
@@ -58,16 +67,22 @@ def main(argv: list[str] | None = None) -> int:
         elif args.stage == "sft":
             from . import sft
             metrics = sft.run(params, args.data, args.out, progress=not args.no_progress)
+            if not metrics:   # ranks other than 0 of a multi-process run
+                return 0
             print(f"sft: wrote {args.out}; " + ", ".join(f"{k}={v:.3f}" for k, v in metrics.items()
                                                        if k.startswith("eval/")))
         elif args.stage == "reward":
             from . import reward
             metrics = reward.run(params, args.data, args.sft, args.out, progress=not args.no_progress)
+            if not metrics:   # ranks other than 0 of a multi-process run
+                return 0
             print(f"reward: wrote {args.out}; " + ", ".join(f"{k}={v:.3f}" for k, v in metrics.items()
                                                           if k.startswith("eval/")))
         elif args.stage == "ppo":
             from .ppo import stage
             metrics = stage.run(params, args.data, args.sft, args.reward, args.out, progress=not args.no_progress)
+            if not metrics:
+                return 0
             print(f"ppo: wrote {args.out}; " + ", ".join(f"{k}={v:.3f}" for k, v in metrics.items()
                                                        if k.startswith("eval/")))
         elif args.stage == "evaluate":

@@ -78,6 +78,59 @@ class SamplingConfig:
 
 
 @dataclass(frozen=True)
+class DistributedConfig:
+    """`distributed`: how a training stage runs; a stage's own `distributed` mapping overrides keys.
+
+    `backend: none` is plain PyTorch in one process (the laptop default). `deepspeed` trains through
+    `deepspeed.initialize` in 1..N processes per node, started by the launcher named here.
+    """
+    backend: Literal["none", "deepspeed"] = "none"
+    launcher: Literal["torchrun", "deepspeed"] = "torchrun"
+    num_processes: int = num(1, ge=1, doc="processes per node (one per GPU)")
+    num_nodes: int = num(1, ge=1)
+    node_rank: int = num(0, ge=0, doc="this node's index; set per node, e.g. from $SLURM_NODEID")
+    master_addr: str = "127.0.0.1"
+    master_port: int = num(29500, ge=1024, le=65535)
+    hostfile: Optional[str] = None        # deepspeed launcher: hosts and slots for several nodes
+    zero_stage: int = num(0, ge=0, le=3)
+    offload_optimizer: bool = False       # ZeRO-Offload: optimizer states (and step) on the CPU
+    offload_param: bool = False           # ZeRO-Infinity: parameters on the CPU (stage 3 only)
+    offload_frozen: bool = False          # PPO: keep the reference and reward models on the CPU
+    precision: Literal["fp32", "bf16", "fp16"] = "fp32"
+    gradient_accumulation_steps: int = num(1, ge=1, doc="micro-batches per optimizer step per process")
+
+    def __post_init__(self) -> None:
+        if self.backend == "none" and (self.num_processes > 1 or self.num_nodes > 1):
+            raise ConfigError("distributed.backend: several processes need backend: deepspeed")
+        if self.backend == "none" and (self.zero_stage or self.offload_optimizer or self.offload_param
+                                       or self.precision != "fp32"):
+            raise ConfigError("distributed.backend: zero_stage, offload and precision need backend: deepspeed")
+        if self.offload_param and self.zero_stage != 3:
+            raise ConfigError(f"distributed.offload_param: needs zero_stage 3, got {self.zero_stage}")
+        if self.offload_optimizer and self.zero_stage == 0:
+            raise ConfigError("distributed.offload_optimizer: needs zero_stage 1, 2 or 3")
+        if self.node_rank >= self.num_nodes:
+            raise ConfigError(f"distributed.node_rank: {self.node_rank} must be below num_nodes={self.num_nodes}")
+
+    @property
+    def world_size(self) -> int:
+        return self.num_processes * self.num_nodes
+
+
+@dataclass(frozen=True)
+class LoraConfig:
+    """A stage's `lora` section: train low-rank adapters (PEFT) instead of all weights; r: 0 is off."""
+    r: int = num(0, ge=0, doc="adapter rank; 0: full fine-tuning")
+    alpha: float = num(16.0, gt=0.0)
+    dropout: float = num(0.0, ge=0.0, lt=1.0)
+    target_modules: str = "all-linear"    # comma-separated module names, or PEFT's "all-linear"
+
+    @property
+    def enabled(self) -> bool:
+        return self.r > 0
+
+
+@dataclass(frozen=True)
 class SFTConfig:
     """`sft`: supervised fine-tuning on demonstrations, loss on response tokens only."""
     seed: int = num(0, ge=0)
@@ -91,6 +144,8 @@ class SFTConfig:
     eval_every: int = num(100, ge=1)
     n_eval_generations: int = num(200, ge=1)
     sampling: SamplingConfig = field(default_factory=SamplingConfig)
+    lora: LoraConfig = field(default_factory=LoraConfig)
+    distributed: DistributedConfig = field(default_factory=DistributedConfig)  # merged over the top level
 
 
 @dataclass(frozen=True)
@@ -122,6 +177,8 @@ class RewardConfig:
     n_sft_samples: int = num(200, ge=2)
     calibration_bins: int = num(10, ge=2)
     dataset: PreferenceDataConfig = field(default_factory=PreferenceDataConfig)
+    lora: LoraConfig = field(default_factory=LoraConfig)
+    distributed: DistributedConfig = field(default_factory=DistributedConfig)  # merged over the top level
 
 
 @dataclass(frozen=True)
@@ -158,19 +215,28 @@ class PPOConfig:
     save_every: int = num(10, ge=1)
     n_eval_prompts: int = num(200, ge=2)
     sampling: SamplingConfig = field(default_factory=SamplingConfig)
+    shared_backbone: bool = False         # one trunk, two heads: the critic is a value head on the actor
+    vf_coef: float = num(1.0, gt=0.0, doc="weight of the value loss (matters with shared_backbone)")
+    lora: LoraConfig = field(default_factory=LoraConfig)          # actor adapter (reference = adapter off)
+    critic_lora: LoraConfig = field(default_factory=LoraConfig)   # critic adapter
+    distributed: DistributedConfig = field(default_factory=DistributedConfig)  # merged over the top level
 
     def __post_init__(self) -> None:
+        dist = self.distributed
+        if self.rollout_batch_size % (self.minibatch_size) or self.minibatch_size % dist.world_size:
+            raise ConfigError(f"ppo.minibatch_size: {self.minibatch_size} must divide ppo.rollout_batch_size="
+                              f"{self.rollout_batch_size} and be divisible by the {dist.world_size} processes")
+        if (self.minibatch_size // dist.world_size) % self.micro_batch_size:
+            raise ConfigError(f"ppo.micro_batch_size: {self.micro_batch_size} must divide the per-process "
+                              f"minibatch ppo.minibatch_size / processes = {self.minibatch_size // dist.world_size}")
+        if self.shared_backbone and (dist.backend != "none" or self.critic_lora.enabled):
+            raise ConfigError("ppo.shared_backbone: runs with distributed.backend: none and without critic_lora "
+                              "(the shared trunk is trained by the actor's optimizer)")
         if self.kl_coef > 0 and self.kl_loss_coef > 0:
             raise ConfigError("ppo.kl_loss_coef: the KL penalty is already in the reward (ppo.kl_coef="
                               f"{self.kl_coef}); set one of them to 0, never both (double penalty)")
         if self.adaptive_kl and self.kl_coef == 0:
             raise ConfigError("ppo.adaptive_kl: needs ppo.kl_coef > 0 as its initial value")
-        if self.rollout_batch_size % self.minibatch_size:
-            raise ConfigError(f"ppo.minibatch_size: {self.minibatch_size} must divide "
-                              f"ppo.rollout_batch_size={self.rollout_batch_size}")
-        if self.minibatch_size % self.micro_batch_size:
-            raise ConfigError(f"ppo.micro_batch_size: {self.micro_batch_size} must divide "
-                              f"ppo.minibatch_size={self.minibatch_size}")
         if self.reward_source != "reward_model" and ":" not in self.reward_source:
             raise ConfigError(f"ppo.reward_source: expected 'reward_model' or 'module:function', "
                               f"got {self.reward_source!r}")
@@ -195,6 +261,18 @@ class Params:
     reward: RewardConfig = field(default_factory=RewardConfig)
     ppo: PPOConfig = field(default_factory=PPOConfig)
     evaluate: EvaluateConfig = field(default_factory=EvaluateConfig)
+    distributed: DistributedConfig = field(default_factory=DistributedConfig)
+
+
+TRAINING_STAGES = ("sft", "reward", "ppo")
+
+
+def check_batch_split(section: str, batch_size: int, dist: DistributedConfig) -> None:
+    """A global batch must split evenly into processes x micro-batches (same maths as one process)."""
+    parts = dist.world_size * dist.gradient_accumulation_steps
+    if batch_size % parts:
+        raise ConfigError(f"{section}.batch_size: {batch_size} must be divisible by processes x "
+                          f"gradient_accumulation_steps = {parts}")
 
 
 # ----------------------------------------------------------------------------------------------
@@ -297,9 +375,41 @@ def read_yaml(path: str | Path) -> Any:
         raise ConfigError(f"{path}{line}: not valid YAML: {getattr(err, 'problem', None) or err}") from None
 
 
+def merge_distributed(data: Any, where: str) -> Any:
+    """Give each training stage the top-level `distributed` mapping with its own keys on top.
+
+    The top level is validated first, so its errors name `distributed.<key>`, a stage's own
+    override names `<stage>.distributed.<key>`."""
+    if not isinstance(data, typing.Mapping):
+        return data
+    top = data.get("distributed") or {}
+    from_dict(DistributedConfig, top, f"{where}distributed")
+    merged = dict(data)
+    for stage in TRAINING_STAGES:
+        section = merged.get(stage)
+        if section is None:
+            section = {}
+        if not isinstance(section, typing.Mapping):
+            continue  # from_dict reports it
+        own = section.get("distributed") or {}
+        if not isinstance(own, typing.Mapping):
+            continue
+        from_dict(DistributedConfig, {**top, **own}, f"{where}{stage}.distributed")
+        merged[stage] = {**section, "distributed": {**top, **own}}
+    return merged
+
+
 def load_params(path: str | Path) -> Params:
     """Load and validate the whole params file before any compute."""
-    return from_dict(Params, read_yaml(path), f"{Path(path).name}: ")
+    where = f"{Path(path).name}: "
+    params = from_dict(Params, merge_distributed(read_yaml(path), where), where)
+    for stage in ("sft", "reward"):
+        cfg = getattr(params, stage)
+        try:
+            check_batch_split(stage, cfg.batch_size, cfg.distributed)
+        except ConfigError as err:
+            raise ConfigError(f"{where}{err}") from None
+    return params
 
 
 def to_dict(cfg: Any) -> dict[str, Any]:

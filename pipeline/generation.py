@@ -60,7 +60,8 @@ def sample(model: PreTrainedModel, prompts: list[list[int]], pad_id: int, eos_id
            stop_id: int | None = None) -> Sampled:
     """Sample (or greedily decode) up to `cfg.max_new_tokens` per prompt, stopping at eos, or at
     `stop_id` too when given (the stop token is kept as the response's last token)."""
-    prompt_ids, prompt_mask = left_pad(prompts, pad_id)
+    device = next(model.parameters()).device
+    prompt_ids, prompt_mask = (t.to(device) for t in left_pad(prompts, pad_id))
     B = prompt_ids.size(0)
     attn = prompt_mask.long()                                   # (B, P + t)
     positions = (attn.cumsum(-1) - 1).clamp(min=0)              # (B, P) positions ignore left pads
@@ -68,8 +69,8 @@ def sample(model: PreTrainedModel, prompts: list[list[int]], pad_id: int, eos_id
     out = model(input_ids=prompt_ids, attention_mask=attn, position_ids=positions,
                 cache=cache, use_cache=True)
     next_pos = positions[:, -1:] + 1                            # (B, 1)
-    done = torch.zeros(B, dtype=torch.bool)
-    stop_ids = torch.tensor([eos_id] if stop_id is None else [eos_id, stop_id])
+    done = torch.zeros(B, dtype=torch.bool, device=device)
+    stop_ids = torch.tensor([eos_id] if stop_id is None else [eos_id, stop_id], device=device)
     tokens, logps, masks = [], [], []
     for _ in range(cfg.max_new_tokens):
         logits = out.logits[:, -1, :].float() / cfg.temperature  # (B, V)
@@ -78,7 +79,8 @@ def sample(model: PreTrainedModel, prompts: list[list[int]], pad_id: int, eos_id
             token = logits.argmax(-1)
         else:
             probs = torch.softmax(filter_logits(logits, cfg.top_k, cfg.top_p), dim=-1)
-            token = torch.multinomial(probs, 1, generator=generator).squeeze(-1)
+            # The seeded generator lives on the CPU: sample there, so a GPU run draws the same tokens.
+            token = torch.multinomial(probs.cpu(), 1, generator=generator).squeeze(-1).to(device)
         token = torch.where(done, torch.full_like(token, pad_id), token)   # (B,)
         masks.append(~done)
         tokens.append(token)
@@ -86,7 +88,7 @@ def sample(model: PreTrainedModel, prompts: list[list[int]], pad_id: int, eos_id
         done = done | torch.isin(token, stop_ids)
         if bool(done.all()):
             break
-        attn = torch.cat([attn, torch.ones((B, 1), dtype=attn.dtype)], dim=-1)
+        attn = torch.cat([attn, torch.ones((B, 1), dtype=attn.dtype, device=device)], dim=-1)
         out = model(input_ids=token[:, None], attention_mask=attn, position_ids=next_pos,
                     cache=cache, use_cache=True)
         next_pos = next_pos + 1

@@ -109,3 +109,19 @@ def read_jsonl(path: str | Path, required: Sequence[str], nonempty: Sequence[str
                 raise DataError(f"{path}:{lineno}: field '{key}' is empty")
         rows.append(row)
     return rows
+
+
+def remove_stale(*paths: Path) -> None:
+    """Remove files or folders a previous run of a stage wrote and this run does not (an adapter/
+    after LoRA was switched off, a DeepSpeed config after going back to plain PyTorch), so a
+    stage's folder never mixes two runs."""
+    for path in paths:
+        if path.is_dir():
+            shutil.rmtree(path)
+        elif path.exists():
+            path.unlink()
+
+
+def stale_extras(out: Path, lora: bool, deepspeed: bool) -> None:
+    """The optional extras of a training stage's folder that this run will not write."""
+    remove_stale(*([] if lora else [out / "adapter"]), *([] if deepspeed else [out / "deepspeed_config.json"]))

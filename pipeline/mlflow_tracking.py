@@ -328,12 +328,14 @@ class MlflowTracker(Tracker):
 
 
 @contextlib.contextmanager
-def stage_tracking(stage: str, config: Mapping[str, Any], inputs: Sequence[Path] = ()) -> Iterator[Tracker]:
+def stage_tracking(stage: str, config: Mapping[str, Any], inputs: Sequence[Path] = (),
+                   enabled: bool = True) -> Iterator[Tracker]:
     """Around the body of a stage's `run`: yields the stage's MLflow tracker, or `NO_TRACKER` when
     tracking is off. `config` is the resolved config the stage writes as config.json (its flattened
     keys are the run's params); `inputs` are the stage's input paths, hashed when DVC isn't running
-    the stage. The run ends FINISHED, FAILED (an exception) or KILLED (Ctrl-C)."""
-    if not tracking_enabled():
+    the stage. The run ends FINISHED, FAILED (an exception) or KILLED (Ctrl-C). `enabled=False`
+    (ranks other than 0 of a multi-process run) yields `NO_TRACKER`."""
+    if not enabled or not tracking_enabled():
         yield NO_TRACKER
         return
     tracker = MlflowTracker(tracking_uri())

@@ -19,18 +19,21 @@ import torch
 from scipy.stats import spearmanr
 from tqdm import tqdm
 
+from . import distributed, lora
 from . import reward_model as rm
 from .config import Params, to_dict
 from .data import load_demonstrations, load_prompts
 from .generation import generate_texts
-from .io import atomic_dir, atomic_write_text
+from .io import atomic_dir, atomic_write_text, stale_extras
 from .models import load_policy
 from .plots import calibration_plot
 from .preferences import Pair, load_pairs
 from .tasks import get_judge
 from .mlflow_tracking import stage_tracking
 from .tracking import NO_TRACKER, StepLog, Tracker, write_metrics
-from .training import BatchSampler, adamw_with_schedule, total_steps, update
+from .distributed import SINGLE, Context
+from .engines import make_engine, warmup_cosine, write_deepspeed_config
+from .training import BatchSampler, total_steps
 
 
 def pair_sources(params: Params, data_dir: Path) -> tuple[list[Pair], list[Pair]]:
@@ -42,11 +45,15 @@ def pair_sources(params: Params, data_dir: Path) -> tuple[list[Pair], list[Pair]
             load_pairs(ds.path, ds.eval_split, ds.revision, ds.layout, ds.margin_column))
 
 
-def batch_scores(model, tok, pairs: list[Pair], max_length: int) -> tuple[torch.Tensor, torch.Tensor]:
+def batch_scores(model, tok, pairs: list[Pair], max_length: int,
+                 device: torch.device | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Raw (B,) scores of chosen and rejected, from one forward pass over the 2B sequences."""
     seqs = [rm.encode_pair_text(tok, p.prompt, p.chosen, max_length) for p in pairs]
     seqs += [rm.encode_pair_text(tok, p.prompt, p.rejected, max_length) for p in pairs]
-    scores = rm.raw_scores(model, *rm.pad_right(seqs, tok.pad_token_id))
+    ids, mask = rm.pad_right(seqs, tok.pad_token_id)
+    if device is not None:
+        ids, mask = ids.to(device), mask.to(device)
+    scores = rm.raw_scores(model, ids, mask)
     return scores[:len(pairs)], scores[len(pairs):]
 
 
@@ -129,44 +136,91 @@ def normalise(model, tok, params: Params, data_dir: Path) -> float:
 
 
 def train(params: Params, data_dir: Path, sft_dir: Path, out_dir: Path, progress: bool = True,
-          tracker: Tracker = NO_TRACKER):
-    cfg = params.reward
+          tracker: Tracker = NO_TRACKER, ctx: Context = SINGLE):
+    """Train, normalise and measure; in a multi-process run rank 0 returns the whole model, the
+    other ranks (None, tokenizer, {})."""
+    cfg, dist = params.reward, params.reward.distributed
     train_pairs, eval_pairs = pair_sources(params, data_dir)
     init = cfg.name_or_path if cfg.name_or_path is not None else sft_dir
     model, tok = rm.init_reward_model(init, cfg.seed, cfg.head_init_std, params.model.trust_remote_code)
+    model = lora.wrap(model, cfg.lora, "SEQ_CLS")
     torch.manual_seed(cfg.seed)
     steps = total_steps(len(train_pairs), cfg.batch_size, cfg.epochs)
-    opt, sched = adamw_with_schedule(model.parameters(), cfg.lr, cfg.weight_decay, cfg.warmup_ratio, steps)
-    train_log = StepLog(out_dir / "train.tsv", ["loss", "accuracy", "lr", "grad_norm"], tracker, series="train")
-    eval_log = StepLog(out_dir / "eval.tsv", ["loss", "accuracy"], tracker, series="eval")
-    batches = BatchSampler(len(train_pairs), cfg.batch_size, cfg.seed)
-    model.train()
+    micro = cfg.batch_size // (ctx.world_size * dist.gradient_accumulation_steps)
+    engine = make_engine(model, lr=cfg.lr, weight_decay=cfg.weight_decay,
+                         schedule=warmup_cosine(round(cfg.warmup_ratio * steps), steps),
+                         max_grad_norm=cfg.max_grad_norm, dist=dist, ctx=ctx, micro_batch_size=micro,
+                         accumulation_steps=dist.gradient_accumulation_steps)
+    write_deepspeed_config(out_dir / "deepspeed_config.json", reward=engine) if ctx.is_main else None
+    train_log = StepLog(out_dir / "train.tsv", ["loss", "accuracy", "lr", "grad_norm"], tracker, series="train",
+                        write=ctx.is_main)
+    eval_log = StepLog(out_dir / "eval.tsv", ["loss", "accuracy"], tracker, series="eval", write=ctx.is_main)
+    batches = BatchSampler(len(train_pairs), cfg.batch_size, cfg.seed)   # the same global batches on every rank
+    engine.module.train()
     t0 = time.perf_counter()
-    for step in tqdm(range(1, steps + 1), desc="reward", disable=not progress, mininterval=1.0):
-        batch = [train_pairs[i] for i in next(batches)]
-        rc, rr = batch_scores(model, tok, batch, cfg.max_length)
-        loss, stats = rm.pairwise_loss(rc, rr, torch.tensor([p.margin for p in batch]))
-        lr, grad_norm = update(model, loss, opt, sched, cfg.max_grad_norm)
-        train_log.log(step, {**stats, "lr": lr, "grad_norm": grad_norm})
+    for step in tqdm(range(1, steps + 1), desc="reward", disable=not (progress and ctx.is_main), mininterval=1.0):
+        mine = ctx.shard([train_pairs[i] for i in next(batches)])
+        sums = torch.zeros(2, dtype=torch.float64)                       # loss, correct
+        for start in range(0, len(mine), micro):
+            part = mine[start:start + micro]
+            rc, rr = batch_scores(engine.module, tok, part, cfg.max_length, engine.device)
+            loss, correct = rm.pairwise_loss_sum(rc, rr, torch.tensor([p.margin for p in part], device=rc.device))
+            engine.backward(loss / cfg.batch_size)
+            sums += torch.tensor([loss.item(), correct], dtype=torch.float64)
+        lr, grad_norm = engine.step()
+        sums = ctx.sum(sums) / cfg.batch_size
+        train_log.log(step, {"loss": float(sums[0]), "accuracy": float(sums[1]), "lr": lr, "grad_norm": grad_norm})
         if step % cfg.eval_every == 0 or step == steps:
-            erc, err = score_pairs(model, tok, eval_pairs, cfg.max_length)
-            eval_log.log(step, rm.pairwise_loss(erc, err, torch.tensor([p.margin for p in eval_pairs]))[1])
+            eval_log.log(step, eval_pairs_loss(engine.module, tok, eval_pairs, cfg.max_length, ctx, engine.device))
             train_log.flush()
             eval_log.flush()
-    metrics: dict[str, Any] = {"train/steps": steps, "train/seconds": time.perf_counter() - t0,
+    train_time = time.perf_counter() - t0
+    full = engine.full_model()   # collective under ZeRO-3
+    if full is None:
+        return None, tok, {}
+    metrics: dict[str, Any] = {"train/steps": steps, "train/seconds": train_time,
                                "train/loss": train_log.rows[-1]["loss"], "eval/loss": eval_log.rows[-1]["loss"]}
+    if cfg.lora.enabled:
+        metrics["train/trainable_params"], metrics["train/total_params"] = lora.count_trainable(full)
+    model = lora.export(full, out_dir / "adapter" if cfg.lora.enabled else None).cpu().eval()
     if cfg.normalize:
         metrics["eval/offset"] = normalise(model, tok, params, data_dir)
     metrics.update(evaluate(model, tok, params, data_dir, sft_dir, eval_pairs, out_dir))
     return model, tok, metrics
 
 
+@torch.inference_mode()
+def eval_pairs_loss(model, tok, pairs: list[Pair], max_length: int, ctx: Context = SINGLE,
+                    device: torch.device | None = None, batch_size: int = 64) -> dict[str, float]:
+    """Held-out loss and accuracy, every rank scoring its share (same number of forwards per rank)."""
+    model.eval()
+    sums = torch.zeros(3, dtype=torch.float64)                          # loss, correct, count
+    for part in ctx.eval_parts(pairs, batch_size):
+        rc, rr = batch_scores(model, tok, part or pairs[:1], max_length, device)
+        if part:
+            loss, correct = rm.pairwise_loss_sum(rc, rr, torch.tensor([p.margin for p in part], device=rc.device))
+            sums += torch.tensor([float(loss), correct, len(part)], dtype=torch.float64)
+    model.train()
+    sums = ctx.sum(sums)
+    return {"loss": float(sums[0] / sums[2]), "accuracy": float(sums[1] / sums[2])}
+
+
 def run(params: Params, data_dir: Path, sft_dir: Path, out: Path, progress: bool = True) -> dict[str, Any]:
     resolved = {"data": {"task": params.data.task}, "model": {"trust_remote_code": params.model.trust_remote_code},
                 "sft": {"sampling": to_dict(params.sft.sampling)}, "reward": to_dict(params.reward)}
-    out.mkdir(parents=True, exist_ok=True)
-    with stage_tracking("reward", resolved, [data_dir, sft_dir]) as tracker:
-        model, tok, metrics = train(params, data_dir, sft_dir, out, progress, tracker)
+    with distributed.session(params.reward.distributed) as ctx:
+        if ctx.is_main:
+            out.mkdir(parents=True, exist_ok=True)
+            stale_extras(out, params.reward.lora.enabled, ctx.world_size > 1 or params.reward.distributed.backend != "none")
+        return _run(params, data_dir, sft_dir, out, progress, resolved, ctx)
+
+
+def _run(params: Params, data_dir: Path, sft_dir: Path, out: Path, progress: bool, resolved: dict,
+         ctx: Context) -> dict[str, Any]:
+    with stage_tracking("reward", resolved, [data_dir, sft_dir], enabled=ctx.is_main) as tracker:
+        model, tok, metrics = train(params, data_dir, sft_dir, out, progress, tracker, ctx)
+        if model is None:
+            return metrics
         with atomic_dir(out / "model") as tmp:
             model.save_pretrained(str(tmp), safe_serialization=True)
             tok.save_pretrained(str(tmp))

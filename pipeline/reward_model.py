@@ -26,10 +26,17 @@ from .tokenizer import encode_prompt, encode_response, load_tokenizer
 OFFSET_KEY = "reward_offset"
 
 
-def head(model: PreTrainedModel) -> torch.nn.Linear:
-    """The scalar head of a sequence-classification model (`score` in Llama, GPT-2, Mistral...)."""
-    layer = getattr(model, "score", None)
-    if not isinstance(layer, torch.nn.Linear) or layer.out_features != 1:
+def unwrap(model: torch.nn.Module) -> PreTrainedModel:
+    """The HF model inside a PEFT wrapper (its LoRA layers stay active), else the model itself."""
+    return model.get_base_model() if hasattr(model, "peft_config") else model
+
+
+def head(model: torch.nn.Module) -> torch.nn.Module:
+    """The scalar head of a sequence-classification model (`score` in Llama, GPT-2, Mistral...).
+    Under LoRA it is PEFT's trainable copy of that Linear (a ModulesToSaveWrapper)."""
+    layer = getattr(unwrap(model), "score", None)
+    linear = getattr(layer, "original_module", layer)
+    if not isinstance(linear, torch.nn.Linear) or linear.out_features != 1:
         raise CheckpointError(f"{type(model).__name__}: expected a `score` Linear(hidden, 1) head")
     return layer
 
@@ -44,6 +51,7 @@ def init_reward_model(path: str | Path, seed: int, head_std: float | None,
     model = AutoModelForSequenceClassification.from_pretrained(
         str(path), num_labels=1, trust_remote_code=trust_remote_code, pad_token_id=tok.pad_token_id)
     layer = head(model)
+    assert isinstance(layer, torch.nn.Linear)
     std = head_std if head_std is not None else 1.0 / math.sqrt(layer.in_features + 1)
     gen = torch.Generator().manual_seed(seed)
     with torch.no_grad():
@@ -76,12 +84,14 @@ def last_token_index(attention_mask: torch.Tensor) -> torch.Tensor:
 def hidden_states(model: PreTrainedModel, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
     """(B, T, H) last hidden states of the backbone, positions counted from each row's first real token."""
     position_ids = (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
-    out = model.base_model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids)
+    out = unwrap(model).base_model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids)
     return out.last_hidden_state
 
 
 def raw_scores(model: PreTrainedModel, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
     """(B,) head output at the last real token, before normalisation (what training optimises)."""
+    device = next(model.parameters()).device
+    input_ids, attention_mask = input_ids.to(device), attention_mask.to(device)
     hidden = hidden_states(model, input_ids, attention_mask)                       # (B, T, H)
     last = hidden[torch.arange(hidden.size(0)), last_token_index(attention_mask)]  # (B, H)
     return head(model)(last).squeeze(-1).float()
@@ -129,8 +139,16 @@ def pairwise_loss(r_chosen: torch.Tensor, r_rejected: torch.Tensor,
                   margin: torch.Tensor | None = None) -> tuple[torch.Tensor, dict[str, float]]:
     """Bradley-Terry loss -log sigmoid(r_c - r_r - m), mean over pairs (Ouyang et al. 2022, eq. 1;
     the margin as in Llama 2, Touvron et al. 2023, eq. 2). r_chosen, r_rejected, margin: (B,)."""
+    total, correct = pairwise_loss_sum(r_chosen, r_rejected, margin)
+    loss = total / r_chosen.numel()
+    return loss, {"loss": loss.item(), "accuracy": correct / r_chosen.numel()}
+
+
+def pairwise_loss_sum(r_chosen: torch.Tensor, r_rejected: torch.Tensor,
+                      margin: torch.Tensor | None = None) -> tuple[torch.Tensor, int]:
+    """The loss of `pairwise_loss` summed over the pairs (for batches split across micro-batches and processes,
+    divided by the global batch size by the caller), and the number ranked correctly."""
     diff = r_chosen - r_rejected
     if margin is not None:
         diff = diff - margin
-    loss = -F.logsigmoid(diff).mean()
-    return loss, {"loss": loss.item(), "accuracy": (r_chosen > r_rejected).float().mean().item()}
+    return -F.logsigmoid(diff).sum(), int((r_chosen > r_rejected).sum())

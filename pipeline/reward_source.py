@@ -30,9 +30,12 @@ class RewardSource(Protocol):
 class RewardModelSource:
     """A frozen reward model (inference mode, no gradients, dropout off)."""
 
-    def __init__(self, path: Path, max_length: int, trust_remote_code: bool = False):
-        self.model, self.tok = rm.load_reward_model(path, trust_remote_code)
-        self.model.eval().requires_grad_(False)
+    def __init__(self, path: Path, max_length: int, trust_remote_code: bool = False,
+                 place: Callable[[torch.nn.Module], torch.nn.Module] | None = None):
+        model, self.tok = rm.load_reward_model(path, trust_remote_code)
+        model.eval().requires_grad_(False)
+        # `place` puts the frozen model where PPO's placement wants it (e.g. partitioned by ZeRO-3).
+        self.model = place(model) if place is not None else model
         self.max_length = max_length
 
     def score(self, prompts: list[str], responses: list[str]) -> torch.Tensor:
@@ -58,7 +61,8 @@ class FunctionSource:
         return torch.tensor(values, dtype=torch.float32)
 
 
-def make_reward_source(spec: str, reward_dir: Path, max_length: int, trust_remote_code: bool) -> RewardSource:
+def make_reward_source(spec: str, reward_dir: Path, max_length: int, trust_remote_code: bool,
+                       place: Callable[[torch.nn.Module], torch.nn.Module] | None = None) -> RewardSource:
     if spec == "reward_model":
-        return RewardModelSource(reward_dir, max_length, trust_remote_code)
+        return RewardModelSource(reward_dir, max_length, trust_remote_code, place)
     return FunctionSource(spec)

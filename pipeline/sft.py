@@ -13,31 +13,53 @@ from pathlib import Path
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 from tqdm import tqdm
 
+from . import distributed, lora
+
 from .config import Params, to_dict
-from .data import collate_sft, load_demonstrations, load_prompts, tokenize_demonstrations
+from .data import IGNORE, Example, collate_sft, load_demonstrations, load_prompts, tokenize_demonstrations
 from .generation import generate_texts
-from .io import atomic_dir, atomic_write_json
+from .io import atomic_dir, atomic_write_json, stale_extras
 from .models import init_policy, save_checkpoint
 from .tasks import get_judge, reviews
 from .mlflow_tracking import stage_tracking
 from .tracking import NO_TRACKER, StepLog, Tracker, write_metrics
-from .training import BatchSampler, adamw_with_schedule, total_steps, update
+from .distributed import SINGLE, Context, to_device
+from .engines import make_engine, warmup_cosine, write_deepspeed_config
+from .training import BatchSampler, total_steps
+
+
+def response_token_count(e: Example) -> int:
+    """Response tokens an example is trained on (the targets after the prompt)."""
+    return len(e.input_ids) - e.n_prompt
+
+
+def ce_sum(model, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, int]:
+    """Summed cross-entropy over the response tokens of `batch`, and their count."""
+    logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits   # (B, T, V)
+    labels = batch["labels"][:, 1:]                                                                 # (B, T-1)
+    loss = F.cross_entropy(logits[:, :-1].float().flatten(0, 1), labels.flatten(), ignore_index=IGNORE,
+                           reduction="sum")
+    return loss, int((labels != IGNORE).sum())
 
 
 @torch.no_grad()
-def eval_loss(model, examples, pad_id: int, batch_size: int) -> float:
-    """Cross-entropy per response token over all held-out examples (token-weighted)."""
+def eval_loss(model, examples: list[Example], pad_id: int, batch_size: int, ctx: Context = SINGLE,
+              device: torch.device | None = None) -> float:
+    """Cross-entropy per response token over all held-out examples (token-weighted), every rank
+    scoring its share; every rank runs the same number of forwards (ZeRO-3 gathers per forward)."""
     model.eval()
-    total, count = 0.0, 0
-    for start in range(0, len(examples), batch_size):
-        batch = collate_sft(examples[start:start + batch_size], pad_id)
-        n = int((batch["labels"][:, 1:] != -100).sum())
-        total += float(model(**batch).loss) * n
-        count += n
+    total = torch.zeros(2, dtype=torch.float64)
+    for part in ctx.eval_parts(examples, batch_size):
+        batch = to_device(collate_sft(part or examples[:1], pad_id), device)
+        loss, n = ce_sum(model, batch)
+        if part:
+            total += torch.tensor([float(loss), n], dtype=torch.float64)
     model.train()
-    return total / count
+    total = ctx.sum(total)
+    return float(total[0] / total[1])
 
 
 def judge_responses(prompts: list[str], responses: list[str], ended: list[bool], judge, tag: str) -> dict:
@@ -51,40 +73,66 @@ def judge_responses(prompts: list[str], responses: list[str], ended: list[bool],
 
 
 def train(params: Params, data_dir: Path, log_dir: Path, progress: bool = True,
-          tracker: Tracker = NO_TRACKER) -> tuple[Any, Any, dict]:
-    """Train and return (model, tokenizer, metrics); per-step TSVs are written into `log_dir`."""
-    cfg = params.sft
+          tracker: Tracker = NO_TRACKER, ctx: Context = SINGLE) -> tuple[Any, Any, dict]:
+    """Train and return (model, tokenizer, metrics); per-step TSVs are written into `log_dir`.
+
+    In a multi-process run every rank trains and the returned model is whole on rank 0 only
+    (None elsewhere); evaluation after training is rank 0's."""
+    cfg, dist = params.sft, params.sft.distributed
     train_rows = load_demonstrations(data_dir / "sft_train.jsonl")
     eval_rows = load_demonstrations(data_dir / "sft_eval.jsonl")
     model, tok = init_policy(params.model, data_dir / "tokenizer", cfg.seed)
+    model = lora.wrap(model, cfg.lora, "CAUSAL_LM")
     train_ex, n_trunc = tokenize_demonstrations(train_rows, tok, cfg.max_length, data_dir / "sft_train.jsonl")
     eval_ex, _ = tokenize_demonstrations(eval_rows, tok, cfg.max_length, data_dir / "sft_eval.jsonl")
 
     torch.manual_seed(cfg.seed)
     steps = total_steps(len(train_ex), cfg.batch_size, cfg.epochs)
-    opt, sched = adamw_with_schedule(model.parameters(), cfg.lr, cfg.weight_decay, cfg.warmup_ratio, steps)
-    train_log = StepLog(log_dir / "train.tsv", ["loss", "lr", "grad_norm"], tracker, series="train")
-    eval_log = StepLog(log_dir / "eval.tsv", ["loss"], tracker, series="eval")
+    micro = cfg.batch_size // (ctx.world_size * dist.gradient_accumulation_steps)
+    engine = make_engine(model, lr=cfg.lr, weight_decay=cfg.weight_decay,
+                         schedule=warmup_cosine(round(cfg.warmup_ratio * steps), steps),
+                         max_grad_norm=cfg.max_grad_norm, dist=dist, ctx=ctx, micro_batch_size=micro,
+                         accumulation_steps=dist.gradient_accumulation_steps)
+    write_deepspeed_config(log_dir / "deepspeed_config.json", sft=engine) if ctx.is_main else None
+    train_log = StepLog(log_dir / "train.tsv", ["loss", "lr", "grad_norm"], tracker, series="train", write=ctx.is_main)
+    eval_log = StepLog(log_dir / "eval.tsv", ["loss"], tracker, series="eval", write=ctx.is_main)
 
-    model.train()
-    batches = BatchSampler(len(train_ex), cfg.batch_size, cfg.seed)
+    engine.module.train()
+    batches = BatchSampler(len(train_ex), cfg.batch_size, cfg.seed)   # the same global batches on every rank
     t0 = time.perf_counter()
-    for step in tqdm(range(1, steps + 1), desc="sft", disable=not progress, mininterval=1.0):
-        loss = model(**collate_sft([train_ex[i] for i in next(batches)], tok.pad_token_id)).loss
-        lr, grad_norm = update(model, loss, opt, sched, cfg.max_grad_norm)
-        train_log.log(step, {"loss": loss.item(), "lr": lr, "grad_norm": grad_norm})
+    for step in tqdm(range(1, steps + 1), desc="sft", disable=not (progress and ctx.is_main), mininterval=1.0):
+        examples = [train_ex[i] for i in next(batches)]
+        n_tokens = sum(map(response_token_count, examples))      # of the global batch
+        loss_sum = 0.0
+        mine = ctx.shard(examples)
+        for start in range(0, len(mine), micro):
+            loss, _ = ce_sum(engine.forward, to_device(collate_sft(mine[start:start + micro], tok.pad_token_id),
+                                                       engine.device))
+            loss = loss / n_tokens
+            engine.backward(loss)
+            loss_sum += loss.item()
+        lr, grad_norm = engine.step()
+        train_log.log(step, {"loss": float(ctx.sum(torch.tensor(loss_sum, dtype=torch.float64))),
+                             "lr": lr, "grad_norm": grad_norm})
         if step % cfg.eval_every == 0 or step == steps:
-            eval_log.log(step, {"loss": eval_loss(model, eval_ex, tok.pad_token_id, 2 * cfg.batch_size)})
+            eval_log.log(step, {"loss": eval_loss(engine.forward, eval_ex, tok.pad_token_id, 2 * cfg.batch_size,
+                                                  ctx, engine.device)})
             train_log.flush()
             eval_log.flush()
     train_time = time.perf_counter() - t0
 
+    full = engine.full_model()   # collective under ZeRO-3
+    if full is None:
+        return None, tok, {}
     metrics: dict[str, Any] = {
         "train/loss": train_log.rows[-1]["loss"], "eval/loss": eval_log.rows[-1]["loss"],
         "train/steps": steps, "train/seconds": train_time, "data/truncated": n_trunc,
     }
-    metrics.update(evaluate_policy(model, tok, params, data_dir))
-    return model, tok, metrics
+    if cfg.lora.enabled:
+        metrics["train/trainable_params"], metrics["train/total_params"] = lora.count_trainable(full)
+    full = lora.export(full, log_dir / "adapter" if cfg.lora.enabled else None).cpu().eval()
+    metrics.update(evaluate_policy(full, tok, params, data_dir))
+    return full, tok, metrics
 
 
 def evaluate_policy(model, tok, params: Params, data_dir: Path) -> dict[str, Any]:
@@ -102,11 +150,21 @@ def evaluate_policy(model, tok, params: Params, data_dir: Path) -> dict[str, Any
 
 
 def run(params: Params, data_dir: Path, out: Path, progress: bool = True) -> dict[str, Any]:
-    """The stage: train, then write model/, metrics.json, config.json and the step logs atomically."""
+    """The stage: train, then write model/, metrics.json, config.json and the step logs atomically
+    (rank 0 writes; other ranks of a multi-process run return empty metrics)."""
     resolved = {"data": {"task": params.data.task}, "model": to_dict(params.model), "sft": to_dict(params.sft)}
-    out.mkdir(parents=True, exist_ok=True)
-    with stage_tracking("sft", resolved, [data_dir]) as tracker:
-        model, tok, metrics = train(params, data_dir, out, progress, tracker)
+    with distributed.session(params.sft.distributed) as ctx:
+        if ctx.is_main:
+            out.mkdir(parents=True, exist_ok=True)
+            stale_extras(out, params.sft.lora.enabled, ctx.world_size > 1 or params.sft.distributed.backend != "none")
+        return _run(params, data_dir, out, progress, resolved, ctx)
+
+
+def _run(params: Params, data_dir: Path, out: Path, progress: bool, resolved: dict, ctx: Context) -> dict[str, Any]:
+    with stage_tracking("sft", resolved, [data_dir], enabled=ctx.is_main) as tracker:
+        model, tok, metrics = train(params, data_dir, out, progress, tracker, ctx)
+        if model is None:
+            return metrics
         with atomic_dir(out / "model") as tmp:
             save_checkpoint(model, tok, tmp)
         atomic_write_json(out / "config.json", resolved)

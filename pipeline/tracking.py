@@ -68,8 +68,9 @@ class StepLog:
     after each flush of the file."""
 
     def __init__(self, path: Path, columns: list[str] | None = None, tracker: Tracker | None = None,
-                 series: str = ""):
+                 series: str = "", write: bool = True):
         self.path = Path(path)
+        self.write = write  # False on every rank but 0 of a multi-process run: one writer per file
         self.columns = ["step", *columns] if columns is not None else None
         self.rows: list[dict[str, Any]] = []
         self.tracker = tracker if tracker is not None else NO_TRACKER
@@ -96,7 +97,7 @@ class StepLog:
             self.log(row["step"], {k: v for k, v in row.items() if k != "step"})
 
     def flush(self) -> None:
-        if self.columns is None:
+        if self.columns is None or not self.write:
             return
         lines = ["\t".join(self.columns)]
         for row in self.rows:

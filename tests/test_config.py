@@ -48,8 +48,11 @@ def test_shipped_params_equal_dataclass_defaults():
 
 def test_shipped_params_list_every_field():
     # Equality above would still hold if params.yaml left a key out; every key must be documented there.
-    assert set(flatten(read_yaml(SHIPPED))) == set(flatten(to_dict(Params())))
-    assert flatten(read_yaml(SHIPPED)) == flatten(to_dict(Params()))
+    raw = read_yaml(SHIPPED)
+    # A stage's `distributed` is an override mapping (empty by default) merged over the top level.
+    assert set(flatten(raw)) == {k for k in flatten(to_dict(Params())) if ".distributed." not in k}
+    assert all(raw[s]["distributed"] == {} for s in ("sft", "reward", "ppo"))
+    assert flatten(raw) == {k: v for k, v in flatten(to_dict(Params())).items() if ".distributed." not in k}
 
 
 def test_shipped_values_spot_check():
@@ -103,7 +106,7 @@ def test_unknown_keys(tmp_path):
     # The known lists are derived from the dataclasses (sections get added as stages land);
     # the subset checks pin the names this file relies on.
     assert {"data", "model", "sft"} <= {f.name for f in dataclasses.fields(Params)}
-    assert known(SFTConfig).startswith("batch_size, epochs, eval_every, lr, max_grad_norm, max_length, ")
+    assert known(SFTConfig).startswith("batch_size, distributed, epochs, eval_every, lora, lr, max_grad_norm, ")
     assert known(SamplingConfig) == "max_new_tokens, stop_token, temperature, top_k, top_p"
     assert load_error(tmp_path, "sfft:\n  lr: 0.1\n") == f"params.yaml: sfft: unknown key (known: {known(Params)})"
     assert load_error(tmp_path, "sft:\n  lrr: 0.1\n") == \
@@ -234,3 +237,34 @@ def test_cli_check_good_params():
     proc = run_cli("check", "--params", "params.yaml")
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout == "params.yaml: ok\n"
+
+
+# ---- distributed: one top-level section, overridden per stage -----------------------------------
+
+
+def test_stage_distributed_merges_over_top_level(tmp_path):
+    p = load_params(write_params(tmp_path, "distributed:\n  backend: deepspeed\n  zero_stage: 2\n"
+                                           "ppo:\n  distributed:\n    zero_stage: 3\n    offload_frozen: true\n"))
+    assert p.distributed.zero_stage == 2
+    assert (p.sft.distributed.backend, p.sft.distributed.zero_stage) == ("deepspeed", 2)
+    assert (p.ppo.distributed.backend, p.ppo.distributed.zero_stage, p.ppo.distributed.offload_frozen) == \
+        ("deepspeed", 3, True)
+    assert p.reward.distributed == p.sft.distributed
+
+
+def test_distributed_errors_name_the_key(tmp_path):
+    assert load_error(tmp_path, "distributed:\n  zero_stage: 4\n") == \
+        "params.yaml: distributed.zero_stage: expected an integer >= 0 and <= 3, got 4 (int)"
+    assert load_error(tmp_path, "ppo:\n  distributed:\n    precision: fp8\n") == \
+        "params.yaml: ppo.distributed.precision: expected one of 'fp32', 'bf16', 'fp16', got 'fp8'"
+    assert load_error(tmp_path, "distributed:\n  num_processes: 2\n") == \
+        "params.yaml: distributed.backend: several processes need backend: deepspeed"
+    assert load_error(tmp_path, "distributed:\n  backend: deepspeed\n  offload_param: true\n  zero_stage: 2\n") == \
+        "params.yaml: distributed.offload_param: needs zero_stage 3, got 2"
+    # 3 processes cannot split the global batch of 32 evenly.
+    assert load_error(tmp_path, "sft:\n  distributed:\n    backend: deepspeed\n    num_processes: 3\n") == \
+        "params.yaml: sft.batch_size: 32 must be divisible by processes x gradient_accumulation_steps = 3"
+    assert "ppo.minibatch_size" in load_error(tmp_path, "distributed:\n  backend: deepspeed\n  num_processes: 64\n"
+                                                       "sft:\n  batch_size: 64\nreward:\n  batch_size: 64\n")
+    assert load_error(tmp_path, "ppo:\n  shared_backbone: true\n  distributed:\n    backend: deepspeed\n").startswith(
+        "params.yaml: ppo.shared_backbone: runs with distributed.backend: none")

@@ -9,7 +9,7 @@ mask is a contiguous prefix of True followed by False.
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Callable, Literal
 
 import torch
 
@@ -36,31 +36,43 @@ def _check_right_padded(mask: torch.Tensor) -> None:
         raise ValueError("response_mask rows must be right-padded: True on a prefix, then only False")
 
 
+def local(t: torch.Tensor) -> torch.Tensor:
+    """The `reduce` of one process: its own sums are the batch's."""
+    return t
+
+
 def masked_mean(
     x: torch.Tensor,  # (B, R) any per-token quantity
     mask: torch.Tensor,  # (B, R) bool response_mask
     dim: int | None = None,
+    reduce: Callable[[torch.Tensor], torch.Tensor] = local,
 ) -> torch.Tensor:
     """Mean of ``x`` over real tokens: a scalar, or per row/column along ``dim``.
 
     ``torch.where`` rather than ``x * mask`` so that inf/NaN garbage on pads
     cannot leak into the sum (0 * inf = NaN). Empty slices give 0, not NaN.
+    ``reduce`` sums a tensor over processes (scalar means only): with the batch
+    split across ranks, the mean is still over the whole batch's tokens.
     """
     total = torch.where(mask, x, torch.zeros_like(x)).sum(dim=dim)
-    count = mask.sum(dim=dim).clamp_min(1)
-    return total / count
+    count = mask.sum(dim=dim)
+    if reduce is not local and dim is None:
+        both = reduce(torch.stack([total, count.to(total.dtype)]))
+        total, count = both[0], both[1]
+    return total / count.clamp_min(1)
 
 
 def masked_var(
     x: torch.Tensor,  # (B, R)
     mask: torch.Tensor,  # (B, R) bool response_mask
     unbiased: bool = True,
+    reduce: Callable[[torch.Tensor], torch.Tensor] = local,
 ) -> torch.Tensor:
     """Variance of ``x`` over all real tokens of the batch (a scalar)."""
-    mean = masked_mean(x, mask)
-    var = masked_mean((x - mean) ** 2, mask)
+    mean = masked_mean(x, mask, reduce=reduce)
+    var = masked_mean((x - mean) ** 2, mask, reduce=reduce)
     if unbiased:
-        n = int(mask.sum())
+        n = int(reduce(mask.sum()))
         if n < 2:
             raise ValueError(f"unbiased masked variance needs at least 2 real tokens, got {n}")
         var = var * n / (n - 1)  # Bessel's correction
@@ -71,6 +83,7 @@ def masked_whiten(
     x: torch.Tensor,  # (B, R)
     mask: torch.Tensor,  # (B, R) bool response_mask
     shift_mean: bool = True,
+    reduce: Callable[[torch.Tensor], torch.Tensor] = local,
 ) -> torch.Tensor:  # (B, R), zero on pads
     """Normalise ``x`` to mean 0, std 1 over real tokens of the whole batch.
 
@@ -78,8 +91,8 @@ def masked_whiten(
     ``shift_mean=False`` the mean is restored after scaling, as TRL does when
     whitening rewards, so only the scale changes.
     """
-    mean = masked_mean(x, mask)
-    var = masked_var(x, mask)
+    mean = masked_mean(x, mask, reduce=reduce)
+    var = masked_var(x, mask, reduce=reduce)
     whitened = (x - mean) * torch.rsqrt(var + 1e-8)  # 1e-8: guard a constant batch
     if not shift_mean:
         whitened = whitened + mean

@@ -1,35 +1,43 @@
 """Resumable PPO state: saved every `save_every` iterations, atomically; loaded when re-run.
 
 Contents of the checkpoint folder:
-- `actor.safetensors`, `critic.safetensors`: weights (safetensors, shared tensors handled)
-- `optim.pt`: both optimizers and schedulers (tensors and numbers only; loaded with weights_only=True)
-- `rng.pt`: the sampling, shuffling and prompt-order generators and torch's global RNG
+- `actor` / `critic` state, written by their engines: plain engines write `<name>.safetensors`
+  (weights) and `<name>_optim.pt` (optimizer and schedule: tensors and numbers only, loaded with
+  weights_only=True); DeepSpeed engines write their own sharded checkpoint under `<name>/`, every
+  rank its shard
+- `rng_rank<r>.pt`: each rank's sampling, shuffling and prompt-order generators and torch's RNG
 - `state.json`: iteration, KL controller, the prompt sampler's pending order, the step log so far
-  (columns in order, and rows), and the fingerprint of the run it belongs to
+  (columns in order, and rows), the number of processes, and the fingerprint of the run
 
-The fingerprint hashes the resolved params of the stage and the input checkpoints' weights, so a
-changed config or a retrained SFT/RM model never resumes from a stale state.
+The fingerprint hashes the resolved params of the stage (the `distributed` settings included) and
+the input checkpoints' weights, so a changed config or a retrained SFT/RM model never resumes from
+a stale state.
+
+Atomicity with several writers: every rank writes into one staging folder next to the target,
+then rank 0 writes `state.json` last and swaps the folder in; a run killed half-way leaves the
+previous checkpoint untouched.
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
+import os
+import shutil
 from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors.torch import load_model, save_model
 
 from ..errors import CheckpointError
-from ..io import atomic_dir, atomic_write_json
+from ..io import atomic_write_json
 from ..tracking import StepLog
 from .trainer import PPOTrainer
 
 
 # Bump when the checkpoint's layout changes: it is part of the fingerprint, so an older
 # checkpoint is never read with the new layout (the run starts afresh instead).
-FORMAT = 2
+FORMAT = 3
 
 
 def fingerprint(config: dict[str, Any], inputs: list[Path]) -> str:
@@ -43,19 +51,31 @@ def fingerprint(config: dict[str, Any], inputs: list[Path]) -> str:
 
 
 def save(trainer: PPOTrainer, step_log: StepLog, path: Path, fp: str) -> None:
-    with atomic_dir(path) as tmp:
-        save_model(trainer.m.actor, str(tmp / "actor.safetensors"))
-        save_model(trainer.m.critic, str(tmp / "critic.safetensors"))
-        torch.save({"actor_opt": trainer.actor_opt.state_dict(), "critic_opt": trainer.critic_opt.state_dict(),
-                    "actor_sched": trainer.actor_sched.state_dict(), "critic_sched": trainer.critic_sched.state_dict()},
-                   tmp / "optim.pt")
-        sampler = trainer.prompt_sampler.state_dict()
-        torch.save({"sample": trainer.sample_gen.get_state(), "shuffle": trainer.shuffle_gen.get_state(),
-                    "prompts": sampler.pop("gen"), "torch": torch.get_rng_state()}, tmp / "rng.pt")
-        atomic_write_json(tmp / "state.json", {"fingerprint": fp, "iteration": trainer.iteration,
-                                               "kl_controller": trainer.kl_ctl.state_dict(),
-                                               "sampler": sampler,
-                                               "log": {"columns": step_log.columns, "rows": step_log.rows}})
+    ctx = trainer.ctx
+    staging = path.with_name(f".{path.name}.staging")
+    if ctx.is_main:
+        shutil.rmtree(staging, ignore_errors=True)
+        staging.mkdir(parents=True)
+    ctx.barrier()
+    trainer.m.actor.save(staging, "actor", ctx)
+    trainer.m.critic.save(staging, "critic", ctx)
+    sampler = trainer.prompt_sampler.state_dict()
+    torch.save({"sample": trainer.sample_gen.get_state(), "shuffle": trainer.shuffle_gen.get_state(),
+                "prompts": sampler.pop("gen"), "torch": torch.get_rng_state()}, staging / f"rng_rank{ctx.rank}.pt")
+    ctx.barrier()
+    if ctx.is_main:
+        atomic_write_json(staging / "state.json", {"fingerprint": fp, "iteration": trainer.iteration,
+                                                   "world_size": ctx.world_size,
+                                                   "kl_controller": trainer.kl_ctl.state_dict(),
+                                                   "sampler": sampler,
+                                                   "log": {"columns": step_log.columns, "rows": step_log.rows}})
+        old = path.with_name(f".{path.name}.old")
+        shutil.rmtree(old, ignore_errors=True)
+        if path.exists():
+            os.replace(path, old)
+        os.replace(staging, path)
+        shutil.rmtree(old, ignore_errors=True)
+    ctx.barrier()
 
 
 def load(trainer: PPOTrainer, path: Path, fp: str) -> dict | None:
@@ -68,16 +88,11 @@ def load(trainer: PPOTrainer, path: Path, fp: str) -> dict | None:
     if state.get("fingerprint") != fp:
         return None  # another config or other input models: start afresh (the stale one is replaced)
     try:
-        load_model(trainer.m.actor, str(path / "actor.safetensors"))
-        load_model(trainer.m.critic, str(path / "critic.safetensors"))
-        optim = torch.load(path / "optim.pt", weights_only=True)
-        rng = torch.load(path / "rng.pt", weights_only=True)
-    except (OSError, RuntimeError) as err:
+        trainer.m.actor.load(path, "actor")
+        trainer.m.critic.load(path, "critic")
+        rng = torch.load(path / f"rng_rank{trainer.ctx.rank}.pt", weights_only=True)
+    except (OSError, RuntimeError, KeyError) as err:
         raise CheckpointError(f"{path}: unreadable checkpoint ({err}); delete it to start afresh") from None
-    trainer.actor_opt.load_state_dict(optim["actor_opt"])
-    trainer.critic_opt.load_state_dict(optim["critic_opt"])
-    trainer.actor_sched.load_state_dict(optim["actor_sched"])
-    trainer.critic_sched.load_state_dict(optim["critic_sched"])
     trainer.sample_gen.set_state(rng["sample"])
     trainer.shuffle_gen.set_state(rng["shuffle"])
     torch.set_rng_state(rng["torch"])

@@ -1,59 +1,150 @@
 """Model placement: the one place that builds PPO's four models and decides where they live.
 
-This version places all four in one process on the CPU (or the current device) with plain torch.
-The algorithm only calls forward/backward on what it is handed, so a distributed placement
-(DeepSpeed engines, LoRA adapters) replaces this module without touching the trainer.
-
-- actor:     trained, initialised from the SFT checkpoint
+- actor:     trained (a `TrainEngine`: plain PyTorch, or DeepSpeed with ZeRO 0-3), initialised from
+             the SFT checkpoint; with `ppo.lora` only its adapter trains
 - critic:    trained, a sequence-classification backbone whose `score` head is read at every position,
-             initialised from the reward model (default) or from SFT with a fresh head
-- reference: the SFT checkpoint, frozen
-- reward:    a RewardSource (the reward model, frozen, with its offset; or a Python function)
+             initialised from the reward model (default) or from SFT with a fresh head; with
+             `ppo.shared_backbone` a value head on the actor's own trunk instead (one trunk, two heads)
+- reference: the SFT policy, frozen: under LoRA the actor with its adapter switched off (no second
+             copy of the weights), otherwise a frozen copy, partitioned with ZeRO-3 when training is
+             stage 3, replicated otherwise (`offload_frozen` keeps it on the CPU)
+- reward:    a RewardSource (the reward model, frozen and placed like the reference; or a function)
+
+The trainer only calls forward/backward/step on what it is handed.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
-from transformers import PreTrainedModel, PreTrainedTokenizerBase
+from transformers import PreTrainedTokenizerBase
 
+from .. import lora
 from .. import reward_model as rm
 from ..config import Params
-from ..models import load_policy
+from ..distributed import SINGLE, Context
+from ..engines import FrozenModel, TrainEngine, make_engine
 from ..errors import CheckpointError
+from ..models import load_policy
 from ..reward_source import RewardSource, make_reward_source
 
 
 @dataclass
 class PPOModels:
-    actor: PreTrainedModel
-    critic: PreTrainedModel
-    ref: PreTrainedModel
+    actor: TrainEngine
+    critic: TrainEngine
+    ref: torch.nn.Module
     reward: RewardSource
     tok: PreTrainedTokenizerBase
+    ctx: Context = SINGLE
+    frozen: FrozenModel | None = None   # how the reference/reward models were placed (its DeepSpeed config)
 
 
-def _freeze(model: PreTrainedModel) -> PreTrainedModel:
-    return model.eval().requires_grad_(False)
+class AdapterOff(torch.nn.Module):
+    """The reference policy under LoRA: the actor's forward with its adapter disabled, which is the
+    SFT model exactly (the base weights are frozen). The actor is held, not registered, so this
+    module owns no parameters."""
+
+    def __init__(self, actor: torch.nn.Module):
+        super().__init__()
+        self._actor = [actor]
+
+    def forward(self, **inputs: Any) -> Any:
+        actor = self._actor[0]
+        with actor.disable_adapter():
+            return actor(**inputs)
 
 
-def place_models(params: Params, sft_dir: Path, reward_dir: Path) -> PPOModels:
-    cfg = params.ppo
+class SharedValueHead(torch.nn.Module):
+    """The critic of a shared actor-critic: a scalar head on the actor's last hidden states.
+
+    One trunk serves both losses (the seeds' shared backbone): half the memory and one model to
+    place, but the value loss now moves the policy's features too, so `ppo.vf_coef` trades critic
+    accuracy against policy drift (Andrychowicz et al. 2021 found separate networks more robust).
+    The trunk's gradients from both losses are applied by the actor's optimizer; this module's
+    own parameters are only the head."""
+
+    def __init__(self, actor: torch.nn.Module):
+        super().__init__()
+        self._actor = [actor]
+        hidden = rm.unwrap(actor).config.hidden_size
+        self.score = torch.nn.Linear(hidden, 1)
+        torch.nn.init.zeros_(self.score.weight)   # values start at 0: no claim before any data
+        torch.nn.init.zeros_(self.score.bias)
+        self.config = rm.unwrap(actor).config
+
+    @property
+    def base_model(self) -> torch.nn.Module:
+        return rm.unwrap(self._actor[0]).base_model
+
+
+def _linear_decay(total: int, schedule: str):
+    if schedule == "constant":
+        return lambda step: 1.0
+    return lambda step: max(0.0, 1.0 - step / total)
+
+
+def place_models(params: Params, sft_dir: Path, reward_dir: Path, ctx: Context = SINGLE) -> PPOModels:
+    cfg, dist = params.ppo, params.ppo.distributed
     trust = params.model.trust_remote_code
     torch.manual_seed(cfg.seed)
-    actor, tok = load_policy(sft_dir, trust)
-    ref, _ = load_policy(sft_dir, trust)
-    if cfg.critic_init == "reward":
-        critic, _ = rm.load_reward_model(reward_dir, trust)
-    else:
-        critic, _ = rm.init_reward_model(sft_dir, cfg.seed, None, trust)
-    if critic.config.vocab_size != actor.config.vocab_size:
-        raise CheckpointError(f"ppo.critic_init: the critic ({reward_dir}) and the actor ({sft_dir}) have different "
-                         "vocabularies; use critic_init: sft")
+    n_updates = cfg.iterations * cfg.ppo_epochs * (cfg.rollout_batch_size // cfg.minibatch_size)
+    schedule = _linear_decay(n_updates, cfg.lr_schedule)
+    micro = cfg.micro_batch_size
+    accumulation = cfg.minibatch_size // ctx.world_size // micro
+
+    actor_model, tok = load_policy(sft_dir, trust)
+    actor_model = lora.wrap(actor_model, cfg.lora, "CAUSAL_LM")
     # Dropout off in the trained models too: PPO's ratio must be exactly 1 before the first update.
-    actor.eval()
-    critic.eval()
-    reward = make_reward_source(cfg.reward_source, reward_dir, params.reward.max_length, trust)
-    return PPOModels(actor=actor, critic=critic, ref=_freeze(ref), reward=reward, tok=tok)
+    actor_model.eval()
+    actor = make_engine(actor_model, lr=cfg.lr, weight_decay=0.0, schedule=schedule,
+                        max_grad_norm=cfg.max_grad_norm, dist=dist, ctx=ctx, micro_batch_size=micro,
+                        accumulation_steps=accumulation)
+
+    if cfg.shared_backbone:
+        critic_model: torch.nn.Module = SharedValueHead(actor.module)
+    else:
+        if cfg.critic_init == "reward":
+            critic_model, _ = rm.load_reward_model(reward_dir, trust)
+        else:
+            critic_model, _ = rm.init_reward_model(sft_dir, cfg.seed, None, trust)
+        if critic_model.config.vocab_size != actor_model.config.vocab_size:
+            raise CheckpointError(f"ppo.critic_init: the critic ({reward_dir}) and the actor ({sft_dir}) have "
+                                  "different vocabularies; use critic_init: sft")
+        critic_model = lora.wrap(critic_model, cfg.critic_lora, "SEQ_CLS")
+    critic_model.eval()
+    critic = make_engine(critic_model, lr=cfg.critic_lr, weight_decay=0.0, schedule=schedule,
+                         max_grad_norm=cfg.max_grad_norm, dist=dist, ctx=ctx, micro_batch_size=micro,
+                         accumulation_steps=accumulation)
+
+    placed: list[FrozenModel] = []
+
+    def place_frozen(model: torch.nn.Module) -> torch.nn.Module:
+        placed.append(FrozenModel(model, dist, ctx, micro))
+        return placed[-1].module
+
+    if lora.is_peft(actor.module):
+        ref: torch.nn.Module = AdapterOff(actor.module)
+    else:
+        ref = place_frozen(load_policy(sft_dir, trust)[0])
+    reward = make_reward_source(cfg.reward_source, reward_dir, params.reward.max_length, trust, place_frozen)
+    return PPOModels(actor=actor, critic=critic, ref=ref, reward=reward, tok=tok, ctx=ctx,
+                     frozen=placed[0] if placed else None)
+
+
+def evaluation_models(models: PPOModels, params: Params, sft_dir: Path, reward_dir: Path,
+                      adapter_dir: Path | None = None):
+    """Collective. Plain single-process models for the held-out comparison on rank 0: the trained
+    actor (gathered; under LoRA its adapter saved to `adapter_dir`, then merged), the SFT reference
+    and the reward source, all on the CPU. Returns (actor, ref, reward) on rank 0, None elsewhere."""
+    full = models.actor.full_model()
+    if full is None:
+        return None
+    trust = params.model.trust_remote_code
+    actor = lora.export(full, adapter_dir).cpu().eval()
+    ref = load_policy(sft_dir, trust)[0].eval().requires_grad_(False)
+    reward = make_reward_source(params.ppo.reward_source, reward_dir, params.reward.max_length, trust)
+    return actor, ref, reward

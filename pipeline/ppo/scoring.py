@@ -53,7 +53,9 @@ class Scored:
     raw_scores: torch.Tensor     # (B,) scores as the reward source gave them
 
 
-@torch.inference_mode()
+# no_grad, not inference_mode: under ZeRO-3 these forwards gather parameters into buffers that
+# training forwards reuse, and inference tensors must never reach autograd.
+@torch.no_grad()
 def score_rollout(actor: PreTrainedModel, ref: PreTrainedModel, critic: PreTrainedModel, reward: RewardSource,
                   ro: Rollout, temperature: float, micro_batch_size: int,
                   missing_eos_score: float | None, score_clip: float | None) -> Scored:

@@ -16,33 +16,36 @@ from typing import Any, Callable, Optional
 
 from tqdm import tqdm
 
+from .. import distributed
 from ..config import Params, to_dict
+from ..distributed import Context
+from ..engines import write_deepspeed_config
 from ..data import load_prompts
 from ..evaluate import mean_ci, sequence_kl
 from ..generation import generate_texts
-from ..io import atomic_dir, atomic_write_text
+from ..io import atomic_dir, atomic_write_text, stale_extras
 from ..mlflow_tracking import stage_tracking
 from ..models import save_checkpoint
 from ..reward_source import RewardSource
 from ..tasks import get_judge
 from ..tracking import StepLog, Tracker, write_metrics
 from . import checkpoint
-from .placement import place_models
+from .placement import evaluation_models, place_models
 from .trainer import PPOTrainer
 
 log = logging.getLogger(__name__)
 
 
-def compare_policies(models, params: Params, prompts: list[str], judge: Optional[Callable],
+def compare_policies(actor, ref, tok, params: Params, prompts: list[str], judge: Optional[Callable],
                      reward: RewardSource) -> dict[str, Any]:
     """PPO policy vs the SFT (reference) policy on the same held-out prompts, sampled as in PPO."""
     cfg = params.ppo
     m: dict[str, Any] = {}
     per: dict[str, dict[str, list[float]]] = {}
-    for name, policy in (("sft", models.ref), ("ppo", models.actor)):
-        texts, ended = generate_texts(policy, models.tok, prompts, cfg.sampling, cfg.seed + 7, greedy=False)
+    for name, policy in (("sft", ref), ("ppo", actor)):
+        texts, ended = generate_texts(policy, tok, prompts, cfg.sampling, cfg.seed + 7, greedy=False)
         per[name] = {"rm": reward.score(prompts, texts).tolist(),
-                     "kl": sequence_kl(policy, models.ref, models.tok, prompts, texts, cfg.sampling.temperature)}
+                     "kl": sequence_kl(policy, ref, tok, prompts, texts, cfg.sampling.temperature)}
         if judge is not None:
             per[name]["gold"] = [judge(p, r) for p, r in zip(prompts, texts)]
         m[f"eval/eos_rate_{name}"] = sum(ended) / len(ended)
@@ -58,26 +61,34 @@ def run(params: Params, data_dir: Path, sft_dir: Path, reward_dir: Path, out: Pa
         progress: bool = True) -> dict[str, Any]:
     resolved = {"data": {"task": params.data.task}, "model": {"trust_remote_code": params.model.trust_remote_code},
                 "reward": {"max_length": params.reward.max_length}, "ppo": to_dict(params.ppo)}
-    out.mkdir(parents=True, exist_ok=True)
-    with stage_tracking("ppo", resolved, [data_dir, sft_dir, reward_dir]) as tracker:
-        return _run(params, data_dir, sft_dir, reward_dir, out, resolved, tracker, progress)
+    with distributed.session(params.ppo.distributed) as ctx:
+        if ctx.is_main:
+            out.mkdir(parents=True, exist_ok=True)
+            stale_extras(out, params.ppo.lora.enabled, ctx.world_size > 1 or params.ppo.distributed.backend != "none")
+        ctx.barrier()
+        with stage_tracking("ppo", resolved, [data_dir, sft_dir, reward_dir], enabled=ctx.is_main) as tracker:
+            return _run(params, data_dir, sft_dir, reward_dir, out, resolved, tracker, progress, ctx)
 
 
 def _run(params: Params, data_dir: Path, sft_dir: Path, reward_dir: Path, out: Path, resolved: dict,
-         tracker: Tracker, progress: bool) -> dict[str, Any]:
+         tracker: Tracker, progress: bool, ctx: Context) -> dict[str, Any]:
     cfg = params.ppo
     prompts = load_prompts(data_dir / "ppo_prompts.jsonl")
     eval_prompts = load_prompts(data_dir / "eval_prompts.jsonl")[:cfg.n_eval_prompts]
     judge = get_judge(params.data.task)
-    models = place_models(params, sft_dir, reward_dir)
+    models = place_models(params, sft_dir, reward_dir, ctx)
+    if ctx.is_main:
+        write_deepspeed_config(out / "deepspeed_config.json", actor=models.actor, critic=models.critic,
+                               frozen=models.frozen)
     trainer = PPOTrainer(cfg, models, prompts, judge)
     fp = checkpoint.fingerprint(resolved, [sft_dir, reward_dir])
-    step_log = StepLog(out / "train.tsv", tracker=tracker, series="train")
+    step_log = StepLog(out / "train.tsv", tracker=tracker, series="train", write=ctx.is_main)
     saved_log = checkpoint.load(trainer, out / "checkpoint", fp)
     if saved_log is not None:
         step_log.restore(saved_log["rows"], saved_log["columns"])
         log.warning("ppo: resuming from %s at iteration %d", out / "checkpoint", trainer.iteration)
-    bar = tqdm(total=cfg.iterations, initial=trainer.iteration, desc="ppo", disable=not progress, mininterval=1.0)
+    bar = tqdm(total=cfg.iterations, initial=trainer.iteration, desc="ppo", disable=not (progress and ctx.is_main),
+               mininterval=1.0)
     while trainer.iteration < cfg.iterations:
         stats = trainer.step()
         step_log.log(trainer.iteration, stats)
@@ -89,11 +100,17 @@ def _run(params: Params, data_dir: Path, sft_dir: Path, reward_dir: Path, out: P
     bar.close()
     step_log.flush()
 
+    adapter_dir = out / "adapter" if cfg.lora.enabled else None
+    plain = evaluation_models(models, params, sft_dir, reward_dir, adapter_dir)   # collective; None on ranks > 0
+    if plain is None:
+        return {}
+    actor, ref, reward = plain
     last = step_log.rows[-1]
     metrics: dict[str, Any] = {f"train/{k.replace('/', '_')}": v for k, v in last.items() if k != "step"}
-    metrics.update(compare_policies(models, params, eval_prompts, judge, models.reward))
+    metrics.update(compare_policies(actor, ref, models.tok, params, eval_prompts, judge, reward))
     with atomic_dir(out / "model") as tmp:
-        save_checkpoint(models.actor, models.tok, tmp)
+        save_checkpoint(actor, models.tok, tmp)
+
     atomic_write_text(out / "config.json", json.dumps(resolved, indent=2) + "\n")
     write_metrics(out / "metrics.json", metrics, tracker)
     tracker.log_outputs(out)

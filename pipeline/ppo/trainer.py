@@ -51,20 +51,25 @@ class Batch:
     returns: torch.Tensor      # (B, R) value targets, zero on pads
 
 
+# Per-iteration stats that add up over ranks (counts, throughput); the rest are averaged.
+SUM_STATS = ("val/num_eos_tokens", "rollouts", "tokens_per_second/rollout", "tokens_per_second/update")
+MAX_STATS = ("val/ratio_max",)
+
+
 class PPOTrainer:
+    """One process's share of PPO. With N processes each rank samples its slice of the global
+    prompt batch; whitening, token counts and statistics are reduced over ranks, so one step does
+    the maths of one process holding the whole batch."""
+
     def __init__(self, cfg: PPOConfig, models: PPOModels, prompts: list[str],
                  judge: Optional[Callable[[str, str], float]] = None):
         self.cfg, self.m, self.prompts, self.judge = cfg, models, prompts, judge
-        n_updates = cfg.iterations * cfg.ppo_epochs * (cfg.rollout_batch_size // cfg.minibatch_size)
-        self.actor_opt = torch.optim.AdamW(models.actor.parameters(), lr=cfg.lr, weight_decay=0.0)
-        self.critic_opt = torch.optim.AdamW(models.critic.parameters(), lr=cfg.critic_lr, weight_decay=0.0)
-        decay = (lambda step: max(0.0, 1.0 - step / n_updates)) if cfg.lr_schedule == "linear" else (lambda step: 1.0)
-        self.actor_sched = torch.optim.lr_scheduler.LambdaLR(self.actor_opt, decay)
-        self.critic_sched = torch.optim.lr_scheduler.LambdaLR(self.critic_opt, decay)
+        self.ctx = models.ctx
         self.kl_ctl = (adv.AdaptiveKLController(cfg.kl_coef, cfg.kl_target, cfg.kl_horizon) if cfg.adaptive_kl
                        else adv.FixedKLController(cfg.kl_coef))
         self.prompt_sampler = BatchSampler(len(prompts), cfg.rollout_batch_size, cfg.seed)
-        self.sample_gen = torch.Generator().manual_seed(cfg.seed + 1)
+        # Each rank its own sampling stream (rank 0's is the single-process one).
+        self.sample_gen = torch.Generator().manual_seed(cfg.seed + 1 + 7919 * self.ctx.rank)
         self.shuffle_gen = torch.Generator().manual_seed(cfg.seed + 2)
         self.iteration = 0  # iterations completed
 
@@ -76,10 +81,11 @@ class PPOTrainer:
         rewards, stats = adv.assemble_rewards(sc.scores, kl, mask, kl_coef)                 # (B, R)
         if cfg.kl_loss_coef > 0:  # the penalty lives in the loss; still report the KL itself
             stats["objective/kl"] = adv.masked_mean(kl, mask, dim=1).mul(mask.sum(1)).mean().item()
+        reduce = self.ctx.sum if self.ctx.world_size > 1 else adv.local
         if cfg.whiten_rewards:
-            rewards = adv.masked_whiten(rewards, mask, shift_mean=False)
+            rewards = adv.masked_whiten(rewards, mask, shift_mean=False, reduce=reduce)
         advantages, returns = adv.gae(rewards, sc.values, mask, cfg.gamma, cfg.lam)
-        advantages = adv.masked_whiten(advantages, mask)
+        advantages = adv.masked_whiten(advantages, mask, reduce=reduce)   # over the global batch
         stats["val/explained_variance"] = adv.explained_variance(sc.values, returns, mask)
         return Batch(ro, sc, advantages, returns), stats
 
@@ -88,7 +94,7 @@ class PPOTrainer:
         """Forward/backward of one micro-batch; losses are sums over tokens / minibatch tokens."""
         cfg, ro = self.cfg, b.ro.select(idx)
         mask = ro.response_mask
-        logprobs, entropy = policy_logprobs(self.m.actor, ro, cfg.sampling.temperature, with_entropy=True)
+        logprobs, entropy = policy_logprobs(self.m.actor.forward, ro, cfg.sampling.temperature, with_entropy=True)
         pg_loss, stats = policy_loss(logprobs, b.sc.old_logprobs[idx], b.advantages[idx], mask,
                                      cfg.clip_eps, cfg.dual_clip, loss_denominator=n_tokens)
         ent_sum = torch.where(mask, entropy, 0.0).sum() / n_tokens
@@ -96,12 +102,14 @@ class PPOTrainer:
         if cfg.kl_loss_coef > 0:
             kl = adv.kl_penalty(logprobs, b.sc.ref_logprobs[idx], cfg.kl_estimator)
             loss = loss + cfg.kl_loss_coef * torch.where(mask, kl, 0.0).sum() / n_tokens
-        values = critic_values(self.m.critic, ro)
+        values = critic_values(self.m.critic.module, ro)
         v_loss, vstats = value_loss(values, b.sc.values[idx], b.returns[idx], mask, cfg.clip_eps_value,
                                     loss_denominator=n_tokens)
         _check_finite("loss/policy", pg_loss.detach(), self.iteration + 1)
         _check_finite("loss/value", v_loss.detach(), self.iteration + 1)
-        (loss + v_loss).backward()  # disjoint parameters: one backward serves both models
+        # Two graphs (a shared trunk is run twice), so two backward passes, one per engine.
+        self.m.actor.backward(loss)
+        self.m.critic.backward(cfg.vf_coef * v_loss)
         weight = float(mask.sum()) / n_tokens
         out = {k: v * weight for k, v in {**stats, **vstats}.items() if k != "val/ratio_max"}
         out.update({"loss/policy": pg_loss.item(), "loss/value": v_loss.item(),
@@ -110,14 +118,10 @@ class PPOTrainer:
 
     def optimizer_step(self) -> tuple[float, float]:
         norms = []
-        for model, opt, sched in ((self.m.actor, self.actor_opt, self.actor_sched),
-                                  (self.m.critic, self.critic_opt, self.critic_sched)):
-            norm = torch.nn.utils.clip_grad_norm_(model.parameters(), self.cfg.max_grad_norm)
+        for engine in (self.m.actor, self.m.critic):
+            _, norm = engine.step()   # a plain engine skips the step when the norm is not finite
             _check_finite("gradient norm", norm, self.iteration + 1)
-            opt.step()
-            sched.step()
-            opt.zero_grad(set_to_none=True)
-            norms.append(float(norm))
+            norms.append(norm)
         return norms[0], norms[1]
 
     def update(self, b: Batch) -> dict[str, float]:
@@ -127,12 +131,16 @@ class PPOTrainer:
         for _ in range(cfg.ppo_epochs):
             perm = torch.randperm(B, generator=self.shuffle_gen)
             epoch_kl = []
-            for mb in perm.split(cfg.minibatch_size):
-                n_tokens = float(b.ro.response_mask[mb].sum().clamp(min=1))
+            for mb in perm.split(cfg.minibatch_size // self.ctx.world_size):
+                # Losses are token sums over the global minibatch divided by its token count.
+                n_tokens = float(self.ctx.sum(b.ro.response_mask[mb].sum().double()).clamp(min=1))
                 mb_stats: dict[str, float] = {}
                 for micro in mb.split(cfg.micro_batch_size):
                     for k, v in self.micro_step(b, micro, n_tokens).items():
                         mb_stats[k] = max(mb_stats.get(k, v), v) if k == "val/ratio_max" else mb_stats.get(k, 0.0) + v
+                if self.ctx.world_size > 1:   # token-weighted parts of the global minibatch: sum them
+                    mb_stats = {k: v * (1 if k in MAX_STATS else self.ctx.world_size)
+                                for k, v in self.ctx.mean_stats(mb_stats, MAX_STATS).items()}
                 mb_stats["policy/grad_norm"], mb_stats["val/grad_norm"] = self.optimizer_step()
                 for k, v in mb_stats.items():
                     totals[k] = max(totals.get(k, v), v) if k == "val/ratio_max" else totals.get(k, 0.0) + v
@@ -149,12 +157,14 @@ class PPOTrainer:
     # ---- one iteration ------------------------------------------------------------------------
     def step(self) -> dict[str, float]:
         cfg, it = self.cfg, self.iteration + 1
-        self.m.actor.eval()   # dropout off everywhere; gradients still flow in the update
+        self.m.actor.module.eval()   # dropout off everywhere; gradients still flow in the update
         t0 = time.perf_counter()
-        prompts = [self.prompts[i] for i in next(self.prompt_sampler)]
-        ro = rollout(self.m.actor, self.m.tok, prompts, cfg.sampling, self.sample_gen)            # 1
+        # The same global batch on every rank (same seed); each keeps its slice.
+        prompts = self.ctx.shard([self.prompts[i] for i in next(self.prompt_sampler)])
+        with self.m.actor.gathered() as policy:   # ZeRO-3: parameters gathered once per rollout
+            ro = rollout(policy, self.m.tok, prompts, cfg.sampling, self.sample_gen)              # 1
         t1 = time.perf_counter()
-        sc = score_rollout(self.m.actor, self.m.ref, self.m.critic, self.m.reward, ro,             # 2
+        sc = score_rollout(self.m.actor.forward, self.m.ref, self.m.critic.module, self.m.reward, ro,   # 2
                            cfg.sampling.temperature, cfg.micro_batch_size, cfg.missing_eos_score, cfg.score_clip)
         _check_finite("rewards (scores)", sc.raw_scores, it)
         batch, stats = self.make_batch(ro, sc)                                                     # 3, 4
@@ -164,8 +174,8 @@ class PPOTrainer:
         t3 = time.perf_counter()
         n_tokens = float(ro.response_mask.sum())
         stats.update({                                                                             # 6
-            "kl_coef": self.kl_ctl.kl_coef, "lr": self.actor_sched.get_last_lr()[0],
-            "val/num_eos_tokens": float(ro.ended.sum()),
+            "kl_coef": self.kl_ctl.kl_coef, "lr": self.m.actor.scheduler.get_last_lr()[0],
+            "val/num_eos_tokens": float(ro.ended.sum()), "rollouts": float(len(prompts)),
             "objective/response_length": n_tokens / len(prompts),
             "time/rollout": t1 - t0, "time/scoring": t2 - t1, "time/update": t3 - t2,
             "tokens_per_second/rollout": n_tokens / max(t1 - t0, 1e-9),
@@ -173,9 +183,13 @@ class PPOTrainer:
         })
         if self.judge is not None:
             stats["objective/gold_scores"] = sum(self.judge(p, r) for p, r in zip(prompts, ro.responses)) / len(prompts)
+        if self.ctx.world_size > 1:   # every rank continues with the same, global statistics
+            stats = {k: v * (self.ctx.world_size if k in SUM_STATS else 1)
+                     for k, v in self.ctx.mean_stats(stats, MAX_STATS).items()}
         self.kl_ctl.update(stats["objective/kl"], cfg.rollout_batch_size)
         self.iteration = it
-        warn_health(stats, it)
+        if self.ctx.is_main:
+            warn_health(stats, it)
         return stats
 
 

@@ -1,0 +1,303 @@
+"""Training and inference engines: where a model's weights live and how one optimizer step happens.
+
+Every training loop (SFT, RM, PPO's actor and critic) talks to a `TrainEngine`:
+
+    loss = <sum over this micro-batch> / <size of the global batch>
+    engine.backward(loss)          # once per micro-batch
+    lr, grad_norm = engine.step()  # once per global batch (optimizer step)
+
+so the *same* loop runs as plain PyTorch in one process (`TorchEngine`) or through
+`deepspeed.initialize` in N processes (`DeepSpeedEngine`). Why DeepSpeed directly rather than
+through accelerate: PPO holds four models with different roles (two trained engines, two frozen
+ones that ZeRO-3 must partition too) and must switch ZeRO-3's parameter hooks off for generation;
+accelerate's DeepSpeed plugin is built around one model per config and hides the engine we need.
+
+Loss scaling: DeepSpeed averages gradients over the data-parallel ranks and (by default) divides
+each micro-batch loss by its accumulation steps. Our losses are already normalised by the global
+batch, so `DeepSpeedEngine.backward` multiplies by the world size and turns the division off: the
+summed gradient is then exactly the gradient one process computes on the whole global batch.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import math
+from pathlib import Path
+from typing import Any, Callable, Iterator, Optional
+
+import torch
+
+from .config import DistributedConfig
+from .distributed import Context
+from .errors import ConfigError
+
+# Optimizer types DeepSpeed builds itself (needed for optimizer offload: its CPU Adam runs the step).
+DS_ADAMW = "AdamW"
+
+
+def deepspeed_config(dist: DistributedConfig, *, world_size: int, micro_batch_size: int,
+                     accumulation_steps: int, max_grad_norm: float | None,
+                     lr: float | None = None, weight_decay: float = 0.0, train: bool = True) -> dict[str, Any]:
+    """The DeepSpeed JSON config for one engine, generated from the `distributed` params.
+
+    `micro_batch_size` x `accumulation_steps` x `world_size` is the global batch of one optimizer
+    step. With optimizer offload the optimizer is declared here (DeepSpeed's CPU Adam); otherwise
+    our own torch AdamW is handed to `deepspeed.initialize`.
+    """
+    zero: dict[str, Any] = {"stage": dist.zero_stage}
+    if dist.zero_stage == 3:
+        # Small models: gather whole layers at once; partition only what is worth it.
+        zero.update({"stage3_param_persistence_threshold": 1e4, "stage3_prefetch_bucket_size": 5e7,
+                     "stage3_gather_16bit_weights_on_model_save": True})
+    if train and dist.offload_optimizer:
+        zero["offload_optimizer"] = {"device": "cpu", "pin_memory": torch.cuda.is_available()}
+    if dist.offload_param or (not train and dist.offload_frozen and dist.zero_stage == 3):
+        zero["offload_param"] = {"device": "cpu", "pin_memory": torch.cuda.is_available()}
+    cfg: dict[str, Any] = {
+        "train_micro_batch_size_per_gpu": micro_batch_size,
+        "gradient_accumulation_steps": accumulation_steps,
+        "train_batch_size": micro_batch_size * accumulation_steps * world_size,
+        "zero_optimization": zero,
+        "bf16": {"enabled": dist.precision == "bf16"},
+        "fp16": {"enabled": dist.precision == "fp16", "initial_scale_power": 16},
+        "steps_per_print": 10 ** 9,          # we log ourselves
+        "wall_clock_breakdown": False,
+    }
+    if train and max_grad_norm is not None:
+        cfg["gradient_clipping"] = max_grad_norm
+    if train and dist.offload_optimizer:
+        assert lr is not None
+        cfg["optimizer"] = {"type": DS_ADAMW, "params": {"lr": lr, "weight_decay": weight_decay,
+                                                         "betas": [0.9, 0.999], "eps": 1e-8}}
+    return cfg
+
+
+def validate_deepspeed_config(cfg: dict[str, Any], world_size: int) -> None:
+    """Check a generated config before any engine is built: the batch arithmetic for `world_size`
+    ranks here, then DeepSpeed's own parser and its pydantic ZeRO model (which reject unknown or
+    ill-typed values). Raises ConfigError naming what is wrong."""
+    from deepspeed.runtime.config import DeepSpeedConfig
+    from deepspeed.runtime.zero.config import DeepSpeedZeroConfig
+
+    def invalid(why: object) -> ConfigError:
+        return ConfigError(f"distributed: the generated DeepSpeed config is invalid: {why}")
+
+    micro, acc = cfg["train_micro_batch_size_per_gpu"], cfg["gradient_accumulation_steps"]
+    if cfg["train_batch_size"] != micro * acc * world_size:
+        raise invalid(f"train_batch_size {cfg['train_batch_size']} != micro batch {micro} x accumulation {acc} "
+                      f"x {world_size} processes")
+    if cfg["bf16"]["enabled"] and cfg["fp16"]["enabled"]:
+        raise invalid("bf16 and fp16 together")
+    # DeepSpeed's parser reads the world size from the process group; without one it assumes 1,
+    # so it is then shown the per-process view of the same config.
+    import torch.distributed as tdist
+    local = json.loads(json.dumps(cfg))
+    if not (tdist.is_available() and tdist.is_initialized()):
+        local["train_batch_size"] = micro * acc
+    try:
+        DeepSpeedZeroConfig(**cfg["zero_optimization"])
+        DeepSpeedConfig(local)
+    except (AssertionError, ValueError, KeyError, TypeError) as err:
+        raise invalid(err) from None
+
+
+class TrainEngine:
+    """Plain PyTorch: AdamW, a schedule, gradient clipping, gradient accumulation by summation."""
+
+    def __init__(self, model: torch.nn.Module, lr: float, weight_decay: float,
+                 schedule: Callable[[int], float], max_grad_norm: float):
+        self.module = model
+        self.params = [p for p in model.parameters() if p.requires_grad]
+        self.optimizer = torch.optim.AdamW(self.params, lr=lr, weight_decay=weight_decay)
+        self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, schedule)
+        self.max_grad_norm = max_grad_norm
+        self.forward = model   # what training forwards call
+
+    def backward(self, loss: torch.Tensor) -> None:
+        loss.backward()
+
+    def step(self) -> tuple[float, float]:
+        """Clip, step, advance the schedule; returns (learning rate used, grad norm before clipping)."""
+        norm = float(torch.nn.utils.clip_grad_norm_(self.params, self.max_grad_norm))
+        lr = self.scheduler.get_last_lr()[0]
+        if math.isfinite(norm):   # a NaN/inf gradient never reaches the weights (the caller reports it)
+            self.optimizer.step()
+            self.scheduler.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        return lr, norm
+
+    @property
+    def device(self) -> torch.device:
+        return next(self.module.parameters()).device
+
+    @contextlib.contextmanager
+    def gathered(self) -> Iterator[torch.nn.Module]:
+        """The whole model for generation (already whole in one process)."""
+        yield self.module
+
+    def full_model(self) -> torch.nn.Module | None:
+        return self.module
+
+    # Resumable state of optimizer and schedule (weights are saved by the caller).
+    def save(self, folder: Path, name: str, ctx: Context) -> None:
+        from safetensors.torch import save_model
+        save_model(self.module, str(folder / f"{name}.safetensors"))
+        torch.save({"opt": self.optimizer.state_dict(), "sched": self.scheduler.state_dict()}, folder / f"{name}_optim.pt")
+
+    def load(self, folder: Path, name: str) -> None:
+        from safetensors.torch import load_model
+        load_model(self.module, str(folder / f"{name}.safetensors"))
+        state = torch.load(folder / f"{name}_optim.pt", weights_only=True)
+        self.optimizer.load_state_dict(state["opt"])
+        self.scheduler.load_state_dict(state["sched"])
+
+
+class DeepSpeedEngine(TrainEngine):
+    """A `deepspeed.initialize` engine behind the same three calls."""
+
+    def __init__(self, model: torch.nn.Module, lr: float, weight_decay: float,
+                 schedule: Callable[[int], float], max_grad_norm: float, dist: DistributedConfig,
+                 ctx: Context, micro_batch_size: int, accumulation_steps: int):
+        import deepspeed
+
+        self.ds_config = deepspeed_config(dist, world_size=ctx.world_size, micro_batch_size=micro_batch_size,
+                                          accumulation_steps=accumulation_steps, max_grad_norm=max_grad_norm,
+                                          lr=lr, weight_decay=weight_decay)
+        validate_deepspeed_config(self.ds_config, ctx.world_size)
+        self.world_size = ctx.world_size
+        params = [p for p in model.parameters() if p.requires_grad]
+        if dist.offload_optimizer:
+            optimizer = None  # DeepSpeed builds its CPU Adam from the config
+            self.engine, self.optimizer, _, _ = deepspeed.initialize(model=model, model_parameters=params,
+                                                                     config=self.ds_config)
+            self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, schedule)
+        else:
+            optimizer = torch.optim.AdamW(params, lr=lr, weight_decay=weight_decay)
+            self.scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, schedule)
+            self.engine, self.optimizer, _, _ = deepspeed.initialize(model=model, optimizer=optimizer,
+                                                                     config=self.ds_config)
+        self.module = self.engine.module
+        self.forward = self.engine
+        self.params = params
+
+    def backward(self, loss: torch.Tensor) -> None:
+        self.engine.backward(loss * self.world_size, scale_wrt_gas=False)
+        self.engine.step()   # a no-op until the accumulation boundary; then reduce, clip, step
+
+    def step(self) -> tuple[float, float]:
+        """The optimizer step already happened in the last `backward` (the accumulation boundary)."""
+        lr = self.scheduler.get_last_lr()[0]
+        self.scheduler.step()
+        norm = self.engine.get_global_grad_norm()
+        return lr, float(norm) if norm is not None else float("nan")
+
+    @property
+    def zero3(self) -> bool:
+        return self.engine.zero_optimization_stage() == 3
+
+    @contextlib.contextmanager
+    def gathered(self) -> Iterator[torch.nn.Module]:
+        """ZeRO-3: gather the parameters once and switch the per-module hooks off for generation
+        (otherwise every generated token would all-gather every layer again)."""
+        if not self.zero3:
+            yield self.module
+            return
+        from deepspeed.runtime.zero.stage3 import unwrap_model_for_generation
+        with unwrap_model_for_generation(self.engine):
+            yield self.module
+
+    def full_model(self) -> torch.nn.Module | None:
+        """Collective: the whole model in float32 on rank 0 (None on the other ranks). Below ZeRO-3
+        every rank holds all weights already; under ZeRO-3 they are gathered into a fresh copy."""
+        import deepspeed
+        import torch.distributed as tdist
+
+        rank = tdist.get_rank()
+        if not self.zero3:
+            return self.module.float() if rank == 0 else None
+        state = None
+        with deepspeed.zero.GatheredParameters(list(self.module.parameters()), modifier_rank=None):
+            if rank == 0:
+                state = {k: v.detach().to("cpu", torch.float32).clone() for k, v in self.module.state_dict().items()}
+        if rank != 0:
+            return None
+        plain = _rebuild(self.module)
+        plain.load_state_dict(state)
+        return plain.float()
+
+    def save(self, folder: Path, name: str, ctx: Context) -> None:
+        # Every rank writes its own shard of optimizer (and, under ZeRO-3, parameter) state.
+        self.engine.save_checkpoint(str(folder), tag=name, client_state={"sched": self.scheduler.state_dict()})
+
+    def load(self, folder: Path, name: str) -> None:
+        _, client = self.engine.load_checkpoint(str(folder), tag=name)
+        if client is None:
+            raise FileNotFoundError(f"{folder / name}: no DeepSpeed checkpoint")
+        self.scheduler.load_state_dict(client["sched"])
+
+
+def _rebuild(module: torch.nn.Module) -> torch.nn.Module:
+    """A fresh, unpartitioned copy of a (possibly PEFT-wrapped) HF model's architecture."""
+    config = getattr(module, "config", None)
+    if config is None:
+        raise TypeError(f"cannot rebuild {type(module).__name__} without a config")
+    return type(module)(config) if not hasattr(module, "peft_config") else _rebuild_peft(module)
+
+
+def _rebuild_peft(module: torch.nn.Module) -> torch.nn.Module:
+    from peft import get_peft_model
+    base = module.get_base_model()
+    fresh = type(base)(base.config)
+    return get_peft_model(fresh, module.peft_config["default"])
+
+
+class FrozenModel:
+    """Reference or reward model: inference only. Partitioned with ZeRO-3 when training is stage 3
+    (every rank holds a slice), otherwise replicated; `offload_frozen` keeps it on the CPU."""
+
+    def __init__(self, model: torch.nn.Module, dist: DistributedConfig, ctx: Context, micro_batch_size: int):
+        model.eval().requires_grad_(False)
+        self.engine = None
+        self.ds_config: dict[str, Any] | None = None
+        if dist.backend == "deepspeed" and dist.zero_stage == 3:
+            import deepspeed
+            self.ds_config = deepspeed_config(dist, world_size=ctx.world_size, micro_batch_size=micro_batch_size,
+                                              accumulation_steps=1, max_grad_norm=None, train=False)
+            self.engine, *_ = deepspeed.initialize(model=model, config=self.ds_config)
+            self.module = self.engine.module
+        else:
+            device = torch.device("cpu") if dist.offload_frozen else ctx.device
+            dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(dist.precision)
+            self.module = model.to(device=device, dtype=dtype) if dtype else model.to(device)
+
+
+def make_engine(model: torch.nn.Module, *, lr: float, weight_decay: float, schedule: Callable[[int], float],
+                max_grad_norm: float, dist: DistributedConfig, ctx: Context, micro_batch_size: int,
+                accumulation_steps: int) -> TrainEngine:
+    if dist.backend == "none":
+        return TrainEngine(model.to(ctx.device), lr, weight_decay, schedule, max_grad_norm)
+    return DeepSpeedEngine(model, lr, weight_decay, schedule, max_grad_norm, dist, ctx, micro_batch_size,
+                           accumulation_steps)
+
+
+def warmup_cosine(warmup_steps: int, total: int) -> Callable[[int], float]:
+    """Linear warmup then cosine decay to 0 (the multiplier of the peak learning rate)."""
+    def f(step: int) -> float:
+        if step < warmup_steps:
+            return step / max(1, warmup_steps)
+        progress = (step - warmup_steps) / max(1, total - warmup_steps)
+        return max(0.0, 0.5 * (1.0 + math.cos(math.pi * progress)))
+    return f
+
+
+def write_deepspeed_config(path: Path, **engines: Any) -> Optional[dict]:
+    """Save the generated DeepSpeed config(s) next to the outputs: the config itself for one engine,
+    `{name: config}` for several (PPO). Nothing is written for plain PyTorch engines."""
+    configs = {name: getattr(e, "ds_config", None) for name, e in engines.items()}
+    if all(c is None for c in configs.values()):
+        return None
+    from .io import atomic_write_json
+    out = next(iter(configs.values())) if len(configs) == 1 else configs
+    atomic_write_json(path, out)
+    return out

@@ -1,0 +1,273 @@
+"""Scaling out on CPU: DeepSpeed engines in 1 and 2 processes (gloo), ZeRO-2/3, LoRA, the generated
+DeepSpeed configs, the launch commands, and a killed-then-resumed 2-process PPO run.
+
+The multi-process tests run the real stage command (`python -m pipeline <stage>`), which re-runs
+itself under torchrun, on tiny params. The first DeepSpeed start on a machine compiles a small
+communication op (about a minute); TORCH_EXTENSIONS_DIR (set by the Makefile) keeps it cached.
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from conftest import REPO, TINY, merge, run_env, write_params
+from pipeline import lora
+from pipeline.config import DistributedConfig, LoraConfig, Params, PPOConfig, SamplingConfig, from_dict
+from pipeline.distributed import launch_command
+from pipeline.engines import deepspeed_config, validate_deepspeed_config
+from pipeline.errors import ConfigError
+from pipeline.models import load_policy
+from pipeline.ppo.placement import AdapterOff, SharedValueHead, place_models
+from pipeline.ppo.rollout import rollout
+from pipeline.ppo.scoring import policy_logprobs
+from pipeline.ppo.trainer import PPOTrainer
+
+# Per-step losses of 2 processes vs 1 process with the same global batch. The maths is identical;
+# only the order of float32 additions differs (gradients are summed over ranks by all-reduce).
+LOSS_TOL = 1e-4
+PROMPT = "Review the film Silent River . Focus on the music ."
+
+
+def stage(name: str, params: Path, root: Path, out: str, *extra: str, check: bool = True) -> subprocess.CompletedProcess:
+    paths = {"sft": ["--data", "data"], "reward": ["--data", "data", "--sft", "sft/model"],
+             "ppo": ["--data", "data", "--sft", "sft/model", "--reward", "rm/model"]}[name]
+    cmd = [sys.executable, "-m", "pipeline", name, "--params", str(params), *paths, "--out", out, "--no-progress", *extra]
+    env = {**run_env(), "PYTHONPATH": str(REPO)}
+    env.setdefault("TORCH_EXTENSIONS_DIR", str(REPO / ".cache" / "torch_extensions"))
+    proc = subprocess.run(cmd, cwd=root, env=env, capture_output=True, text=True, timeout=900)
+    if check and proc.returncode != 0:
+        raise AssertionError(f"{' '.join(cmd)} exited {proc.returncode}\n{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}")
+    return proc
+
+
+def tsv(path: Path) -> list[dict[str, float]]:
+    with open(path) as f:
+        return [{k: float(v) for k, v in row.items()} for row in csv.DictReader(f, delimiter="\t")]
+
+
+_port = iter(range(29610, 29700))
+
+
+def params_file(root: Path, name: str, override: dict) -> Path:
+    path = root / f"{name}.yaml"
+    dist = override.get("distributed", {})
+    if dist.get("backend") == "deepspeed":   # every launch its own rendezvous port
+        override = merge(override, {"distributed": {"master_port": next(_port)}})
+    write_params(path, merge(TINY, override))
+    return path
+
+
+@pytest.fixture(scope="module")
+def root(tmp_path_factory) -> Path:
+    """Prepared tiny data and plain single-process SFT and RM runs to compare against."""
+    root = tmp_path_factory.mktemp("dist")
+    base = params_file(root, "plain", {})
+    subprocess.run([sys.executable, "-m", "pipeline", "prepare", "--params", str(base), "--out", "data"],
+                   cwd=root, env={**run_env(), "PYTHONPATH": str(REPO)}, check=True, capture_output=True)
+    stage("sft", base, root, "sft")
+    stage("reward", base, root, "rm")
+    return root
+
+
+ZERO2_2PROC = {"distributed": {"backend": "deepspeed", "zero_stage": 2, "num_processes": 2}}
+
+
+def test_two_process_zero2_sft_and_rm_match_one_process(root):
+    p = params_file(root, "zero2", ZERO2_2PROC)
+    proc = stage("sft", p, root, "sft2")
+    assert "launching 2 processes" in proc.stdout
+    stage("reward", p, root, "rm2")
+    for one, two, keys in (("sft", "sft2", ("loss", "grad_norm", "lr")),
+                           ("rm", "rm2", ("loss", "accuracy", "grad_norm", "lr"))):
+        a, b = tsv(root / one / "train.tsv"), tsv(root / two / "train.tsv")
+        assert len(a) == len(b) == {"sft": 4, "rm": 3}[one]   # 64 demos, 48 pairs / global batch 16
+        for ra, rb in zip(a, b):
+            for k in keys:
+                assert abs(ra[k] - rb[k]) <= LOSS_TOL * max(1.0, abs(ra[k])), (one, k, ra, rb)
+        assert abs(tsv(root / one / "eval.tsv")[-1]["loss"] - tsv(root / two / "eval.tsv")[-1]["loss"]) <= LOSS_TOL
+    # Training moved the weights (the comparison is not between two untrained models).
+    assert tsv(root / "sft" / "train.tsv")[-1]["loss"] < tsv(root / "sft" / "train.tsv")[0]["loss"]
+    ds = json.loads((root / "sft2" / "deepspeed_config.json").read_text())
+    assert ds["zero_optimization"]["stage"] == 2
+    assert (ds["train_batch_size"], ds["train_micro_batch_size_per_gpu"], ds["gradient_accumulation_steps"]) == (16, 8, 1)
+    # Only rank 0 wrote, and what it wrote loads as a plain HF model.
+    AutoModelForCausalLM.from_pretrained(str(root / "sft2" / "model"))
+    assert not (root / "sft" / "deepspeed_config.json").exists()
+
+
+def test_two_process_ppo_zero2_and_zero3_agree(root):
+    runs = {}
+    for name, stage_no in (("ppo_z2", 2), ("ppo_z3", 3)):
+        p = params_file(root, name, {"distributed": {"backend": "deepspeed", "zero_stage": stage_no, "num_processes": 2}})
+        stage("ppo", p, root, name)
+        runs[name] = tsv(root / name / "train.tsv")
+        assert [r["step"] for r in runs[name]] == [1, 2, 3]
+        # Both ranks contributed: the update saw the whole global batch of 8 rollouts (4 per rank).
+        assert all(r["rollouts"] == 8 for r in runs[name])
+    for a, b in zip(runs["ppo_z2"], runs["ppo_z3"]):
+        for k in ("objective/scores", "objective/kl", "loss/policy", "loss/value", "val/vpred"):
+            assert abs(a[k] - b[k]) <= 1e-4 * max(1.0, abs(a[k])), (k, a[k], b[k])
+    ds = json.loads((root / "ppo_z3" / "deepspeed_config.json").read_text())
+    # Reference and reward model were ZeRO-3 inference engines (partitioned, no optimizer).
+    assert ds["frozen"]["zero_optimization"]["stage"] == 3 and "optimizer" not in ds["frozen"]
+    assert ds["actor"]["zero_optimization"]["stage"] == 3
+    assert json.loads((root / "ppo_z2" / "deepspeed_config.json").read_text())["frozen"] is None   # replicated
+    metrics = json.loads((root / "ppo_z3" / "metrics.json").read_text())
+    assert metrics["eval"]["kl_ppo"] >= 0.0 and "gold_gain" in metrics["eval"]
+
+
+def test_two_process_ppo_killed_then_resumed_equals_uninterrupted(root, tmp_path):
+    p = params_file(root, "resume", merge(ZERO2_2PROC, {"ppo": {"iterations": 4, "save_every": 2}}))
+    stage("ppo", p, root, "full")
+    # Kill both ranks at iteration 3 (after the checkpoint of iteration 2): a sitecustomize that
+    # only this run sees makes PPOTrainer.step die there, like a node lost mid-run.
+    hook = tmp_path / "hook"
+    hook.mkdir()
+    (hook / "sitecustomize.py").write_text(
+        "import os\n"
+        "if os.environ.get('LOCAL_RANK') is not None:\n"
+        "    from pipeline.ppo import trainer\n"
+        "    step = trainer.PPOTrainer.step\n"
+        "    def dying(self):\n"
+        "        if self.iteration == 2:\n"
+        "            os._exit(9)\n"
+        "        return step(self)\n"
+        "    trainer.PPOTrainer.step = dying\n")
+    env = {**run_env(), "PYTHONPATH": f"{hook}{os.pathsep}{REPO}",
+           "TORCH_EXTENSIONS_DIR": os.environ.get("TORCH_EXTENSIONS_DIR", str(REPO / ".cache" / "torch_extensions"))}
+    cmd = [sys.executable, "-m", "pipeline", "ppo", "--params", str(p), "--data", "data", "--sft", "sft/model",
+           "--reward", "rm/model", "--out", "resumed", "--no-progress"]
+    killed = subprocess.run(cmd, cwd=root, env=env, capture_output=True, text=True, timeout=900)
+    assert killed.returncode != 0
+    assert json.loads((root / "resumed/checkpoint/state.json").read_text())["iteration"] == 2
+    assert not (root / "resumed/model").exists()
+    proc = stage("ppo", p, root, "resumed")
+    assert "resuming" in proc.stderr
+    a, b = tsv(root / "full/train.tsv"), tsv(root / "resumed/train.tsv")
+    timing = ("time/", "tokens_per_second/")
+    assert [{k: v for k, v in r.items() if not k.startswith(timing)} for r in a] == \
+           [{k: v for k, v in r.items() if not k.startswith(timing)} for r in b]
+    wa = AutoModelForCausalLM.from_pretrained(str(root / "full/model")).state_dict()
+    wb = AutoModelForCausalLM.from_pretrained(str(root / "resumed/model")).state_dict()
+    assert all(torch.equal(wa[k], wb[k]) for k in wa)
+
+
+# ---- LoRA ---------------------------------------------------------------------------------------
+
+TINY_PPO = dict(iterations=2, rollout_batch_size=8, minibatch_size=4, micro_batch_size=2, ppo_epochs=2,
+                n_eval_prompts=8, lr=1e-2, critic_lr=1e-2, sampling=SamplingConfig(max_new_tokens=10))
+
+
+def test_lora_ppo_trains_only_adapters_and_reference_is_the_sft_model(root):
+    params = Params(ppo=PPOConfig(**TINY_PPO, lora=LoraConfig(r=4), critic_lora=LoraConfig(r=4)))
+    m = place_models(params, root / "sft/model", root / "rm/model")
+    assert isinstance(m.ref, AdapterOff) and not list(m.ref.parameters())   # no second copy of the weights
+    before = {k: v.clone() for k, v in m.actor.module.named_parameters()}
+    sft, _ = load_policy(root / "sft/model")
+    trainer = PPOTrainer(params.ppo, m, [PROMPT] * 8)
+    for _ in range(2):
+        trainer.step()
+    after = dict(m.actor.module.named_parameters())
+    changed = {k for k in before if not torch.equal(before[k], after[k])}
+    assert changed and all("lora_" in k for k in changed)
+    assert any("lora_B" in k for k in changed)     # B starts at 0: the adapter is now active
+    # The reference log-probs are the SFT model's, even though the adapter has moved the actor.
+    ro = rollout(m.actor.module, m.tok, [PROMPT] * 4, params.ppo.sampling, torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        ref_lp, _ = policy_logprobs(m.ref, ro, 1.0)
+        sft_lp, _ = policy_logprobs(sft, ro, 1.0)
+        actor_lp, _ = policy_logprobs(m.actor.forward, ro, 1.0)
+    mask = ro.response_mask
+    assert torch.allclose(ref_lp[mask], sft_lp[mask], atol=1e-6)
+    assert not torch.allclose(actor_lp[mask], sft_lp[mask], atol=1e-3)
+    # The merged export is a plain model equal to the actor with its adapter on.
+    merged = lora.export(m.actor.module, None)
+    assert not lora.is_peft(merged)
+    with torch.no_grad():
+        merged_lp, _ = policy_logprobs(merged, ro, 1.0)
+    assert torch.allclose(merged_lp[mask], actor_lp[mask], atol=1e-5)
+
+
+def test_lora_sft_and_ppo_stage_outputs(root):
+    p = params_file(root, "lora", {"sft": {"lora": {"r": 4}}, "ppo": {"lora": {"r": 4}, "iterations": 2}})
+    stage("sft", p, root, "sft_lora")
+    assert (root / "sft_lora/adapter/adapter_config.json").is_file()
+    metrics = json.loads((root / "sft_lora/metrics.json").read_text())
+    assert 0 < metrics["train"]["trainable_params"] < metrics["train"]["total_params"] / 2
+    model = AutoModelForCausalLM.from_pretrained(str(root / "sft_lora/model"))   # merged: plain keys only
+    assert not any("lora" in k for k in model.state_dict())
+    stage("ppo", p, root, "ppo_lora")
+    assert (root / "ppo_lora/adapter/adapter_model.safetensors").is_file()
+    assert not any("lora" in k for k in AutoModelForCausalLM.from_pretrained(str(root / "ppo_lora/model")).state_dict())
+
+
+def test_shared_backbone_critic_is_a_head_on_the_actor(root):
+    params = Params(ppo=PPOConfig(**TINY_PPO, shared_backbone=True))
+    m = place_models(params, root / "sft/model", root / "rm/model")
+    assert isinstance(m.critic.module, SharedValueHead)
+    assert [n for n, _ in m.critic.module.named_parameters()] == ["score.weight", "score.bias"]
+    trunk = {k: v.clone() for k, v in m.actor.module.named_parameters()}
+    trainer = PPOTrainer(params.ppo, m, [PROMPT] * 8)
+    trainer.step()
+    assert m.critic.module.score.weight.abs().sum() > 0          # the value head learned
+    moved = [k for k, v in m.actor.module.named_parameters() if not torch.equal(trunk[k], v)]
+    assert moved
+
+
+# ---- Generated DeepSpeed configs and launch commands ---------------------------------------------
+
+@pytest.mark.parametrize("stage_no", [0, 1, 2, 3])
+@pytest.mark.parametrize("precision", ["fp32", "bf16", "fp16"])
+@pytest.mark.parametrize("offload", ["none", "optimizer", "optimizer+param"])
+def test_generated_deepspeed_config_is_valid(stage_no, precision, offload):
+    raw = {"backend": "deepspeed", "zero_stage": stage_no, "precision": precision,
+           "offload_optimizer": offload != "none", "offload_param": offload == "optimizer+param",
+           "gradient_accumulation_steps": 2, "num_processes": 4}
+    try:
+        dist = from_dict(DistributedConfig, raw, "params.yaml: distributed")
+    except ConfigError as err:   # the combinations ZeRO cannot do are refused by name, before any compute
+        assert (stage_no == 0 and offload != "none") or (stage_no < 3 and "param" in offload)
+        assert "distributed.offload_" in str(err)
+        return
+    cfg = deepspeed_config(dist, world_size=4, micro_batch_size=3, accumulation_steps=2, max_grad_norm=1.0,
+                           lr=1e-4, weight_decay=0.0)
+    validate_deepspeed_config(cfg, world_size=4)
+    assert cfg["train_batch_size"] == 3 * 2 * 4
+    assert cfg["zero_optimization"]["stage"] == stage_no
+    assert cfg["bf16"]["enabled"] == (precision == "bf16") and cfg["fp16"]["enabled"] == (precision == "fp16")
+    assert ("optimizer" in cfg) == (offload != "none")
+    assert ("offload_param" in cfg["zero_optimization"]) == (offload == "optimizer+param")
+    assert cfg["gradient_clipping"] == 1.0
+
+
+def test_invalid_deepspeed_config_is_reported():
+    dist = DistributedConfig(backend="deepspeed", zero_stage=2)
+    cfg = deepspeed_config(dist, world_size=2, micro_batch_size=4, accumulation_steps=1, max_grad_norm=1.0)
+    validate_deepspeed_config(cfg, world_size=2)
+    with pytest.raises(ConfigError, match="generated DeepSpeed config is invalid: train_batch_size 8 != micro"):
+        validate_deepspeed_config(cfg, world_size=1)   # 4 x 1 x 1 != 8
+    bad = {**cfg, "zero_optimization": {"stage": 2, "offload_optimizer": {"device": "tape"}}}
+    with pytest.raises(ConfigError, match="generated DeepSpeed config is invalid"):   # DeepSpeed's own check
+        validate_deepspeed_config(bad, world_size=2)
+
+
+def test_launch_commands():
+    torchrun = launch_command(DistributedConfig(backend="deepspeed", num_processes=8, num_nodes=2, node_rank=1,
+                                                master_addr="node0", master_port=29400), ["ppo", "--params", "p.yaml"])
+    assert Path(torchrun[0]).name == "torchrun"
+    assert torchrun[1:] == ["--nproc_per_node=8", "--nnodes=2", "--node_rank=1", "--master_addr=node0",
+                            "--master_port=29400", "-m", "pipeline", "ppo", "--params", "p.yaml"]
+    ds = launch_command(DistributedConfig(backend="deepspeed", launcher="deepspeed", num_processes=8, num_nodes=2,
+                                          hostfile="hosts"), ["sft"])
+    assert Path(ds[0]).name == "deepspeed"
+    assert "--hostfile=hosts" in ds and "--num_nodes=2" in ds and "--num_gpus=8" in ds
+    assert ds[-3:] == ["--module", "pipeline", "sft"]
