@@ -41,6 +41,10 @@ def _parser() -> argparse.ArgumentParser:
         if stage != "frontier":
             p.add_argument("--params", type=Path, default=Path("params.yaml"))
             p.add_argument("--no-progress", action="store_true", help="hide progress bars")
+        if stage in ("sft", "reward", "ppo"):
+            # Per node on a cluster (the params file is shared): e.g. --node-rank $SLURM_NODEID.
+            p.add_argument("--node-rank", type=int, default=None, help="override distributed.node_rank")
+            p.add_argument("--master-addr", default=None, help="override distributed.master_addr")
     return ap
 
 
@@ -53,6 +57,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         params = load_params(args.params)
         if args.stage in ("sft", "reward", "ppo"):
+            params = distributed.with_node(params, args.stage, args.node_rank, args.master_addr)
             dist = getattr(params, args.stage).distributed
             if distributed.needs_launch(dist):
                 # Re-run this very command under the launcher, one copy per process.

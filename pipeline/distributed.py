@@ -14,11 +14,13 @@ see engines.py for how DeepSpeed's gradient averaging is undone).
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import math
 import os
 import shutil
 import socket
 import sys
+import warnings
 from dataclasses import dataclass
 from typing import Any, Iterator, Mapping, Sequence, TypeVar
 
@@ -56,6 +58,20 @@ def _tool(name: str) -> str:
     if found is None:
         raise ConfigError(f"distributed.launcher: {name!r} is not installed in this environment")
     return found
+
+
+def with_node(params: Any, stage: str, node_rank: int | None, master_addr: str | None) -> Any:
+    """`params` with this node's rank and rank 0's address set for `stage` (command-line values
+    win over the shared params file; the file stays what DVC tracks)."""
+    changes = {k: v for k, v in (("node_rank", node_rank), ("master_addr", master_addr)) if v is not None}
+    if not changes:
+        return params
+    section = getattr(params, stage)
+    try:
+        dist = dataclasses.replace(section.distributed, **changes)
+    except ConfigError as err:
+        raise ConfigError(f"--node-rank/--master-addr: {err}") from None
+    return dataclasses.replace(params, **{stage: dataclasses.replace(section, distributed=dist)})
 
 
 def needs_launch(cfg: DistributedConfig) -> bool:
@@ -133,6 +149,9 @@ def init(cfg: DistributedConfig) -> Context:
     if cfg.backend == "none":
         return SINGLE
     import deepspeed  # heavy import: only when DeepSpeed is asked for
+
+    # DeepSpeed 0.19 calls torch collectives that torch 2.13 marks deprecated, once per step.
+    warnings.filterwarnings("ignore", category=FutureWarning, module=r"torch\.distributed")
 
     if LAUNCHED_ENV not in os.environ:  # one process without a launcher: a group of one
         os.environ.update({"RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0",

@@ -22,7 +22,7 @@ from transformers import AutoModelForCausalLM
 from conftest import REPO, TINY, merge, run_env, write_params
 from pipeline import lora
 from pipeline.config import DistributedConfig, LoraConfig, Params, PPOConfig, SamplingConfig, from_dict
-from pipeline.distributed import launch_command
+from pipeline.distributed import launch_command, with_node
 from pipeline.engines import deepspeed_config, validate_deepspeed_config
 from pipeline.errors import ConfigError
 from pipeline.models import load_policy
@@ -271,3 +271,30 @@ def test_launch_commands():
     assert Path(ds[0]).name == "deepspeed"
     assert "--hostfile=hosts" in ds and "--num_nodes=2" in ds and "--num_gpus=8" in ds
     assert ds[-3:] == ["--module", "pipeline", "sft"]
+
+
+def test_node_rank_and_master_addr_from_the_command_line():
+    from pipeline.config import merge_distributed
+    raw = {"distributed": {"backend": "deepspeed", "num_nodes": 2, "num_processes": 4},
+           "ppo": {"micro_batch_size": 4}}
+    params = from_dict(Params, merge_distributed(raw, "params.yaml: "), "params.yaml: ")
+    moved = with_node(params, "ppo", 1, "node7")
+    assert (moved.ppo.distributed.node_rank, moved.ppo.distributed.master_addr) == (1, "node7")
+    assert moved.sft == params.sft and params.ppo.distributed.node_rank == 0
+    assert "--node_rank=1" in launch_command(moved.ppo.distributed, ["ppo"])
+    with pytest.raises(ConfigError, match=r"--node-rank/--master-addr: distributed.node_rank: 2 must be below num_nodes=2"):
+        with_node(params, "sft", 2, None)
+
+
+def test_gpu_check_script_runs_its_code_path_on_cpu():
+    """scripts/gpu_check.py --tiny: the GPU check's code (ZeRO-3 PPO, measurements, printing) on CPU."""
+    env = {**run_env(), "PIPELINE_TRACKING": "off"}
+    env.setdefault("TORCH_EXTENSIONS_DIR", str(REPO / ".cache" / "torch_extensions"))
+    proc = subprocess.run([sys.executable, str(REPO / "scripts/gpu_check.py"), "--tiny", "--iterations", "2"],
+                          cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    assert "model: 0.000B parameters" in proc.stdout or "model: 0.0" in proc.stdout
+    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("iteration ")]
+    assert [ln.split(":")[0] for ln in lines] == ["iteration 1", "iteration 2"]
+    assert all("rollout" in ln and "tok/s" in ln and "update" in ln for ln in lines)
+    assert proc.stdout.rstrip().endswith("gpu_check: done")

@@ -41,6 +41,7 @@ class PPOModels:
     tok: PreTrainedTokenizerBase
     ctx: Context = SINGLE
     frozen: FrozenModel | None = None   # how the reference/reward models were placed (its DeepSpeed config)
+    memory: dict[str, float] | None = None   # GPU GiB each model added when placed (CUDA only)
 
 
 class AdapterOff(torch.nn.Module):
@@ -96,6 +97,7 @@ def place_models(params: Params, sft_dir: Path, reward_dir: Path, ctx: Context =
     micro = cfg.micro_batch_size
     accumulation = cfg.minibatch_size // ctx.world_size // micro
 
+    memory = _MemoryMeter()
     actor_model, tok = load_policy(sft_dir, trust)
     actor_model = lora.wrap(actor_model, cfg.lora, "CAUSAL_LM")
     # Dropout off in the trained models too: PPO's ratio must be exactly 1 before the first update.
@@ -103,6 +105,7 @@ def place_models(params: Params, sft_dir: Path, reward_dir: Path, ctx: Context =
     actor = make_engine(actor_model, lr=cfg.lr, weight_decay=0.0, schedule=schedule,
                         max_grad_norm=cfg.max_grad_norm, dist=dist, ctx=ctx, micro_batch_size=micro,
                         accumulation_steps=accumulation)
+    memory.mark("actor")
 
     if cfg.shared_backbone:
         critic_model: torch.nn.Module = SharedValueHead(actor.module)
@@ -119,6 +122,7 @@ def place_models(params: Params, sft_dir: Path, reward_dir: Path, ctx: Context =
     critic = make_engine(critic_model, lr=cfg.critic_lr, weight_decay=0.0, schedule=schedule,
                          max_grad_norm=cfg.max_grad_norm, dist=dist, ctx=ctx, micro_batch_size=micro,
                          accumulation_steps=accumulation)
+    memory.mark("critic")
 
     placed: list[FrozenModel] = []
 
@@ -130,9 +134,25 @@ def place_models(params: Params, sft_dir: Path, reward_dir: Path, ctx: Context =
         ref: torch.nn.Module = AdapterOff(actor.module)
     else:
         ref = place_frozen(load_policy(sft_dir, trust)[0])
+    memory.mark("reference")
     reward = make_reward_source(cfg.reward_source, reward_dir, params.reward.max_length, trust, place_frozen)
+    memory.mark("reward")
     return PPOModels(actor=actor, critic=critic, ref=ref, reward=reward, tok=tok, ctx=ctx,
-                     frozen=placed[0] if placed else None)
+                     frozen=placed[0] if placed else None, memory=memory.used or None)
+
+
+class _MemoryMeter:
+    """GPU memory each model adds when placed (weights, and optimizer states for trained ones)."""
+
+    def __init__(self) -> None:
+        self.used: dict[str, float] = {}
+        self.last = torch.cuda.memory_allocated() if torch.cuda.is_available() else 0
+
+    def mark(self, name: str) -> None:
+        if torch.cuda.is_available():
+            now = torch.cuda.memory_allocated()
+            self.used[name] = (now - self.last) / 2 ** 30
+            self.last = now
 
 
 def evaluation_models(models: PPOModels, params: Params, sft_dir: Path, reward_dir: Path,

@@ -53,7 +53,7 @@ class Batch:
 
 # Per-iteration stats that add up over ranks (counts, throughput); the rest are averaged.
 SUM_STATS = ("val/num_eos_tokens", "rollouts", "tokens_per_second/rollout", "tokens_per_second/update")
-MAX_STATS = ("val/ratio_max",)
+MAX_STATS = ("val/ratio_max", "memory/peak_gib")
 
 
 class PPOTrainer:
@@ -181,6 +181,9 @@ class PPOTrainer:
             "tokens_per_second/rollout": n_tokens / max(t1 - t0, 1e-9),
             "tokens_per_second/update": n_tokens * stats["policy/epochs"] / max(t3 - t2, 1e-9),
         })
+        if torch.cuda.is_available():   # this process's peak since the last iteration
+            stats["memory/peak_gib"] = torch.cuda.max_memory_allocated() / 2 ** 30
+            torch.cuda.reset_peak_memory_stats()
         if self.judge is not None:
             stats["objective/gold_scores"] = sum(self.judge(p, r) for p, r in zip(prompts, ro.responses)) / len(prompts)
         if self.ctx.world_size > 1:   # every rank continues with the same, global statistics
