@@ -167,30 +167,31 @@ class DeepSpeedEngine(TrainEngine):
         validate_deepspeed_config(self.ds_config, ctx.world_size)
         self.world_size = ctx.world_size
         params = [p for p in model.parameters() if p.requires_grad]
-        if dist.offload_optimizer:
-            optimizer = None  # DeepSpeed builds its CPU Adam from the config
-            self.engine, self.optimizer, _, _ = deepspeed.initialize(model=model, model_parameters=params,
-                                                                     config=self.ds_config)
-            self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, schedule)
-        else:
-            optimizer = torch.optim.AdamW(params, lr=lr, weight_decay=weight_decay)
-            self.scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, schedule)
-            self.engine, self.optimizer, _, _ = deepspeed.initialize(model=model, optimizer=optimizer,
-                                                                     config=self.ds_config)
+
+        def scheduler(optimizer):   # DeepSpeed steps it at each accumulation boundary
+            return torch.optim.lr_scheduler.LambdaLR(optimizer, schedule)
+
+        # With optimizer offload the optimizer comes from the config (DeepSpeed's CPU Adam);
+        # otherwise it is our torch AdamW.
+        optimizer = None if dist.offload_optimizer else torch.optim.AdamW(params, lr=lr, weight_decay=weight_decay)
+        self.engine, self.optimizer, _, self.scheduler = deepspeed.initialize(
+            model=model, optimizer=optimizer, model_parameters=params if optimizer is None else None,
+            lr_scheduler=scheduler, config=self.ds_config)
         self.module = self.engine.module
         self.forward = self.engine
         self.params = params
+        self._lr_used = self.scheduler.get_last_lr()[0]
 
     def backward(self, loss: torch.Tensor) -> None:
         self.engine.backward(loss * self.world_size, scale_wrt_gas=False)
-        self.engine.step()   # a no-op until the accumulation boundary; then reduce, clip, step
+        if self.engine.is_gradient_accumulation_boundary():
+            self._lr_used = self.scheduler.get_last_lr()[0]
+        self.engine.step()   # a no-op until the accumulation boundary; then reduce, clip, step, schedule
 
     def step(self) -> tuple[float, float]:
         """The optimizer step already happened in the last `backward` (the accumulation boundary)."""
-        lr = self.scheduler.get_last_lr()[0]
-        self.scheduler.step()
         norm = self.engine.get_global_grad_norm()
-        return lr, float(norm) if norm is not None else float("nan")
+        return self._lr_used, float(norm) if norm is not None else float("nan")
 
     @property
     def zero3(self) -> bool:
@@ -227,14 +228,14 @@ class DeepSpeedEngine(TrainEngine):
         return plain.float()
 
     def save(self, folder: Path, name: str, ctx: Context) -> None:
-        # Every rank writes its own shard of optimizer (and, under ZeRO-3, parameter) state.
-        self.engine.save_checkpoint(str(folder), tag=name, client_state={"sched": self.scheduler.state_dict()})
+        # Every rank writes its own shard of weights, optimizer and schedule state.
+        self.engine.save_checkpoint(str(folder), tag=name, client_state={"lr_used": self._lr_used})
 
     def load(self, folder: Path, name: str) -> None:
-        _, client = self.engine.load_checkpoint(str(folder), tag=name)
-        if client is None:
+        path, client = self.engine.load_checkpoint(str(folder), tag=name)
+        if path is None:
             raise FileNotFoundError(f"{folder / name}: no DeepSpeed checkpoint")
-        self.scheduler.load_state_dict(client["sched"])
+        self._lr_used = client["lr_used"]
 
 
 def _rebuild(module: torch.nn.Module) -> torch.nn.Module:

@@ -104,6 +104,23 @@ def test_two_process_zero2_sft_and_rm_match_one_process(root):
     assert not (root / "sft" / "deepspeed_config.json").exists()
 
 
+def test_zero3_offload_under_the_deepspeed_launcher_and_bf16(root):
+    """ZeRO-3 with optimizer and parameter offload (DeepSpeed's CPU Adam from the generated config),
+    started by the `deepspeed` launcher, matches plain PyTorch; bf16 stays close to fp32."""
+    runs = {"offload": {"zero_stage": 3, "offload_optimizer": True, "offload_param": True, "launcher": "deepspeed"},
+            "bf16": {"zero_stage": 2, "precision": "bf16"}}
+    for name, dist in runs.items():
+        p = params_file(root, name, {"distributed": {"backend": "deepspeed", "num_processes": 2, **dist}})
+        stage("sft", p, root, f"sft_{name}")
+    plain = tsv(root / "sft" / "train.tsv")
+    for tol, name in ((LOSS_TOL, "offload"), (2e-2, "bf16")):
+        for a, b in zip(plain, tsv(root / f"sft_{name}" / "train.tsv"), strict=True):
+            assert abs(a["loss"] - b["loss"]) <= tol * a["loss"], (name, a, b)
+    ds = json.loads((root / "sft_offload" / "deepspeed_config.json").read_text())
+    assert ds["optimizer"]["type"] == "AdamW" and ds["zero_optimization"]["offload_param"]["device"] == "cpu"
+    assert json.loads((root / "sft_bf16" / "deepspeed_config.json").read_text())["bf16"]["enabled"] is True
+
+
 def test_two_process_ppo_zero2_and_zero3_agree(root):
     runs = {}
     for name, stage_no in (("ppo_z2", 2), ("ppo_z3", 3)):
