@@ -27,7 +27,10 @@ pipeline: install
 	@echo "  Checkpoints: outputs/{sft,reward,ppo}/model (Hugging Face format)"
 	@echo "  MLflow UI:   .venv/bin/mlflow ui --backend-store-uri sqlite:///$(CURDIR)/mlflow.db"
 
+# The tests include a real SLURM run: scripts/slurm-local.sh starts a one-node cluster on this
+# machine (installing slurm-wlm with apt if needed; root), and does nothing if one is running.
 test: install
+	bash scripts/slurm-local.sh start
 	pytest -q
 
 lock: install

@@ -57,7 +57,13 @@ def main(argv: list[str] | None = None) -> int:
     try:
         params = load_params(args.params)
         if args.stage in ("sft", "reward", "ppo"):
-            params = distributed.with_node(params, args.stage, args.node_rank, args.master_addr)
+            node_rank, master_addr = args.node_rank, args.master_addr
+            if node_rank is None and getattr(params, args.stage).distributed.num_nodes > 1:
+                # One copy per node of a SLURM job (see pipeline/cluster.py): rank and master from SLURM.
+                from .cluster import slurm_node
+                node_rank, slurm_master = slurm_node()
+                master_addr = master_addr or slurm_master
+            params = distributed.with_node(params, args.stage, node_rank, master_addr)
             dist = getattr(params, args.stage).distributed
             if distributed.needs_launch(dist):
                 # Re-run this very command under the launcher, one copy per process.

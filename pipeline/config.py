@@ -253,6 +253,29 @@ class EvaluateConfig:
 
 
 @dataclass(frozen=True)
+class StageResources:
+    """What one stage's cluster job asks for (a SLURM job under `snakemake --profile profiles/slurm`)."""
+    gpus: int = num(0, ge=0, doc="GPUs per node (one process each: set distributed.num_processes to match)")
+    cpus_per_task: int = num(2, ge=1)
+    mem_mb: int = num(8000, ge=100)
+    runtime: int = num(60, ge=1, doc="time limit in minutes")
+    nodes: int = num(1, ge=1, doc="nodes (set distributed.num_nodes to match)")
+    tasks: int = num(1, ge=1)
+
+
+@dataclass(frozen=True)
+class ClusterConfig:
+    """`cluster`: SLURM partition/account and each stage's resources (read by the Snakefile only)."""
+    partition: Optional[str] = None
+    account: Optional[str] = None
+    prepare: StageResources = field(default_factory=lambda: StageResources(cpus_per_task=1, mem_mb=2000, runtime=10))
+    sft: StageResources = field(default_factory=StageResources)
+    reward: StageResources = field(default_factory=StageResources)
+    ppo: StageResources = field(default_factory=lambda: StageResources(runtime=120))
+    evaluate: StageResources = field(default_factory=lambda: StageResources(mem_mb=4000, runtime=30))
+
+
+@dataclass(frozen=True)
 class Params:
     """The whole params file. Stages read only the sections `dvc.yaml` lists for them."""
     data: DataConfig = field(default_factory=DataConfig)
@@ -262,6 +285,20 @@ class Params:
     ppo: PPOConfig = field(default_factory=PPOConfig)
     evaluate: EvaluateConfig = field(default_factory=EvaluateConfig)
     distributed: DistributedConfig = field(default_factory=DistributedConfig)
+    cluster: ClusterConfig = field(default_factory=ClusterConfig)
+
+    def __post_init__(self) -> None:
+        for stage in ("prepare", "evaluate"):
+            if getattr(self.cluster, stage).gpus or getattr(self.cluster, stage).nodes > 1:
+                raise ConfigError(f"cluster.{stage}: a CPU stage on one node: set gpus: 0 and nodes: 1")
+        for stage in TRAINING_STAGES:
+            res, dist = getattr(self.cluster, stage), getattr(self, stage).distributed
+            if res.nodes != dist.num_nodes:
+                raise ConfigError(f"cluster.{stage}.nodes: {res.nodes} must equal {stage}.distributed.num_nodes="
+                                  f"{dist.num_nodes} (one launcher per node)")
+            if res.gpus and res.gpus != dist.num_processes:
+                raise ConfigError(f"cluster.{stage}.gpus: {res.gpus} GPUs per node but {stage}.distributed."
+                                  f"num_processes={dist.num_processes} processes per node (one per GPU)")
 
 
 TRAINING_STAGES = ("sft", "reward", "ppo")
