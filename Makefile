@@ -8,7 +8,7 @@ BIN := $(CURDIR)/$(VENV)/bin
 export PATH := $(BIN):$(PATH)
 export TORCH_EXTENSIONS_DIR ?= $(CURDIR)/.cache/torch_extensions
 
-.PHONY: install pipeline test lock
+.PHONY: install pipeline test lock bench
 
 $(VENV)/.installed: pyproject.toml requirements.lock
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -32,6 +32,13 @@ pipeline: install
 test: install
 	bash scripts/slurm-local.sh start
 	pytest -q
+
+# Benchmarks (not part of the tests): PPO vs TRL on identical work, GAE vs the seed's loop, stage times.
+bench: install
+	$(BIN)/pip install -q -c requirements.lock -e '.[dev,bench]'
+	$(BIN)/python benchmarks/gae.py
+	$(BIN)/python benchmarks/ppo_vs_trl.py
+	$(BIN)/python benchmarks/stages.py
 
 lock: install
 	$(BIN)/pip freeze --exclude-editable | sed 's/^torch==\(.*\)+cpu/torch==\1/' > requirements.lock.new

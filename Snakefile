@@ -13,6 +13,7 @@ from pipeline.config import load_params
 configfile: "params.yaml"
 
 PARAMS = load_params("params.yaml")      # validated before any job is submitted
+cluster.check_shape(PARAMS)
 STAGES = stage_graph.load("dvc.yaml")
 
 

@@ -18,8 +18,22 @@ import subprocess
 from typing import Any, Mapping
 
 from .config import Params
+from .errors import ConfigError
 
 GPU_STAGES = ("sft", "reward", "ppo")
+
+
+def check_shape(params: Params, where: str = "params.yaml") -> None:
+    """A training stage's job must have the shape its `distributed` settings launch: as many nodes,
+    and (when it asks for GPUs) one GPU per process. Checked before Snakemake submits anything."""
+    for stage in GPU_STAGES:
+        res, dist = getattr(params.cluster, stage), getattr(params, stage).distributed
+        if res.nodes != dist.num_nodes:
+            raise ConfigError(f"{where}: cluster.{stage}.nodes: {res.nodes} must equal {stage}.distributed.num_nodes="
+                              f"{dist.num_nodes} (one launcher per node)")
+        if res.gpus and res.gpus != dist.num_processes:
+            raise ConfigError(f"{where}: cluster.{stage}.gpus: {res.gpus} GPUs per node but {stage}.distributed."
+                              f"num_processes={dist.num_processes} processes per node (one per GPU)")
 
 
 def slurm_resources(params: Params, stage: str) -> dict[str, Any]:

@@ -274,6 +274,11 @@ class ClusterConfig:
     ppo: StageResources = field(default_factory=lambda: StageResources(runtime=120))
     evaluate: StageResources = field(default_factory=lambda: StageResources(mem_mb=4000, runtime=30))
 
+    def __post_init__(self) -> None:
+        for stage in ("prepare", "evaluate"):
+            if getattr(self, stage).gpus or getattr(self, stage).nodes > 1:
+                raise ConfigError(f"cluster.{stage}: a CPU stage on one node: set gpus: 0 and nodes: 1")
+
 
 @dataclass(frozen=True)
 class Params:
@@ -286,19 +291,6 @@ class Params:
     evaluate: EvaluateConfig = field(default_factory=EvaluateConfig)
     distributed: DistributedConfig = field(default_factory=DistributedConfig)
     cluster: ClusterConfig = field(default_factory=ClusterConfig)
-
-    def __post_init__(self) -> None:
-        for stage in ("prepare", "evaluate"):
-            if getattr(self.cluster, stage).gpus or getattr(self.cluster, stage).nodes > 1:
-                raise ConfigError(f"cluster.{stage}: a CPU stage on one node: set gpus: 0 and nodes: 1")
-        for stage in TRAINING_STAGES:
-            res, dist = getattr(self.cluster, stage), getattr(self, stage).distributed
-            if res.nodes != dist.num_nodes:
-                raise ConfigError(f"cluster.{stage}.nodes: {res.nodes} must equal {stage}.distributed.num_nodes="
-                                  f"{dist.num_nodes} (one launcher per node)")
-            if res.gpus and res.gpus != dist.num_processes:
-                raise ConfigError(f"cluster.{stage}.gpus: {res.gpus} GPUs per node but {stage}.distributed."
-                                  f"num_processes={dist.num_processes} processes per node (one per GPU)")
 
 
 TRAINING_STAGES = ("sft", "reward", "ppo")

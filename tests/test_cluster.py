@@ -19,7 +19,7 @@ from snakemake_executor_plugin_slurm.utils import set_gres_string
 
 from conftest import BIN, REPO, TINY, copy_repo, run, write_params
 from pipeline import stage_graph
-from pipeline.cluster import expand_first, job_command, slurm_node, slurm_resources
+from pipeline.cluster import check_shape, expand_first, job_command, slurm_node, slurm_resources
 from pipeline.config import Params, from_dict, merge_distributed
 from pipeline.errors import ConfigError
 
@@ -125,13 +125,21 @@ def test_sbatch_for_multi_node_gpu_stages():
         assert job_command(params, stage, "cmd") == "cmd"
 
 
-def test_cluster_resources_must_match_the_distributed_shape():
+def test_cluster_resources_must_match_the_distributed_shape(tmp_path):
+    def params(raw):
+        return from_dict(Params, merge_distributed(raw, "params.yaml: "), "params.yaml: ")
     with pytest.raises(ConfigError, match=r"cluster.ppo.gpus: 4 GPUs per node but ppo.distributed.num_processes=1"):
-        from_dict(Params, merge_distributed({"cluster": {"ppo": {"gpus": 4}}}, "params.yaml: "), "params.yaml: ")
+        check_shape(params({"cluster": {"ppo": {"gpus": 4}}}))
     with pytest.raises(ConfigError, match=r"cluster.sft.nodes: 2 must equal sft.distributed.num_nodes=1"):
-        from_dict(Params, merge_distributed({"cluster": {"sft": {"nodes": 2}}}, "params.yaml: "), "params.yaml: ")
+        check_shape(params({"cluster": {"sft": {"nodes": 2}}}))
+    check_shape(_gpu_params())
+    # Snakemake refuses such params before submitting anything.
+    repo = _repo(tmp_path, "shape")
+    write_params(repo / "params.yaml", {**TINY, "cluster": {"ppo": {"gpus": 4}}})
+    proc = run([str(BIN / "snakemake"), "-n"], repo, check=False)
+    assert proc.returncode != 0 and "cluster.ppo.gpus: 4 GPUs per node" in proc.stdout + proc.stderr
     with pytest.raises(ConfigError, match=r"cluster.evaluate: a CPU stage"):
-        from_dict(Params, merge_distributed({"cluster": {"evaluate": {"gpus": 1}}}, "params.yaml: "), "params.yaml: ")
+        params({"cluster": {"evaluate": {"gpus": 1}}})
 
 
 def test_node_rank_and_master_from_the_slurm_environment():
