@@ -1,8 +1,8 @@
 """PPO throughput: this pipeline's trainer against TRL's (`trl.experimental.ppo`, trl==1.12.0) on
 identical work, on CPU.
 
-Identical work: the same tiny policy, value and reward models (built once from one config and
-saved; both load the same weights), the same prompts (token ids), batch of 64 prompts per update,
+Identical work: the same tiny policy, value and reward models (built once from one config, the
+policy briefly SFT-trained, and saved; both load the same weights), the same prompts (token ids), batch of 64 prompts per update,
 responses of at most 48 tokens sampled at temperature 1, 4 PPO epochs over one minibatch of 64 in
 micro-batches of 16, KL coefficient 0.05, learning rate 1e-4 for policy and value, no reward
 whitening, no missing-EOS penalty. Each repetition runs one trainer in a fresh process (so peak
@@ -37,16 +37,24 @@ sys.path.insert(0, str(ROOT))
 BATCH, MICRO, EPOCHS, RESPONSE, KL, LR, SEED = 64, 16, 4, 48, 0.05, 1e-4, 0
 
 
-def build(out: Path) -> None:
-    """Data, tokenizer, and the shared initial weights: policy (= reference) and reward (= value)."""
+def build(out: Path, sft_epochs: float = 1.0) -> None:
+    """Data, tokenizer, and the shared initial weights: policy (= reference) and reward (= value).
+
+    The policy is the default tiny model after a short SFT (one epoch on 2000 demonstrations), so
+    responses end with eos at realistic lengths, as they do when PPO starts from an SFT model."""
     from pipeline import reward_model as rm
-    from pipeline.config import DataConfig, ModelConfig
+    from pipeline import sft
+    from pipeline.config import DataConfig, ModelConfig, Params, SFTConfig
     from pipeline.models import init_policy, save_checkpoint
     from pipeline.prepare import run as prepare
 
-    prepare(DataConfig(n_sft=8, n_sft_eval=4, n_pairs=8, n_pairs_eval=4, n_ppo_prompts=1024, n_eval_prompts=8),
+    prepare(DataConfig(n_sft=2000, n_sft_eval=16, n_pairs=8, n_pairs_eval=4, n_ppo_prompts=1024, n_eval_prompts=8),
             out / "data")
-    policy, tok = init_policy(ModelConfig(), out / "data" / "tokenizer", seed=SEED)
+    if sft_epochs > 0:
+        params = Params(sft=SFTConfig(epochs=sft_epochs, eval_every=10 ** 6, n_eval_generations=8, seed=SEED))
+        policy, tok, _ = sft.train(params, out / "data", out / "sft_logs", progress=False)
+    else:
+        policy, tok = init_policy(ModelConfig(), out / "data" / "tokenizer", seed=SEED)
     save_checkpoint(policy, tok, out / "policy")
     reward, _ = rm.init_reward_model(out / "policy", seed=SEED, head_std=None)
     save_checkpoint(reward, tok, out / "reward")
@@ -156,6 +164,8 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--updates", type=int, default=4, help="timed PPO updates per repetition (after one warm-up)")
+    ap.add_argument("--random-policy", action="store_true",
+                    help="untrained policy (responses rarely end: no early stop to gain from)")
     ap.add_argument("--worker", choices=("ours", "trl"))
     ap.add_argument("--dir", type=Path)
     args = ap.parse_args()
@@ -164,11 +174,12 @@ def main() -> int:
         return 0
     import torch
     print(f"PPO throughput, ours vs TRL 1.12.0 (trl.experimental.ppo), CPU, torch threads={torch.get_num_threads()}")
+    print(f"policy: {'untrained (random weights)' if args.random_policy else 'default tiny model after 1 epoch of SFT'}")
     print(f"work: {BATCH} prompts/update, <= {RESPONSE} response tokens, {EPOCHS} epochs x 1 minibatch of {BATCH}, "
           f"micro-batch {MICRO}; {args.updates} timed updates x {args.reps} repetitions (alternating)")
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp)
-        build(out)
+        build(out, sft_epochs=0.0 if args.random_policy else 1.0)
         runs: dict[str, list[dict]] = {"ours": [], "trl": []}
         for rep in range(args.reps):
             for kind in ("ours", "trl") if rep % 2 == 0 else ("trl", "ours"):

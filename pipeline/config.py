@@ -215,6 +215,7 @@ class PPOConfig:
     save_every: int = num(10, ge=1)
     n_eval_prompts: int = num(200, ge=2)
     sampling: SamplingConfig = field(default_factory=SamplingConfig)
+    recompute_logprobs: bool = False      # the rollout policy's log-probs from a training forward, not the sampler's
     shared_backbone: bool = False         # one trunk, two heads: the critic is a value head on the actor
     vf_coef: float = num(1.0, gt=0.0, doc="weight of the value loss (matters with shared_backbone)")
     lora: LoraConfig = field(default_factory=LoraConfig)          # actor adapter (reference = adapter off)

@@ -175,3 +175,43 @@ def test_stop_token_truncates_rollouts(dirs):
     inner = ro.response_mask.clone()
     inner[torch.arange(16), ro.response_mask.sum(1) - 1] = False   # all but the last real token
     assert not ((ids == dot) & inner).any()
+
+
+def test_trimmed_length_sorted_micro_batches_change_nothing(dirs):
+    """Scoring and the update drop each micro-batch's all-padding columns and group rows of similar
+    length: log-probs and values equal those of the full-width batch; the sampler's log-probs
+    equal a recomputed training forward (so scoring can reuse them)."""
+    from pipeline.ppo.scoring import critic_values, length_sorted_chunks
+    params = _params(sampling=SamplingConfig(max_new_tokens=12))
+    m = place_models(params, dirs / "sft", dirs / "rm")
+    prompts = ["Review the film Silent River . Focus on the music .", "What did you think of Lost Harbor ? Talk about the plot ."] * 4
+    ro = rollout(m.actor.module, m.tok, prompts, params.ppo.sampling, torch.Generator().manual_seed(5))
+    # An untrained model rarely ends early: end rows at 12, 3, 7, 12, 1, 9, 5, 12 tokens (pads after).
+    ro = dataclasses.replace(ro, input_ids=ro.input_ids.clone(), attention_mask=ro.attention_mask.clone(),
+                             response_mask=ro.response_mask.clone(), logprobs=ro.logprobs.clone())
+    for i, n in enumerate([12, 3, 7, 12, 1, 9, 5, 12]):
+        ro.response_mask[i, n:] = False
+        ro.attention_mask[i, ro.n_prompt + n:] = 0
+        ro.input_ids[i, ro.n_prompt + n:] = m.tok.pad_token_id
+        ro.logprobs[i, n:] = 0.0
+    lengths = ro.response_mask.sum(1)
+    assert lengths.min() < lengths.max()          # varied lengths, so trimming has work to do
+    chunks = length_sorted_chunks(ro.response_mask, torch.arange(8), 3)
+    assert sorted(torch.cat(chunks).tolist()) == list(range(8))
+    assert all(lengths[c].max() <= lengths[p].min() for p, c in zip(chunks, chunks[1:]))
+    with torch.no_grad():
+        full_lp, _ = policy_logprobs(m.actor.forward, ro, 1.0)
+        full_v = critic_values(m.critic.module, ro)
+        for idx in chunks:
+            mb = ro.select(idx, trim=True)
+            r = mb.response_mask.size(1)
+            assert r == int(lengths[idx].max()) and mb.input_ids.size(1) <= ro.input_ids.size(1)
+            lp, _ = policy_logprobs(m.actor.forward, mb, 1.0)
+            keep = mb.response_mask
+            assert torch.allclose(lp[keep], full_lp[idx, :r][keep], atol=1e-5)
+            assert torch.allclose(critic_values(m.critic.module, mb)[keep], full_v[idx, :r][keep], atol=1e-5)
+    reused = score_rollout(m.actor.forward, m.ref, m.critic.module, m.reward, ro, 1.0, 3, None, None)
+    recomputed = score_rollout(m.actor.forward, m.ref, m.critic.module, m.reward, ro, 1.0, 3, None, None,
+                               recompute_logprobs=True)
+    assert torch.allclose(reused.old_logprobs, recomputed.old_logprobs, atol=1e-5)
+    assert torch.allclose(reused.values, full_v.masked_fill(~ro.response_mask, 0.0), atol=1e-5)

@@ -27,17 +27,33 @@ class Rollout:
     response_mask: torch.Tensor    # (B, R) bool, True on real response tokens (eos included)
     ended: torch.Tensor            # (B,) bool, True when the response emitted eos
     n_prompt: int                  # P
+    logprobs: torch.Tensor | None = None  # (B, R) log pi(a_t|s_t) computed while sampling (KV cache)
 
     @property
     def position_ids(self) -> torch.Tensor:  # (B, T)
         return (self.attention_mask.cumsum(-1) - 1).clamp(min=0)
 
-    def select(self, idx: torch.Tensor) -> "Rollout":
-        """The rows `idx` (a micro-batch); columns are kept so shapes stay aligned."""
+    def select(self, idx: torch.Tensor, trim: bool = False) -> "Rollout":
+        """The rows `idx` (a micro-batch). With `trim`, columns that are padding in every selected
+        row are dropped (leading prompt pads, trailing response pads): less compute, same
+        numbers (positions come from the mask, and masked columns take no part in attention).
+        The response columns kept are the first `response_mask.size(1)` of the full rollout, so
+        per-token tensors of the whole batch are sliced `[idx, :R']` to match."""
         rows = idx.tolist()
+        ids, attn, resp = self.input_ids[idx], self.attention_mask[idx], self.response_mask[idx]
+        logprobs = self.logprobs[idx] if self.logprobs is not None else None
+        n_prompt = self.n_prompt
+        if trim:
+            real = attn.bool().any(0)                                      # (T,)
+            start = int(real[:n_prompt].long().argmax()) if bool(real[:n_prompt].any()) else n_prompt - 1
+            start = min(start, n_prompt - 1)                               # keep the last prompt column
+            width = int(resp.any(0).long().cumsum(0).argmax()) + 1 if bool(resp.any()) else 1
+            ids, attn = ids[:, start:n_prompt + width], attn[:, start:n_prompt + width]
+            resp = resp[:, :width]
+            logprobs = logprobs[:, :width] if logprobs is not None else None
+            n_prompt -= start
         return Rollout([self.prompts[i] for i in rows], [self.responses[i] for i in rows],
-                       self.input_ids[idx], self.attention_mask[idx], self.response_mask[idx],
-                       self.ended[idx], self.n_prompt)
+                       ids, attn, resp, self.ended[idx], n_prompt, logprobs)
 
 
 @torch.inference_mode()
@@ -51,4 +67,4 @@ def rollout(actor: PreTrainedModel, tok: PreTrainedTokenizerBase, prompts: list[
     input_ids = torch.cat([out.prompt_ids, out.response_ids], dim=1)
     attention_mask = torch.cat([out.prompt_mask, out.response_mask], dim=1).long()
     return Rollout(prompts, responses, input_ids, attention_mask, out.response_mask, out.ended,
-                   out.prompt_ids.size(1))
+                   out.prompt_ids.size(1), out.logprobs.masked_fill(~out.response_mask, 0.0))

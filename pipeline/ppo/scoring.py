@@ -7,6 +7,7 @@ update does, so the ratio is 1 at the first minibatch.
 
 from __future__ import annotations
 
+import inspect
 from dataclasses import dataclass
 
 import torch
@@ -18,20 +19,41 @@ from .losses import entropy_from_logits, logprobs_from_logits
 from .rollout import Rollout
 
 
+def _hf_model(model) -> torch.nn.Module:
+    """The Hugging Face model behind a DeepSpeed engine, the LoRA reference view or a PEFT wrapper."""
+    inner = getattr(model, "module", model)
+    inner = getattr(inner, "_actor", [inner])[0]
+    return inner.get_base_model() if hasattr(inner, "get_base_model") else inner
+
+
+def keeps_logits(model) -> bool:
+    """Whether the model's forward can compute logits for the last k positions only."""
+    return "logits_to_keep" in inspect.signature(_hf_model(model).forward).parameters
+
+
 def response_logits(model: PreTrainedModel, ro: Rollout, temperature: float) -> torch.Tensor:
-    """(B, R, V) temperature-scaled logits that predict each response token."""
+    """(B, R, V) temperature-scaled logits that predict each response token. Only the last R + 1
+    positions go through the LM head when the model allows it (prompt logits are never used)."""
+    R = ro.response_mask.size(1)
+    extra = {"logits_to_keep": R + 1} if keeps_logits(model) else {}
     logits = model(input_ids=ro.input_ids, attention_mask=ro.attention_mask,
-                   position_ids=ro.position_ids).logits                     # (B, T, V)
-    return logits[:, ro.n_prompt - 1:-1].float() / temperature
+                   position_ids=ro.position_ids, **extra).logits              # (B, T or R + 1, V)
+    return logits[:, -(R + 1):-1].float() / temperature
 
 
 def policy_logprobs(model: PreTrainedModel, ro: Rollout, temperature: float,
-                    with_entropy: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """(B, R) log pi(a_t|s_t) of the response tokens, and (B, R) entropy when asked."""
+                    with_entropy: bool = False, entropy_grad: bool = True) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """(B, R) log pi(a_t|s_t) of the response tokens, and (B, R) entropy when asked (without a
+    graph when `entropy_grad` is False: logged, not trained on)."""
     logits = response_logits(model, ro, temperature)
     labels = ro.input_ids[:, ro.n_prompt:]
     logprobs = logprobs_from_logits(logits, labels)
-    return logprobs, (entropy_from_logits(logits) if with_entropy else None)
+    if not with_entropy:
+        return logprobs, None
+    if entropy_grad:
+        return logprobs, entropy_from_logits(logits)
+    with torch.no_grad():
+        return logprobs, entropy_from_logits(logits.detach())
 
 
 def critic_values(critic: PreTrainedModel, ro: Rollout) -> torch.Tensor:
@@ -41,6 +63,15 @@ def critic_values(critic: PreTrainedModel, ro: Rollout) -> torch.Tensor:
     values are on the same scale as the (normalised) scores they predict."""
     hidden = rm.hidden_states(critic, ro.input_ids, ro.attention_mask)     # (B, T, H)
     return rm.head(critic)(hidden[:, ro.n_prompt - 1:-1]).squeeze(-1).float() - rm.offset(critic)
+
+
+def length_sorted_chunks(mask: torch.Tensor, rows: torch.Tensor, size: int) -> list[torch.Tensor]:
+    """`rows` split into chunks of `size`, longest responses first, so each chunk is padded only to
+    its own longest response (with `Rollout.select(trim=True)`). Which rows share a chunk changes
+    only the order of summation, never a result."""
+    lengths = mask[rows].sum(1)
+    order = rows[torch.argsort(lengths, descending=True, stable=True)]
+    return list(order.split(size))
 
 
 @dataclass
@@ -58,16 +89,24 @@ class Scored:
 @torch.no_grad()
 def score_rollout(actor: PreTrainedModel, ref: PreTrainedModel, critic: PreTrainedModel, reward: RewardSource,
                   ro: Rollout, temperature: float, micro_batch_size: int,
-                  missing_eos_score: float | None, score_clip: float | None) -> Scored:
-    """Run the four models over `ro` in micro-batches (bounded memory)."""
-    parts: dict[str, list[torch.Tensor]] = {"old": [], "ref": [], "values": []}
-    for start in range(0, len(ro.prompts), micro_batch_size):
-        mb = ro.select(torch.arange(start, min(start + micro_batch_size, len(ro.prompts))))
-        parts["old"].append(policy_logprobs(actor, mb, temperature)[0])
-        parts["ref"].append(policy_logprobs(ref, mb, temperature)[0])
-        parts["values"].append(critic_values(critic, mb))
+                  missing_eos_score: float | None, score_clip: float | None,
+                  recompute_logprobs: bool = False) -> Scored:
+    """Run the models over `ro` in micro-batches (bounded memory). The actor's log-probs are the
+    ones the sampler computed (its forward passes *are* the actor's pass over the rollout), unless
+    `recompute_logprobs`. Micro-batches take rows of similar length and drop all-padding columns."""
+    B, R = ro.response_mask.shape
     mask = ro.response_mask
-    old, refp, values = (torch.cat(parts[k]).masked_fill(~mask, 0.0) for k in ("old", "ref", "values"))
+    out = {k: torch.zeros(B, R, device=mask.device) for k in ("old", "ref", "values")}
+    for idx in length_sorted_chunks(mask, torch.arange(B), micro_batch_size):
+        mb = ro.select(idx, trim=True)
+        r = mb.response_mask.size(1)
+        if recompute_logprobs or ro.logprobs is None:
+            out["old"][idx, :r] = policy_logprobs(actor, mb, temperature)[0]
+        out["ref"][idx, :r] = policy_logprobs(ref, mb, temperature)[0]
+        out["values"][idx, :r] = critic_values(critic, mb)
+    if not recompute_logprobs and ro.logprobs is not None:
+        out["old"] = ro.logprobs.float()
+    old, refp, values = (out[k].masked_fill(~mask, 0.0) for k in ("old", "ref", "values"))
     raw = reward.score(ro.prompts, ro.responses).float()
     scores = raw.clone()
     if missing_eos_score is not None:

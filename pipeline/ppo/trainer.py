@@ -27,7 +27,7 @@ from . import advantages as adv
 from .losses import policy_loss, value_loss
 from .placement import PPOModels
 from .rollout import Rollout, rollout
-from .scoring import Scored, critic_values, policy_logprobs, score_rollout
+from .scoring import Scored, critic_values, length_sorted_chunks, policy_logprobs, score_rollout
 
 log = logging.getLogger(__name__)
 
@@ -92,18 +92,19 @@ class PPOTrainer:
     # ---- step 5 ------------------------------------------------------------------------------
     def micro_step(self, b: Batch, idx: torch.Tensor, n_tokens: float) -> dict[str, float]:
         """Forward/backward of one micro-batch; losses are sums over tokens / minibatch tokens."""
-        cfg, ro = self.cfg, b.ro.select(idx)
-        mask = ro.response_mask
-        logprobs, entropy = policy_logprobs(self.m.actor.forward, ro, cfg.sampling.temperature, with_entropy=True)
-        pg_loss, stats = policy_loss(logprobs, b.sc.old_logprobs[idx], b.advantages[idx], mask,
+        cfg, ro = self.cfg, b.ro.select(idx, trim=True)   # only this micro-batch's own padding
+        mask, r = ro.response_mask, ro.response_mask.size(1)
+        logprobs, entropy = policy_logprobs(self.m.actor.forward, ro, cfg.sampling.temperature, with_entropy=True,
+                                            entropy_grad=cfg.entropy_coef > 0)
+        pg_loss, stats = policy_loss(logprobs, b.sc.old_logprobs[idx, :r], b.advantages[idx, :r], mask,
                                      cfg.clip_eps, cfg.dual_clip, loss_denominator=n_tokens)
         ent_sum = torch.where(mask, entropy, 0.0).sum() / n_tokens
         loss = pg_loss - cfg.entropy_coef * ent_sum
         if cfg.kl_loss_coef > 0:
-            kl = adv.kl_penalty(logprobs, b.sc.ref_logprobs[idx], cfg.kl_estimator)
+            kl = adv.kl_penalty(logprobs, b.sc.ref_logprobs[idx, :r], cfg.kl_estimator)
             loss = loss + cfg.kl_loss_coef * torch.where(mask, kl, 0.0).sum() / n_tokens
         values = critic_values(self.m.critic.module, ro)
-        v_loss, vstats = value_loss(values, b.sc.values[idx], b.returns[idx], mask, cfg.clip_eps_value,
+        v_loss, vstats = value_loss(values, b.sc.values[idx, :r], b.returns[idx, :r], mask, cfg.clip_eps_value,
                                     loss_denominator=n_tokens)
         _check_finite("loss/policy", pg_loss.detach(), self.iteration + 1)
         _check_finite("loss/value", v_loss.detach(), self.iteration + 1)
@@ -135,7 +136,7 @@ class PPOTrainer:
                 # Losses are token sums over the global minibatch divided by its token count.
                 n_tokens = float(self.ctx.sum(b.ro.response_mask[mb].sum().double()).clamp(min=1))
                 mb_stats: dict[str, float] = {}
-                for micro in mb.split(cfg.micro_batch_size):
+                for micro in length_sorted_chunks(b.ro.response_mask, mb, cfg.micro_batch_size):
                     for k, v in self.micro_step(b, micro, n_tokens).items():
                         mb_stats[k] = max(mb_stats.get(k, v), v) if k == "val/ratio_max" else mb_stats.get(k, 0.0) + v
                 if self.ctx.world_size > 1:   # token-weighted parts of the global minibatch: sum them
@@ -165,7 +166,8 @@ class PPOTrainer:
             ro = rollout(policy, self.m.tok, prompts, cfg.sampling, self.sample_gen)              # 1
         t1 = time.perf_counter()
         sc = score_rollout(self.m.actor.forward, self.m.ref, self.m.critic.module, self.m.reward, ro,   # 2
-                           cfg.sampling.temperature, cfg.micro_batch_size, cfg.missing_eos_score, cfg.score_clip)
+                           cfg.sampling.temperature, cfg.micro_batch_size, cfg.missing_eos_score, cfg.score_clip,
+                           cfg.recompute_logprobs)
         _check_finite("rewards (scores)", sc.raw_scores, it)
         batch, stats = self.make_batch(ro, sc)                                                     # 3, 4
         _check_finite("advantages", batch.advantages, it)
