@@ -28,6 +28,7 @@ STAGES: dict[str, tuple[str, dict[str, str]]] = {
                  {"data": DATA, "sft": SFT, "reward": RM, "ppo": PPO, "out": "outputs/evaluate"}),
     "frontier": ("plot gold and RM score against KL across DVC experiments", {"out": "outputs/frontier.png"}),
     "check": ("validate the params file and exit", {}),
+    "recipe": ("merge recipes/<name>.yaml into the params file (validated first)", {}),
 }
 
 
@@ -41,6 +42,9 @@ def _parser() -> argparse.ArgumentParser:
         if stage != "frontier":
             p.add_argument("--params", type=Path, default=Path("params.yaml"))
             p.add_argument("--no-progress", action="store_true", help="hide progress bars")
+        if stage == "recipe":
+            p.add_argument("name", help="a file of recipes/ without .yaml")
+            p.add_argument("--out", type=Path, default=None, help="where to write (default: the params file)")
         if stage in ("sft", "reward", "ppo"):
             # Per node on a cluster (the params file is shared): e.g. --node-rank $SLURM_NODEID.
             p.add_argument("--node-rank", type=int, default=None, help="override distributed.node_rank")
@@ -55,6 +59,12 @@ def main(argv: list[str] | None = None) -> int:
         frontier.main(args.out)
         return 0
     try:
+        if args.stage == "recipe":
+            from . import recipes
+            out = args.out or args.params
+            recipes.apply(args.name, args.params, out)
+            print(f"recipe {args.name}: wrote {out}")
+            return 0
         params = load_params(args.params)
         if args.stage in ("sft", "reward", "ppo"):
             node_rank, master_addr = args.node_rank, args.master_addr

@@ -60,6 +60,8 @@ class ModelConfig:
     intermediate_size: int = num(256, ge=8)
     max_position_embeddings: int = num(128, ge=16)
     trust_remote_code: bool = False
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"   # weights of a loaded model (auto: as saved)
+    attn_implementation: Optional[Literal["eager", "sdpa", "flash_attention_2"]] = None  # None: transformers' choice
 
     def __post_init__(self) -> None:
         if self.hidden_size % self.num_heads:
@@ -131,6 +133,33 @@ class LoraConfig:
 
 
 @dataclass(frozen=True)
+class SFTDatasetConfig:
+    """`sft.dataset`: demonstrations from your own dataset (path null: the prepared default task)."""
+    path: Optional[str] = None          # hub id, a folder saved by `datasets`, or a .jsonl/.json/.parquet/.csv file
+    train_split: str = "train"
+    eval_split: str = "test"            # held-out demonstrations (eval loss; reward normalisation)
+    revision: Optional[str] = None      # hub revision
+    layout: Literal["auto", "prompt_completion", "text", "messages"] = "auto"
+    prompt_column: str = "prompt"
+    response_column: str = "completion"
+    text_column: str = "text"
+    messages_column: str = "messages"
+
+
+@dataclass(frozen=True)
+class PromptDatasetConfig:
+    """`ppo.dataset`: prompts for PPO (train split) and for every held-out measurement (eval split)."""
+    path: Optional[str] = None
+    train_split: str = "train"
+    eval_split: str = "test"
+    revision: Optional[str] = None
+    layout: Literal["auto", "prompt", "messages", "conversation"] = "auto"
+    prompt_column: str = "prompt"
+    messages_column: str = "messages"
+    conversation_column: str = "chosen"  # HH-RLHF style: the dialogue up to its last "Assistant:" turn
+
+
+@dataclass(frozen=True)
 class SFTConfig:
     """`sft`: supervised fine-tuning on demonstrations, loss on response tokens only."""
     seed: int = num(0, ge=0)
@@ -144,6 +173,8 @@ class SFTConfig:
     eval_every: int = num(100, ge=1)
     n_eval_generations: int = num(200, ge=1)
     sampling: SamplingConfig = field(default_factory=SamplingConfig)
+    dataset: SFTDatasetConfig = field(default_factory=SFTDatasetConfig)
+    overlong: Literal["truncate", "drop"] = "truncate"   # longer than max_length: cut the prompt's left end, or skip
     lora: LoraConfig = field(default_factory=LoraConfig)
     distributed: DistributedConfig = field(default_factory=DistributedConfig)  # merged over the top level
 
@@ -177,6 +208,7 @@ class RewardConfig:
     n_sft_samples: int = num(200, ge=2)
     calibration_bins: int = num(10, ge=2)
     dataset: PreferenceDataConfig = field(default_factory=PreferenceDataConfig)
+    overlong: Literal["truncate", "drop"] = "truncate"
     lora: LoraConfig = field(default_factory=LoraConfig)
     distributed: DistributedConfig = field(default_factory=DistributedConfig)  # merged over the top level
 
@@ -215,6 +247,9 @@ class PPOConfig:
     save_every: int = num(10, ge=1)
     n_eval_prompts: int = num(200, ge=2)
     sampling: SamplingConfig = field(default_factory=SamplingConfig)
+    dataset: PromptDatasetConfig = field(default_factory=PromptDatasetConfig)
+    max_prompt_length: int = num(256, ge=4, doc="prompt tokens; longer ones follow `overlong`")
+    overlong: Literal["truncate", "drop"] = "truncate"
     recompute_logprobs: bool = False      # the rollout policy's log-probs from a training forward, not the sampler's
     shared_backbone: bool = False         # one trunk, two heads: the critic is a value head on the actor
     vf_coef: float = num(1.0, gt=0.0, doc="weight of the value loss (matters with shared_backbone)")

@@ -35,20 +35,26 @@ class Example:
 
 
 def tokenize_demonstrations(rows: list[dict], tok: PreTrainedTokenizerBase, max_length: int,
-                            source: Path) -> tuple[list[Example], int]:
-    """Tokenize; a demonstration longer than `max_length` keeps its response and loses the
-    prompt's left end (the instruction's tail and the response matter most). Returns examples and
-    how many were truncated; a response alone longer than the limit is an error."""
-    examples, truncated = [], 0
+                            source: Path | str, overlong: str = "truncate") -> tuple[list[Example], int, int]:
+    """Tokenize. A demonstration longer than `max_length` keeps its response and loses the
+    prompt's left end (`overlong: truncate`: the instruction's tail and the response matter most),
+    or is left out (`drop`). Returns examples and how many were truncated and dropped. A response
+    alone longer than the limit is an error under `truncate` (nothing sensible is left)."""
+    examples, truncated, dropped = [], 0, 0
     for i, row in enumerate(rows):
         p, r = encode_prompt(tok, row["prompt"]), encode_response(tok, row["response"])
-        if len(r) >= max_length:
-            raise DataError(f"{source}: record {i + 1}: response of {len(r)} tokens exceeds "
-                             f"sft.max_length={max_length}")
         if len(p) + len(r) > max_length:
+            if overlong == "drop":
+                dropped += 1
+                continue
+            if len(r) >= max_length:
+                raise DataError(f"{source}: record {i + 1}: response of {len(r)} tokens exceeds "
+                                f"sft.max_length={max_length} (sft.overlong: drop skips such records)")
             p, truncated = p[len(p) + len(r) - max_length:], truncated + 1
         examples.append(Example(p + r, len(p)))
-    return examples, truncated
+    if not examples:
+        raise DataError(f"{source}: every record is longer than sft.max_length={max_length}")
+    return examples, truncated, dropped
 
 
 def collate_sft(batch: list[Example], pad_id: int) -> dict[str, torch.Tensor]:

@@ -20,13 +20,12 @@ from typing import Any, Callable, Optional
 import torch
 
 from .config import Params, to_dict
-from .data import load_prompts
+from . import inputs
 from .generation import generate_texts, left_pad
 from .io import atomic_write_json, atomic_write_text
 from .models import load_policy
 from .plots import evaluation_plots
 from .reward_source import RewardModelSource
-from .tasks import get_judge
 from .tokenizer import encode_prompt, encode_response
 from .mlflow_tracking import stage_tracking
 from .tracking import StepLog, write_metrics
@@ -201,8 +200,8 @@ def run(params: Params, data_dir: Path, sft_dir: Path, reward_dir: Path, ppo_dir
 
 def _run(params: Params, data_dir: Path, sft_dir: Path, reward_dir: Path, ppo_dir: Path, out: Path,
          resolved: dict) -> dict[str, Any]:
-    cfg, judge = params.evaluate, get_judge(params.data.task)
-    prompts = load_prompts(data_dir / "eval_prompts.jsonl")[:cfg.n_prompts]
+    cfg, judge = params.evaluate, inputs.judge(params)
+    prompts = inputs.prompts(params, data_dir, "eval")[:cfg.n_prompts]
     reward = RewardModelSource(reward_dir, params.reward.max_length, params.model.trust_remote_code)
     per = sample_policies(params, sft_dir, ppo_dir, reward, prompts)
     m = summarise(per, prompts, judge, cfg.bootstrap, cfg.seed)

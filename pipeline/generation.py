@@ -107,15 +107,16 @@ def stop_token_id(tok, cfg: SamplingConfig) -> int | None:
     return ids[0]
 
 
-def generate_texts(model: PreTrainedModel, tok, prompts: list[str], cfg: SamplingConfig, seed: int,
-                   greedy: bool, batch_size: int = 64) -> tuple[list[str], list[bool]]:
-    """Responses (text cut at eos) to `prompts` and whether each emitted eos."""
+def generate_texts(model: PreTrainedModel, tok, prompts: list, cfg: SamplingConfig, seed: int,
+                   greedy: bool, batch_size: int = 64, max_prompt_length: int | None = None) -> tuple[list[str], list[bool]]:
+    """Responses (text cut at eos) to `prompts` and whether each emitted eos; prompts longer than
+    `max_prompt_length` tokens keep their right end."""
     gen = torch.Generator().manual_seed(seed)
     texts, ended = [], []
     was_training = model.training
     model.eval()
     for start in range(0, len(prompts), batch_size):
-        chunk = [encode_prompt(tok, p) for p in prompts[start:start + batch_size]]
+        chunk = [encode_prompt(tok, p)[-(max_prompt_length or 0):] for p in prompts[start:start + batch_size]]
         out = sample(model, chunk, tok.pad_token_id, tok.eos_token_id, cfg, gen, greedy=greedy,
                      stop_id=stop_token_id(tok, cfg))
         texts += [decode_response(tok, row.tolist()) for row in out.response_ids]

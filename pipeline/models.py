@@ -36,15 +36,36 @@ def tiny_config(cfg: ModelConfig, tok: PreTrainedTokenizerBase):
                       attn_pdrop=0.0, **special)
 
 
+def load_kwargs(cfg: ModelConfig) -> dict:
+    """`from_pretrained` arguments from the `model` params: dtype and attention implementation."""
+    kwargs: dict = {"trust_remote_code": cfg.trust_remote_code}
+    if cfg.dtype != "auto":
+        kwargs["dtype"] = getattr(torch, cfg.dtype)
+    if cfg.attn_implementation is not None:
+        kwargs["attn_implementation"] = cfg.attn_implementation
+    return kwargs
+
+
+def fit_embeddings(model: PreTrainedModel, tok: PreTrainedTokenizerBase) -> PreTrainedModel:
+    """Grow the embeddings when the tokenizer gained tokens (a pad token added on load)."""
+    if len(tok) > model.get_input_embeddings().weight.size(0):
+        model.resize_token_embeddings(len(tok))
+    if model.config.pad_token_id is None:
+        model.config.pad_token_id = tok.pad_token_id
+    return model
+
+
 def init_policy(cfg: ModelConfig, tokenizer_dir: Path, seed: int) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
-    """The SFT starting point: a tiny model from config, or `name_or_path` with its own tokenizer."""
+    """The SFT starting point: a tiny model from config, or `name_or_path` with its own tokenizer
+    (a pad token added if it has none; dtype and attention implementation from params)."""
     if cfg.name_or_path is None:
         tok = load_tokenizer(tokenizer_dir)
         torch.manual_seed(seed)
         model = AutoModelForCausalLM.from_config(tiny_config(cfg, tok))
     else:
-        tok = load_tokenizer(cfg.name_or_path, cfg.trust_remote_code)
-        model = AutoModelForCausalLM.from_pretrained(cfg.name_or_path, trust_remote_code=cfg.trust_remote_code)
+        tok = load_tokenizer(cfg.name_or_path, cfg.trust_remote_code, add_pad=True)
+        model = AutoModelForCausalLM.from_pretrained(cfg.name_or_path, **load_kwargs(cfg))
+        model = fit_embeddings(model, tok)
     return model, tok
 
 

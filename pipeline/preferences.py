@@ -27,14 +27,16 @@ ASSISTANT_TURN = "\n\nAssistant:"
 
 @dataclass(frozen=True)
 class Pair:
-    prompt: str
+    prompt: Any          # text, or a list of {role, content} messages (the `messages` layout)
     chosen: str
     rejected: str
     margin: float = 0.0
 
 
 def _rows(source: str, split: str, revision: Optional[str]) -> list[tuple[str, dict]]:
-    """Raw rows, each with how errors name it (`file:line` for JSONL, `source: row N` otherwise)."""
+    """Raw rows, each with how errors name it (`file:line` for JSONL, `source: row N` otherwise).
+    A `{split}` in a local path is replaced by the split's name (`data/sft_{split}.jsonl`)."""
+    source = source.replace("{split}", split)
     path = Path(source)
     if path.suffix == ".jsonl" and path.is_file():
         return [(f"{source}:{line}", row) for line, row in numbered_jsonl(path)]
@@ -85,11 +87,6 @@ def _split_conversation(chosen: str, rejected: str, where: str) -> tuple[str, st
     return prompt.strip(), chosen[len(prompt):].strip(), rejected[len(prompt):].strip()
 
 
-def render_messages(messages: list[dict[str, Any]]) -> str:
-    """Plain-text rendering of chat messages, used when no chat template applies."""
-    return "\n".join(f"{m['role']}: {m['content']}" for m in messages)
-
-
 def _split_messages(row: dict[str, Any], where: str) -> tuple[str, str, str]:
     answers = []
     for key in ("chosen", "rejected"):
@@ -100,7 +97,11 @@ def _split_messages(row: dict[str, Any], where: str) -> tuple[str, str, str]:
         if msgs[-1]["role"] != "assistant":
             raise DataError(f"{where}: the last message of '{key}' must be the assistant's")
         answers.append(msgs)
-    prompt = row.get("prompt") or render_messages(answers[0][:-1])
+    # The conversation before the answers stays a message list: tokenizers with a chat template
+    # render it as the policy saw it (tokenizer.encode_prompt); others get `role: content` lines.
+    prompt = row.get("prompt") or [{"role": m["role"], "content": m["content"]} for m in answers[0][:-1]]
+    if isinstance(prompt, list) and not prompt:
+        raise DataError(f"{where}: 'chosen' has no message before the assistant's answer")
     return prompt, answers[0][-1]["content"], answers[1][-1]["content"]
 
 
@@ -116,8 +117,8 @@ def to_pair(row: dict[str, Any], layout: str, where: str, margin_column: Optiona
                                                        _text(row["rejected"], where, "rejected"), where)
     else:
         prompt, chosen, rejected = _split_messages(row, where)
-    prompt, chosen, rejected = (_text(prompt, where, "prompt"), _text(chosen, where, "chosen"),
-                                _text(rejected, where, "rejected"))
+    prompt = prompt if isinstance(prompt, list) else _text(prompt, where, "prompt")
+    chosen, rejected = _text(chosen, where, "chosen"), _text(rejected, where, "rejected")
     if chosen.strip() == rejected.strip():
         raise DataError(f"{where}: chosen and rejected are identical")
     margin = 0.0

@@ -19,16 +19,16 @@ import torch
 from scipy.stats import spearmanr
 from tqdm import tqdm
 
-from . import distributed, lora
+from . import distributed, inputs, lora
 from . import reward_model as rm
 from .config import Params, to_dict
-from .data import load_demonstrations, load_prompts
 from .generation import generate_texts
 from .io import atomic_dir, atomic_write_text, stale_extras
-from .models import load_policy
+from .models import load_kwargs, load_policy
 from .plots import calibration_plot
+from .errors import DataError
 from .preferences import Pair, load_pairs
-from .tasks import get_judge
+from .tokenizer import encode_prompt, encode_response
 from .mlflow_tracking import stage_tracking
 from .tracking import NO_TRACKER, StepLog, Tracker, write_metrics
 from .distributed import SINGLE, Context
@@ -43,6 +43,25 @@ def pair_sources(params: Params, data_dir: Path) -> tuple[list[Pair], list[Pair]
                 load_pairs(data_dir / "pairs_eval.jsonl", layout=ds.layout, margin_column=ds.margin_column))
     return (load_pairs(ds.path, ds.train_split, ds.revision, ds.layout, ds.margin_column),
             load_pairs(ds.path, ds.eval_split, ds.revision, ds.layout, ds.margin_column))
+
+
+def fit_pairs(pairs: list[Pair], tok, max_length: int, overlong: str) -> tuple[list[Pair], int, int]:
+    """Pairs whose prompt + longer answer exceed `max_length` tokens: scored with the prompt's left
+    end cut (`truncate`, see reward_model.encode_pair_text) or left out (`drop`). Returns the pairs
+    and how many were truncated and dropped."""
+    kept, truncated, dropped = [], 0, 0
+    for p in pairs:
+        n_prompt = len(encode_prompt(tok, p.prompt))
+        longest = max(len(encode_response(tok, p.chosen)), len(encode_response(tok, p.rejected)))
+        if n_prompt + longest > max_length:
+            if overlong == "drop":
+                dropped += 1
+                continue
+            truncated += 1
+        kept.append(p)
+    if not kept:
+        raise DataError(f"every preference pair is longer than reward.max_length={max_length}")
+    return kept, truncated, dropped
 
 
 def batch_scores(model, tok, pairs: list[Pair], max_length: int,
@@ -90,7 +109,7 @@ def _spearman(x: list[float], y: list[float]) -> float:
 def evaluate(model, tok, params: Params, data_dir: Path, sft_dir: Path, eval_pairs: list[Pair],
              out_dir: Path) -> dict[str, Any]:
     """Metrics of the trained (and normalised) reward model; writes calibration.tsv/png."""
-    cfg, judge = params.reward, get_judge(params.data.task)
+    cfg, judge = params.reward, inputs.judge(params)
     rc, rr = score_pairs(model, tok, eval_pairs, cfg.max_length)
     rc, rr = rc - rm.offset(model), rr - rm.offset(model)
     bins, ece = calibration(rc - rr, cfg.calibration_bins)
@@ -116,7 +135,7 @@ def evaluate(model, tok, params: Params, data_dir: Path, sft_dir: Path, eval_pai
         gold = [judge(p, r) for p, r in zip(prompts, responses)]
         m["eval/spearman_gold_heldout"] = _spearman(torch.cat([rc, rr]).tolist(), gold)
         policy, ptok = load_policy(sft_dir)
-        sft_prompts = load_prompts(data_dir / "eval_prompts.jsonl")
+        sft_prompts = inputs.prompts(params, data_dir, "eval")
         sft_prompts = (sft_prompts * (cfg.n_sft_samples // len(sft_prompts) + 1))[:cfg.n_sft_samples]
         texts, _ = generate_texts(policy, ptok, sft_prompts, params.sft.sampling, cfg.seed, greedy=False)
         scores = rm.score_texts(model, tok, sft_prompts, texts, cfg.max_length)
@@ -127,7 +146,7 @@ def evaluate(model, tok, params: Params, data_dir: Path, sft_dir: Path, eval_pai
 
 def normalise(model, tok, params: Params, data_dir: Path) -> float:
     """Store the mean raw score of held-out demonstrations as the offset; returns that mean."""
-    demos = load_demonstrations(data_dir / "sft_eval.jsonl")
+    demos = inputs.demonstrations(params, data_dir, "eval")
     setattr(model.config, rm.OFFSET_KEY, 0.0)
     mean = float(rm.score_texts(model, tok, [d["prompt"] for d in demos], [d["response"] for d in demos],
                                 params.reward.max_length).mean())
@@ -142,8 +161,10 @@ def train(params: Params, data_dir: Path, sft_dir: Path, out_dir: Path, progress
     cfg, dist = params.reward, params.reward.distributed
     train_pairs, eval_pairs = pair_sources(params, data_dir)
     init = cfg.name_or_path if cfg.name_or_path is not None else sft_dir
-    model, tok = rm.init_reward_model(init, cfg.seed, cfg.head_init_std, params.model.trust_remote_code)
+    model, tok = rm.init_reward_model(init, cfg.seed, cfg.head_init_std, params.model.trust_remote_code,
+                                      load_kwargs(params.model) if cfg.name_or_path is not None else None)
     model = lora.wrap(model, cfg.lora, "SEQ_CLS")
+    train_pairs, n_trunc, n_drop = fit_pairs(train_pairs, tok, cfg.max_length, cfg.overlong)
     torch.manual_seed(cfg.seed)
     steps = total_steps(len(train_pairs), cfg.batch_size, cfg.epochs)
     micro = cfg.batch_size // (ctx.world_size * dist.gradient_accumulation_steps)
@@ -179,6 +200,7 @@ def train(params: Params, data_dir: Path, sft_dir: Path, out_dir: Path, progress
     if full is None:
         return None, tok, {}
     metrics: dict[str, Any] = {"train/steps": steps, "train/seconds": train_time,
+                               "data/truncated": n_trunc, "data/dropped": n_drop,
                                "train/loss": train_log.rows[-1]["loss"], "eval/loss": eval_log.rows[-1]["loss"]}
     if cfg.lora.enabled:
         metrics["train/trainable_params"], metrics["train/total_params"] = lora.count_trainable(full)

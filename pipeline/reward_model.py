@@ -41,15 +41,20 @@ def head(model: torch.nn.Module) -> torch.nn.Module:
     return layer
 
 
-def init_reward_model(path: str | Path, seed: int, head_std: float | None,
-                      trust_remote_code: bool = False) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
-    """Backbone from a causal-LM checkpoint (the SFT model by default) plus a fresh scalar head.
+def init_reward_model(path: str | Path, seed: int, head_std: float | None, trust_remote_code: bool = False,
+                      load_kwargs: dict | None = None) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
+    """Backbone from a causal-LM checkpoint (the SFT model by default, or any `name_or_path`) plus
+    a fresh scalar head; a tokenizer without pad gets one (embeddings resized). `load_kwargs`:
+    dtype / attention implementation (models.load_kwargs).
 
     Head init N(0, 1/sqrt(hidden + 1)), bias 0, as in Stiennon et al. 2020 / lm-human-preferences.
     """
-    tok = load_tokenizer(path, trust_remote_code)
+    tok = load_tokenizer(path, trust_remote_code, add_pad=True)
+    kwargs = {"trust_remote_code": trust_remote_code, **(load_kwargs or {})}
     model = AutoModelForSequenceClassification.from_pretrained(
-        str(path), num_labels=1, trust_remote_code=trust_remote_code, pad_token_id=tok.pad_token_id)
+        str(path), num_labels=1, pad_token_id=tok.pad_token_id, **kwargs)
+    if len(tok) > model.get_input_embeddings().weight.size(0):
+        model.resize_token_embeddings(len(tok))
     layer = head(model)
     assert isinstance(layer, torch.nn.Linear)
     std = head_std if head_std is not None else 1.0 / math.sqrt(layer.in_features + 1)

@@ -16,14 +16,14 @@ import torch
 import torch.nn.functional as F
 from tqdm import tqdm
 
-from . import distributed, lora
+from . import distributed, inputs, lora
 
 from .config import Params, to_dict
-from .data import IGNORE, Example, collate_sft, load_demonstrations, load_prompts, tokenize_demonstrations
+from .data import IGNORE, Example, collate_sft, tokenize_demonstrations
 from .generation import generate_texts
 from .io import atomic_dir, atomic_write_json, stale_extras
 from .models import init_policy, save_checkpoint
-from .tasks import get_judge, reviews
+from .tasks import reviews
 from .mlflow_tracking import stage_tracking
 from .tracking import NO_TRACKER, StepLog, Tracker, write_metrics
 from .distributed import SINGLE, Context, to_device
@@ -79,12 +79,13 @@ def train(params: Params, data_dir: Path, log_dir: Path, progress: bool = True,
     In a multi-process run every rank trains and the returned model is whole on rank 0 only
     (None elsewhere); evaluation after training is rank 0's."""
     cfg, dist = params.sft, params.sft.distributed
-    train_rows = load_demonstrations(data_dir / "sft_train.jsonl")
-    eval_rows = load_demonstrations(data_dir / "sft_eval.jsonl")
+    train_rows = inputs.demonstrations(params, data_dir, "train")
+    eval_rows = inputs.demonstrations(params, data_dir, "eval")
+    source = cfg.dataset.path or data_dir / "sft_train.jsonl"
     model, tok = init_policy(params.model, data_dir / "tokenizer", cfg.seed)
     model = lora.wrap(model, cfg.lora, "CAUSAL_LM")
-    train_ex, n_trunc = tokenize_demonstrations(train_rows, tok, cfg.max_length, data_dir / "sft_train.jsonl")
-    eval_ex, _ = tokenize_demonstrations(eval_rows, tok, cfg.max_length, data_dir / "sft_eval.jsonl")
+    train_ex, n_trunc, n_drop = tokenize_demonstrations(train_rows, tok, cfg.max_length, source, cfg.overlong)
+    eval_ex, _, _ = tokenize_demonstrations(eval_rows, tok, cfg.max_length, source, cfg.overlong)
 
     torch.manual_seed(cfg.seed)
     steps = total_steps(len(train_ex), cfg.batch_size, cfg.epochs)
@@ -126,7 +127,7 @@ def train(params: Params, data_dir: Path, log_dir: Path, progress: bool = True,
         return None, tok, {}
     metrics: dict[str, Any] = {
         "train/loss": train_log.rows[-1]["loss"], "eval/loss": eval_log.rows[-1]["loss"],
-        "train/steps": steps, "train/seconds": train_time, "data/truncated": n_trunc,
+        "train/steps": steps, "train/seconds": train_time, "data/truncated": n_trunc, "data/dropped": n_drop,
     }
     if cfg.lora.enabled:
         metrics["train/trainable_params"], metrics["train/total_params"] = lora.count_trainable(full)
@@ -137,14 +138,14 @@ def train(params: Params, data_dir: Path, log_dir: Path, progress: bool = True,
 
 def evaluate_policy(model, tok, params: Params, data_dir: Path) -> dict[str, Any]:
     """Greedy and sampled responses to evaluation prompts, judged next to the demonstrations."""
-    cfg, judge = params.sft, get_judge(params.data.task)
-    prompts = load_prompts(data_dir / "eval_prompts.jsonl")[:cfg.n_eval_generations]
+    cfg, judge = params.sft, inputs.judge(params)
+    prompts = inputs.prompts(params, data_dir, "eval")[:cfg.n_eval_generations]
     out: dict[str, Any] = {}
     for tag, greedy in (("greedy", True), ("sampled", False)):
         texts, ended = generate_texts(model, tok, prompts, cfg.sampling, cfg.seed, greedy)
         out.update(judge_responses(prompts, texts, ended, judge, tag))
     if judge is not None:
-        demos = load_demonstrations(data_dir / "sft_eval.jsonl")
+        demos = inputs.demonstrations(params, data_dir, "eval")
         out["eval/gold_demonstrations"] = sum(judge(r["prompt"], r["response"]) for r in demos) / len(demos)
     return out
 

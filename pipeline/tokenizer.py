@@ -8,16 +8,24 @@ every stage (and any user) loads it with `AutoTokenizer.from_pretrained`.
 Format: `<bos> {prompt}\nResponse: {response} <eos>`. The prompt part is tokenized with special
 tokens (adds bos) and the response part without, then eos is appended; tokenizing the two parts
 separately means a response token never merges with the prompt's last token.
+
+When the tokenizer has a chat template (a chat model's), the prompt is rendered with it instead,
+as one user message or as the given list of messages, with the generation prompt added, so the
+response follows the assistant header exactly as at inference. Every stage encodes prompts
+through `encode_prompt`, so the format is the same in SFT, RM, PPO and evaluation.
 """
 
 from __future__ import annotations
 
+import logging
 from pathlib import Path
 
 from tokenizers import Tokenizer, models, pre_tokenizers, processors
 from transformers import AutoTokenizer, PreTrainedTokenizerBase, PreTrainedTokenizerFast
 
 from .errors import CheckpointError
+
+log = logging.getLogger(__name__)
 
 PAD, BOS, EOS, UNK = "<pad>", "<bos>", "<eos>", "<unk>"
 RESPONSE_MARKER = "Response:"
@@ -43,18 +51,44 @@ def build_word_tokenizer(words: list[str]) -> PreTrainedTokenizerFast:
         padding_side="right", model_max_length=1024, clean_up_tokenization_spaces=False)
 
 
-def load_tokenizer(path: str | Path, trust_remote_code: bool = False) -> PreTrainedTokenizerBase:
-    """Load a tokenizer and check the special tokens the pipeline relies on."""
+def load_tokenizer(path: str | Path, trust_remote_code: bool = False,
+                   add_pad: bool = False) -> PreTrainedTokenizerBase:
+    """Load a tokenizer and check the special tokens the pipeline relies on. With `add_pad` (a
+    model entering the pipeline), a missing pad token is added as a new token; the caller resizes
+    the model's embeddings (models.init_policy)."""
     tok = AutoTokenizer.from_pretrained(str(path), trust_remote_code=trust_remote_code)
     if tok.eos_token_id is None:
         raise CheckpointError(f"{path}: tokenizer has no eos token; the pipeline needs one to end responses")
     if tok.pad_token_id is None:
-        raise CheckpointError(f"{path}: tokenizer has no pad token; set one (e.g. pad = eos) and save it again")
+        if not add_pad:
+            raise CheckpointError(f"{path}: tokenizer has no pad token; set one (e.g. pad = eos) and save it again")
+        tok.add_special_tokens({"pad_token": PAD})
+        log.warning("%s: the tokenizer had no pad token; added %r as a new token (id %d) and the model's "
+                    "embeddings are resized to match", path, PAD, tok.pad_token_id)
     return tok
 
 
-def encode_prompt(tok: PreTrainedTokenizerBase, prompt: str) -> list[int]:
-    return tok(format_prompt(prompt), add_special_tokens=True)["input_ids"]
+def as_messages(prompt: "str | list[dict[str, str]]") -> list[dict[str, str]]:
+    return prompt if isinstance(prompt, list) else [{"role": "user", "content": prompt}]
+
+
+def prompt_text(prompt: "str | list[dict[str, str]]") -> str:
+    """A prompt as plain text (chat messages as `role: content` lines)."""
+    if isinstance(prompt, str):
+        return prompt
+    return "\n".join(f"{m['role']}: {m['content']}" for m in prompt)
+
+
+def encode_prompt(tok: PreTrainedTokenizerBase, prompt: "str | list[dict[str, str]]") -> list[int]:
+    """Token ids of a prompt up to where the response starts: the chat template with its
+    generation prompt when the tokenizer has one, else the plain format (`{prompt}\nResponse:`).
+    The empty prompt (a `text`-layout demonstration) is just bos, when the tokenizer has one."""
+    if isinstance(prompt, str) and not prompt:
+        return [tok.bos_token_id] if tok.bos_token_id is not None else []
+    if getattr(tok, "chat_template", None):
+        text = tok.apply_chat_template(as_messages(prompt), add_generation_prompt=True, tokenize=False)
+        return tok(text, add_special_tokens=False)["input_ids"]
+    return tok(format_prompt(prompt_text(prompt)), add_special_tokens=True)["input_ids"]
 
 
 def encode_response(tok: PreTrainedTokenizerBase, response: str) -> list[int]:

@@ -106,7 +106,7 @@ def test_unknown_keys(tmp_path):
     # The known lists are derived from the dataclasses (sections get added as stages land);
     # the subset checks pin the names this file relies on.
     assert {"data", "model", "sft"} <= {f.name for f in dataclasses.fields(Params)}
-    assert known(SFTConfig).startswith("batch_size, distributed, epochs, eval_every, lora, lr, max_grad_norm, ")
+    assert known(SFTConfig).startswith("batch_size, dataset, distributed, epochs, eval_every, lora, lr, ")
     assert known(SamplingConfig) == "max_new_tokens, stop_token, temperature, top_k, top_p"
     assert load_error(tmp_path, "sfft:\n  lr: 0.1\n") == f"params.yaml: sfft: unknown key (known: {known(Params)})"
     assert load_error(tmp_path, "sft:\n  lrr: 0.1\n") == \

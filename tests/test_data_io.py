@@ -209,7 +209,7 @@ def test_decode_response_round_trip(tok):
 def test_tokenize_and_collate(tok, tmp_path):
     rows = [{"prompt": PROMPT, "response": RESPONSE},
             {"prompt": "Review the film Iron Winter . Focus on the plot .", "response": "the plot was dull ."}]
-    examples, truncated = tokenize_demonstrations(rows, tok, max_length=96, source=tmp_path / "d.jsonl")
+    examples, truncated, _ = tokenize_demonstrations(rows, tok, max_length=96, source=tmp_path / "d.jsonl")
     assert truncated == 0
     # row 0: 16 prompt tokens + 11 response + eos; row 1: <bos> + 11 words + 2 marker = 14, 5 + eos
     assert [(len(e.input_ids), e.n_prompt) for e in examples] == [(28, 16), (20, 14)]
@@ -240,7 +240,8 @@ def test_collate_hand_built():
 
 def test_long_prompt_truncated_from_left(tok, tmp_path):
     rows = [{"prompt": PROMPT, "response": RESPONSE}, {"prompt": PROMPT, "response": "the music was good ."}]
-    examples, truncated = tokenize_demonstrations(rows, tok, max_length=20, source=tmp_path / "d.jsonl")
+    examples, truncated, dropped = tokenize_demonstrations(rows, tok, max_length=20, source=tmp_path / "d.jsonl")
+    assert dropped == 0
     assert truncated == 2
     # 16 + 12 = 28 > 20: keep the last 8 prompt tokens; 16 + 6 = 22 > 20: keep the last 14
     e0, e1 = examples
@@ -250,8 +251,12 @@ def test_long_prompt_truncated_from_left(tok, tmp_path):
     assert len(e0.input_ids) == 20 and len(e1.input_ids) == 20
     assert e1.n_prompt == 14
     assert e1.input_ids[:14] == encode_prompt(tok, PROMPT)[2:]
-    _, none = tokenize_demonstrations(rows, tok, max_length=28, source=tmp_path / "d.jsonl")
+    _, none, _ = tokenize_demonstrations(rows, tok, max_length=28, source=tmp_path / "d.jsonl")
     assert none == 0
+    # overlong: drop leaves the long ones out and counts them instead.
+    kept, truncated, dropped = tokenize_demonstrations(rows, tok, max_length=22, source=tmp_path / "d.jsonl",
+                                                       overlong="drop")
+    assert (len(kept), truncated, dropped) == (1, 0, 1) and kept[0].n_prompt == 16
 
 
 def test_response_longer_than_max_length(tok, tmp_path):
@@ -259,4 +264,5 @@ def test_response_longer_than_max_length(tok, tmp_path):
     rows = [{"prompt": PROMPT, "response": "the plot was dull ."}, {"prompt": PROMPT, "response": RESPONSE}]
     with pytest.raises(DataError) as err:
         tokenize_demonstrations(rows, tok, max_length=10, source=source)
-    assert str(err.value) == f"{source}: record 2: response of 12 tokens exceeds sft.max_length=10"
+    assert str(err.value) == (f"{source}: record 2: response of 12 tokens exceeds sft.max_length=10 "
+                              "(sft.overlong: drop skips such records)")

@@ -141,9 +141,13 @@ def test_messages_layout_like_ultrafeedback_parquet_and_saved_dataset(tmp_path):
     assert load_pairs(tmp_path / "uf.parquet") == expected
     datasets.DatasetDict({"train_prefs": ds, "test_prefs": ds}).save_to_disk(str(tmp_path / "uf_saved"))
     assert load_pairs(tmp_path / "uf_saved", split="test_prefs") == expected
-    # Without a prompt column the prompt is the rendered conversation before the answer.
+    # Without a prompt column the prompt is the conversation before the answer, kept as messages
+    # (a chat template renders it; without one it reads as `role: content` lines).
     no_prompt = [{k: v for k, v in UF[0].items() if k != "prompt"}]
-    assert load_pairs(_jsonl(tmp_path / "np.jsonl", no_prompt))[0].prompt == "user: Name a colour."
+    prompt = load_pairs(_jsonl(tmp_path / "np.jsonl", no_prompt))[0].prompt
+    assert prompt == [{"role": "user", "content": "Name a colour."}]
+    from pipeline.tokenizer import prompt_text
+    assert prompt_text(prompt) == "user: Name a colour."
 
 
 def test_csv_text_layout(tmp_path):

@@ -20,14 +20,13 @@ from .. import distributed
 from ..config import Params, to_dict
 from ..distributed import Context
 from ..engines import write_deepspeed_config
-from ..data import load_prompts
+from .. import inputs
 from ..evaluate import mean_ci, sequence_kl
 from ..generation import generate_texts
 from ..io import atomic_dir, atomic_write_text, stale_extras
 from ..mlflow_tracking import stage_tracking
 from ..models import save_checkpoint
 from ..reward_source import RewardSource
-from ..tasks import get_judge
 from ..tracking import StepLog, Tracker, write_metrics
 from . import checkpoint
 from .placement import evaluation_models, place_models
@@ -43,7 +42,8 @@ def compare_policies(actor, ref, tok, params: Params, prompts: list[str], judge:
     m: dict[str, Any] = {}
     per: dict[str, dict[str, list[float]]] = {}
     for name, policy in (("sft", ref), ("ppo", actor)):
-        texts, ended = generate_texts(policy, tok, prompts, cfg.sampling, cfg.seed + 7, greedy=False)
+        texts, ended = generate_texts(policy, tok, prompts, cfg.sampling, cfg.seed + 7, greedy=False,
+                                      max_prompt_length=cfg.max_prompt_length)
         per[name] = {"rm": reward.score(prompts, texts).tolist(),
                      "kl": sequence_kl(policy, ref, tok, prompts, texts, cfg.sampling.temperature)}
         if judge is not None:
@@ -73,10 +73,12 @@ def run(params: Params, data_dir: Path, sft_dir: Path, reward_dir: Path, out: Pa
 def _run(params: Params, data_dir: Path, sft_dir: Path, reward_dir: Path, out: Path, resolved: dict,
          tracker: Tracker, progress: bool, ctx: Context) -> dict[str, Any]:
     cfg = params.ppo
-    prompts = load_prompts(data_dir / "ppo_prompts.jsonl")
-    eval_prompts = load_prompts(data_dir / "eval_prompts.jsonl")[:cfg.n_eval_prompts]
-    judge = get_judge(params.data.task)
+    prompts = inputs.prompts(params, data_dir, "train")
+    eval_prompts = inputs.prompts(params, data_dir, "eval")[:cfg.n_eval_prompts]
+    judge = inputs.judge(params)
     models = place_models(params, sft_dir, reward_dir, ctx)
+    prompts, n_trunc, n_drop = inputs.fit_prompts(prompts, models.tok, cfg.max_prompt_length, cfg.overlong)
+    eval_prompts, _, _ = inputs.fit_prompts(eval_prompts, models.tok, cfg.max_prompt_length, cfg.overlong)
     if ctx.is_main:
         write_deepspeed_config(out / "deepspeed_config.json", actor=models.actor, critic=models.critic,
                                frozen=models.frozen)
@@ -107,6 +109,7 @@ def _run(params: Params, data_dir: Path, sft_dir: Path, reward_dir: Path, out: P
     actor, ref, reward = plain
     last = step_log.rows[-1]
     metrics: dict[str, Any] = {f"train/{k.replace('/', '_')}": v for k, v in last.items() if k != "step"}
+    metrics.update({"data/prompts_truncated": n_trunc, "data/prompts_dropped": n_drop})
     metrics.update(compare_policies(actor, ref, models.tok, params, eval_prompts, judge, reward))
     with atomic_dir(out / "model") as tmp:
         save_checkpoint(actor, models.tok, tmp)

@@ -163,7 +163,7 @@ class PPOTrainer:
         # The same global batch on every rank (same seed); each keeps its slice.
         prompts = self.ctx.shard([self.prompts[i] for i in next(self.prompt_sampler)])
         with self.m.actor.gathered() as policy:   # ZeRO-3: parameters gathered once per rollout
-            ro = rollout(policy, self.m.tok, prompts, cfg.sampling, self.sample_gen)              # 1
+            ro = rollout(policy, self.m.tok, prompts, cfg.sampling, self.sample_gen, cfg.max_prompt_length)   # 1
         t1 = time.perf_counter()
         sc = score_rollout(self.m.actor.forward, self.m.ref, self.m.critic.module, self.m.reward, ro,   # 2
                            cfg.sampling.temperature, cfg.micro_batch_size, cfg.missing_eos_score, cfg.score_clip,

@@ -1,0 +1,65 @@
+"""Recipes (recipes/*.yaml): each validates merged over the shipped params, keeps the values its
+source states, and yields the stage commands and cluster resources its setup needs. (They name hub
+models and datasets, so they cannot run here.)"""
+
+from __future__ import annotations
+
+import pytest
+
+from conftest import BIN, REPO, copy_repo, run
+from pipeline import recipes, stage_graph
+from pipeline.cluster import check_shape, slurm_resources
+from pipeline.errors import ConfigError
+
+
+def test_recipes_exist():
+    assert recipes.names() == ["hh-rlhf-pythia-1.4b", "tldr-pythia-1b"]
+
+
+@pytest.mark.parametrize("name", ["hh-rlhf-pythia-1.4b", "tldr-pythia-1b"])
+def test_recipe_validates_and_gives_gpu_jobs(name):
+    _, params = recipes.render(name, REPO / "params.yaml")
+    check_shape(params)                           # nodes and GPUs match the distributed settings
+    for stage in ("sft", "reward", "ppo"):
+        res = slurm_resources(params, stage)
+        assert res["gres"] == "gpu:8" and res["nodes"] == 1
+        assert getattr(params, stage).distributed.num_processes == 8
+        assert getattr(params, stage).distributed.precision == "bf16"
+    assert "gres" not in slurm_resources(params, "evaluate") and "gres" not in slurm_resources(params, "prepare")
+    assert params.model.name_or_path.startswith("EleutherAI/pythia-")
+
+
+def test_tldr_recipe_has_the_published_values():
+    """Huang et al. 2024 (N+ implementation details): lr 3e-6, 4 PPO epochs, KL 0.05, 53 response
+    tokens at temperature 0.7, missing-EOS score -1, critic from the RM, rewards normalised."""
+    _, p = recipes.render("tldr-pythia-1b", REPO / "params.yaml")
+    assert (p.sft.lr, p.reward.lr, p.ppo.lr) == (3e-6, 3e-6, 3e-6)
+    assert (p.ppo.ppo_epochs, p.ppo.kl_coef, p.ppo.missing_eos_score, p.ppo.critic_init) == (4, 0.05, -1.0, "reward")
+    assert (p.ppo.sampling.max_new_tokens, p.ppo.sampling.temperature) == (53, 0.7)
+    assert p.reward.normalize is True
+    assert p.ppo.dataset.path == "trl-lib/tldr" and p.reward.dataset.path == "trl-lib/tldr-preference"
+
+
+def test_recipe_command_writes_params_and_snakemake_plans_the_stages(tmp_path):
+    repo = copy_repo(tmp_path / "repo")
+    proc = run([str(BIN / "python"), "-m", "pipeline", "recipe", "hh-rlhf-pythia-1.4b"], repo)
+    assert "wrote params.yaml" in proc.stdout
+    text = (repo / "params.yaml").read_text()
+    assert "name_or_path: EleutherAI/pythia-1.4b-deduped" in text
+    assert "# Every hyperparameter of the pipeline" in text          # params.yaml's own comments kept
+    run([str(BIN / "python"), "-m", "pipeline", "check"], repo)
+    dry = run([str(BIN / "snakemake"), "-n", "-p", "--forceall"], repo).stdout
+    for stage in stage_graph.load(repo / "dvc.yaml"):
+        assert f"{stage.cmd} > logs/{stage.name}.log 2>&1" in dry
+    assert "gres=gpu:8" in dry.replace(" ", "") or "gres: gpu:8" in dry or "gpu:8" in dry
+
+
+def test_unknown_recipe_and_bad_recipe_values(tmp_path, monkeypatch):
+    with pytest.raises(ConfigError, match=r"recipe 'nope': no such recipe \(known: hh-rlhf-pythia-1.4b, tldr-pythia-1b\)"):
+        recipes.render("nope", REPO / "params.yaml")
+    folder = tmp_path / "recipes"
+    folder.mkdir()
+    (folder / "broken.yaml").write_text("ppo:\n  kl_coef: -1\n")
+    monkeypatch.setattr(recipes, "FOLDER", folder)
+    with pytest.raises(ConfigError, match=r"broken.yaml over params.yaml: ppo.kl_coef: expected a float >= 0.0, got -1"):
+        recipes.render("broken", REPO / "params.yaml")
