@@ -18,7 +18,7 @@ template where it has one: see tokenizer.encode_prompt).
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any, Union
+from typing import Any, Callable, TypeVar, Union
 
 from .config import Params, PromptDatasetConfig, SFTDatasetConfig
 from .data import load_demonstrations, load_prompts
@@ -26,6 +26,7 @@ from .errors import DataError
 from .preferences import ASSISTANT_TURN, _rows
 
 Prompt = Union[str, list[dict[str, str]]]
+T = TypeVar("T")
 
 
 def _messages(value: Any, where: str, key: str) -> list[dict[str, str]]:
@@ -100,22 +101,35 @@ def judge(params: Params):
     return get_judge(params.data.task) if own else None
 
 
-def fit_prompts(prompts: list[Prompt], tok, max_length: int, overlong: str) -> tuple[list[Prompt], int, int]:
-    """Prompts within `max_length` tokens (after the chat template): longer ones are kept for
-    left truncation (`truncate`, done where they are encoded) or left out (`drop`). Returns the
-    prompts and how many were truncated and dropped."""
-    from .tokenizer import encode_prompt
+def fit_lengths(items: list[T], length: Callable[[T], int], max_length: int, overlong: str,
+                limit_key: str) -> tuple[list[T], int, int]:
+    """Items within `max_length` tokens: longer ones are kept for truncation where they are
+    encoded (`overlong: truncate`) or left out (`drop`). Returns the items and how many were
+    truncated and dropped; none left is an error naming the limit's key."""
     kept, truncated, dropped = [], 0, 0
-    for p in prompts:
-        if len(encode_prompt(tok, p)) > max_length:
+    for item in items:
+        if length(item) > max_length:
             if overlong == "drop":
                 dropped += 1
                 continue
             truncated += 1
-        kept.append(p)
+        kept.append(item)
     if not kept:
-        raise DataError(f"every prompt is longer than ppo.max_prompt_length={max_length}")
+        raise DataError(f"every record is longer than {limit_key}={max_length}")
     return kept, truncated, dropped
+
+
+def fit_prompts(prompts: list[Prompt], tok, max_length: int, overlong: str) -> tuple[list[Prompt], int, int]:
+    """Prompts within `max_length` tokens after the chat template (the right end kept on truncation)."""
+    from .tokenizer import encode_prompt
+    return fit_lengths(prompts, lambda p: len(encode_prompt(tok, p)), max_length, overlong, "ppo.max_prompt_length")
+
+
+def _user_rows(source: str, split: str, revision: str | None) -> list[tuple[str, dict]]:
+    rows = _rows(source, split, revision)
+    if not rows:
+        raise DataError(f"{source}: no records")
+    return rows
 
 
 def demonstrations(params: Params, data_dir: Path, split: str) -> list[dict[str, Any]]:
@@ -123,9 +137,7 @@ def demonstrations(params: Params, data_dir: Path, split: str) -> list[dict[str,
     cfg = params.sft.dataset
     if cfg.path is None:
         return load_demonstrations(data_dir / ("sft_train.jsonl" if split == "train" else "sft_eval.jsonl"))
-    rows = _rows(cfg.path, cfg.train_split if split == "train" else cfg.eval_split, cfg.revision)
-    if not rows:
-        raise DataError(f"{cfg.path}: no records")
+    rows = _user_rows(cfg.path, cfg.train_split if split == "train" else cfg.eval_split, cfg.revision)
     layout = detect_sft_layout(rows[0][1], cfg) if cfg.layout == "auto" else cfg.layout
     return [to_demonstration(row, layout, cfg, where) for where, row in rows]
 
@@ -135,9 +147,7 @@ def prompts(params: Params, data_dir: Path, split: str) -> list[Prompt]:
     cfg = params.ppo.dataset
     if cfg.path is None:
         return load_prompts(data_dir / ("ppo_prompts.jsonl" if split == "train" else "eval_prompts.jsonl"))
-    rows = _rows(cfg.path, cfg.train_split if split == "train" else cfg.eval_split, cfg.revision)
-    if not rows:
-        raise DataError(f"{cfg.path}: no records")
+    rows = _user_rows(cfg.path, cfg.train_split if split == "train" else cfg.eval_split, cfg.revision)
     layout = cfg.layout
     if layout == "auto":
         layout = "messages" if cfg.messages_column in rows[0][1] else "prompt"

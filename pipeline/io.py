@@ -56,11 +56,16 @@ def atomic_dir(target: str | Path) -> Iterator[Path]:
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
+    swap_in(tmp, target)
+
+
+def swap_in(new: Path, target: Path) -> None:
+    """Replace folder `target` by the complete folder `new` (the old one stays until then)."""
     old = target.with_name(f".{target.name}.old")
     shutil.rmtree(old, ignore_errors=True)
     if target.exists():
         os.replace(target, old)
-    os.replace(tmp, target)
+    os.replace(new, target)
     shutil.rmtree(old, ignore_errors=True)
 
 

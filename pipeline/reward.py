@@ -26,7 +26,6 @@ from .generation import generate_texts
 from .io import atomic_dir, atomic_write_text, stale_extras
 from .models import load_kwargs, load_policy
 from .plots import calibration_plot
-from .errors import DataError
 from .preferences import Pair, load_pairs
 from .tokenizer import encode_prompt, encode_response
 from .mlflow_tracking import stage_tracking
@@ -49,19 +48,10 @@ def fit_pairs(pairs: list[Pair], tok, max_length: int, overlong: str) -> tuple[l
     """Pairs whose prompt + longer answer exceed `max_length` tokens: scored with the prompt's left
     end cut (`truncate`, see reward_model.encode_pair_text) or left out (`drop`). Returns the pairs
     and how many were truncated and dropped."""
-    kept, truncated, dropped = [], 0, 0
-    for p in pairs:
-        n_prompt = len(encode_prompt(tok, p.prompt))
-        longest = max(len(encode_response(tok, p.chosen)), len(encode_response(tok, p.rejected)))
-        if n_prompt + longest > max_length:
-            if overlong == "drop":
-                dropped += 1
-                continue
-            truncated += 1
-        kept.append(p)
-    if not kept:
-        raise DataError(f"every preference pair is longer than reward.max_length={max_length}")
-    return kept, truncated, dropped
+    def length(p: Pair) -> int:
+        return len(encode_prompt(tok, p.prompt)) + max(len(encode_response(tok, p.chosen)),
+                                                       len(encode_response(tok, p.rejected)))
+    return inputs.fit_lengths(pairs, length, max_length, overlong, "reward.max_length")
 
 
 def batch_scores(model, tok, pairs: list[Pair], max_length: int,

@@ -201,3 +201,17 @@ def test_calibration_bins_and_error():
     bins, ece = calibration(torch.full((3,), math.log(99.0), dtype=torch.float64), bins=10)
     assert [(b["bin"], b["observed"], b["count"]) for b in bins] == [(0, 0.0, 3), (9, 1.0, 3)]
     assert ece == pytest.approx(0.01, abs=1e-9)
+
+
+def test_overlong_pairs_truncated_or_dropped_and_counted():
+    from pipeline.reward import fit_pairs
+    from pipeline.tasks import reviews
+    from pipeline.tokenizer import build_word_tokenizer
+    tok = build_word_tokenizer(reviews.vocabulary())
+    short = Pair("Review the film Lost River .", "the plot was good .", "the plot was bad .")
+    long = Pair("Review the film Lost River .", "the plot was good . " * 6, "the plot was bad .")
+    # short: 9 prompt + 6 answer tokens = 15; long: 9 + 31 = 40
+    assert fit_pairs([short, long], tok, 20, "truncate") == ([short, long], 1, 0)
+    assert fit_pairs([short, long], tok, 20, "drop") == ([short], 0, 1)
+    with pytest.raises(DataError, match=r"every record is longer than reward.max_length=10"):
+        fit_pairs([short, long], tok, 10, "drop")

@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 import shutil
 from pathlib import Path
 from typing import Any
@@ -30,7 +29,7 @@ from typing import Any
 import torch
 
 from ..errors import CheckpointError
-from ..io import atomic_write_json
+from ..io import atomic_write_json, swap_in
 from ..tracking import StepLog
 from .trainer import PPOTrainer
 
@@ -69,12 +68,7 @@ def save(trainer: PPOTrainer, step_log: StepLog, path: Path, fp: str) -> None:
                                                    "kl_controller": trainer.kl_ctl.state_dict(),
                                                    "sampler": sampler,
                                                    "log": {"columns": step_log.columns, "rows": step_log.rows}})
-        old = path.with_name(f".{path.name}.old")
-        shutil.rmtree(old, ignore_errors=True)
-        if path.exists():
-            os.replace(path, old)
-        os.replace(staging, path)
-        shutil.rmtree(old, ignore_errors=True)
+        swap_in(staging, path)
     ctx.barrier()
 
 
