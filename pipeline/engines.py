@@ -282,6 +282,19 @@ def make_engine(model: torch.nn.Module, *, lr: float, weight_decay: float, sched
                            accumulation_steps)
 
 
+def supervised_engine(model: torch.nn.Module, cfg: Any, steps: int, ctx: Context) -> tuple[TrainEngine, int]:
+    """The engine of a supervised stage (SFT, RM) from its section (`lr`, `weight_decay`,
+    `warmup_ratio`, `max_grad_norm`, `batch_size`, `distributed`): warmup then cosine over `steps`.
+    Returns it with the micro-batch size per process (global batch / processes / accumulation)."""
+    dist = cfg.distributed
+    micro = cfg.batch_size // (ctx.world_size * dist.gradient_accumulation_steps)
+    engine = make_engine(model, lr=cfg.lr, weight_decay=cfg.weight_decay,
+                         schedule=warmup_cosine(round(cfg.warmup_ratio * steps), steps),
+                         max_grad_norm=cfg.max_grad_norm, dist=dist, ctx=ctx, micro_batch_size=micro,
+                         accumulation_steps=dist.gradient_accumulation_steps)
+    return engine, micro
+
+
 def warmup_cosine(warmup_steps: int, total: int) -> Callable[[int], float]:
     """Linear warmup then cosine decay to 0 (the multiplier of the peak learning rate)."""
     def f(step: int) -> float:

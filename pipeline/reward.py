@@ -31,7 +31,7 @@ from .tokenizer import encode_prompt, encode_response
 from .mlflow_tracking import stage_tracking
 from .tracking import NO_TRACKER, StepLog, Tracker, write_metrics
 from .distributed import SINGLE, Context
-from .engines import make_engine, warmup_cosine, write_deepspeed_config
+from .engines import supervised_engine, write_deepspeed_config
 from .training import BatchSampler, total_steps
 
 
@@ -148,7 +148,7 @@ def train(params: Params, data_dir: Path, sft_dir: Path, out_dir: Path, progress
           tracker: Tracker = NO_TRACKER, ctx: Context = SINGLE):
     """Train, normalise and measure; in a multi-process run rank 0 returns the whole model, the
     other ranks (None, tokenizer, {})."""
-    cfg, dist = params.reward, params.reward.distributed
+    cfg = params.reward
     train_pairs, eval_pairs = pair_sources(params, data_dir)
     init = cfg.name_or_path if cfg.name_or_path is not None else sft_dir
     model, tok = rm.init_reward_model(init, cfg.seed, cfg.head_init_std, params.model.trust_remote_code,
@@ -157,11 +157,7 @@ def train(params: Params, data_dir: Path, sft_dir: Path, out_dir: Path, progress
     train_pairs, n_trunc, n_drop = fit_pairs(train_pairs, tok, cfg.max_length, cfg.overlong)
     torch.manual_seed(cfg.seed)
     steps = total_steps(len(train_pairs), cfg.batch_size, cfg.epochs)
-    micro = cfg.batch_size // (ctx.world_size * dist.gradient_accumulation_steps)
-    engine = make_engine(model, lr=cfg.lr, weight_decay=cfg.weight_decay,
-                         schedule=warmup_cosine(round(cfg.warmup_ratio * steps), steps),
-                         max_grad_norm=cfg.max_grad_norm, dist=dist, ctx=ctx, micro_batch_size=micro,
-                         accumulation_steps=dist.gradient_accumulation_steps)
+    engine, micro = supervised_engine(model, cfg, steps, ctx)
     write_deepspeed_config(out_dir / "deepspeed_config.json", reward=engine) if ctx.is_main else None
     train_log = StepLog(out_dir / "train.tsv", ["loss", "accuracy", "lr", "grad_norm"], tracker, series="train",
                         write=ctx.is_main)

@@ -27,7 +27,7 @@ from .tasks import reviews
 from .mlflow_tracking import stage_tracking
 from .tracking import NO_TRACKER, StepLog, Tracker, write_metrics
 from .distributed import SINGLE, Context, to_device
-from .engines import make_engine, warmup_cosine, write_deepspeed_config
+from .engines import supervised_engine, write_deepspeed_config
 from .training import BatchSampler, total_steps
 
 
@@ -78,7 +78,7 @@ def train(params: Params, data_dir: Path, log_dir: Path, progress: bool = True,
 
     In a multi-process run every rank trains and the returned model is whole on rank 0 only
     (None elsewhere); evaluation after training is rank 0's."""
-    cfg, dist = params.sft, params.sft.distributed
+    cfg = params.sft
     train_rows = inputs.demonstrations(params, data_dir, "train")
     eval_rows = inputs.demonstrations(params, data_dir, "eval")
     source = cfg.dataset.path or data_dir / "sft_train.jsonl"
@@ -89,11 +89,7 @@ def train(params: Params, data_dir: Path, log_dir: Path, progress: bool = True,
 
     torch.manual_seed(cfg.seed)
     steps = total_steps(len(train_ex), cfg.batch_size, cfg.epochs)
-    micro = cfg.batch_size // (ctx.world_size * dist.gradient_accumulation_steps)
-    engine = make_engine(model, lr=cfg.lr, weight_decay=cfg.weight_decay,
-                         schedule=warmup_cosine(round(cfg.warmup_ratio * steps), steps),
-                         max_grad_norm=cfg.max_grad_norm, dist=dist, ctx=ctx, micro_batch_size=micro,
-                         accumulation_steps=dist.gradient_accumulation_steps)
+    engine, micro = supervised_engine(model, cfg, steps, ctx)
     write_deepspeed_config(log_dir / "deepspeed_config.json", sft=engine) if ctx.is_main else None
     train_log = StepLog(log_dir / "train.tsv", ["loss", "lr", "grad_norm"], tracker, series="train", write=ctx.is_main)
     eval_log = StepLog(log_dir / "eval.tsv", ["loss"], tracker, series="eval", write=ctx.is_main)
