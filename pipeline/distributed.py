@@ -22,7 +22,7 @@ import socket
 import sys
 import warnings
 from dataclasses import dataclass
-from typing import Any, Iterator, Mapping, Sequence, TypeVar
+from typing import Any, Container, Iterator, Mapping, Sequence, TypeVar
 
 import torch
 import torch.distributed as dist
@@ -108,8 +108,10 @@ class Context:
         dist.all_reduce(y, op=dist.ReduceOp.SUM)
         return y.to(x.dtype)
 
-    def mean_stats(self, stats: dict[str, float], max_keys: Sequence[str] = ()) -> dict[str, float]:
-        """Average a dict of per-rank scalars over ranks (max for `max_keys`); same keys on every rank."""
+    def reduce_stats(self, stats: dict[str, float], sum_keys: Container[str] = (),
+                     max_keys: Container[str] = ()) -> dict[str, float]:
+        """A dict of per-rank scalars reduced over ranks: summed for `sum_keys`, the largest for
+        `max_keys`, averaged otherwise. Every rank must pass the same keys."""
         if not self.active:
             return dict(stats)
         keys = list(stats)  # the same insertion order on every rank
@@ -118,7 +120,8 @@ class Context:
         dist.all_reduce(total, op=dist.ReduceOp.SUM)
         peak = values.clone()
         dist.all_reduce(peak, op=dist.ReduceOp.MAX)
-        return {k: float(peak[i] if k in max_keys else total[i] / self.world_size) for i, k in enumerate(keys)}
+        return {k: float(peak[i] if k in max_keys else total[i] if k in sum_keys else total[i] / self.world_size)
+                for i, k in enumerate(keys)}
 
     def eval_parts(self, items: Sequence[T], batch_size: int) -> Iterator[list[T]]:
         """This rank's parts of an evaluation pass in batches of `batch_size` per rank. Every rank

@@ -140,7 +140,7 @@ class TrainEngine:
         return self.module
 
     # Resumable state of optimizer and schedule (weights are saved by the caller).
-    def save(self, folder: Path, name: str, ctx: Context) -> None:
+    def save(self, folder: Path, name: str) -> None:
         from safetensors.torch import save_model
         save_model(self.module, str(folder / f"{name}.safetensors"))
         torch.save({"opt": self.optimizer.state_dict(), "sched": self.scheduler.state_dict()}, folder / f"{name}_optim.pt")
@@ -227,7 +227,7 @@ class DeepSpeedEngine(TrainEngine):
         plain.load_state_dict(state)
         return plain.float()
 
-    def save(self, folder: Path, name: str, ctx: Context) -> None:
+    def save(self, folder: Path, name: str) -> None:
         # Every rank writes its own shard of weights, optimizer and schedule state.
         self.engine.save_checkpoint(str(folder), tag=name, client_state={"lr_used": self._lr_used})
 

@@ -116,7 +116,7 @@ def generate_texts(model: PreTrainedModel, tok, prompts: list, cfg: SamplingConf
     was_training = model.training
     model.eval()
     for start in range(0, len(prompts), batch_size):
-        chunk = [encode_prompt(tok, p)[-(max_prompt_length or 0):] for p in prompts[start:start + batch_size]]
+        chunk = [encode_prompt(tok, p, max_prompt_length) for p in prompts[start:start + batch_size]]
         out = sample(model, chunk, tok.pad_token_id, tok.eos_token_id, cfg, gen, greedy=greedy,
                      stop_id=stop_token_id(tok, cfg))
         texts += [decode_response(tok, row.tolist()) for row in out.response_ids]

@@ -50,6 +50,15 @@ def export(model: torch.nn.Module, adapter_dir: Path | None) -> torch.nn.Module:
     return model.merge_and_unload()
 
 
+def finish(model: torch.nn.Module, cfg: LoraConfig, out_dir: Path) -> tuple[torch.nn.Module, dict[str, int]]:
+    """The end of a trained stage: under LoRA the parameter counts, the adapter saved in
+    `out_dir/adapter` and the merged model; the plain model on the CPU in eval mode either way."""
+    metrics: dict[str, int] = {}
+    if cfg.enabled:
+        metrics["train/trainable_params"], metrics["train/total_params"] = count_trainable(model)
+    return export(model, out_dir / "adapter" if cfg.enabled else None).cpu().eval(), metrics
+
+
 def count_trainable(model: torch.nn.Module) -> tuple[int, int]:
     """(trainable, total) parameter counts."""
     params = list(model.parameters())

@@ -188,9 +188,8 @@ def train(params: Params, data_dir: Path, sft_dir: Path, out_dir: Path, progress
     metrics: dict[str, Any] = {"train/steps": steps, "train/seconds": train_time,
                                "data/truncated": n_trunc, "data/dropped": n_drop,
                                "train/loss": train_log.rows[-1]["loss"], "eval/loss": eval_log.rows[-1]["loss"]}
-    if cfg.lora.enabled:
-        metrics["train/trainable_params"], metrics["train/total_params"] = lora.count_trainable(full)
-    model = lora.export(full, out_dir / "adapter" if cfg.lora.enabled else None).cpu().eval()
+    model, counts = lora.finish(full, cfg.lora, out_dir)
+    metrics.update(counts)
     if cfg.normalize:
         metrics["eval/offset"] = normalise(model, tok, params, data_dir)
     metrics.update(evaluate(model, tok, params, data_dir, sft_dir, eval_pairs, out_dir))

@@ -125,11 +125,10 @@ def train(params: Params, data_dir: Path, log_dir: Path, progress: bool = True,
         "train/loss": train_log.rows[-1]["loss"], "eval/loss": eval_log.rows[-1]["loss"],
         "train/steps": steps, "train/seconds": train_time, "data/truncated": n_trunc, "data/dropped": n_drop,
     }
-    if cfg.lora.enabled:
-        metrics["train/trainable_params"], metrics["train/total_params"] = lora.count_trainable(full)
-    full = lora.export(full, log_dir / "adapter" if cfg.lora.enabled else None).cpu().eval()
-    metrics.update(evaluate_policy(full, tok, params, data_dir))
-    return full, tok, metrics
+    model, counts = lora.finish(full, cfg.lora, log_dir)
+    metrics.update(counts)
+    metrics.update(evaluate_policy(model, tok, params, data_dir))
+    return model, tok, metrics
 
 
 def evaluate_policy(model, tok, params: Params, data_dir: Path) -> dict[str, Any]:

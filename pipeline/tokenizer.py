@@ -79,10 +79,17 @@ def prompt_text(prompt: "str | list[dict[str, str]]") -> str:
     return "\n".join(f"{m['role']}: {m['content']}" for m in prompt)
 
 
-def encode_prompt(tok: PreTrainedTokenizerBase, prompt: "str | list[dict[str, str]]") -> list[int]:
+def encode_prompt(tok: PreTrainedTokenizerBase, prompt: "str | list[dict[str, str]]",
+                  max_length: int | None = None) -> list[int]:
     """Token ids of a prompt up to where the response starts: the chat template with its
     generation prompt when the tokenizer has one, else the plain format (`{prompt}\nResponse:`).
-    The empty prompt (a `text`-layout demonstration) is just bos, when the tokenizer has one."""
+    The empty prompt (a `text`-layout demonstration) is just bos, when the tokenizer has one.
+    With `max_length`, a longer prompt keeps its right end (the part next to the response)."""
+    ids = _encode_prompt(tok, prompt)
+    return ids[-max_length:] if max_length is not None else ids
+
+
+def _encode_prompt(tok: PreTrainedTokenizerBase, prompt: "str | list[dict[str, str]]") -> list[int]:
     if isinstance(prompt, str) and not prompt:
         return [tok.bos_token_id] if tok.bos_token_id is not None else []
     if getattr(tok, "chat_template", None):

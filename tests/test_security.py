@@ -7,7 +7,6 @@ themselves)."""
 from __future__ import annotations
 
 import re
-from pathlib import Path
 
 from conftest import BIN, REPO, TINY, copy_repo, run, write_params
 from pipeline import stage_graph

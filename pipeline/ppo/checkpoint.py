@@ -56,8 +56,8 @@ def save(trainer: PPOTrainer, step_log: StepLog, path: Path, fp: str) -> None:
         shutil.rmtree(staging, ignore_errors=True)
         staging.mkdir(parents=True)
     ctx.barrier()
-    trainer.m.actor.save(staging, "actor", ctx)
-    trainer.m.critic.save(staging, "critic", ctx)
+    trainer.m.actor.save(staging, "actor")
+    trainer.m.critic.save(staging, "critic")
     sampler = trainer.prompt_sampler.state_dict()
     torch.save({"sample": trainer.sample_gen.get_state(), "shuffle": trainer.shuffle_gen.get_state(),
                 "prompts": sampler.pop("gen"), "torch": torch.get_rng_state()}, staging / f"rng_rank{ctx.rank}.pt")

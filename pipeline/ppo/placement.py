@@ -94,17 +94,17 @@ def place_models(params: Params, sft_dir: Path, reward_dir: Path, ctx: Context =
     torch.manual_seed(cfg.seed)
     n_updates = cfg.iterations * cfg.ppo_epochs * (cfg.rollout_batch_size // cfg.minibatch_size)
     schedule = _linear_decay(n_updates, cfg.lr_schedule)
-    micro = cfg.micro_batch_size
-    accumulation = cfg.minibatch_size // ctx.world_size // micro
+    # Actor and critic engines differ only in their learning rate.
+    engine_settings = dict(weight_decay=0.0, schedule=schedule, max_grad_norm=cfg.max_grad_norm, dist=dist, ctx=ctx,
+                           micro_batch_size=cfg.micro_batch_size,
+                           accumulation_steps=cfg.minibatch_size // ctx.world_size // cfg.micro_batch_size)
 
     memory = _MemoryMeter()
     actor_model, tok = load_policy(sft_dir, trust)
     actor_model = lora.wrap(actor_model, cfg.lora, "CAUSAL_LM")
     # Dropout off in the trained models too: PPO's ratio must be exactly 1 before the first update.
     actor_model.eval()
-    actor = make_engine(actor_model, lr=cfg.lr, weight_decay=0.0, schedule=schedule,
-                        max_grad_norm=cfg.max_grad_norm, dist=dist, ctx=ctx, micro_batch_size=micro,
-                        accumulation_steps=accumulation)
+    actor = make_engine(actor_model, lr=cfg.lr, **engine_settings)
     memory.mark("actor")
 
     if cfg.shared_backbone:
@@ -119,15 +119,13 @@ def place_models(params: Params, sft_dir: Path, reward_dir: Path, ctx: Context =
                                   "different vocabularies; use critic_init: sft")
         critic_model = lora.wrap(critic_model, cfg.critic_lora, "SEQ_CLS")
     critic_model.eval()
-    critic = make_engine(critic_model, lr=cfg.critic_lr, weight_decay=0.0, schedule=schedule,
-                         max_grad_norm=cfg.max_grad_norm, dist=dist, ctx=ctx, micro_batch_size=micro,
-                         accumulation_steps=accumulation)
+    critic = make_engine(critic_model, lr=cfg.critic_lr, **engine_settings)
     memory.mark("critic")
 
     placed: list[FrozenModel] = []
 
     def place_frozen(model: torch.nn.Module) -> torch.nn.Module:
-        placed.append(FrozenModel(model, dist, ctx, micro))
+        placed.append(FrozenModel(model, dist, ctx, cfg.micro_batch_size))
         return placed[-1].module
 
     if lora.is_peft(actor.module):

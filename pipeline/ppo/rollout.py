@@ -62,9 +62,7 @@ def rollout(actor: PreTrainedModel, tok: PreTrainedTokenizerBase, prompts: list,
     """Sample one response per prompt with the KV cache (generation.sample), stopping at eos or at
     `cfg.stop_token` (TRL's stop-token truncation: nothing after it is part of the response).
     Prompts longer than `max_prompt_length` tokens keep their right end."""
-    ids = [encode_prompt(tok, p) for p in prompts]
-    if max_prompt_length is not None:
-        ids = [p[-max_prompt_length:] for p in ids]
+    ids = [encode_prompt(tok, p, max_prompt_length) for p in prompts]
     out = sample(actor, ids, tok.pad_token_id, tok.eos_token_id, cfg, generator, stop_id=stop_token_id(tok, cfg))
     responses = [decode_response(tok, row.tolist()) for row in out.response_ids]
     input_ids = torch.cat([out.prompt_ids, out.response_ids], dim=1)

@@ -7,6 +7,7 @@ update does, so the ratio is 1 at the first minibatch.
 
 from __future__ import annotations
 
+import functools
 import inspect
 from dataclasses import dataclass
 
@@ -28,7 +29,12 @@ def _hf_model(model) -> torch.nn.Module:
 
 def keeps_logits(model) -> bool:
     """Whether the model's forward can compute logits for the last k positions only."""
-    return "logits_to_keep" in inspect.signature(_hf_model(model).forward).parameters
+    return _class_keeps_logits(type(_hf_model(model)))
+
+
+@functools.cache
+def _class_keeps_logits(cls: type) -> bool:   # once per class: this runs on every training forward
+    return "logits_to_keep" in inspect.signature(cls.forward).parameters
 
 
 def response_logits(model: PreTrainedModel, ro: Rollout, temperature: float) -> torch.Tensor:

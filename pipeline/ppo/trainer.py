@@ -139,9 +139,8 @@ class PPOTrainer:
                 for micro in length_sorted_chunks(b.ro.response_mask, mb, cfg.micro_batch_size):
                     for k, v in self.micro_step(b, micro, n_tokens).items():
                         mb_stats[k] = max(mb_stats.get(k, v), v) if k == "val/ratio_max" else mb_stats.get(k, 0.0) + v
-                if self.ctx.world_size > 1:   # token-weighted parts of the global minibatch: sum them
-                    mb_stats = {k: v * (1 if k in MAX_STATS else self.ctx.world_size)
-                                for k, v in self.ctx.mean_stats(mb_stats, MAX_STATS).items()}
+                # Each rank holds token-weighted parts of the global minibatch: they add up.
+                mb_stats = self.ctx.reduce_stats(mb_stats, sum_keys=set(mb_stats) - set(MAX_STATS), max_keys=MAX_STATS)
                 mb_stats["policy/grad_norm"], mb_stats["val/grad_norm"] = self.optimizer_step()
                 for k, v in mb_stats.items():
                     totals[k] = max(totals.get(k, v), v) if k == "val/ratio_max" else totals.get(k, 0.0) + v
@@ -188,9 +187,8 @@ class PPOTrainer:
             torch.cuda.reset_peak_memory_stats()
         if self.judge is not None:
             stats["objective/gold_scores"] = sum(self.judge(p, r) for p, r in zip(prompts, ro.responses)) / len(prompts)
-        if self.ctx.world_size > 1:   # every rank continues with the same, global statistics
-            stats = {k: v * (self.ctx.world_size if k in SUM_STATS else 1)
-                     for k, v in self.ctx.mean_stats(stats, MAX_STATS).items()}
+        # Every rank continues with the same, global statistics.
+        stats = self.ctx.reduce_stats(stats, sum_keys=SUM_STATS, max_keys=MAX_STATS)
         self.kl_ctl.update(stats["objective/kl"], cfg.rollout_batch_size)
         self.iteration = it
         if self.ctx.is_main:
