@@ -171,6 +171,7 @@ class SFTConfig:
     max_grad_norm: float = num(1.0, gt=0.0)
     max_length: int = num(96, ge=8)
     eval_every: int = num(100, ge=1)
+    save_every: int = num(100, ge=1, doc="steps between resumable checkpoints")
     n_eval_generations: int = num(200, ge=1)
     sampling: SamplingConfig = field(default_factory=SamplingConfig)
     dataset: SFTDatasetConfig = field(default_factory=SFTDatasetConfig)
@@ -203,6 +204,7 @@ class RewardConfig:
     max_grad_norm: float = num(1.0, gt=0.0)
     max_length: int = num(96, ge=8)
     eval_every: int = num(100, ge=1)
+    save_every: int = num(250, ge=1, doc="steps between resumable checkpoints")
     head_init_std: Optional[float] = num(None, gt=0.0)
     normalize: bool = True
     n_sft_samples: int = num(200, ge=2)

@@ -139,7 +139,7 @@ class TrainEngine:
     def full_model(self) -> torch.nn.Module | None:
         return self.module
 
-    # Resumable state of optimizer and schedule (weights are saved by the caller).
+    # Resumable state: weights (safetensors), optimizer and schedule (tensors and numbers only).
     def save(self, folder: Path, name: str) -> None:
         from safetensors.torch import save_model
         save_model(self.module, str(folder / f"{name}.safetensors"))

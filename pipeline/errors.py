@@ -19,3 +19,15 @@ class DataError(UserError, ValueError):
 
 class CheckpointError(UserError, ValueError):
     """A checkpoint that is missing, pickled, or of another model than expected."""
+
+
+class NumericalError(UserError):
+    """A loss, gradient, reward or advantage became NaN or infinite; the message names which and when."""
+
+
+def check_finite(where: str, name: str, value) -> None:
+    """Stop at the step a quantity stops being finite. `where` names the step ("sft step 7")."""
+    import torch   # here: errors.py is imported by the light CLI paths too
+
+    if not bool(torch.isfinite(torch.as_tensor(value)).all()):
+        raise NumericalError(f"{where}: {name} is NaN or infinite; stopped, the last checkpoint is kept")

@@ -11,6 +11,7 @@ statistics of chosen vs rejected, and calibration.
 from __future__ import annotations
 
 import json
+import logging
 import time
 from pathlib import Path
 from typing import Any
@@ -32,7 +33,11 @@ from .mlflow_tracking import stage_tracking
 from .tracking import NO_TRACKER, StepLog, Tracker, write_metrics
 from .distributed import SINGLE, Context
 from .engines import supervised_engine, write_deepspeed_config
+from .errors import check_finite
+from .resume import SupervisedState, fingerprint, input_paths
 from .training import BatchSampler, total_steps
+
+log = logging.getLogger(__name__)
 
 
 def pair_sources(params: Params, data_dir: Path) -> tuple[list[Pair], list[Pair]]:
@@ -145,9 +150,10 @@ def normalise(model, tok, params: Params, data_dir: Path) -> float:
 
 
 def train(params: Params, data_dir: Path, sft_dir: Path, out_dir: Path, progress: bool = True,
-          tracker: Tracker = NO_TRACKER, ctx: Context = SINGLE):
+          tracker: Tracker = NO_TRACKER, ctx: Context = SINGLE, resume_fingerprint: str = ""):
     """Train, normalise and measure; in a multi-process run rank 0 returns the whole model, the
-    other ranks (None, tokenizer, {})."""
+    other ranks (None, tokenizer, {}). The loop saves into `out_dir/checkpoint` every `save_every`
+    steps and resumes from a save carrying `resume_fingerprint` (see resume.py)."""
     cfg = params.reward
     train_pairs, eval_pairs = pair_sources(params, data_dir)
     init = cfg.name_or_path if cfg.name_or_path is not None else sft_dir
@@ -163,25 +169,37 @@ def train(params: Params, data_dir: Path, sft_dir: Path, out_dir: Path, progress
                         write=ctx.is_main)
     eval_log = StepLog(out_dir / "eval.tsv", ["loss", "accuracy"], tracker, series="eval", write=ctx.is_main)
     batches = BatchSampler(len(train_pairs), cfg.batch_size, cfg.seed)   # the same global batches on every rank
+    state = SupervisedState(out_dir / "checkpoint", resume_fingerprint, engine, batches,
+                            {"train": train_log, "eval": eval_log}, ctx)
+    start = state.load()
+    if start:
+        log.warning("reward: resuming from %s at step %d", state.path, start)
     engine.module.train()
     t0 = time.perf_counter()
-    for step in tqdm(range(1, steps + 1), desc="reward", disable=not (progress and ctx.is_main), mininterval=1.0):
+    for step in tqdm(range(start + 1, steps + 1), desc="reward", initial=start, total=steps,
+                     disable=not (progress and ctx.is_main), mininterval=1.0):
         mine = ctx.shard([train_pairs[i] for i in next(batches)])
         sums = torch.zeros(2, dtype=torch.float64)                       # loss, correct
-        for start in range(0, len(mine), micro):
-            part = mine[start:start + micro]
+        for first in range(0, len(mine), micro):
+            part = mine[first:first + micro]
             rc, rr = batch_scores(engine.module, tok, part, cfg.max_length, engine.device)
             loss, correct = rm.pairwise_loss_sum(rc, rr, torch.tensor([p.margin for p in part], device=rc.device))
+            check_finite(f"reward step {step}", "loss", loss.detach())
             engine.backward(loss / cfg.batch_size)
             sums += torch.tensor([loss.item(), correct], dtype=torch.float64)
         lr, grad_norm = engine.step()
+        check_finite(f"reward step {step}", "gradient norm", grad_norm)
         sums = ctx.sum(sums) / cfg.batch_size
         train_log.log(step, {"loss": float(sums[0]), "accuracy": float(sums[1]), "lr": lr, "grad_norm": grad_norm})
         if step % cfg.eval_every == 0 or step == steps:
             eval_log.log(step, eval_pairs_loss(engine.module, tok, eval_pairs, cfg.max_length, ctx, engine.device))
             train_log.flush()
             eval_log.flush()
-    train_time = time.perf_counter() - t0
+        if step % cfg.save_every == 0 or step == steps:
+            train_log.flush()
+            eval_log.flush()
+            state.save(step, state.seconds + time.perf_counter() - t0)
+    train_time = state.seconds + time.perf_counter() - t0   # the interrupted runs' time too
     full = engine.full_model()   # collective under ZeRO-3
     if full is None:
         return None, tok, {}
@@ -225,7 +243,9 @@ def run(params: Params, data_dir: Path, sft_dir: Path, out: Path, progress: bool
 def _run(params: Params, data_dir: Path, sft_dir: Path, out: Path, progress: bool, resolved: dict,
          ctx: Context) -> dict[str, Any]:
     with stage_tracking("reward", resolved, [data_dir, sft_dir], enabled=ctx.is_main) as tracker:
-        model, tok, metrics = train(params, data_dir, sft_dir, out, progress, tracker, ctx)
+        cfg = params.reward
+        fp = fingerprint(resolved, input_paths(data_dir, sft_dir, cfg.dataset.path, cfg.name_or_path))
+        model, tok, metrics = train(params, data_dir, sft_dir, out, progress, tracker, ctx, fp)
         if model is None:
             return metrics
         with atomic_dir(out / "model") as tmp:

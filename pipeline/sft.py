@@ -8,6 +8,7 @@ annotator next to the held-out demonstrations, so the metrics say how good imita
 
 from __future__ import annotations
 
+import logging
 import time
 from pathlib import Path
 from typing import Any
@@ -28,7 +29,11 @@ from .mlflow_tracking import stage_tracking
 from .tracking import NO_TRACKER, StepLog, Tracker, write_metrics
 from .distributed import SINGLE, Context, to_device
 from .engines import supervised_engine, write_deepspeed_config
+from .errors import check_finite
+from .resume import SupervisedState, fingerprint, input_paths
 from .training import BatchSampler, total_steps
+
+log = logging.getLogger(__name__)
 
 
 def response_token_count(e: Example) -> int:
@@ -73,11 +78,14 @@ def judge_responses(prompts: list[str], responses: list[str], ended: list[bool],
 
 
 def train(params: Params, data_dir: Path, log_dir: Path, progress: bool = True,
-          tracker: Tracker = NO_TRACKER, ctx: Context = SINGLE) -> tuple[Any, Any, dict]:
+          tracker: Tracker = NO_TRACKER, ctx: Context = SINGLE,
+          resume_fingerprint: str = "") -> tuple[Any, Any, dict]:
     """Train and return (model, tokenizer, metrics); per-step TSVs are written into `log_dir`.
 
     In a multi-process run every rank trains and the returned model is whole on rank 0 only
-    (None elsewhere); evaluation after training is rank 0's."""
+    (None elsewhere); evaluation after training is rank 0's. The loop saves its state into
+    `log_dir/checkpoint` every `save_every` steps and resumes from it when the saved state carries
+    `resume_fingerprint` (see resume.py)."""
     cfg = params.sft
     train_rows = inputs.demonstrations(params, data_dir, "train")
     eval_rows = inputs.demonstrations(params, data_dir, "eval")
@@ -96,19 +104,27 @@ def train(params: Params, data_dir: Path, log_dir: Path, progress: bool = True,
 
     engine.module.train()
     batches = BatchSampler(len(train_ex), cfg.batch_size, cfg.seed)   # the same global batches on every rank
+    state = SupervisedState(log_dir / "checkpoint", resume_fingerprint, engine, batches,
+                            {"train": train_log, "eval": eval_log}, ctx)
+    start = state.load()
+    if start:
+        log.warning("sft: resuming from %s at step %d", state.path, start)
     t0 = time.perf_counter()
-    for step in tqdm(range(1, steps + 1), desc="sft", disable=not (progress and ctx.is_main), mininterval=1.0):
+    for step in tqdm(range(start + 1, steps + 1), desc="sft", initial=start, total=steps,
+                     disable=not (progress and ctx.is_main), mininterval=1.0):
         examples = [train_ex[i] for i in next(batches)]
         n_tokens = sum(map(response_token_count, examples))      # of the global batch
         loss_sum = 0.0
         mine = ctx.shard(examples)
-        for start in range(0, len(mine), micro):
-            loss, _ = ce_sum(engine.forward, to_device(collate_sft(mine[start:start + micro], tok.pad_token_id),
+        for start_i in range(0, len(mine), micro):
+            loss, _ = ce_sum(engine.forward, to_device(collate_sft(mine[start_i:start_i + micro], tok.pad_token_id),
                                                        engine.device))
             loss = loss / n_tokens
+            check_finite(f"sft step {step}", "loss", loss.detach())
             engine.backward(loss)
             loss_sum += loss.item()
         lr, grad_norm = engine.step()
+        check_finite(f"sft step {step}", "gradient norm", grad_norm)
         train_log.log(step, {"loss": float(ctx.sum(torch.tensor(loss_sum, dtype=torch.float64))),
                              "lr": lr, "grad_norm": grad_norm})
         if step % cfg.eval_every == 0 or step == steps:
@@ -116,7 +132,11 @@ def train(params: Params, data_dir: Path, log_dir: Path, progress: bool = True,
                                                   ctx, engine.device)})
             train_log.flush()
             eval_log.flush()
-    train_time = time.perf_counter() - t0
+        if step % cfg.save_every == 0 or step == steps:
+            train_log.flush()
+            eval_log.flush()
+            state.save(step, state.seconds + time.perf_counter() - t0)
+    train_time = state.seconds + time.perf_counter() - t0   # the interrupted runs' time too
 
     full = engine.full_model()   # collective under ZeRO-3
     if full is None:
@@ -158,7 +178,8 @@ def run(params: Params, data_dir: Path, out: Path, progress: bool = True) -> dic
 
 def _run(params: Params, data_dir: Path, out: Path, progress: bool, resolved: dict, ctx: Context) -> dict[str, Any]:
     with stage_tracking("sft", resolved, [data_dir], enabled=ctx.is_main) as tracker:
-        model, tok, metrics = train(params, data_dir, out, progress, tracker, ctx)
+        fp = fingerprint(resolved, input_paths(data_dir, params.sft.dataset.path))
+        model, tok, metrics = train(params, data_dir, out, progress, tracker, ctx, fp)
         if model is None:
             return metrics
         with atomic_dir(out / "model") as tmp:

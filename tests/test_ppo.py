@@ -18,7 +18,8 @@ from pipeline.ppo import stage
 from pipeline.ppo.placement import place_models
 from pipeline.ppo.rollout import rollout
 from pipeline.ppo.scoring import policy_logprobs, score_rollout
-from pipeline.ppo.trainer import NumericalError, PPOTrainer
+from pipeline.errors import NumericalError
+from pipeline.ppo.trainer import PPOTrainer
 from pipeline.prepare import run as prepare_run
 from pipeline.tokenizer import encode_prompt
 

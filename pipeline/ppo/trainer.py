@@ -21,7 +21,7 @@ from typing import Callable, Optional
 import torch
 
 from ..config import PPOConfig
-from ..errors import UserError
+from ..errors import check_finite
 from ..training import BatchSampler
 from . import advantages as adv
 from .losses import policy_loss, value_loss
@@ -32,14 +32,8 @@ from .scoring import Scored, critic_values, length_sorted_chunks, policy_logprob
 log = logging.getLogger(__name__)
 
 
-class NumericalError(UserError):
-    """A loss, gradient, reward or advantage became NaN or infinite; the message names which and when."""
-
-
 def _check_finite(name: str, value: torch.Tensor | float, iteration: int) -> None:
-    if not bool(torch.isfinite(torch.as_tensor(value)).all()):
-        raise NumericalError(f"ppo iteration {iteration}: {name} is NaN or infinite; stopped, the last "
-                             f"checkpoint is kept")
+    check_finite(f"ppo iteration {iteration}", name, value)
 
 
 @dataclass

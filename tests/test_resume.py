@@ -1,0 +1,235 @@
+"""Crashes: every training stage resumes from its last checkpoint and ends where an uninterrupted run
+ends; NaN/inf losses and gradients stop the stage at the step they appear, keeping the last good
+checkpoint. The in-process tests pin the mechanics; `test_dvc_repro_after_sigkill_*` kills real
+`dvc repro` processes with SIGKILL and re-runs them."""
+
+from __future__ import annotations
+
+import csv
+import json
+import os
+import random
+import signal
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from conftest import BIN, TINY, copy_repo, merge, run, run_env, write_params
+from pipeline import errors, resume, reward, sft
+from pipeline.config import DataConfig, Params, from_dict
+from pipeline.errors import NumericalError
+from pipeline.prepare import run as prepare_run
+
+TIME_KEYS = ("seconds", "time", "tokens_per_second")
+
+
+def _params(**override) -> Params:
+    d = merge({k: v for k, v in TINY.items() if k != "data"},
+              merge({"sft": {"epochs": 2.0, "save_every": 2}, "reward": {"epochs": 2.0, "save_every": 2}}, override))
+    return from_dict(Params, d, "params.yaml: ")
+
+
+@pytest.fixture(scope="module")
+def data(tmp_path_factory) -> Path:
+    root = tmp_path_factory.mktemp("resume")
+    prepare_run(from_dict(DataConfig, TINY["data"], "params.yaml: "), root / "data")
+    return root / "data"
+
+
+@pytest.fixture(scope="module")
+def sft_model(data, tmp_path_factory) -> Path:
+    out = tmp_path_factory.mktemp("sft")
+    sft.run(_params(), data, out, progress=False)
+    return out / "model"
+
+
+def _without_time(metrics: dict) -> dict:
+    return {k: v for k, v in metrics.items() if not any(t in k for t in TIME_KEYS)}
+
+
+def _rows(path: Path) -> list[dict]:
+    return [{k: v for k, v in r.items() if not any(t in k for t in TIME_KEYS)}
+            for r in csv.DictReader(open(path), delimiter="\t")]
+
+
+def _die_at(monkeypatch, module, where: str) -> None:
+    """Interrupt the loop of `module` when it checks the first quantity of step `where`."""
+    real = module.check_finite
+
+    def dying(at, name, value):
+        if at == where:
+            raise KeyboardInterrupt
+        return real(at, name, value)
+    monkeypatch.setattr(module, "check_finite", dying)
+
+
+@pytest.mark.parametrize("stage", ["sft", "reward"])
+def test_killed_and_resumed_equals_uninterrupted(stage, data, sft_model, tmp_path, monkeypatch):
+    params = _params()
+    module = {"sft": sft, "reward": reward}[stage]
+    go = (lambda out: sft.run(params, data, out, progress=False)) if stage == "sft" else \
+        (lambda out: reward.run(params, data, sft_model, out, progress=False))
+    full = go(tmp_path / "full")
+
+    _die_at(monkeypatch, module, f"{stage} step 4")   # killed in step 4; the save of step 2 exists
+    with pytest.raises(KeyboardInterrupt):
+        go(tmp_path / "resumed")
+    state = json.loads((tmp_path / "resumed/checkpoint/state.json").read_text())
+    assert state["step"] == 2 and len(state["logs"]["train"]["rows"]) == 2
+    assert not (tmp_path / "resumed/model").exists()
+    monkeypatch.undo()
+    resumed = go(tmp_path / "resumed")
+
+    assert _without_time(resumed) == _without_time(full)
+    a = load_file(tmp_path / "full/model/model.safetensors")
+    b = load_file(tmp_path / "resumed/model/model.safetensors")
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    for log in ("train.tsv", "eval.tsv"):
+        assert _rows(tmp_path / f"full/{log}") == _rows(tmp_path / f"resumed/{log}")
+    assert resumed["train/seconds"] > 0
+
+    # Another config never resumes from the stale save: it trains from step 1 (and would die at 4).
+    other = _params(**{stage: {"lr": 5e-4}})
+    _die_at(monkeypatch, module, f"{stage} step 4")
+    with pytest.raises(KeyboardInterrupt):
+        (sft.run(other, data, tmp_path / "resumed", progress=False) if stage == "sft"
+         else reward.run(other, data, sft_model, tmp_path / "resumed", progress=False))
+    state2 = json.loads((tmp_path / "resumed/checkpoint/state.json").read_text())
+    assert state2["fingerprint"] != state["fingerprint"] and state2["step"] == 2
+
+
+def test_checkpoint_left_between_the_two_renames_is_recovered(tmp_path):
+    """A kill between `target -> .target.old` and `staging -> target` leaves only the old folder."""
+    old = tmp_path / ".checkpoint.old"
+    old.mkdir()
+    (old / "state.json").write_text(json.dumps({"fingerprint": "f", "step": 6}))
+    state = resume.read_state(tmp_path / "checkpoint", "f")
+    assert state["step"] == 6 and (tmp_path / "checkpoint/state.json").is_file() and not old.exists()
+
+
+def _nan_grad(loss: torch.Tensor, model) -> torch.Tensor:
+    """`loss` unchanged in value, but every gradient NaN (the masked branch of a where still
+    back-propagates 0 * inf)."""
+    p = next(model.parameters())
+    poison = torch.where(torch.tensor(False), torch.sqrt(-(p.abs().sum() + 1)), torch.tensor(0.0))
+    return loss + poison
+
+
+@pytest.mark.parametrize("quantity", ["loss", "gradient norm"])
+def test_sft_nan_stops_at_the_step_and_keeps_the_checkpoint(quantity, data, tmp_path, monkeypatch):
+    real, calls = sft.ce_sum, {"n": 0}
+
+    def broken(model, batch):
+        loss, n = real(model, batch)
+        if torch.is_grad_enabled():          # training forwards only (evaluation is no_grad)
+            calls["n"] += 1
+            if calls["n"] == 3:
+                loss = loss * float("nan") if quantity == "loss" else _nan_grad(loss, model)
+        return loss, n
+    monkeypatch.setattr(sft, "ce_sum", broken)
+    with pytest.raises(NumericalError, match=rf"^sft step 3: {quantity} is NaN or infinite; stopped, the last "
+                                             rf"checkpoint is kept$"):
+        sft.run(_params(), data, tmp_path, progress=False)
+    assert json.loads((tmp_path / "checkpoint/state.json").read_text())["step"] == 2
+    assert not (tmp_path / "model").exists() and not (tmp_path / "metrics.json").exists()
+
+
+def test_reward_nan_stops_at_the_step(data, sft_model, tmp_path, monkeypatch):
+    from pipeline import reward_model as rm
+    real, calls = rm.pairwise_loss_sum, {"n": 0}
+
+    def broken(rc, rr, margin):
+        loss, correct = real(rc, rr, margin)
+        if torch.is_grad_enabled():
+            calls["n"] += 1
+            loss = loss * float("inf") if calls["n"] == 5 else loss
+        return loss, correct
+    monkeypatch.setattr(rm, "pairwise_loss_sum", broken)
+    with pytest.raises(NumericalError, match=r"^reward step 5: loss is NaN or infinite"):
+        reward.run(_params(), data, sft_model, tmp_path, progress=False)
+    assert json.loads((tmp_path / "checkpoint/state.json").read_text())["step"] == 4
+
+
+def test_check_finite_names_where_and_what():
+    errors.check_finite("x step 1", "loss", torch.tensor([1.0, 2.0]))
+    with pytest.raises(NumericalError, match="^x step 9: advantages is NaN or infinite"):
+        errors.check_finite("x step 9", "advantages", torch.tensor([1.0, float("-inf")]))
+
+
+# ---- SIGKILL under dvc repro -------------------------------------------------------------------
+
+# Enough steps that a kill lands inside each stage: sft 6 x 4 steps, reward 8 x 3, ppo 8 iterations.
+LONGER = {"sft": {"epochs": 6.0, "eval_every": 4, "save_every": 4},
+          "reward": {"epochs": 8.0, "eval_every": 4, "save_every": 4},
+          "ppo": {"iterations": 8, "save_every": 2}}
+
+
+def _repro_killed_at(repo: Path, stage: str, key: str, at: int, log: Path) -> str:
+    """Start `dvc repro`, SIGKILL its whole process group once `stage`'s checkpoint holds `key` >= at;
+    returns what it printed."""
+    state = repo / f"outputs/{stage}/checkpoint/state.json"
+    with open(log, "w") as out:
+        proc = subprocess.Popen([str(BIN / "dvc"), "repro", "ppo"], cwd=repo, env=run_env(), stdout=out,
+                                stderr=subprocess.STDOUT, start_new_session=True)
+        deadline = time.monotonic() + 900
+        while proc.poll() is None and time.monotonic() < deadline:
+            try:
+                reached = json.loads(state.read_text())[key] >= at
+            except (OSError, ValueError, KeyError):
+                reached = False
+            if reached:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait()
+                return log.read_text()
+            time.sleep(0.002)
+        os.killpg(proc.pid, signal.SIGKILL)
+    raise AssertionError(f"{stage} ended before its checkpoint reached {key} {at}:\n{log.read_text()[-3000:]}")
+
+
+def _final(repo: Path) -> dict:
+    out = {}
+    for stage in ("sft", "reward", "ppo"):
+        out[stage] = _without_time(_flat(json.loads((repo / f"outputs/{stage}/metrics.json").read_text())))
+        out[f"{stage}.tsv"] = _rows(repo / f"outputs/{stage}/train.tsv")
+    return out
+
+
+def _flat(d: dict, prefix: str = "") -> dict:
+    out = {}
+    for k, v in d.items():
+        out.update(_flat(v, f"{prefix}{k}/") if isinstance(v, dict) else {f"{prefix}{k}": v})
+    return out
+
+
+def test_dvc_repro_after_sigkill_in_each_training_stage_resumes(tmp_path):
+    params = merge(TINY, LONGER)
+    whole = copy_repo(tmp_path / "whole")
+    write_params(whole / "params.yaml", params)
+    run([str(BIN / "dvc"), "repro", "ppo"], whole)
+
+    killed = copy_repo(tmp_path / "killed")
+    write_params(killed / "params.yaml", params)
+    seed = random.randrange(1 << 30)
+    rng = random.Random(seed)
+    note = f"(kill points drawn with seed {seed})"
+    done: list[str] = []
+    for stage, key, points in (("sft", "step", [4, 8, 12, 16]), ("reward", "step", [4, 8, 12, 16]),
+                               ("ppo", "iteration", [2, 4, 6])):
+        at = rng.choice(points)
+        printed = _repro_killed_at(killed, stage, key, at, tmp_path / f"{stage}.log")
+        for earlier in done[:-1]:  # stages finished in an earlier round are not re-run
+            assert f"Stage '{earlier}' didn't change, skipping" in printed, note + printed[-3000:]
+        if done:                  # the killed stage of the previous round resumed
+            assert f"{done[-1]}: resuming from" in printed, note + printed[-3000:]
+        assert not (killed / f"outputs/{stage}/model").exists(), note   # killed inside the stage
+        assert (killed / f"outputs/{stage}/checkpoint/state.json").is_file(), note
+        done.append(stage)
+    proc = run([str(BIN / "dvc"), "repro", "ppo"], killed)
+    printed = proc.stdout + proc.stderr
+    assert "Stage 'reward' didn't change, skipping" in printed and "ppo: resuming from" in printed, printed[-3000:]
+    assert _final(killed) == _final(whole), note
+    assert run([str(BIN / "dvc"), "status", "ppo"], killed).stdout.strip().endswith("up to date.")
