@@ -62,7 +62,7 @@ def build(out: Path, sft_epochs: float = 1.0) -> None:
 
 def prompts(out: Path) -> list[str]:
     from pipeline.data import load_prompts
-    return load_prompts(out / "data" / "ppo_prompts.jsonl")
+    return [p for _, p in load_prompts(out / "data" / "ppo_prompts.jsonl")]
 
 
 def peak_rss_mb() -> float:

@@ -144,6 +144,7 @@ class SFTDatasetConfig:
     response_column: str = "completion"
     text_column: str = "text"
     messages_column: str = "messages"
+    leakage: Literal["error", "drop"] = "error"   # a held-out record also in the train split
 
 
 @dataclass(frozen=True)
@@ -157,6 +158,7 @@ class PromptDatasetConfig:
     prompt_column: str = "prompt"
     messages_column: str = "messages"
     conversation_column: str = "chosen"  # HH-RLHF style: the dialogue up to its last "Assistant:" turn
+    leakage: Literal["error", "drop"] = "error"   # a held-out prompt also in the train split
 
 
 @dataclass(frozen=True)
@@ -175,7 +177,7 @@ class SFTConfig:
     n_eval_generations: int = num(200, ge=1)
     sampling: SamplingConfig = field(default_factory=SamplingConfig)
     dataset: SFTDatasetConfig = field(default_factory=SFTDatasetConfig)
-    overlong: Literal["truncate", "drop"] = "truncate"   # longer than max_length: cut the prompt's left end, or skip
+    overlong: Literal["truncate", "drop", "error"] = "truncate"   # longer than max_length: cut the prompt's left end, or skip
     lora: LoraConfig = field(default_factory=LoraConfig)
     distributed: DistributedConfig = field(default_factory=DistributedConfig)  # merged over the top level
 
@@ -189,6 +191,7 @@ class PreferenceDataConfig:
     revision: Optional[str] = None
     layout: Literal["auto", "text", "conversation", "messages"] = "auto"
     margin_column: Optional[str] = None
+    leakage: Literal["error", "drop"] = "error"   # a held-out pair also in the train split
 
 
 @dataclass(frozen=True)
@@ -210,7 +213,7 @@ class RewardConfig:
     n_sft_samples: int = num(200, ge=2)
     calibration_bins: int = num(10, ge=2)
     dataset: PreferenceDataConfig = field(default_factory=PreferenceDataConfig)
-    overlong: Literal["truncate", "drop"] = "truncate"
+    overlong: Literal["truncate", "drop", "error"] = "truncate"
     lora: LoraConfig = field(default_factory=LoraConfig)
     distributed: DistributedConfig = field(default_factory=DistributedConfig)  # merged over the top level
 
@@ -251,7 +254,7 @@ class PPOConfig:
     sampling: SamplingConfig = field(default_factory=SamplingConfig)
     dataset: PromptDatasetConfig = field(default_factory=PromptDatasetConfig)
     max_prompt_length: int = num(256, ge=4, doc="prompt tokens; longer ones follow `overlong`")
-    overlong: Literal["truncate", "drop"] = "truncate"
+    overlong: Literal["truncate", "drop", "error"] = "truncate"
     recompute_logprobs: bool = False      # the rollout policy's log-probs from a training forward, not the sampler's
     shared_backbone: bool = False         # one trunk, two heads: the critic is a value head on the actor
     vf_coef: float = num(1.0, gt=0.0, doc="weight of the value loss (matters with shared_backbone)")

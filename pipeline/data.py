@@ -13,18 +13,23 @@ import torch
 from transformers import PreTrainedTokenizerBase
 
 from .errors import DataError
-from .io import read_jsonl
+from .io import read_records
 from .tokenizer import encode_prompt, encode_response
 
 IGNORE = -100  # label value that HF causal-LM losses skip
 
 
 def load_demonstrations(path: Path) -> list[dict]:
-    return read_jsonl(path, required=("prompt", "response"), nonempty=("prompt", "response"))
+    """{prompt, response, where} of the prepared task's demonstrations (fields prompt, response, id)."""
+    return [{"prompt": r["prompt"], "response": r["response"], "where": where}
+            for where, r in read_records(path, required=("prompt", "response"), nonempty=("prompt", "response"),
+                                         allowed=("prompt", "response", "id"))]
 
 
-def load_prompts(path: Path) -> list[str]:
-    return [r["prompt"] for r in read_jsonl(path, required=("prompt",), nonempty=("prompt",))]
+def load_prompts(path: Path) -> list[tuple[str, str]]:
+    """(where, prompt) of the prepared task's prompts (fields prompt, id)."""
+    return [(where, r["prompt"]) for where, r in read_records(path, required=("prompt",), nonempty=("prompt",),
+                                                               allowed=("prompt", "id"))]
 
 
 @dataclass(frozen=True)
@@ -38,12 +43,17 @@ def tokenize_demonstrations(rows: list[dict], tok: PreTrainedTokenizerBase, max_
                             source: Path | str, overlong: str = "truncate") -> tuple[list[Example], int, int]:
     """Tokenize. A demonstration longer than `max_length` keeps its response and loses the
     prompt's left end (`overlong: truncate`: the instruction's tail and the response matter most),
-    or is left out (`drop`). Returns examples and how many were truncated and dropped. A response
-    alone longer than the limit is an error under `truncate` (nothing sensible is left)."""
+    or is left out (`drop`), or is an error naming it (`error`). Returns examples and how many were
+    truncated and dropped. A response alone longer than the limit is an error under `truncate`
+    (nothing sensible is left)."""
     examples, truncated, dropped = [], 0, 0
     for i, row in enumerate(rows):
         p, r = encode_prompt(tok, row["prompt"]), encode_response(tok, row["response"])
         if len(p) + len(r) > max_length:
+            if overlong == "error":
+                raise DataError(f"{row.get('where', f'{source}: record {i + 1}')}: prompt + response of "
+                                f"{len(p) + len(r)} tokens exceed sft.max_length={max_length} (sft.overlong: "
+                                f"truncate or drop accepts such records)")
             if overlong == "drop":
                 dropped += 1
                 continue

@@ -17,8 +17,10 @@ template where it has one: see tokenizer.encode_prompt).
 
 from __future__ import annotations
 
+import json
+import logging
 from pathlib import Path
-from typing import Any, Callable, TypeVar, Union
+from typing import Any, Callable, Hashable, TypeVar, Union
 
 from .config import Params, PromptDatasetConfig, SFTDatasetConfig
 from .data import load_demonstrations, load_prompts
@@ -27,6 +29,7 @@ from .preferences import ASSISTANT_TURN, _rows
 
 Prompt = Union[str, list[dict[str, str]]]
 T = TypeVar("T")
+log = logging.getLogger(__name__)
 
 
 def _messages(value: Any, where: str, key: str) -> list[dict[str, str]]:
@@ -102,13 +105,19 @@ def judge(params: Params):
 
 
 def fit_lengths(items: list[T], length: Callable[[T], int], max_length: int, overlong: str,
-                limit_key: str) -> tuple[list[T], int, int]:
+                limit_key: str, where: Callable[[T], str] | None = None) -> tuple[list[T], int, int]:
     """Items within `max_length` tokens: longer ones are kept for truncation where they are
-    encoded (`overlong: truncate`) or left out (`drop`). Returns the items and how many were
-    truncated and dropped; none left is an error naming the limit's key."""
+    encoded (`overlong: truncate`), left out (`drop`), or an error naming the record (`error`).
+    Returns the items and how many were truncated and dropped; none left is an error naming the
+    limit's key."""
     kept, truncated, dropped = [], 0, 0
-    for item in items:
-        if length(item) > max_length:
+    for i, item in enumerate(items):
+        n = length(item)
+        if n > max_length:
+            if overlong == "error":
+                name = where(item) if where is not None else f"record {i + 1}"
+                raise DataError(f"{name}: {n} tokens exceed {limit_key}={max_length} (overlong: truncate or drop "
+                                f"accepts such records)")
             if overlong == "drop":
                 dropped += 1
                 continue
@@ -119,10 +128,14 @@ def fit_lengths(items: list[T], length: Callable[[T], int], max_length: int, ove
     return kept, truncated, dropped
 
 
-def fit_prompts(prompts: list[Prompt], tok, max_length: int, overlong: str) -> tuple[list[Prompt], int, int]:
-    """Prompts within `max_length` tokens after the chat template (the right end kept on truncation)."""
+def fit_prompts(records: list[tuple[str, Prompt]], tok, max_length: int,
+                overlong: str) -> tuple[list[Prompt], int, int]:
+    """Prompts of `(where, prompt)` records within `max_length` tokens after the chat template (the
+    right end kept on truncation)."""
     from .tokenizer import encode_prompt
-    return fit_lengths(prompts, lambda p: len(encode_prompt(tok, p)), max_length, overlong, "ppo.max_prompt_length")
+    kept, truncated, dropped = fit_lengths(records, lambda r: len(encode_prompt(tok, r[1])), max_length, overlong,
+                                           "ppo.max_prompt_length", where=lambda r: r[0])
+    return [p for _, p in kept], truncated, dropped
 
 
 def _user_rows(source: str, split: str, revision: str | None) -> list[tuple[str, dict]]:
@@ -133,22 +146,72 @@ def _user_rows(source: str, split: str, revision: str | None) -> list[tuple[str,
 
 
 def demonstrations(params: Params, data_dir: Path, split: str) -> list[dict[str, Any]]:
-    """SFT demonstrations of `split` ("train" or "eval")."""
+    """SFT demonstrations of `split` ("train" or "eval"): {prompt, response, where}. The eval split
+    is checked against the train split for leaked records (`sft.dataset.leakage`)."""
     cfg = params.sft.dataset
+    if split == "eval":
+        train = demonstrations(params, data_dir, "train")
     if cfg.path is None:
-        return load_demonstrations(data_dir / ("sft_train.jsonl" if split == "train" else "sft_eval.jsonl"))
-    rows = _user_rows(cfg.path, cfg.train_split if split == "train" else cfg.eval_split, cfg.revision)
-    layout = detect_sft_layout(rows[0][1], cfg) if cfg.layout == "auto" else cfg.layout
-    return [to_demonstration(row, layout, cfg, where) for where, row in rows]
+        rows = load_demonstrations(data_dir / ("sft_train.jsonl" if split == "train" else "sft_eval.jsonl"))
+    else:
+        raw = _user_rows(cfg.path, cfg.train_split if split == "train" else cfg.eval_split, cfg.revision)
+        layout = detect_sft_layout(raw[0][1], cfg) if cfg.layout == "auto" else cfg.layout
+        rows = [{**to_demonstration(row, layout, cfg, where), "where": where} for where, row in raw]
+    if split == "eval":
+        key = lambda r: (_prompt_key(r["prompt"]), r["response"])   # noqa: E731
+        rows = held_out([(r["where"], key(r)) for r in train], rows, [(r["where"], key(r)) for r in rows],
+                        cfg.leakage, "sft.dataset.leakage", "demonstration")
+    return rows
+
+
+def prompt_records(params: Params, data_dir: Path, split: str) -> list[tuple[str, Prompt]]:
+    """(where, prompt) of `split`: "train" (PPO's) or "eval" (held-out, for SFT/RM/PPO/evaluate
+    measurements; checked against the train split for leaked prompts, `ppo.dataset.leakage`)."""
+    cfg = params.ppo.dataset
+    if cfg.path is None:
+        records = load_prompts(data_dir / ("ppo_prompts.jsonl" if split == "train" else "eval_prompts.jsonl"))
+    else:
+        rows = _user_rows(cfg.path, cfg.train_split if split == "train" else cfg.eval_split, cfg.revision)
+        layout = cfg.layout
+        if layout == "auto":
+            layout = "messages" if cfg.messages_column in rows[0][1] else "prompt"
+        records = [(where, to_prompt(row, layout, cfg, where)) for where, row in rows]
+    if split == "eval":
+        train = [(where, _prompt_key(p)) for where, p in prompt_records(params, data_dir, "train")]
+        records = held_out(train, records, [(where, _prompt_key(p)) for where, p in records], cfg.leakage,
+                           "ppo.dataset.leakage", "prompt")
+    return records
 
 
 def prompts(params: Params, data_dir: Path, split: str) -> list[Prompt]:
-    """Prompts of `split`: "train" (PPO's) or "eval" (held-out, for SFT/RM/PPO/evaluate measurements)."""
-    cfg = params.ppo.dataset
-    if cfg.path is None:
-        return load_prompts(data_dir / ("ppo_prompts.jsonl" if split == "train" else "eval_prompts.jsonl"))
-    rows = _user_rows(cfg.path, cfg.train_split if split == "train" else cfg.eval_split, cfg.revision)
-    layout = cfg.layout
-    if layout == "auto":
-        layout = "messages" if cfg.messages_column in rows[0][1] else "prompt"
-    return [to_prompt(row, layout, cfg, where) for where, row in rows]
+    """The prompts of `prompt_records`."""
+    return [p for _, p in prompt_records(params, data_dir, split)]
+
+
+def _prompt_key(prompt: Prompt) -> str:
+    return prompt if isinstance(prompt, str) else json.dumps(prompt, sort_keys=True)
+
+
+def held_out(train: list[tuple[str, Hashable]], records: list[T], keys: list[tuple[str, Hashable]], policy: str,
+             param: str, what: str) -> list[T]:
+    """Held-out `records` (with their `(where, key)`) that are not also training records
+    (`train`: `(where, key)` of each). A shared one is
+    train/eval leakage: an error naming both places (`policy: error`), or left out of the held-out
+    set (`drop`, logged with the count); none left is an error."""
+    first: dict[Hashable, str] = {}
+    for where, key in train:
+        first.setdefault(key, where)
+    kept = []
+    for record, (where, key) in zip(records, keys):
+        if key in first:
+            if policy == "error":
+                raise DataError(f"{where}: the same {what} is in the training split at {first[key]} (train/eval "
+                                f"leakage; {param}: drop leaves such records out of evaluation)")
+            continue
+        kept.append(record)
+    if len(kept) < len(records):
+        log.warning("%s: left %d of %d held-out %ss out, they are also training records", param,
+                    len(records) - len(kept), len(records), what)
+    if not kept:
+        raise DataError(f"{param}: every held-out {what} is also a training record")
+    return kept

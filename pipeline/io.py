@@ -96,24 +96,47 @@ def numbered_jsonl(path: str | Path) -> list[tuple[int, dict[str, Any]]]:
     return rows
 
 
-def read_jsonl(path: str | Path, required: Sequence[str], nonempty: Sequence[str] = ()) -> list[dict[str, Any]]:
-    """Read a JSONL file, checking each line; errors read `file:line: what is wrong`.
-
-    `required` fields must be present; `nonempty` fields must be strings with visible text.
-    """
-    rows = []
+def read_records(path: str | Path, required: Sequence[str], nonempty: Sequence[str] = (),
+                 allowed: Sequence[str] | None = None) -> list[tuple[str, dict[str, Any]]]:
+    """(`file:line`, row) for every record of a JSONL file, each checked; errors read
+    `file:line: what is wrong`. `required` fields must be present; `nonempty` fields must be
+    strings with visible text; with `allowed` (a fixed schema) any other field is an error; ids
+    (an `id` field) must be unique."""
+    records = []
     for lineno, row in numbered_jsonl(path):
+        where = f"{path}:{lineno}"
         for key in required:
             if key not in row:
-                raise DataError(f"{path}:{lineno}: missing field '{key}'")
+                raise DataError(f"{where}: missing field '{key}'")
         for key in nonempty:
             value = row.get(key)
             if not isinstance(value, str):
-                raise DataError(f"{path}:{lineno}: field '{key}' must be a string, got {type(value).__name__}")
+                raise DataError(f"{where}: field '{key}' must be a string, got {type(value).__name__}")
             if not value.strip():
-                raise DataError(f"{path}:{lineno}: field '{key}' is empty")
-        rows.append(row)
-    return rows
+                raise DataError(f"{where}: field '{key}' is empty")
+        extra = sorted(set(row) - set(allowed)) if allowed is not None else []
+        if extra:
+            raise DataError(f"{where}: unexpected field '{extra[0]}' (this file's fields: {', '.join(allowed)})")
+        records.append((where, row))
+    check_ids(records)
+    return records
+
+
+def read_jsonl(path: str | Path, required: Sequence[str], nonempty: Sequence[str] = (),
+               allowed: Sequence[str] | None = None) -> list[dict[str, Any]]:
+    """The rows of `read_records`, without their locations."""
+    return [row for _, row in read_records(path, required, nonempty, allowed)]
+
+
+def check_ids(records: Sequence[tuple[str, dict[str, Any]]], key: str = "id") -> None:
+    """Records that carry an id must not share one (a duplicated record, or two files merged)."""
+    first: dict[str, str] = {}
+    for where, row in records:
+        if key in row and row[key] is not None:
+            value = json.dumps(row[key], sort_keys=True, default=str)
+            if value in first:
+                raise DataError(f"{where}: duplicate {key} {value} (first at {first[value]})")
+            first[value] = where
 
 
 def remove_stale(*paths: Path) -> None:

@@ -48,6 +48,9 @@ EXECUTION_TAG = "pipeline_execution"
 # MLflow retries a failed request 7 times with backoff and waits 120 s for an answer (minutes per
 # call in an outage, mlflow/environment_variables.py); one try and a short wait cost seconds.
 HTTP_DEFAULTS = {"MLFLOW_HTTP_REQUEST_MAX_RETRIES": "0", "MLFLOW_HTTP_REQUEST_TIMEOUT": "10"}
+# SQLite allows one writer at a time; parallel queued experiments may find the database busy for
+# longer than its own 5 s wait. Seconds between retries of a call that failed with "database is locked".
+SQLITE_BUSY_WAITS = (0.5, 1.0, 2.0, 4.0)
 # Per-request limits of log_batch (mlflow/utils/validation.py).
 METRICS_PER_BATCH, PARAMS_PER_BATCH = 1000, 100
 
@@ -218,14 +221,20 @@ class MlflowTracker(Tracker):
         stage goes on at full speed with its local files, which were written before any call."""
         if not self.enabled:
             return None
-        try:
-            return call()
-        except Exception as err:        # noqa: BLE001 -- any failure of this sink must not stop training
-            self.enabled, self._pending = False, []
-            text = (str(err).strip().splitlines() or [""])[0][:600]
-            log.warning("MLflow tracking at %s failed while %s (%s: %s); the stage goes on without MLflow, "
-                        "its TSV and metrics.json files are unaffected", self.uri, doing, type(err).__name__, text)
-            return None
+        for wait in (*SQLITE_BUSY_WAITS, None):
+            try:
+                return call()
+            except Exception as err:    # noqa: BLE001 -- any failure of this sink must not stop training
+                if wait is not None and "database is locked" in str(err):
+                    time.sleep(wait)    # another process holds SQLite's write lock: wait, then retry
+                    continue
+                self.enabled, self._pending = False, []
+                text = (str(err).strip().splitlines() or [""])[0][:600]
+                log.warning("MLflow tracking at %s failed while %s (%s: %s); the stage goes on without MLflow, "
+                            "its TSV and metrics.json files are unaffected", self.uri, doing, type(err).__name__,
+                            text)
+                return None
+        return None
 
     def start(self, stage: str, config: Mapping[str, Any], inputs: Sequence[Path]) -> None:
         tags = self._guard("reading git and DVC state", lambda: {**join_tags(), "stage": stage})
@@ -239,9 +248,11 @@ class MlflowTracker(Tracker):
         from filelock import FileLock
         from mlflow import MlflowClient
         from mlflow.entities import Param
-        self.client = MlflowClient(self.uri)
         # Stages of parallel queued experiments may start at once: one finds-or-creates at a time.
+        # The client is made under the lock too: its SQLite store creates the database's tables on
+        # first use, and two processes doing that at once fail ("table experiments already exists").
         with FileLock(str(self._lock_path()), timeout=60):
+            self.client = MlflowClient(self.uri)
             exp_id = self._experiment_id()
             self.parent_id, self.owns_parent = self._parent(exp_id, tags)
         # `mlflow.parentRunId` is the tag MLflow's UI nests runs by (mlflow/utils/mlflow_tags.py).

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Any
 
 import torch
 from transformers import AutoModelForCausalLM, GPT2Config, LlamaConfig, PreTrainedModel
@@ -55,6 +56,34 @@ def fit_embeddings(model: PreTrainedModel, tok: PreTrainedTokenizerBase) -> PreT
     return model
 
 
+def from_checkpoint(auto_cls: Any, path: str | Path, *, strict: bool, expected_missing: tuple[str, ...] = (),
+                    **kwargs: Any) -> PreTrainedModel:
+    """`auto_cls.from_pretrained(path)` that refuses weights of another model instead of silently
+    initialising what is missing: a missing or shape-mismatched weight is an error (except
+    `expected_missing` prefixes: a fresh head), and so is an unexpected one when `strict` (a
+    checkpoint this pipeline wrote: a policy folder holding a reward model has an extra `score`
+    weight). Load failures become one-line errors naming the folder."""
+    from transformers.utils import logging as hf_logging
+
+    verbosity = hf_logging.get_verbosity()
+    hf_logging.set_verbosity_error()   # its load report would repeat, as a table, what is checked below
+    try:
+        model, info = auto_cls.from_pretrained(str(path), output_loading_info=True, **kwargs)
+    except (OSError, ValueError, RuntimeError, KeyError, TypeError) as err:
+        first = next((line for line in str(err).splitlines() if line.strip()), type(err).__name__)
+        raise CheckpointError(f"{path}: cannot load as {auto_cls.__name__}: {first.strip()}") from None
+    finally:
+        hf_logging.set_verbosity(verbosity)
+    missing = sorted(k for k in info["missing_keys"] if not k.startswith(expected_missing))
+    unexpected = sorted(info["unexpected_keys"]) if strict else []
+    mismatched = sorted(str(k[0] if isinstance(k, tuple) else k) for k in info["mismatched_keys"])
+    if missing or unexpected or mismatched:
+        parts = [f"{what} {', '.join(keys[:3])}{' ...' if len(keys) > 3 else ''}"
+                 for what, keys in (("missing", missing), ("unexpected", unexpected), ("mismatched", mismatched)) if keys]
+        raise CheckpointError(f"{path}: weights of another model than {type(model).__name__} ({'; '.join(parts)})")
+    return model
+
+
 def init_policy(cfg: ModelConfig, tokenizer_dir: Path, seed: int) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
     """The SFT starting point: a tiny model from config, or `name_or_path` with its own tokenizer
     (a pad token added if it has none; dtype and attention implementation from params)."""
@@ -64,7 +93,7 @@ def init_policy(cfg: ModelConfig, tokenizer_dir: Path, seed: int) -> tuple[PreTr
         model = AutoModelForCausalLM.from_config(tiny_config(cfg, tok))
     else:
         tok = load_tokenizer(cfg.name_or_path, cfg.trust_remote_code, add_pad=True)
-        model = AutoModelForCausalLM.from_pretrained(cfg.name_or_path, **load_kwargs(cfg))
+        model = from_checkpoint(AutoModelForCausalLM, cfg.name_or_path, strict=False, **load_kwargs(cfg))
         model = fit_embeddings(model, tok)
     return model, tok
 
@@ -77,8 +106,8 @@ def load_policy(path: Path, trust_remote_code: bool = False) -> tuple[PreTrained
     if not list(path.glob("*.safetensors")):
         raise CheckpointError(f"{path}: no safetensors weights; this pipeline does not load pickled checkpoints")
     tok = load_tokenizer(path, trust_remote_code)
-    model = AutoModelForCausalLM.from_pretrained(str(path), trust_remote_code=trust_remote_code,
-                                                 use_safetensors=True)
+    model = from_checkpoint(AutoModelForCausalLM, path, strict=True, trust_remote_code=trust_remote_code,
+                            use_safetensors=True)
     n_vocab = json.loads((path / "config.json").read_text())["vocab_size"]
     if len(tok) > n_vocab:
         raise CheckpointError(f"{path}: tokenizer has {len(tok)} tokens but the model's vocab_size is {n_vocab}")

@@ -14,12 +14,12 @@ other sources (hub ids, `save_to_disk` folders, Parquet/CSV) report `source: row
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal, Optional
+from typing import Any, Literal, Optional, Sequence
 
 from .errors import DataError
-from .io import numbered_jsonl
+from .io import check_ids, numbered_jsonl
 
 Layout = Literal["auto", "text", "conversation", "messages"]
 ASSISTANT_TURN = "\n\nAssistant:"
@@ -31,6 +31,7 @@ class Pair:
     chosen: str
     rejected: str
     margin: float = 0.0
+    where: str = field(default="", compare=False)   # `file:line` or `source: row N`, for messages
 
 
 def _rows(source: str, split: str, revision: Optional[str]) -> list[tuple[str, dict]]:
@@ -39,7 +40,9 @@ def _rows(source: str, split: str, revision: Optional[str]) -> list[tuple[str, d
     source = source.replace("{split}", split)
     path = Path(source)
     if path.suffix == ".jsonl" and path.is_file():
-        return [(f"{source}:{line}", row) for line, row in numbered_jsonl(path)]
+        rows = [(f"{source}:{line}", row) for line, row in numbered_jsonl(path)]
+        check_ids(rows)
+        return rows
     import datasets  # imported here: it is slow to import and only some sources need it
 
     try:
@@ -57,7 +60,9 @@ def _rows(source: str, split: str, revision: Optional[str]) -> list[tuple[str, d
         raise
     except Exception as err:  # datasets raises many types; the user needs the source named
         raise DataError(f"{source}: cannot load dataset: {err}") from None
-    return [(f"{source}: row {i + 1}", dict(r)) for i, r in enumerate(ds)]
+    rows = [(f"{source}: row {i + 1}", dict(r)) for i, r in enumerate(ds)]
+    check_ids(rows)
+    return rows
 
 
 def detect_layout(row: dict[str, Any]) -> str:
@@ -129,14 +134,21 @@ def to_pair(row: dict[str, Any], layout: str, where: str, margin_column: Optiona
         if isinstance(value, bool) or not isinstance(value, (int, float)):
             raise DataError(f"{where}: margin field '{margin_column}' must be a number, got {value!r}")
         margin = float(value)
-    return Pair(prompt, chosen, rejected, margin)
+    return Pair(prompt, chosen, rejected, margin, where)
 
 
 def load_pairs(source: str | Path, split: str = "train", revision: Optional[str] = None,
-               layout: Layout = "auto", margin_column: Optional[str] = None) -> list[Pair]:
-    """All pairs of `source` (a local file or folder, or a hub id), validated."""
+               layout: Layout = "auto", margin_column: Optional[str] = None,
+               allowed: Optional[Sequence[str]] = None) -> list[Pair]:
+    """All pairs of `source` (a local file or folder, or a hub id), validated. With `allowed` (a
+    fixed schema, as in the prepared task's files) a field outside it is an error."""
     rows = _rows(str(source), split, revision)
     if not rows:
         raise DataError(f"{source}: no records")
+    if allowed is not None:
+        for where, row in rows:
+            extra = sorted(set(row) - set(allowed))
+            if extra:
+                raise DataError(f"{where}: unexpected field '{extra[0]}' (this file's fields: {', '.join(allowed)})")
     chosen_layout = detect_layout(rows[0][1]) if layout == "auto" else layout
     return [to_pair(row, chosen_layout, where, margin_column) for where, row in rows]

@@ -40,13 +40,26 @@ from .training import BatchSampler, total_steps
 log = logging.getLogger(__name__)
 
 
+PREPARED_PAIR_FIELDS = ("prompt", "chosen", "rejected", "id")
+
+
 def pair_sources(params: Params, data_dir: Path) -> tuple[list[Pair], list[Pair]]:
+    """Training and held-out pairs; a held-out pair that is also a training pair is leakage
+    (`reward.dataset.leakage`)."""
     ds = params.reward.dataset
     if ds.path is None:
-        return (load_pairs(data_dir / "pairs_train.jsonl", layout=ds.layout, margin_column=ds.margin_column),
-                load_pairs(data_dir / "pairs_eval.jsonl", layout=ds.layout, margin_column=ds.margin_column))
-    return (load_pairs(ds.path, ds.train_split, ds.revision, ds.layout, ds.margin_column),
-            load_pairs(ds.path, ds.eval_split, ds.revision, ds.layout, ds.margin_column))
+        fields = PREPARED_PAIR_FIELDS + ((ds.margin_column,) if ds.margin_column else ())
+        train = load_pairs(data_dir / "pairs_train.jsonl", layout=ds.layout, margin_column=ds.margin_column,
+                           allowed=fields)
+        held = load_pairs(data_dir / "pairs_eval.jsonl", layout=ds.layout, margin_column=ds.margin_column,
+                          allowed=fields)
+    else:
+        train = load_pairs(ds.path, ds.train_split, ds.revision, ds.layout, ds.margin_column)
+        held = load_pairs(ds.path, ds.eval_split, ds.revision, ds.layout, ds.margin_column)
+    key = lambda p: (json.dumps(p.prompt, sort_keys=True), p.chosen, p.rejected)   # noqa: E731
+    held = inputs.held_out([(p.where, key(p)) for p in train], held, [(p.where, key(p)) for p in held],
+                           ds.leakage, "reward.dataset.leakage", "pair")
+    return train, held
 
 
 def fit_pairs(pairs: list[Pair], tok, max_length: int, overlong: str) -> tuple[list[Pair], int, int]:
@@ -56,7 +69,7 @@ def fit_pairs(pairs: list[Pair], tok, max_length: int, overlong: str) -> tuple[l
     def length(p: Pair) -> int:
         return len(encode_prompt(tok, p.prompt)) + max(len(encode_response(tok, p.chosen)),
                                                        len(encode_response(tok, p.rejected)))
-    return inputs.fit_lengths(pairs, length, max_length, overlong, "reward.max_length")
+    return inputs.fit_lengths(pairs, length, max_length, overlong, "reward.max_length", where=lambda p: p.where)
 
 
 def batch_scores(model, tok, pairs: list[Pair], max_length: int,

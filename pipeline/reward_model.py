@@ -21,6 +21,7 @@ import torch.nn.functional as F
 from transformers import AutoModelForSequenceClassification, PreTrainedModel, PreTrainedTokenizerBase
 
 from .errors import CheckpointError
+from .models import from_checkpoint
 from .tokenizer import encode_prompt, encode_response, load_tokenizer
 
 OFFSET_KEY = "reward_offset"
@@ -51,8 +52,9 @@ def init_reward_model(path: str | Path, seed: int, head_std: float | None, trust
     """
     tok = load_tokenizer(path, trust_remote_code, add_pad=True)
     kwargs = {"trust_remote_code": trust_remote_code, **(load_kwargs or {})}
-    model = AutoModelForSequenceClassification.from_pretrained(
-        str(path), num_labels=1, pad_token_id=tok.pad_token_id, **kwargs)
+    # A fresh head is expected; an unexpected weight is the causal LM's own head (an untied lm_head).
+    model = from_checkpoint(AutoModelForSequenceClassification, path, strict=False, expected_missing=("score.",),
+                            num_labels=1, pad_token_id=tok.pad_token_id, **kwargs)
     if len(tok) > model.get_input_embeddings().weight.size(0):
         model.resize_token_embeddings(len(tok))
     layer = head(model)
@@ -72,8 +74,8 @@ def load_reward_model(path: str | Path, trust_remote_code: bool = False) -> tupl
     path = Path(path)
     if not list(path.glob("*.safetensors")):
         raise CheckpointError(f"{path}: no safetensors weights; this pipeline does not load pickled checkpoints")
-    model = AutoModelForSequenceClassification.from_pretrained(str(path), trust_remote_code=trust_remote_code,
-                                                               use_safetensors=True)
+    model = from_checkpoint(AutoModelForSequenceClassification, path, strict=True,
+                            trust_remote_code=trust_remote_code, use_safetensors=True)
     if model.config.num_labels != 1:
         raise CheckpointError(f"{path}: a reward model has num_labels=1, this one has {model.config.num_labels}")
     head(model)

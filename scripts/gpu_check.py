@@ -99,7 +99,7 @@ def main() -> int:
                 f"in {time.perf_counter() - t0:.1f}s")
             for name, gib in (models.memory or {}).items():
                 say(f"  GPU memory added by {name:9s}: {gib:7.2f} GiB (weights; the trained ones with fp32 master copies)")
-            trainer = PPOTrainer(params.ppo, models, load_prompts(root / "data" / "ppo_prompts.jsonl"))
+            trainer = PPOTrainer(params.ppo, models, [p for _, p in load_prompts(root / "data" / "ppo_prompts.jsonl")])
             n = n_params - n_embed
             peak = peak_tflops()
             for it in range(1, args.iterations + 1):

@@ -96,7 +96,8 @@ def test_read_jsonl_nonempty_is_separate_from_required(tmp_path):
 def test_write_then_read_round_trip(tmp_path):
     rows = [{"prompt": "caf\u00e9 ?", "response": "ok ."}, {"prompt": "\u6f22\u5b57", "response": "x"}]
     write_jsonl(tmp_path / "r.jsonl", rows)
-    assert load_demonstrations(tmp_path / "r.jsonl") == rows
+    assert load_demonstrations(tmp_path / "r.jsonl") == [{**r, "where": f"{tmp_path / 'r.jsonl'}:{i}"}
+                                                          for i, r in enumerate(rows, start=1)]
 
 
 # ---- Atomic outputs -----------------------------------------------------------------------------

@@ -112,7 +112,7 @@ def test_sft_layouts_and_column_mapping(files):
                                files, "train")
     assert (qa[3]["prompt"], qa[3]["response"]) == _examples(4)[3]
     text = inputs.demonstrations(_params(sft={"dataset": {"path": str(files / "text.csv")}}), files, "train")
-    assert text[0] == {"prompt": "", "response": " ".join(_examples(1)[0])}
+    assert text[0] == {"prompt": "", "response": " ".join(_examples(1)[0]), "where": f"{files / 'text.csv'}: row 1"}
     # Wrong column names are reported with the row and the columns there are.
     with pytest.raises(DataError, match=r"qa.parquet: row 1: missing field 'prompt' \(columns: answer, question\)"):
         inputs.demonstrations(_params(sft={"dataset": {"path": str(files / "qa.parquet"),

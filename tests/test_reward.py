@@ -98,6 +98,8 @@ def test_normalisation_makes_reference_mean_zero(tmp_path):
     demos = [{"prompt": "Review the film Lost River . Focus on the music .", "response": r}
              for r in ("the music was good . overall , see it .", "I hated the plot .", "the film is bad .")]
     (tmp_path / "sft_eval.jsonl").write_text("".join(json.dumps(d) + "\n" for d in demos))
+    (tmp_path / "sft_train.jsonl").write_text(json.dumps({"prompt": "Review the film Silent Harbor .",
+                                                          "response": "I loved the plot ."}) + "\n")
     raw_mean = normalise(model, tok, Params(), tmp_path)
     scores = rm.score_texts(model, tok, [d["prompt"] for d in demos], [d["response"] for d in demos], 96)
     assert abs(raw_mean) > 1e-3                       # the offset did something

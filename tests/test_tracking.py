@@ -2,6 +2,7 @@
 per-step and final metrics, checkpoints, DVC/git tags), a server killed mid-run, an unreachable
 server, the default SQLite store at the repository root, and the naming of per-step metrics."""
 
+import hashlib
 import json
 import logging
 import os
@@ -14,6 +15,7 @@ from pathlib import Path
 
 import pytest
 from mlflow import MlflowClient
+from ruamel.yaml import YAML
 
 from conftest import BIN, TINY, run, tiny_policy_and_reward_model
 from pipeline import mlflow_tracking as tracking
@@ -309,3 +311,78 @@ def test_tracking_off_or_not_rank_zero_is_a_no_op(tmp_path, monkeypatch):
     with pytest.raises(ConfigError, match="PIPELINE_TRACKING: expected 'on' or 'off', got 'of'"):
         with stage_tracking("sft", {}, []):
             pass
+
+
+def test_two_queued_experiments_at_once_lose_no_run_metric_or_artifact(tiny_repo, tmp_path):
+    """`dvc queue start -j 2` on the default SQLite store: both experiments' stage runs are in
+    mlflow.db, complete (every TSV row a metric point, every metrics.json number, the weights)."""
+    dvc = str(BIN / "dvc")
+    for name, lr in (("exp-a", "0.001"), ("exp-b", "0.003")):
+        run([dvc, "exp", "run", "--queue", "-n", name, "-S", f"sft.lr={lr}", "reward"], tiny_repo)
+    run([dvc, "queue", "start", "-j", "2"], tiny_repo)
+    deadline = time.monotonic() + 900
+    while time.monotonic() < deadline:
+        status = run([dvc, "queue", "status"], tiny_repo).stdout
+        if status.count("Success") == 2 or "Failed" in status:
+            break
+        time.sleep(3)
+    assert status.count("Success") == 2, status + run([dvc, "queue", "logs", "exp-a"], tiny_repo, check=False).stdout
+
+    shown = json.loads(run([dvc, "exp", "show", "--json"], tiny_repo).stdout)
+    exps = {e["name"]: e for rev in shown for e in (rev.get("experiments") or []) for e in e["revs"]}
+    assert {"exp-a", "exp-b"} <= set(exps)
+
+    client = MlflowClient(f"sqlite:///{tiny_repo.resolve()}/mlflow.db")
+    runs = client.search_runs([client.get_experiment_by_name("rlhf-pipeline").experiment_id])
+    parents = {r.info.run_name: r for r in runs if "mlflow.parentRunId" not in r.data.tags}
+    assert set(parents) == {"pipeline exp-a", "pipeline exp-b"}
+    for name in ("exp-a", "exp-b"):
+        lock = YAML(typ="safe", pure=True).load(run(["git", "show", f"{exps[name]['rev']}:dvc.lock"], tiny_repo).stdout)
+        parent = parents[f"pipeline {name}"]
+        assert parent.info.status == "FINISHED"
+        stages = {r.info.run_name: r for r in runs if r.data.tags.get("mlflow.parentRunId") == parent.info.run_id}
+        assert set(stages) == {"sft", "reward"} and all(r.info.status == "FINISHED" for r in stages.values())
+        assert stages["sft"].data.params["sft.lr"] == ("0.001" if name == "exp-a" else "0.003")
+        metrics = exps[name]["data"]["metrics"]
+        for stage, r in stages.items():
+            final = _flat(metrics[f"outputs/{stage}/metrics.json"]["data"])
+            assert {k: r.data.metrics[k] for k in final} == pytest.approx(final)
+            steps = final["train/steps"]
+            assert [m.step for m in client.get_metric_history(r.info.run_id, "train/loss")] == list(range(1, steps + 1))
+            weights = Path(client.download_artifacts(r.info.run_id, "model/model.safetensors", str(tmp_path / name / stage)))
+            # ... byte for byte the weights DVC cached for this experiment's stage
+            (out,) = [o for o in lock["stages"][stage]["outs"] if o["path"] == f"outputs/{stage}/model"]
+            listing = json.loads((tiny_repo / ".dvc/cache/files/md5" / out["md5"][:2] / out["md5"][2:]).read_text())
+            (entry,) = [e for e in listing if e["relpath"] == "model.safetensors"]
+            assert hashlib.md5(weights.read_bytes()).hexdigest() == entry["md5"]
+
+
+def test_busy_sqlite_is_retried_and_other_failures_turn_mlflow_off(monkeypatch, caplog):
+    monkeypatch.setattr(tracking, "SQLITE_BUSY_WAITS", (0.0, 0.0, 0.0))
+    tracker, calls = tracking.MlflowTracker("sqlite:////nowhere/mlflow.db"), []
+
+    def busy_twice():
+        calls.append(1)
+        if len(calls) < 3:
+            raise RuntimeError("(sqlite3.OperationalError) database is locked")
+        return "done"
+    assert tracker._guard("logging", busy_twice) == "done" and tracker.enabled and len(calls) == 3
+    assert not _tracking_records(caplog)
+
+    def always_busy():
+        calls.append(1)
+        raise RuntimeError("(sqlite3.OperationalError) database is locked")
+    calls.clear()
+    assert tracker._guard("logging", always_busy) is None and not tracker.enabled and len(calls) == 4
+    assert len(_tracking_records(caplog)) == 1
+
+
+def test_training_stage_with_the_server_down_from_the_start_completes(tmp_path, monkeypatch, caplog):
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", f"http://127.0.0.1:{_free_port()}")   # nothing listens there
+    caplog.set_level(logging.WARNING)
+    metrics = sft.run(TINY_SFT, _tiny_data(tmp_path), tmp_path / "out", progress=False)
+    assert len(_tracking_records(caplog)) == 1
+    assert [int(r["step"]) for r in _tsv(tmp_path / "out/train.tsv")] == [1, 2, 3, 4]
+    assert [int(r["step"]) for r in _tsv(tmp_path / "out/eval.tsv")] == [2, 4]
+    assert _flat(json.loads((tmp_path / "out/metrics.json").read_text())) == metrics
+    assert metrics["train/steps"] == 4 and (tmp_path / "out/model/model.safetensors").is_file()

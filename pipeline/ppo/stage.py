@@ -73,8 +73,8 @@ def run(params: Params, data_dir: Path, sft_dir: Path, reward_dir: Path, out: Pa
 def _run(params: Params, data_dir: Path, sft_dir: Path, reward_dir: Path, out: Path, resolved: dict,
          tracker: Tracker, progress: bool, ctx: Context) -> dict[str, Any]:
     cfg = params.ppo
-    prompts = inputs.prompts(params, data_dir, "train")
-    eval_prompts = inputs.prompts(params, data_dir, "eval")[:cfg.n_eval_prompts]
+    prompts = inputs.prompt_records(params, data_dir, "train")
+    eval_prompts = inputs.prompt_records(params, data_dir, "eval")[:cfg.n_eval_prompts]
     judge = inputs.judge(params)
     models = place_models(params, sft_dir, reward_dir, ctx)
     prompts, n_trunc, n_drop = inputs.fit_prompts(prompts, models.tok, cfg.max_prompt_length, cfg.overlong)
