@@ -50,15 +50,16 @@ def tokenize_demonstrations(rows: list[dict], tok: PreTrainedTokenizerBase, max_
     for i, row in enumerate(rows):
         p, r = encode_prompt(tok, row["prompt"]), encode_response(tok, row["response"])
         if len(p) + len(r) > max_length:
+            where = row.get("where", f"{source}: record {i + 1}")
             if overlong == "error":
-                raise DataError(f"{row.get('where', f'{source}: record {i + 1}')}: prompt + response of "
+                raise DataError(f"{where}: prompt + response of "
                                 f"{len(p) + len(r)} tokens exceed sft.max_length={max_length} (sft.overlong: "
                                 f"truncate or drop accepts such records)")
             if overlong == "drop":
                 dropped += 1
                 continue
             if len(r) >= max_length:
-                raise DataError(f"{source}: record {i + 1}: response of {len(r)} tokens exceeds "
+                raise DataError(f"{where}: response of {len(r)} tokens exceeds "
                                 f"sft.max_length={max_length} (sft.overlong: drop skips such records)")
             p, truncated = p[len(p) + len(r) - max_length:], truncated + 1
         examples.append(Example(p + r, len(p)))

@@ -158,7 +158,7 @@ def demonstrations(params: Params, data_dir: Path, split: str) -> list[dict[str,
         layout = detect_sft_layout(raw[0][1], cfg) if cfg.layout == "auto" else cfg.layout
         rows = [{**to_demonstration(row, layout, cfg, where), "where": where} for where, row in raw]
     if split == "eval":
-        key = lambda r: (_prompt_key(r["prompt"]), r["response"])   # noqa: E731
+        key = lambda r: (prompt_key(r["prompt"]), r["response"])   # noqa: E731
         rows = held_out([(r["where"], key(r)) for r in train], rows, [(r["where"], key(r)) for r in rows],
                         cfg.leakage, "sft.dataset.leakage", "demonstration")
     return rows
@@ -177,8 +177,8 @@ def prompt_records(params: Params, data_dir: Path, split: str) -> list[tuple[str
             layout = "messages" if cfg.messages_column in rows[0][1] else "prompt"
         records = [(where, to_prompt(row, layout, cfg, where)) for where, row in rows]
     if split == "eval":
-        train = [(where, _prompt_key(p)) for where, p in prompt_records(params, data_dir, "train")]
-        records = held_out(train, records, [(where, _prompt_key(p)) for where, p in records], cfg.leakage,
+        train = [(where, prompt_key(p)) for where, p in prompt_records(params, data_dir, "train")]
+        records = held_out(train, records, [(where, prompt_key(p)) for where, p in records], cfg.leakage,
                            "ppo.dataset.leakage", "prompt")
     return records
 
@@ -188,7 +188,8 @@ def prompts(params: Params, data_dir: Path, split: str) -> list[Prompt]:
     return [p for _, p in prompt_records(params, data_dir, split)]
 
 
-def _prompt_key(prompt: Prompt) -> str:
+def prompt_key(prompt: Prompt) -> str:
+    """A prompt (text or messages) as a hashable key, for leakage checks."""
     return prompt if isinstance(prompt, str) else json.dumps(prompt, sort_keys=True)
 
 

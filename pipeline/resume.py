@@ -24,8 +24,10 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import os
 import shutil
+import time
 from pathlib import Path
 from typing import Any, Callable
 
@@ -36,6 +38,8 @@ from .errors import CheckpointError
 from .io import atomic_write_json, swap_in
 from .tracking import StepLog
 from .training import BatchSampler
+
+log = logging.getLogger(__name__)
 
 # Bump when a checkpoint's layout changes: it is part of the fingerprint, so an older checkpoint is
 # never read with the new layout (the run starts afresh instead).
@@ -107,23 +111,44 @@ def read_state(path: Path, fp: str) -> dict[str, Any] | None:
     return state if state.get("fingerprint") == fp else None
 
 
+def unreadable(path: Path, err: Exception) -> CheckpointError:
+    return CheckpointError(f"{path}: unreadable checkpoint ({err}); delete it to start afresh")
+
+
+def load_engine(engine: Any, path: Path, name: str) -> None:
+    """Restore a training engine's weights, optimizer and schedule saved as `name`."""
+    try:
+        engine.load(path, name)
+    except (OSError, RuntimeError, KeyError, ValueError) as err:
+        raise unreadable(path, err) from None
+
+
 def load_rng(path: Path, rank: int) -> dict[str, torch.Tensor]:
     try:
         return torch.load(path / f"rng_rank{rank}.pt", weights_only=True)
     except (OSError, RuntimeError) as err:
-        raise CheckpointError(f"{path}: unreadable checkpoint ({err}); delete it to start afresh") from None
+        raise unreadable(path, err) from None
 
 
 class SupervisedState:
-    """Save and restore a supervised loop (SFT, RM): engine, batch sampler, RNG, step logs."""
+    """Save and restore a supervised loop (SFT, RM): engine, batch sampler, RNG, step logs, and
+    the training time of every run that worked on it."""
 
-    def __init__(self, path: Path, fp: str, engine: Any, sampler: BatchSampler, logs: dict[str, StepLog],
-                 ctx: Context):
-        self.path, self.fp, self.engine, self.sampler, self.logs, self.ctx = path, fp, engine, sampler, logs, ctx
-        self.seconds = 0.0   # training time of the runs before this one (restored by `load`)
+    def __init__(self, stage: str, path: Path, fp: str, engine: Any, sampler: BatchSampler,
+                 logs: dict[str, StepLog], ctx: Context):
+        self.stage, self.path, self.fp, self.engine, self.sampler, self.logs, self.ctx = \
+            stage, path, fp, engine, sampler, logs, ctx
+        self.seconds_before = 0.0          # training time of the interrupted runs (restored by `load`)
+        self.t0 = time.perf_counter()      # this run's start of training
 
-    def save(self, step: int, seconds: float) -> None:
-        """Save after `step`; `seconds`: training time so far, this run's and the earlier ones'."""
+    def elapsed(self) -> float:
+        """Training seconds so far, this run's and the interrupted runs'."""
+        return self.seconds_before + time.perf_counter() - self.t0
+
+    def save(self, step: int) -> None:
+        """Collective: flush the step logs and save the state after `step`."""
+        for log_ in self.logs.values():
+            log_.flush()
         sampler = self.sampler.state_dict()
         gen = sampler.pop("gen")
 
@@ -132,22 +157,21 @@ class SupervisedState:
             torch.save({"sampler": gen, "torch": torch.get_rng_state()}, staging / f"rng_rank{self.ctx.rank}.pt")
 
         save_staged(self.path, self.ctx, write, {
-            "fingerprint": self.fp, "step": step, "seconds": seconds, "world_size": self.ctx.world_size, "sampler": sampler,
-            "logs": {name: {"columns": log.columns, "rows": log.rows} for name, log in self.logs.items()}})
+            "fingerprint": self.fp, "step": step, "seconds": self.elapsed(), "world_size": self.ctx.world_size,
+            "sampler": sampler,
+            "logs": {name: {"columns": log_.columns, "rows": log_.rows} for name, log_ in self.logs.items()}})
 
     def load(self) -> int:
         """Restore the last save of this run; returns its step (0: nothing to resume)."""
         state = read_state(self.path, self.fp)
         if state is None:
             return 0
-        try:
-            self.engine.load(self.path, "model")
-        except (OSError, RuntimeError, KeyError, ValueError) as err:
-            raise CheckpointError(f"{self.path}: unreadable checkpoint ({err}); delete it to start afresh") from None
+        load_engine(self.engine, self.path, "model")
         rng = load_rng(self.path, self.ctx.rank)
         self.sampler.load_state_dict({**state["sampler"], "gen": rng["sampler"]})
         torch.set_rng_state(rng["torch"])
-        for name, log in self.logs.items():
-            log.restore(state["logs"][name]["rows"], state["logs"][name]["columns"])
-        self.seconds = float(state["seconds"])
+        for name, log_ in self.logs.items():
+            log_.restore(state["logs"][name]["rows"], state["logs"][name]["columns"])
+        self.seconds_before, self.t0 = float(state["seconds"]), time.perf_counter()
+        log.warning("%s: resuming from %s at step %d", self.stage, self.path, state["step"])
         return int(state["step"])

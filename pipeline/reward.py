@@ -11,8 +11,6 @@ statistics of chosen vs rejected, and calibration.
 from __future__ import annotations
 
 import json
-import logging
-import time
 from pathlib import Path
 from typing import Any
 
@@ -37,7 +35,6 @@ from .errors import check_finite
 from .resume import SupervisedState, fingerprint, input_paths
 from .training import BatchSampler, total_steps
 
-log = logging.getLogger(__name__)
 
 
 PREPARED_PAIR_FIELDS = ("prompt", "chosen", "rejected", "id")
@@ -56,7 +53,7 @@ def pair_sources(params: Params, data_dir: Path) -> tuple[list[Pair], list[Pair]
     else:
         train = load_pairs(ds.path, ds.train_split, ds.revision, ds.layout, ds.margin_column)
         held = load_pairs(ds.path, ds.eval_split, ds.revision, ds.layout, ds.margin_column)
-    key = lambda p: (json.dumps(p.prompt, sort_keys=True), p.chosen, p.rejected)   # noqa: E731
+    key = lambda p: (inputs.prompt_key(p.prompt), p.chosen, p.rejected)   # noqa: E731
     held = inputs.held_out([(p.where, key(p)) for p in train], held, [(p.where, key(p)) for p in held],
                            ds.leakage, "reward.dataset.leakage", "pair")
     return train, held
@@ -182,13 +179,10 @@ def train(params: Params, data_dir: Path, sft_dir: Path, out_dir: Path, progress
                         write=ctx.is_main)
     eval_log = StepLog(out_dir / "eval.tsv", ["loss", "accuracy"], tracker, series="eval", write=ctx.is_main)
     batches = BatchSampler(len(train_pairs), cfg.batch_size, cfg.seed)   # the same global batches on every rank
-    state = SupervisedState(out_dir / "checkpoint", resume_fingerprint, engine, batches,
+    state = SupervisedState("reward", out_dir / "checkpoint", resume_fingerprint, engine, batches,
                             {"train": train_log, "eval": eval_log}, ctx)
     start = state.load()
-    if start:
-        log.warning("reward: resuming from %s at step %d", state.path, start)
     engine.module.train()
-    t0 = time.perf_counter()
     for step in tqdm(range(start + 1, steps + 1), desc="reward", initial=start, total=steps,
                      disable=not (progress and ctx.is_main), mininterval=1.0):
         mine = ctx.shard([train_pairs[i] for i in next(batches)])
@@ -209,10 +203,8 @@ def train(params: Params, data_dir: Path, sft_dir: Path, out_dir: Path, progress
             train_log.flush()
             eval_log.flush()
         if step % cfg.save_every == 0 or step == steps:
-            train_log.flush()
-            eval_log.flush()
-            state.save(step, state.seconds + time.perf_counter() - t0)
-    train_time = state.seconds + time.perf_counter() - t0   # the interrupted runs' time too
+            state.save(step)
+    train_time = state.elapsed()   # the interrupted runs' time too
     full = engine.full_model()   # collective under ZeRO-3
     if full is None:
         return None, tok, {}

@@ -21,7 +21,7 @@ import torch.nn.functional as F
 from transformers import AutoModelForSequenceClassification, PreTrainedModel, PreTrainedTokenizerBase
 
 from .errors import CheckpointError
-from .models import from_checkpoint
+from .models import fit_embeddings, from_checkpoint
 from .tokenizer import encode_prompt, encode_response, load_tokenizer
 
 OFFSET_KEY = "reward_offset"
@@ -55,8 +55,7 @@ def init_reward_model(path: str | Path, seed: int, head_std: float | None, trust
     # A fresh head is expected; an unexpected weight is the causal LM's own head (an untied lm_head).
     model = from_checkpoint(AutoModelForSequenceClassification, path, strict=False, expected_missing=("score.",),
                             num_labels=1, pad_token_id=tok.pad_token_id, **kwargs)
-    if len(tok) > model.get_input_embeddings().weight.size(0):
-        model.resize_token_embeddings(len(tok))
+    model = fit_embeddings(model, tok)
     layer = head(model)
     assert isinstance(layer, torch.nn.Linear)
     std = head_std if head_std is not None else 1.0 / math.sqrt(layer.in_features + 1)

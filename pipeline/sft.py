@@ -8,8 +8,6 @@ annotator next to the held-out demonstrations, so the metrics say how good imita
 
 from __future__ import annotations
 
-import logging
-import time
 from pathlib import Path
 from typing import Any
 
@@ -33,7 +31,6 @@ from .errors import check_finite
 from .resume import SupervisedState, fingerprint, input_paths
 from .training import BatchSampler, total_steps
 
-log = logging.getLogger(__name__)
 
 
 def response_token_count(e: Example) -> int:
@@ -104,12 +101,9 @@ def train(params: Params, data_dir: Path, log_dir: Path, progress: bool = True,
 
     engine.module.train()
     batches = BatchSampler(len(train_ex), cfg.batch_size, cfg.seed)   # the same global batches on every rank
-    state = SupervisedState(log_dir / "checkpoint", resume_fingerprint, engine, batches,
+    state = SupervisedState("sft", log_dir / "checkpoint", resume_fingerprint, engine, batches,
                             {"train": train_log, "eval": eval_log}, ctx)
     start = state.load()
-    if start:
-        log.warning("sft: resuming from %s at step %d", state.path, start)
-    t0 = time.perf_counter()
     for step in tqdm(range(start + 1, steps + 1), desc="sft", initial=start, total=steps,
                      disable=not (progress and ctx.is_main), mininterval=1.0):
         examples = [train_ex[i] for i in next(batches)]
@@ -133,10 +127,8 @@ def train(params: Params, data_dir: Path, log_dir: Path, progress: bool = True,
             train_log.flush()
             eval_log.flush()
         if step % cfg.save_every == 0 or step == steps:
-            train_log.flush()
-            eval_log.flush()
-            state.save(step, state.seconds + time.perf_counter() - t0)
-    train_time = state.seconds + time.perf_counter() - t0   # the interrupted runs' time too
+            state.save(step)
+    train_time = state.elapsed()   # the interrupted runs' time too
 
     full = engine.full_model()   # collective under ZeRO-3
     if full is None:

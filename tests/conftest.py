@@ -39,6 +39,14 @@ def merge(base: dict, override: dict) -> dict:
     return out
 
 
+def flat(nested: dict, prefix: str = "") -> dict:
+    """metrics.json as `{"train/loss": ...}`: the names the stages and MLflow use."""
+    out = {}
+    for k, v in nested.items():
+        out.update(flat(v, f"{prefix}{k}/") if isinstance(v, dict) else {f"{prefix}{k}": v})
+    return out
+
+
 def write_params(path: Path, override: dict) -> None:
     """params.yaml = the repository's params with `override` merged in."""
     yaml = YAML(typ="safe", pure=True)

@@ -17,7 +17,7 @@ import pytest
 from snakemake_executor_plugin_slurm.submit_string import get_submit_command
 from snakemake_executor_plugin_slurm.utils import set_gres_string
 
-from conftest import BIN, REPO, TINY, copy_repo, run, write_params
+from conftest import BIN, REPO, TINY, copy_repo, flat, run, write_params
 from pipeline import stage_graph
 from pipeline.cluster import check_shape, expand_first, job_command, slurm_node, slurm_resources
 from pipeline.config import Params, from_dict, merge_distributed
@@ -158,12 +158,6 @@ def _ensure_slurm() -> None:
         subprocess.run(["bash", str(REPO / "scripts/slurm-local.sh"), "start"], check=True, capture_output=True)
 
 
-def _flat(d: dict, prefix: str = "") -> dict:
-    out = {}
-    for k, v in d.items():
-        out.update(_flat(v, f"{prefix}{k}/") if isinstance(v, dict) else {f"{prefix}{k}": v})
-    return out
-
 
 def test_tiny_pipeline_on_slurm_equals_dvc_repro(tmp_path):
     _ensure_slurm()
@@ -182,8 +176,8 @@ def test_tiny_pipeline_on_slurm_equals_dvc_repro(tmp_path):
         assert (snake / "logs" / f"{stage}.log").is_file()
     assert len(set(job_ids.values())) == len(STAGES)
     for stage in ("sft", "reward", "ppo", "evaluate"):
-        a = _flat(json.loads((snake / "outputs" / stage / "metrics.json").read_text()))
-        b = _flat(json.loads((dvc / "outputs" / stage / "metrics.json").read_text()))
+        a = flat(json.loads((snake / "outputs" / stage / "metrics.json").read_text()))
+        b = flat(json.loads((dvc / "outputs" / stage / "metrics.json").read_text()))
         assert a.keys() == b.keys()
         differ = {k for k in a if a[k] != b[k] and not any(t in k for t in TIMING)}
         assert not differ, (stage, {k: (a[k], b[k]) for k in differ})

@@ -18,7 +18,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from conftest import BIN, TINY, copy_repo, merge, run, run_env, write_params
+from conftest import BIN, TINY, copy_repo, flat, merge, run, run_env, write_params
 from pipeline import errors, resume, reward, sft
 from pipeline.config import DataConfig, Params, from_dict
 from pipeline.errors import NumericalError
@@ -193,16 +193,10 @@ def _repro_killed_at(repo: Path, stage: str, key: str, at: int, log: Path) -> st
 def _final(repo: Path) -> dict:
     out = {}
     for stage in ("sft", "reward", "ppo"):
-        out[stage] = _without_time(_flat(json.loads((repo / f"outputs/{stage}/metrics.json").read_text())))
+        out[stage] = _without_time(flat(json.loads((repo / f"outputs/{stage}/metrics.json").read_text())))
         out[f"{stage}.tsv"] = _rows(repo / f"outputs/{stage}/train.tsv")
     return out
 
-
-def _flat(d: dict, prefix: str = "") -> dict:
-    out = {}
-    for k, v in d.items():
-        out.update(_flat(v, f"{prefix}{k}/") if isinstance(v, dict) else {f"{prefix}{k}": v})
-    return out
 
 
 def test_dvc_repro_after_sigkill_in_each_training_stage_resumes(tmp_path):

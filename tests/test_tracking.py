@@ -17,7 +17,7 @@ import pytest
 from mlflow import MlflowClient
 from ruamel.yaml import YAML
 
-from conftest import BIN, TINY, run, tiny_policy_and_reward_model
+from conftest import BIN, TINY, flat, run, tiny_policy_and_reward_model
 from pipeline import mlflow_tracking as tracking
 from pipeline import sft
 from pipeline.config import DataConfig, ModelConfig, Params, PPOConfig, SamplingConfig, SFTConfig, load_params
@@ -95,12 +95,6 @@ def _tsv(path: Path) -> list[dict[str, str]]:
     return [dict(zip(header.split("\t"), row.split("\t"))) for row in rows]
 
 
-def _flat(nested: dict, prefix: str = "") -> dict:
-    out = {}
-    for k, v in nested.items():
-        out.update(_flat(v, f"{prefix}{k}/") if isinstance(v, dict) else {f"{prefix}{k}": v})
-    return out
-
 
 def test_dvc_exp_run_logs_one_parent_with_nested_stage_runs(tiny_repo, tmp_path, server, monkeypatch):
     head = run(["git", "rev-parse", "HEAD"], tiny_repo).stdout.strip()
@@ -130,7 +124,7 @@ def test_dvc_exp_run_logs_one_parent_with_nested_stage_runs(tiny_repo, tmp_path,
             assert [m.step for m in history] == [int(row["step"]) for row in rows]
             assert [m.value for m in history] == pytest.approx([float(row["loss"]) for row in rows], rel=1e-5)
         # Final metrics: every number of metrics.json.
-        final = _flat(json.loads((out / "metrics.json").read_text()))
+        final = flat(json.loads((out / "metrics.json").read_text()))
         assert {k: r.data.metrics[k] for k in final} == pytest.approx(final)
         # The checkpoint, byte for byte, and the step logs.
         assert {a.path for a in client.list_artifacts(r.info.run_id, "model")} >= {"model/config.json",
@@ -195,7 +189,7 @@ def test_server_killed_mid_run_warns_once_and_the_stage_completes(tmp_path, serv
     assert seen["run_id"] and seen["enabled"]            # the run was live on the server before the kill
     assert [int(r["step"]) for r in _tsv(tmp_path / "out/train.tsv")] == [1, 2, 3, 4]
     assert [int(r["step"]) for r in _tsv(tmp_path / "out/eval.tsv")] == [2, 4]
-    assert _flat(json.loads((tmp_path / "out/metrics.json").read_text())) == metrics
+    assert flat(json.loads((tmp_path / "out/metrics.json").read_text())) == metrics
     assert (tmp_path / "out/model/model.safetensors").is_file()
     (warning,) = _tracking_records(caplog)
     assert server.uri in warning.getMessage() and "sending metrics" in warning.getMessage()
@@ -345,7 +339,7 @@ def test_two_queued_experiments_at_once_lose_no_run_metric_or_artifact(tiny_repo
         assert stages["sft"].data.params["sft.lr"] == ("0.001" if name == "exp-a" else "0.003")
         metrics = exps[name]["data"]["metrics"]
         for stage, r in stages.items():
-            final = _flat(metrics[f"outputs/{stage}/metrics.json"]["data"])
+            final = flat(metrics[f"outputs/{stage}/metrics.json"]["data"])
             assert {k: r.data.metrics[k] for k in final} == pytest.approx(final)
             steps = final["train/steps"]
             assert [m.step for m in client.get_metric_history(r.info.run_id, "train/loss")] == list(range(1, steps + 1))
@@ -384,5 +378,5 @@ def test_training_stage_with_the_server_down_from_the_start_completes(tmp_path, 
     assert len(_tracking_records(caplog)) == 1
     assert [int(r["step"]) for r in _tsv(tmp_path / "out/train.tsv")] == [1, 2, 3, 4]
     assert [int(r["step"]) for r in _tsv(tmp_path / "out/eval.tsv")] == [2, 4]
-    assert _flat(json.loads((tmp_path / "out/metrics.json").read_text())) == metrics
+    assert flat(json.loads((tmp_path / "out/metrics.json").read_text())) == metrics
     assert metrics["train/steps"] == 4 and (tmp_path / "out/model/model.safetensors").is_file()

@@ -18,8 +18,7 @@ from pathlib import Path
 
 import torch
 
-from ..errors import CheckpointError
-from ..resume import fingerprint, load_rng, read_state, save_staged
+from ..resume import fingerprint, load_engine, load_rng, read_state, save_staged
 from ..tracking import StepLog
 from .trainer import PPOTrainer
 
@@ -48,11 +47,8 @@ def load(trainer: PPOTrainer, path: Path, fp: str) -> dict | None:
     state = read_state(path, fp)
     if state is None:
         return None  # nothing saved, or another config / other input models: start afresh
-    try:
-        trainer.m.actor.load(path, "actor")
-        trainer.m.critic.load(path, "critic")
-    except (OSError, RuntimeError, KeyError, ValueError) as err:
-        raise CheckpointError(f"{path}: unreadable checkpoint ({err}); delete it to start afresh") from None
+    load_engine(trainer.m.actor, path, "actor")
+    load_engine(trainer.m.critic, path, "critic")
     rng = load_rng(path, trainer.ctx.rank)
     trainer.sample_gen.set_state(rng["sample"])
     trainer.shuffle_gen.set_state(rng["shuffle"])
