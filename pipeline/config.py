@@ -55,7 +55,7 @@ class ModelConfig:
     name_or_path: Optional[str] = None
     arch: Literal["llama", "gpt2"] = "llama"
     hidden_size: int = num(128, ge=8)
-    num_layers: int = num(2, ge=1)
+    num_layers: int = num(4, ge=1)
     num_heads: int = num(4, ge=1)
     intermediate_size: int = num(256, ge=8)
     max_position_embeddings: int = num(128, ge=16)
@@ -199,14 +199,14 @@ class RewardConfig:
     """`reward`: Bradley-Terry reward model on preference pairs."""
     name_or_path: Optional[str] = None  # None: initialise from the SFT checkpoint (InstructGPT)
     seed: int = num(0, ge=0)
-    lr: float = num(1e-3, gt=0.0)
+    lr: float = num(3e-4, gt=0.0)
     weight_decay: float = num(0.0, ge=0.0)
     batch_size: int = num(32, ge=1)
-    epochs: float = num(2.0, gt=0.0)
+    epochs: float = num(5.0, gt=0.0)
     warmup_ratio: float = num(0.05, ge=0.0, lt=1.0)
     max_grad_norm: float = num(1.0, gt=0.0)
     max_length: int = num(96, ge=8)
-    eval_every: int = num(100, ge=1)
+    eval_every: int = num(250, ge=1)
     save_every: int = num(250, ge=1, doc="steps between resumable checkpoints")
     head_init_std: Optional[float] = num(None, gt=0.0)
     normalize: bool = True

@@ -111,6 +111,18 @@ def _spearman(x: list[float], y: list[float]) -> float:
     return float(spearmanr(x, y).statistic)
 
 
+def gold_order_agreement(rc: torch.Tensor, rr: torch.Tensor, gold: torch.Tensor) -> float:
+    """Fraction of pairs the model orders as the gold annotator does; a tie on either side counts 1/2.
+
+    rc, rr: (N,) model scores of chosen and rejected; gold: (2, N) their gold scores. Unlike the
+    accuracy on the sampled labels, this does not depend on the one draw of label noise, so it
+    separates two reward models more reliably on 1000 pairs (its ceiling is 1)."""
+    model_sign = torch.sign(rc - rr)            # (N,)
+    gold_sign = torch.sign(gold[0] - gold[1]).to(model_sign.dtype)  # (N,)
+    per_pair = torch.where((model_sign == 0) | (gold_sign == 0), 0.5, (model_sign == gold_sign).to(rc.dtype))
+    return float(per_pair.mean())
+
+
 def evaluate(model, tok, params: Params, data_dir: Path, sft_dir: Path, eval_pairs: list[Pair],
              out_dir: Path) -> dict[str, Any]:
     """Metrics of the trained (and normalised) reward model; writes calibration.tsv/png."""
@@ -139,6 +151,7 @@ def evaluate(model, tok, params: Params, data_dir: Path, sft_dir: Path, eval_pai
         responses = [p.chosen for p in eval_pairs] + [p.rejected for p in eval_pairs]
         gold = [judge(p, r) for p, r in zip(prompts, responses)]
         m["eval/spearman_gold_heldout"] = _spearman(torch.cat([rc, rr]).tolist(), gold)
+        m["eval/gold_order_agreement"] = gold_order_agreement(rc, rr, torch.tensor(gold).view(2, -1))
         policy, ptok = load_policy(sft_dir)
         sft_prompts = inputs.prompts(params, data_dir, "eval")
         sft_prompts = (sft_prompts * (cfg.n_sft_samples // len(sft_prompts) + 1))[:cfg.n_sft_samples]

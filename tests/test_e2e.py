@@ -43,6 +43,7 @@ def test_dvc_repro_tiny_pipeline(tiny_repo):
     assert 0.0 <= rm_metrics["accuracy"] <= 1.0 and 0.0 <= rm_metrics["calibration_error"] <= 1.0
     assert rm_metrics["noise_ceiling"] == stats["noise_ceiling"]["pairs_eval"]
     assert -1.0 <= rm_metrics["spearman_gold_heldout"] <= 1.0
+    assert 0.0 <= rm_metrics["gold_order_agreement"] <= 1.0
     assert -1.0 <= rm_metrics["spearman_gold_sft_samples"] <= 1.0
     reward = AutoModelForSequenceClassification.from_pretrained(str(tiny_repo / "outputs/reward/model"))
     assert reward.config.num_labels == 1

@@ -11,7 +11,7 @@ from transformers import AutoModelForSequenceClassification, GPT2Config, LlamaCo
 from pipeline import reward_model as rm
 from pipeline.errors import DataError
 from pipeline.preferences import Pair, load_pairs
-from pipeline.reward import calibration
+from pipeline.reward import calibration, gold_order_agreement
 
 
 def test_pairwise_loss_hand_computed():
@@ -203,6 +203,17 @@ def test_calibration_bins_and_error():
     bins, ece = calibration(torch.full((3,), math.log(99.0), dtype=torch.float64), bins=10)
     assert [(b["bin"], b["observed"], b["count"]) for b in bins] == [(0, 0.0, 3), (9, 1.0, 3)]
     assert ece == pytest.approx(0.01, abs=1e-9)
+
+
+def test_gold_order_agreement_hand_computed():
+    # Pairs: model agrees with gold; disagrees; model tie (1/2); gold tie (1/2) -> (1 + 0 + .5 + .5) / 4.
+    rc = torch.tensor([2.0, 0.0, 1.0, 3.0])
+    rr = torch.tensor([1.0, 1.0, 1.0, 0.0])
+    gold = torch.tensor([[1.0, 2.0, 0.0, 0.5],
+                         [0.0, 1.0, 1.0, 0.5]])
+    assert gold_order_agreement(rc, rr, gold) == pytest.approx(0.5)
+    # The model now agrees on pair 2 as well: (1 + 1 + .5 + .5) / 4.
+    assert gold_order_agreement(torch.tensor([2.0, 2.0, 1.0, 3.0]), rr, gold) == pytest.approx(0.75)
 
 
 def test_overlong_pairs_truncated_or_dropped_and_counted():
