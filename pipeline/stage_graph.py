@@ -4,9 +4,10 @@
 module returns (same command, inputs, outputs and params), so the two workflow engines cannot
 drift; a test compares Snakemake's DAG with DVC's.
 
-What Snakemake must not own: outputs DVC marks `persist: true` (PPO's resumable checkpoint).
-Snakemake deletes a job's outputs before running it, which would throw away the state a killed run
-resumes from, so such outputs are left out of the rule and kept as they are by both engines.
+What Snakemake must not own: outputs DVC marks `persist: true`. Snakemake deletes a job's outputs
+before running it, which would throw away state a later run relies on, so such outputs are left out
+of the rule and kept as they are by both engines. (The stages' own resumable checkpoints are not
+outs at all, for either engine: see the head of dvc.yaml.)
 """
 
 from __future__ import annotations

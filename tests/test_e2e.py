@@ -2,6 +2,8 @@
 
 import json
 import math
+import re
+import time
 
 import pytest
 import torch
@@ -114,4 +116,18 @@ def test_dvc_exp_run_changes_param_and_reports_eval_metrics(tiny_repo):
     # The experiment re-ran PPO with the new penalty: its logged kl_coef is the new one.
     assert find(rows["kl-high"], "train.kl_coef") == [0.2]
     assert find(baseline, "train.kl_coef") == [0.05]
+
+    # A queued experiment runs in a fresh copy without the (gitignored) resumable checkpoints; it
+    # too re-runs only the stages its param reaches.
+    dvc = str(BIN / "dvc")
+    run([dvc, "exp", "run", "--queue", "-n", "kl-queued", "-S", "ppo.kl_coef=0.1"], tiny_repo)
+    run([dvc, "queue", "start"], tiny_repo)
+    deadline = time.monotonic() + 600
+    while time.monotonic() < deadline and not re.search(r"Success|Failed", status := run([dvc, "queue", "status"], tiny_repo).stdout):
+        time.sleep(3)
+    log = run([dvc, "queue", "logs", "kl-queued"], tiny_repo, check=False).stdout
+    assert "Success" in status, status + log
+    for stage in ("prepare", "sft", "reward"):
+        assert f"Stage '{stage}' didn't change, skipping" in log, log
+    assert "Running stage 'ppo'" in log and "Running stage 'evaluate'" in log
 
