@@ -51,7 +51,7 @@ def test_distinct_n_and_mean_ci():
 
 
 def test_frontier_collects_points_from_exp_show_rows():
-    from pipeline.frontier import collect
+    from pipeline.frontier import collect, flat_params
     rows = [
         {"Experiment": None, "rev": "workspace", "outputs/evaluate/metrics.json:ppo.kl": 3.0,
          "outputs/evaluate/metrics.json:ppo.rm": 1.0, "outputs/evaluate/metrics.json:ppo.gold": 0.8,
@@ -64,3 +64,14 @@ def test_frontier_collects_points_from_exp_show_rows():
     points = collect(rows)
     assert [(p["name"], p["kl_coef"], p["kl"], p["rm"], p["gold"]) for p in points] == [
         ("exp-a", 0.0, 9.0, 2.0, 0.1), ("workspace", 0.05, 3.0, 1.0, 0.8)]
+    # Only experiments built on the same SFT model and RM: an older commit with another model size
+    # (or a row lacking the param) is left out; 3e-4 written as 0.0003 is the same value.
+    for row in rows:
+        row.update({"model.num_layers": 4, "params.yaml:reward.lr": 0.0003, "model.name_or_path": "None"})
+    rows.append({"Experiment": None, "rev": "old", "ppo.kl": 6.0, "ppo.rm": 1.9, "ppo.gold": 2.3,
+                 "ppo.kl_coef": 0.05, "model.num_layers": 2, "reward.lr": 0.0003})
+    rows.append({"Experiment": None, "rev": "older", "ppo.kl": 5.0, "ppo.rm": 1.5, "ppo.gold": 2.0, "ppo.kl_coef": 0.1})
+    assert len(collect(rows)) == 4
+    fixed = flat_params({"num_layers": 4, "name_or_path": None}, "model.") | flat_params({"lr": 3e-4}, "reward.")
+    assert fixed == {"model.num_layers": 4, "model.name_or_path": None, "reward.lr": 3e-4}
+    assert [p["name"] for p in collect(rows, fixed)] == ["exp-a", "workspace"]
