@@ -13,7 +13,6 @@ Defaults follow params.yaml's `data` section (seed, eval_title_fraction, label_t
 
 from __future__ import annotations
 
-import math
 import random
 import sys
 from pathlib import Path
@@ -31,19 +30,16 @@ N_PAIRS, SEED = 5000, 777
 
 
 def fresh_pairs(seed: int, eval_fraction: float, temperature: float) -> tuple[list[str], list[str], list[str], torch.Tensor]:
-    """N_PAIRS (prompt, a, b) on the evaluation titles and P(a preferred) under the annotator: (N,)."""
+    """N_PAIRS (prompt, chosen, rejected) on the evaluation titles, sampled as prepare samples them,
+    and P(chosen preferred) under the annotator: (N,). Only the probability is used, not the label."""
     _, eval_titles = reviews.split_titles(random.Random(seed), eval_fraction)  # prepare's title split
     rng = random.Random(SEED)
-    prompts = prepare._prompts(rng, eval_titles, N_PAIRS)
-    a, b, p_a = [], [], []
-    for prompt in prompts:
-        first = reviews.sample_review(rng, prompt, prepare._random_style(rng))
-        second = reviews.sample_review(rng, prompt, prepare._random_style(rng))
-        while second == first:
-            second = reviews.sample_review(rng, prompt, prepare._random_style(rng))
-        gap = reviews.gold_score(prompt, first) - reviews.gold_score(prompt, second)
-        a.append(first), b.append(second), p_a.append(1.0 / (1.0 + math.exp(-gap / temperature)))
-    return prompts, a, b, torch.tensor(p_a, dtype=torch.float64)
+    rows, _ = prepare.make_pairs(rng, prepare._prompts(rng, eval_titles, N_PAIRS), temperature)
+    prompts = [r["prompt"] for r in rows]
+    chosen, rejected = [r["chosen"] for r in rows], [r["rejected"] for r in rows]
+    gap = torch.tensor([reviews.gold_score(p, c) - reviews.gold_score(p, r)
+                        for p, c, r in zip(prompts, chosen, rejected)], dtype=torch.float64)
+    return prompts, chosen, rejected, torch.sigmoid(gap / temperature)
 
 
 def main(dirs: list[str]) -> None:

@@ -114,9 +114,8 @@ def read_records(path: str | Path, required: Sequence[str], nonempty: Sequence[s
                 raise DataError(f"{where}: field '{key}' must be a string, got {type(value).__name__}")
             if not value.strip():
                 raise DataError(f"{where}: field '{key}' is empty")
-        extra = sorted(set(row) - set(allowed)) if allowed is not None else []
-        if extra:
-            raise DataError(f"{where}: unexpected field '{extra[0]}' (this file's fields: {', '.join(allowed)})")
+        if allowed is not None:
+            check_fields(where, row, allowed)
         records.append((where, row))
     check_ids(records)
     return records
@@ -126,6 +125,13 @@ def read_jsonl(path: str | Path, required: Sequence[str], nonempty: Sequence[str
                allowed: Sequence[str] | None = None) -> list[dict[str, Any]]:
     """The rows of `read_records`, without their locations."""
     return [row for _, row in read_records(path, required, nonempty, allowed)]
+
+
+def check_fields(where: str, row: dict[str, Any], allowed: Sequence[str]) -> None:
+    """A record of a fixed schema holds no field outside `allowed`."""
+    extra = sorted(set(row) - set(allowed))
+    if extra:
+        raise DataError(f"{where}: unexpected field '{extra[0]}' (this file's fields: {', '.join(allowed)})")
 
 
 def check_ids(records: Sequence[tuple[str, dict[str, Any]]], key: str = "id") -> None:

@@ -234,7 +234,6 @@ class MlflowTracker(Tracker):
                             "its TSV and metrics.json files are unaffected", self.uri, doing, type(err).__name__,
                             text)
                 return None
-        return None
 
     def start(self, stage: str, config: Mapping[str, Any], inputs: Sequence[Path]) -> None:
         tags = self._guard("reading git and DVC state", lambda: {**join_tags(), "stage": stage})

@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Any, Literal, Optional, Sequence
 
 from .errors import DataError
-from .io import check_ids, numbered_jsonl
+from .io import check_fields, check_ids, numbered_jsonl
 
 Layout = Literal["auto", "text", "conversation", "messages"]
 ASSISTANT_TURN = "\n\nAssistant:"
@@ -147,8 +147,6 @@ def load_pairs(source: str | Path, split: str = "train", revision: Optional[str]
         raise DataError(f"{source}: no records")
     if allowed is not None:
         for where, row in rows:
-            extra = sorted(set(row) - set(allowed))
-            if extra:
-                raise DataError(f"{where}: unexpected field '{extra[0]}' (this file's fields: {', '.join(allowed)})")
+            check_fields(where, row, allowed)
     chosen_layout = detect_layout(rows[0][1]) if layout == "auto" else layout
     return [to_pair(row, chosen_layout, where, margin_column) for where, row in rows]

@@ -1,8 +1,9 @@
 """Resumable training state shared by every training stage: fingerprint, staging, SFT/RM state.
 
 A stage saves its state every `save_every` steps (and after its last step) into `checkpoint/`
-next to its outputs; `dvc.yaml` marks that folder `persist: true`, so a stage killed at any
-point and re-run by `dvc repro` continues from the last save instead of from step 0.
+next to its outputs. That folder is gitignored and not a DVC out (see the head of dvc.yaml), so DVC
+never deletes it: a stage killed at any point and re-run by `dvc repro` continues from the last
+save instead of from step 0.
 
 Atomicity: every rank writes into one staging folder beside the target; rank 0 writes
 `state.json` last and swaps the folder in (io.swap_in). A kill before the swap leaves the previous

@@ -36,7 +36,6 @@ from .resume import SupervisedState, fingerprint, input_paths
 from .training import BatchSampler, total_steps
 
 
-
 PREPARED_PAIR_FIELDS = ("prompt", "chosen", "rejected", "id")
 
 

@@ -32,7 +32,6 @@ from .resume import SupervisedState, fingerprint, input_paths
 from .training import BatchSampler, total_steps
 
 
-
 def response_token_count(e: Example) -> int:
     """Response tokens an example is trained on (the targets after the prompt)."""
     return len(e.input_ids) - e.n_prompt
@@ -110,8 +109,8 @@ def train(params: Params, data_dir: Path, log_dir: Path, progress: bool = True,
         n_tokens = sum(map(response_token_count, examples))      # of the global batch
         loss_sum = 0.0
         mine = ctx.shard(examples)
-        for start_i in range(0, len(mine), micro):
-            loss, _ = ce_sum(engine.forward, to_device(collate_sft(mine[start_i:start_i + micro], tok.pad_token_id),
+        for first in range(0, len(mine), micro):
+            loss, _ = ce_sum(engine.forward, to_device(collate_sft(mine[first:first + micro], tok.pad_token_id),
                                                        engine.device))
             loss = loss / n_tokens
             check_finite(f"sft step {step}", "loss", loss.detach())

@@ -164,7 +164,6 @@ def _ensure_slurm() -> None:
         subprocess.run(["bash", str(REPO / "scripts/slurm-local.sh"), "start"], check=True, capture_output=True)
 
 
-
 def test_tiny_pipeline_on_slurm_equals_dvc_repro(tmp_path):
     _ensure_slurm()
     snake, dvc = _repo(tmp_path, "snake"), _repo(tmp_path, "dvc")

@@ -198,7 +198,6 @@ def _final(repo: Path) -> dict:
     return out
 
 
-
 def test_dvc_repro_after_sigkill_in_each_training_stage_resumes(tmp_path):
     params = merge(TINY, LONGER)
     whole = copy_repo(tmp_path / "whole")

@@ -95,7 +95,6 @@ def _tsv(path: Path) -> list[dict[str, str]]:
     return [dict(zip(header.split("\t"), row.split("\t"))) for row in rows]
 
 
-
 def test_dvc_exp_run_logs_one_parent_with_nested_stage_runs(tiny_repo, tmp_path, server, monkeypatch):
     head = run(["git", "rev-parse", "HEAD"], tiny_repo).stdout.strip()
     server.wait()
