@@ -8,13 +8,14 @@ with status 2; they never show a traceback.
 from __future__ import annotations
 
 import argparse
+import csv
 import subprocess
 import sys
 from pathlib import Path
 
 from . import distributed
 from .config import load_params
-from .errors import UserError
+from .errors import DataError, UserError
 
 
 DATA, SFT, RM, PPO = "data/prepared", "outputs/sft/model", "outputs/reward/model", "outputs/ppo/model"
@@ -29,7 +30,17 @@ STAGES: dict[str, tuple[str, dict[str, str]]] = {
     "frontier": ("plot gold and RM score against KL across DVC experiments", {"out": "outputs/frontier.png"}),
     "check": ("validate the params file and exit", {}),
     "recipe": ("merge recipes/<name>.yaml into the params file (validated first)", {}),
+    "detect": ("replay the over-optimisation detector (params' ppo.detector) over a PPO train.tsv", {}),
 }
+
+
+def read_tsv(path: Path) -> list[dict[str, str]]:
+    """A step log's rows as dicts of strings (the detector converts what it reads)."""
+    try:
+        with open(path, newline="", encoding="utf-8") as f:
+            return list(csv.DictReader(f, delimiter="\t"))
+    except FileNotFoundError:
+        raise DataError(f"{path}: no such step log (run the ppo stage first)") from None
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -42,6 +53,8 @@ def _parser() -> argparse.ArgumentParser:
         if stage != "frontier":
             p.add_argument("--params", type=Path, default=Path("params.yaml"))
             p.add_argument("--no-progress", action="store_true", help="hide progress bars")
+        if stage == "detect":
+            p.add_argument("train_tsv", type=Path, help="a PPO step log, e.g. outputs/ppo/train.tsv")
         if stage == "recipe":
             p.add_argument("name", help="a file of recipes/ without .yaml")
             p.add_argument("--out", type=Path, default=None, help="where to write (default: the params file)")
@@ -66,6 +79,10 @@ def main(argv: list[str] | None = None) -> int:
             print(f"recipe {args.name}: wrote {out}")
             return 0
         params = load_params(args.params)
+        if args.stage == "detect":
+            from .ppo import detector
+            print(detector.summary(read_tsv(args.train_tsv), params.ppo.detector))
+            return 0
         if args.stage in ("sft", "reward", "ppo"):
             node_rank, master_addr = args.node_rank, args.master_addr
             if node_rank is None and getattr(params, args.stage).distributed.num_nodes > 1:
@@ -110,9 +127,12 @@ def main(argv: list[str] | None = None) -> int:
             from . import evaluate
             metrics = evaluate.run(params, args.data, args.sft, args.reward, args.ppo, args.out)
             print(f"evaluate: wrote {args.out}; report: {args.out / 'report.md'}")
-            for key in ("sft/gold", "best_of_n/gold", "ppo/gold", "win_rate/ppo_vs_sft_gold"):
-                if key in metrics:
-                    print(f"  {key} = {metrics[key]:.3f}")
+            for policy in evaluate.policies(params.evaluate):
+                if f"{policy}/gold" in metrics:
+                    print(f"  {policy}/gold = {metrics[f'{policy}/gold']:.3f} (KL {metrics[f'{policy}/kl']:.2f})")
+            if "win_rate/ppo_vs_sft_gold" in metrics:
+                print(f"  win_rate/ppo_vs_sft_gold = {metrics['win_rate/ppo_vs_sft_gold']:.3f}")
+            print(evaluate.verdict(metrics, evaluate.detector_record(args.ppo)))
         else:
             print(f"{args.params}: ok")
     except UserError as err:

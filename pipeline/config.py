@@ -54,10 +54,10 @@ class ModelConfig:
     """`model`: build a tiny causal LM from a config, or load `name_or_path`."""
     name_or_path: Optional[str] = None
     arch: Literal["llama", "gpt2"] = "llama"
-    hidden_size: int = num(128, ge=8)
+    hidden_size: int = num(96, ge=8)
     num_layers: int = num(4, ge=1)
     num_heads: int = num(4, ge=1)
-    intermediate_size: int = num(256, ge=8)
+    intermediate_size: int = num(192, ge=8)
     max_position_embeddings: int = num(128, ge=16)
     trust_remote_code: bool = False
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"   # weights of a loaded model (auto: as saved)
@@ -219,6 +219,30 @@ class RewardConfig:
 
 
 @dataclass(frozen=True)
+class DetectorConfig:
+    """`ppo.detector`: signs of reward over-optimisation that need no gold annotator (pipeline/ppo/detector.py).
+
+    Each rule compares the mean of the last `window` iterations with the mean of the `window`
+    before them, once both windows lie after `warmup`. Provisional thresholds: calibrate them on
+    logged runs with `python -m pipeline detect outputs/ppo/train.tsv`."""
+    enabled: bool = True
+    warmup: int = num(10, ge=0, doc="iterations ignored (the policy moves fastest at the start)")
+    window: int = num(5, ge=1, doc="iterations per compared window")
+    kl_rise: float = num(4.0, gt=0.0, doc="KL to the reference rising more than this, nats per response")
+    length_change: float = num(0.3, gt=0.0, doc="relative change of the response length (either way)")
+    entropy_drop: float = num(0.3, gt=0.0, le=1.0, doc="relative drop of the policy's entropy")
+    distinct_drop: float = num(0.3, gt=0.0, le=1.0, doc="relative drop of distinct-2 of the rollouts")
+    auditor: Optional[str] = None         # a second reward-model folder scoring the rollouts (opt-in)
+    auditor_drop: float = num(0.5, gt=0.0, doc="auditor score below its best while the RM is at its best")
+    action: Literal["warn", "stop"] = "warn"   # stop: end PPO, keep the last checkpoint before the alarm
+
+    @property
+    def first_check(self) -> int:
+        """The first iteration a rule can fire: both windows past the warmup."""
+        return self.warmup + 2 * self.window
+
+
+@dataclass(frozen=True)
 class PPOConfig:
     """`ppo`: PPO against the reward model (InstructGPT step 3). Names follow TRL where they can."""
     seed: int = num(0, ge=0)
@@ -237,7 +261,7 @@ class PPOConfig:
     entropy_coef: float = num(0.0, ge=0.0)
     gamma: float = num(1.0, gt=0.0, le=1.0)
     lam: float = num(0.95, ge=0.0, le=1.0)
-    kl_coef: float = num(0.05, ge=0.0, doc="KL penalty in the reward (initial value when adaptive)")
+    kl_coef: float = num(0.2, ge=0.0, doc="KL penalty in the reward (initial value when adaptive)")
     kl_loss_coef: float = num(0.0, ge=0.0, doc="KL term in the loss instead (GRPO style)")
     kl_estimator: Literal["k1", "k2", "k3"] = "k1"
     adaptive_kl: bool = False
@@ -260,6 +284,7 @@ class PPOConfig:
     vf_coef: float = num(1.0, gt=0.0, doc="weight of the value loss (matters with shared_backbone)")
     lora: LoraConfig = field(default_factory=LoraConfig)          # actor adapter (reference = adapter off)
     critic_lora: LoraConfig = field(default_factory=LoraConfig)   # critic adapter
+    detector: DetectorConfig = field(default_factory=DetectorConfig)
     distributed: DistributedConfig = field(default_factory=DistributedConfig)  # merged over the top level
 
     def __post_init__(self) -> None:
@@ -281,6 +306,12 @@ class PPOConfig:
         if self.reward_source != "reward_model" and ":" not in self.reward_source:
             raise ConfigError(f"ppo.reward_source: expected 'reward_model' or 'module:function', "
                               f"got {self.reward_source!r}")
+        det = self.detector
+        if det.enabled and det.action == "stop" and self.save_every >= det.first_check:
+            # The weights kept on an alarm are those of the last checkpoint before it: one must exist.
+            raise ConfigError(f"ppo.detector.action: stop keeps the last checkpoint before the alarm, but the "
+                              f"first checkpoint (ppo.save_every={self.save_every}) comes no earlier than the "
+                              f"first possible alarm (warmup + 2 * window = {det.first_check}); lower save_every")
 
 
 @dataclass(frozen=True)
@@ -288,9 +319,16 @@ class EvaluateConfig:
     """`evaluate`: SFT, best-of-n and PPO policies on the held-out prompts (sampled as in `ppo.sampling`)."""
     seed: int = num(0, ge=0)
     n_prompts: int = num(200, ge=2)
-    best_of_n: int = num(4, ge=2, doc="samples per prompt for the best-of-n baseline")
+    best_of_n: tuple[int, ...] = num((4, 16, 64), ge=2, doc="samples per prompt of each best-of-n baseline")
     bootstrap: int = num(1000, ge=100, doc="bootstrap resamples for win-rate intervals")
     n_samples_shown: int = num(12, ge=0, doc="rows of the sample table in the report")
+
+    def __post_init__(self) -> None:
+        # Nested subsets: best-of-n keeps the RM's favourite among the first n of max(n) samples.
+        ns = self.best_of_n
+        if not ns or any(a >= b for a, b in zip(ns, ns[1:])):
+            raise ConfigError(f"evaluate.best_of_n: expected a non-empty, strictly increasing list of sample "
+                              f"counts, got {list(ns)}")
 
 
 @dataclass(frozen=True)
@@ -385,6 +423,10 @@ def _convert(value: Any, tp: Any, meta: typing.Mapping[str, Any], where: str) ->
         return value
     if dataclasses.is_dataclass(tp):
         return from_dict(tp, value, where)
+    if origin is tuple:   # a YAML list of one element type, e.g. tuple[int, ...]
+        if not isinstance(value, (list, tuple)):
+            raise ConfigError(f"{where}: expected a list, got {_describe(value)}")
+        return tuple(_convert(v, typing.get_args(tp)[0], meta, where) for v in value)
     if tp is bool:
         if not isinstance(value, bool):
             raise ConfigError(f"{where}: expected true or false, got {_describe(value)}")
@@ -483,8 +525,10 @@ def load_params(path: str | Path) -> Params:
 
 
 def to_dict(cfg: Any) -> dict[str, Any]:
-    """The resolved config as plain data, for writing next to a stage's outputs."""
-    return dataclasses.asdict(cfg)
+    """The resolved config as plain data, for writing next to a stage's outputs (tuples as lists,
+    as YAML and JSON hold them)."""
+    return dataclasses.asdict(cfg, dict_factory=lambda items: {k: list(v) if isinstance(v, tuple) else v
+                                                                 for k, v in items})
 
 
 def flatten(d: typing.Mapping[str, Any], prefix: str = "") -> dict[str, Any]:

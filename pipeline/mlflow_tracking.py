@@ -330,6 +330,13 @@ class MlflowTracker(Tracker):
     def log_artifact(self, path: Path, artifact_path: str | None = None) -> None:
         self._guard(f"uploading {path}", lambda: self.client.log_artifact(self.run_id, str(path), artifact_path))
 
+    def set_description(self, text: str) -> None:
+        """The parent run's description: MLflow's UI shows the tag `mlflow.note.content` as the run's
+        note (mlflow/utils/mlflow_tags.py); evaluate puts its verdict there."""
+        if self.parent_id is not None:
+            self._guard("describing the parent run", lambda: self.client.set_tag(
+                self.parent_id, "mlflow.note.content", text))
+
     def finish(self, status: str) -> None:
         self.flush()
         self._guard("ending the stage's run", lambda: self.client.set_terminated(self.run_id, status))

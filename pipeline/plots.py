@@ -50,22 +50,30 @@ def evaluation_plots(m: dict, policies: tuple[str, ...], has_gold: bool, out: Pa
         xs = [i + (j - (len(keys) - 1) / 2) * width for i in range(len(policies))]
         ax.bar(xs, [m[f"{p}/{key}"] for p in policies], width, yerr=[m[f"{p}/{key}_ci95"] for p in policies],
                capsize=4, label={"rm": "reward model", "gold": "gold annotator"}[key])
-    ax.set_xticks(range(len(policies)), policies)
+    ax.set_xticks(range(len(policies)), [p.replace("best_of_", "bo") for p in policies])
     ax.axhline(0, color="grey", linewidth=0.8)
     ax.set_ylabel("mean score (held-out prompts)")
     ax.legend()
     ax.set_title("Scores by policy (95% intervals)")
     _save(fig, out / "scores.png")
 
+    # Best-of-n points joined in order of n: the frontier a cheap baseline traces, which PPO's single
+    # point is read against; SFT (KL 0) and PPO stand alone.
     fig, ax = plt.subplots(figsize=(5, 3.8))
+    bon = [p for p in policies if p.startswith("best_of_")]
     for key, marker in zip(keys, ("o", "s")):
-        ax.plot([m[f"{p}/kl"] for p in policies], [m[f"{p}/{key}"] for p in policies], marker=marker,
-                linestyle="", label={"rm": "reward model", "gold": "gold annotator"}[key])
+        label = {"rm": "reward model", "gold": "gold annotator"}[key]
+        line, = ax.plot([m[f"{p}/kl"] for p in bon], [m[f"{p}/{key}"] for p in bon], marker=marker,
+                        label=f"{label}: best-of-n")
+        for p in ("sft", "ppo"):
+            ax.plot([m[f"{p}/kl"]], [m[f"{p}/{key}"]], marker={"sft": "^", "ppo": "*"}[p], markersize=10,
+                    linestyle="", color=line.get_color(), label=f"{label}: {p}")
         for p in policies:
-            ax.annotate(p, (m[f"{p}/kl"], m[f"{p}/{key}"]), textcoords="offset points", xytext=(4, 4), fontsize=8)
+            ax.annotate(p.replace("best_of_", "n="), (m[f"{p}/kl"], m[f"{p}/{key}"]), textcoords="offset points",
+                        xytext=(4, 4), fontsize=8)
     ax.set_xlabel("KL to SFT policy (nats per response)")
     ax.set_ylabel("mean score")
-    ax.legend()
+    ax.legend(fontsize=7)
     ax.set_title("Score against KL")
     _save(fig, out / "kl_frontier.png")
 

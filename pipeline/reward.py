@@ -70,13 +70,10 @@ def fit_pairs(pairs: list[Pair], tok, max_length: int, overlong: str) -> tuple[l
 
 def batch_scores(model, tok, pairs: list[Pair], max_length: int,
                  device: torch.device | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """Raw (B,) scores of chosen and rejected, from one forward pass over the 2B sequences."""
+    """Raw (B,) scores of chosen and rejected, from length-sorted forwards over the 2B sequences."""
     seqs = [rm.encode_pair_text(tok, p.prompt, p.chosen, max_length) for p in pairs]
     seqs += [rm.encode_pair_text(tok, p.prompt, p.rejected, max_length) for p in pairs]
-    ids, mask = rm.pad_right(seqs, tok.pad_token_id)
-    if device is not None:
-        ids, mask = ids.to(device), mask.to(device)
-    scores = rm.raw_scores(model, ids, mask)
+    scores = rm.length_sorted_scores(model, seqs, tok.pad_token_id, device)
     return scores[:len(pairs)], scores[len(pairs):]
 
 

@@ -49,6 +49,9 @@ class Tracker:
     def log_artifact(self, path: Path, artifact_path: str | None = None) -> None:
         """Upload the file `path`."""
 
+    def set_description(self, text: str) -> None:
+        """Describe the pipeline execution (MLflow: the parent run's description)."""
+
     def log_outputs(self, out: Path) -> None:
         """The stage's checkpoint `out/model` (as artifact path `model`) and its top-level files."""
         if (out / "model").is_dir():

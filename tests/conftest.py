@@ -28,7 +28,7 @@ TINY = {
     "reward": {"epochs": 1.0, "batch_size": 16, "eval_every": 2, "n_sft_samples": 8},
     "ppo": {"iterations": 3, "rollout_batch_size": 8, "minibatch_size": 4, "micro_batch_size": 2, "ppo_epochs": 2,
             "save_every": 2, "n_eval_prompts": 8, "sampling": {"max_new_tokens": 12}},
-    "evaluate": {"n_prompts": 8, "best_of_n": 2, "bootstrap": 200, "n_samples_shown": 3},
+    "evaluate": {"n_prompts": 8, "best_of_n": [2, 3], "bootstrap": 200, "n_samples_shown": 3},
 }
 
 

@@ -59,27 +59,36 @@ def test_dvc_repro_tiny_pipeline(tiny_repo):
     for name in ("objective/rlhf_reward", "objective/scores", "objective/kl", "objective/non_score_reward",
                  "objective/entropy", "policy/approxkl", "policy/clipfrac", "loss/policy", "loss/value",
                  "val/clipfrac", "val/ratio", "val/ratio_max", "val/explained_variance", "val/num_eos_tokens",
-                 "kl_coef", "lr", "time/rollout", "time/scoring", "time/update", "objective/gold_scores"):
+                 "kl_coef", "lr", "time/rollout", "time/scoring", "time/update", "objective/gold_scores",
+                 "objective/distinct_2", "detector/kl_rise", "detector/fired", "detector/first_fire"):
         assert name in header, name
     ppo = json.loads((tiny_repo / "outputs/ppo/metrics.json").read_text())["eval"]
     for name in ("gold_sft", "gold_ppo", "gold_gain", "kl_ppo", "rm_ppo", "rm_sft"):
         assert isinstance(ppo[name], float) and isinstance(ppo[name + "_ci95"], float)
     assert ppo["kl_sft"] == 0.0                               # the reference against itself
+    detector = json.loads((tiny_repo / "outputs/ppo/metrics.json").read_text())["detector"]
+    assert detector == {"first_fire": 0, "fired": 0, "stopped_at": 0, "kept_iteration": 3}   # 3 < warmup
     AutoModelForCausalLM.from_pretrained(str(tiny_repo / "outputs/ppo/model"))
 
     # Evaluate: every policy measured, win rates with intervals, best-of-n KL by its formula.
     ev = json.loads((tiny_repo / "outputs/evaluate/metrics.json").read_text())
-    for policy in ("sft", "best_of_n", "ppo"):
+    for policy in ("sft", "best_of_2", "best_of_3", "ppo"):
         assert -10 < ev[policy]["gold"] < 5 and 0 <= ev[policy]["eos_rate"] <= 1
         assert 0 <= ev[policy]["distinct_2"] <= 1 and ev[policy]["length"] > 0
-    assert ev["best_of_n"]["kl"] == pytest.approx(math.log(2) - 0.5)
+    for n in (2, 3):
+        assert ev[f"best_of_{n}"]["kl"] == pytest.approx(math.log(n) - (n - 1) / n)
+    # Nested best-of-n: the favourite of 3 samples scores at least the favourite of the first 2.
+    assert ev["best_of_3"]["rm"] >= ev["best_of_2"]["rm"]
     assert ev["sft"]["kl"] == 0.0
     for key in ("gold", "rm"):
         w = ev["win_rate"]
         assert 0 <= w[f"ppo_vs_sft_{key}_low"] <= w[f"ppo_vs_sft_{key}"] <= w[f"ppo_vs_sft_{key}_high"] <= 1
     assert ev["overoptimisation"]["win_rate_gap"] == pytest.approx(w["ppo_vs_sft_rm"] - w["ppo_vs_sft_gold"])
     report = (tiny_repo / "outputs/evaluate/report.md").read_text()
-    assert "![scores](scores.png)" in report and "| ppo |" in report
+    assert "![scores](scores.png)" in report and "| ppo |" in report and "| best_of_3 |" in report
+    # The verdict is the report's first paragraph; the detector's record came from outputs/ppo.
+    verdict = report.splitlines()[2]
+    assert verdict.startswith("**") and "the over-optimisation detector stayed quiet" in verdict
     for png in ("scores.png", "kl_frontier.png"):
         assert (tiny_repo / "outputs/evaluate" / png).read_bytes()[:4] == b"\x89PNG"
 

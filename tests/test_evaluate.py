@@ -5,7 +5,10 @@ import random
 
 import pytest
 
-from pipeline.evaluate import best_of_n_kl, best_of_n_kl_exact, distinct_n, mean_ci, win_rate
+from pipeline.config import EvaluateConfig, from_dict, Params
+from pipeline.errors import ConfigError
+from pipeline.evaluate import (best_of_n_choices, best_of_n_kl, best_of_n_kl_exact, distinct_n, mean_ci, policies,
+                               ppo_vs_best_of_n, verdict, win_rate)
 
 
 def test_win_rate_against_itself_is_one_half():
@@ -75,3 +78,56 @@ def test_frontier_collects_points_from_exp_show_rows():
     fixed = flat_params({"num_layers": 4, "name_or_path": None}, "model.") | flat_params({"lr": 3e-4}, "reward.")
     assert fixed == {"model.num_layers": 4, "model.name_or_path": None, "reward.lr": 3e-4}
     assert [p["name"] for p in collect(rows, fixed)] == ["exp-a", "workspace"]
+
+
+def test_best_of_n_keeps_the_favourite_among_the_first_n():
+    # scores[k][i]: candidate k on prompt i.
+    scores = [[0.1, 5.0, 0.0],
+              [0.3, 1.0, 0.0],
+              [0.2, 9.0, 2.0],
+              [0.9, 0.0, 2.0]]
+    assert best_of_n_choices(scores, (1, 2, 3, 4)) == {1: [0, 0, 0], 2: [1, 0, 0], 3: [1, 2, 2], 4: [3, 2, 2]}
+
+
+def test_best_of_n_config_and_policy_names():
+    assert policies(EvaluateConfig()) == ("sft", "best_of_4", "best_of_16", "best_of_64", "ppo")
+    assert from_dict(Params, {"evaluate": {"best_of_n": [2, 3]}}, "p.yaml: ").evaluate.best_of_n == (2, 3)
+    for bad, msg in (([4, 4], "strictly increasing .* got \\[4, 4\\]"), ([1, 4], "expected an integer >= 2, got 1"),
+                     ([], "non-empty"), (4, "expected a list, got 4")):
+        with pytest.raises(ConfigError, match=f"^p.yaml: evaluate.best_of_n: .*{msg}"):
+            from_dict(Params, {"evaluate": {"best_of_n": bad}}, "p.yaml: ")
+
+
+def _metrics(rm: float, gold=None) -> dict:
+    m = {"win_rate/ppo_vs_sft_rm": rm}
+    if gold is not None:
+        m["win_rate/ppo_vs_sft_gold"] = gold
+    return m
+
+
+def test_verdict():
+    quiet = {"first_fire": 0, "fired": 0, "stopped_at": 0, "kept_iteration": 100}
+    lost = verdict(_metrics(0.9, 0.45), quiet)
+    assert lost.startswith("PPO does NOT beat SFT by the gold annotator (45% win rate;") and "PPO in 90%" in lost
+    over = verdict(_metrics(0.99, 0.60), quiet)
+    assert over.startswith("over-optimisation: the reward model prefers PPO in 99% of prompts, "
+                           "the gold annotator in 60%")
+    ok = verdict(_metrics(0.75, 0.70), None)
+    assert ok.startswith("OK: PPO beats SFT in 70% of prompts by the gold annotator and 75% by the reward model")
+    assert ok.endswith("detector: no record.")
+    assert "NOT" not in over and "over-optimisation" not in ok
+    fired = verdict(_metrics(0.8), {"first_fire": 37, "fired": 1, "stopped_at": 0, "kept_iteration": 100})
+    assert fired == ("No gold annotator for this task: the reward model prefers PPO over SFT in 80% of held-out "
+                     "prompts; the over-optimisation detector fired at iteration 37.")
+    stopped = verdict(_metrics(0.8), {"first_fire": 37, "fired": 1, "stopped_at": 37, "kept_iteration": 30})
+    assert stopped.endswith("fired at iteration 37, training stopped there and kept iteration 30's weights.")
+    assert verdict(_metrics(0.8), quiet).endswith("the over-optimisation detector stayed quiet.")
+
+
+def test_ppo_vs_best_of_n_lines():
+    m = {"ppo/kl": 2.0, "ppo/gold": 0.5, "best_of_4/kl": best_of_n_kl(4), "best_of_4/gold": 0.3,
+         "best_of_16/kl": best_of_n_kl(16), "best_of_16/gold": 0.6}
+    lines = ppo_vs_best_of_n(m, (4, 16), "gold")
+    assert lines[0] == "- best_of_4 sits at KL 0.64 with gold 0.300; PPO, at KL 2.00 with 0.500, beats it."
+    assert lines[1].endswith("does not beat it.")
+    assert lines[2] == "- PPO (KL 2.00) vs best-of-n at the nearest KL (best_of_16, KL 1.84): gold 0.500 vs 0.600."

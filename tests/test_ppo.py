@@ -11,7 +11,7 @@ from transformers import AutoModelForCausalLM
 
 from conftest import tiny_policy_and_reward_model
 from pipeline import reward_model as rm
-from pipeline.config import DataConfig, Params, PPOConfig, SamplingConfig, from_dict
+from pipeline.config import DataConfig, DetectorConfig, Params, PPOConfig, SamplingConfig, from_dict
 from pipeline.errors import ConfigError
 from pipeline.generation import sample
 from pipeline.ppo import stage
@@ -125,7 +125,9 @@ def _metrics_without_time(path):
 
 
 def test_killed_and_resumed_run_equals_uninterrupted(dirs, tmp_path, monkeypatch):
-    params = _params()
+    # The detector checks from iteration 2 (no warmup, windows of 1): the resumed run rebuilds its
+    # state from the checkpoint's rows, so its detector/* columns equal the uninterrupted run's.
+    params = _params(detector=DetectorConfig(warmup=0, window=1))
     full = stage.run(params, dirs / "data", dirs / "sft", dirs / "rm", tmp_path / "full", progress=False)
 
     real_step = PPOTrainer.step
@@ -216,3 +218,26 @@ def test_trimmed_length_sorted_micro_batches_change_nothing(dirs):
                                recompute_logprobs=True)
     assert torch.allclose(reused.old_logprobs, recomputed.old_logprobs, atol=1e-5)
     assert torch.allclose(reused.values, full_v.masked_fill(~ro.response_mask, 0.0), atol=1e-5)
+
+
+def test_detector_stop_keeps_the_last_checkpoint_before_the_alarm(dirs, tmp_path):
+    from safetensors.torch import load_file
+    # Thresholds so low that any change fires; first check at iteration 2 (no warmup, windows of 1).
+    tiny = 1e-9
+    det = DetectorConfig(warmup=0, window=1, kl_rise=tiny, length_change=tiny, entropy_drop=tiny,
+                         distinct_drop=tiny, action="stop")
+    params = _params(save_every=1, detector=det)
+    m = stage.run(params, dirs / "data", dirs / "sft", dirs / "rm", tmp_path / "out", progress=False)
+    first = m["detector/first_fire"]
+    assert 2 <= first < 4 and m["detector/fired"] == 1
+    assert m["detector/stopped_at"] == first and m["detector/kept_iteration"] == first - 1
+    rows = list(csv.DictReader(open(tmp_path / "out/train.tsv"), delimiter="\t"))
+    assert [int(r["step"]) for r in rows] == list(range(1, first + 1)) and rows[-1]["detector/fired"] == "1"
+    saved = json.loads((tmp_path / "out/metrics.json").read_text())["detector"]
+    assert saved == {"first_fire": first, "fired": 1, "stopped_at": first, "kept_iteration": first - 1}
+    # The saved model is the actor of the checkpoint before the alarm, not the alarm iteration's.
+    assert json.loads((tmp_path / "out/checkpoint/state.json").read_text())["iteration"] == first - 1
+    kept = load_file(str(tmp_path / "out/checkpoint/actor.safetensors"))
+    model = AutoModelForCausalLM.from_pretrained(str(tmp_path / "out/model")).state_dict()
+    common = set(kept) & set(model)
+    assert len(common) > 5 and all(torch.equal(kept[k], model[k]) for k in common)

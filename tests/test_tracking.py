@@ -379,3 +379,22 @@ def test_training_stage_with_the_server_down_from_the_start_completes(tmp_path, 
     assert [int(r["step"]) for r in _tsv(tmp_path / "out/eval.tsv")] == [2, 4]
     assert flat(json.loads((tmp_path / "out/metrics.json").read_text())) == metrics
     assert metrics["train/steps"] == 4 and (tmp_path / "out/model/model.safetensors").is_file()
+
+
+def test_parent_run_description_is_set_and_outage_tolerant(tmp_path, caplog):
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    client = MlflowClient(uri)
+    exp = client.create_experiment("e", artifact_location=(tmp_path / "art").as_uri())
+    parent = client.create_run(exp).info.run_id
+    tracker = tracking.MlflowTracker(uri)
+    tracker.client, tracker.parent_id = client, parent
+    tracker.set_description("PPO does NOT beat SFT")
+    assert client.get_run(parent).data.tags["mlflow.note.content"] == "PPO does NOT beat SFT"
+
+    class Down:
+        def set_tag(self, *args):
+            raise ConnectionError("server down")
+    tracker.client = Down()
+    tracker.set_description("anything")            # warns once, turns MLflow off, raises nothing
+    assert not tracker.enabled and len(_tracking_records(caplog)) == 1
+    NO_TRACKER.set_description("no-op")

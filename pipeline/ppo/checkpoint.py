@@ -18,11 +18,12 @@ from pathlib import Path
 
 import torch
 
+from ..errors import CheckpointError
 from ..resume import fingerprint, load_engine, load_rng, read_state, save_staged
 from ..tracking import StepLog
 from .trainer import PPOTrainer
 
-__all__ = ["fingerprint", "load", "save"]
+__all__ = ["fingerprint", "load", "restore_actor", "save"]
 
 
 def save(trainer: PPOTrainer, step_log: StepLog, path: Path, fp: str) -> None:
@@ -57,3 +58,14 @@ def load(trainer: PPOTrainer, path: Path, fp: str) -> dict | None:
     trainer.kl_ctl.load_state_dict(state["kl_controller"])
     trainer.iteration = state["iteration"]
     return state["log"]
+
+
+def restore_actor(trainer: PPOTrainer, path: Path, fp: str) -> int:
+    """Collective. Put the actor of the checkpoint at `path` back into `trainer` (the detector's
+    `action: stop`: the weights from before the alarm); returns that checkpoint's iteration."""
+    state = read_state(path, fp)
+    if state is None:
+        raise CheckpointError(f"{path}: no checkpoint of this run to restore the actor from "
+                              "(ppo.detector.action: stop needs one written before the alarm)")
+    load_engine(trainer.m.actor, path, "actor")
+    return state["iteration"]

@@ -9,6 +9,8 @@
              copy of the weights), otherwise a frozen copy, partitioned with ZeRO-3 when training is
              stage 3, replicated otherwise (`offload_frozen` keeps it on the CPU)
 - reward:    a RewardSource (the reward model, frozen and placed like the reference; or a function)
+- auditor:   optional (`ppo.detector.auditor`): a second reward model, placed like the first, that
+             only scores the rollouts for the over-optimisation detector (never optimised against)
 
 The trainer only calls forward/backward/step on what it is handed.
 """
@@ -29,7 +31,7 @@ from ..distributed import SINGLE, Context
 from ..engines import FrozenModel, TrainEngine, make_engine
 from ..errors import CheckpointError
 from ..models import load_policy
-from ..reward_source import RewardSource, make_reward_source
+from ..reward_source import RewardModelSource, RewardSource, make_reward_source
 
 
 @dataclass
@@ -42,6 +44,7 @@ class PPOModels:
     ctx: Context = SINGLE
     frozen: FrozenModel | None = None   # how the reference/reward models were placed (its DeepSpeed config)
     memory: dict[str, float] | None = None   # GPU GiB each model added when placed (CUDA only)
+    auditor: RewardSource | None = None      # ppo.detector.auditor's reward model, or None
 
 
 class AdapterOff(torch.nn.Module):
@@ -135,8 +138,12 @@ def place_models(params: Params, sft_dir: Path, reward_dir: Path, ctx: Context =
     memory.mark("reference")
     reward = make_reward_source(cfg.reward_source, reward_dir, params.reward.max_length, trust, place_frozen)
     memory.mark("reward")
+    auditor = None
+    if cfg.detector.enabled and cfg.detector.auditor is not None:
+        auditor = RewardModelSource(Path(cfg.detector.auditor), params.reward.max_length, trust, place_frozen)
+        memory.mark("auditor")
     return PPOModels(actor=actor, critic=critic, ref=ref, reward=reward, tok=tok, ctx=ctx,
-                     frozen=placed[0] if placed else None, memory=memory.used or None)
+                     frozen=placed[0] if placed else None, memory=memory.used or None, auditor=auditor)
 
 
 class _MemoryMeter:

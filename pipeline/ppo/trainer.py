@@ -22,6 +22,7 @@ import torch
 
 from ..config import PPOConfig
 from ..errors import check_finite
+from ..evaluate import distinct_n
 from ..training import BatchSampler
 from . import advantages as adv
 from .losses import policy_loss, value_loss
@@ -179,6 +180,11 @@ class PPOTrainer:
         if torch.cuda.is_available():   # this process's peak since the last iteration
             stats["memory/peak_gib"] = torch.cuda.max_memory_allocated() / 2 ** 30
             torch.cuda.reset_peak_memory_stats()
+        # Diversity of this rank's rollouts (averaged over ranks below): a mode-collapse sign for the
+        # over-optimisation detector; the auditor RM scores the same rollouts without being optimised.
+        stats["objective/distinct_2"] = distinct_n(ro.responses, 2)
+        if self.m.auditor is not None:
+            stats["objective/auditor_scores"] = self.m.auditor.score(prompts, ro.responses).float().mean().item()
         if self.judge is not None:
             stats["objective/gold_scores"] = sum(self.judge(p, r) for p, r in zip(prompts, ro.responses)) / len(prompts)
         # Every rank continues with the same, global statistics.
