@@ -12,8 +12,9 @@ machine takes another path. Runs that share upstream seed and threads share one 
 Each run executes the stage commands of dvc.yaml in a copy of the tracked files (MLflow off), and
 the grid prints and writes (`--out`, default /tmp/seed_grid.tsv) per run: the evaluate stage's gold
 and RM win rates of PPO over SFT, gold, RM score and KL to SFT, the detector's first alarm, the
-collapse iteration (the first PPO iteration whose rollouts' mean gold falls below the SFT policy's
-held-out gold after having been above it), and the PPO stage's wall time. Then the median and range.
+collapse iteration (the first of 3 PPO iterations in a row whose rollouts' mean gold is below the SFT
+policy's held-out gold, after it had risen 1 above it), and the PPO stage's wall time. Then the
+median and range.
 """
 
 from __future__ import annotations
@@ -74,16 +75,19 @@ def stage(cmd: list[str], cwd: Path, threads: int, log: Path) -> float:
     return time.perf_counter() - t0
 
 
-def collapse_iteration(train_tsv: Path, sft_gold: float) -> int:
-    """First iteration whose rollouts' mean gold falls below `sft_gold` after having been above it; 0 if none."""
-    risen = False
+def collapse_iteration(train_tsv: Path, sft_gold: float, rise: float = 1.0, sustain: int = 3) -> int:
+    """The first of `sustain` consecutive iterations whose rollouts' mean gold is below `sft_gold`,
+    after it had risen more than `rise` above it; 0 if none. The first iterations sample from the
+    SFT policy itself and hover around its gold by chance, and a single bad update can dip one
+    iteration's gold below it and recover at the next (seen in the grid): neither is a collapse."""
+    golds, risen = [], False
     with train_tsv.open() as f:
         for row in csv.DictReader(f, delimiter="\t"):
-            gold = float(row["objective/gold_scores"])
-            if gold > sft_gold:
-                risen = True
-            elif risen:
-                return int(row["step"])
+            golds.append(float(row["objective/gold_scores"]))
+    for i, gold in enumerate(golds):
+        risen = risen or gold > sft_gold + rise
+        if risen and all(g < sft_gold for g in golds[i:i + sustain]) and i + sustain <= len(golds):
+            return i + 1
     return 0
 
 
@@ -102,7 +106,8 @@ def main() -> int:
     work = args.keep or Path(tempfile.mkdtemp(prefix="seed_grid."))
     copy_tree(work)
     log = work / "grid.log"
-    stage(["prepare", "--params", "params.yaml", "--out", "data/prepared"], work, 2, log)
+    write_params(work / "params.yaml", work / "params_prepare.yaml", overrides)   # a `data` override counts
+    stage(["prepare", "--params", "params_prepare.yaml", "--out", "data/prepared"], work, 2, log)
     rows = []
     for upstream, ppo_seed, threads in runs:
         name = f"u{upstream}_p{ppo_seed}_t{threads}{args.tag}"

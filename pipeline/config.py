@@ -47,6 +47,8 @@ class DataConfig:
     n_eval_prompts: int = num(200, ge=4)
     label_temperature: float = num(0.5, gt=0.0)
     eval_title_fraction: float = num(0.2, gt=0.0, lt=1.0)
+    aspect_contrast: float = num(0.25, ge=0.0, le=1.0, doc="fraction of training pairs contrasting one review with its aspect swapped")
+    n_audit_pairs: int = num(0, ge=0, doc="fresh pairs for an auditor reward model (pairs_audit.jsonl; 0: none)")
 
 
 @dataclass(frozen=True)
@@ -223,15 +225,17 @@ class DetectorConfig:
     """`ppo.detector`: signs of reward over-optimisation that need no gold annotator (pipeline/ppo/detector.py).
 
     Each rule compares the mean of the last `window` iterations with the mean of the `window`
-    before them, once both windows lie after `warmup`. Provisional thresholds: calibrate them on
-    logged runs with `python -m pipeline detect outputs/ppo/train.tsv`."""
+    before them, once both windows lie after `warmup`. The defaults are calibrated on logged runs
+    (`python -m pipeline detect outputs/ppo/train.tsv`): each threshold is at least 1.6 times the
+    largest value of 12 healthy default runs, and two kl_coef=0 runs trip them at or before their
+    gold collapse (README, "Over-optimisation without a gold judge")."""
     enabled: bool = True
-    warmup: int = num(10, ge=0, doc="iterations ignored (the policy moves fastest at the start)")
-    window: int = num(5, ge=1, doc="iterations per compared window")
+    warmup: int = num(5, ge=0, doc="iterations ignored (the policy moves fastest at the start)")
+    window: int = num(3, ge=1, doc="iterations per compared window")
     kl_rise: float = num(4.0, gt=0.0, doc="KL to the reference rising more than this, nats per response")
     length_change: float = num(0.3, gt=0.0, doc="relative change of the response length (either way)")
-    entropy_drop: float = num(0.3, gt=0.0, le=1.0, doc="relative drop of the policy's entropy")
-    distinct_drop: float = num(0.3, gt=0.0, le=1.0, doc="relative drop of distinct-2 of the rollouts")
+    entropy_drop: float = num(0.15, gt=0.0, le=1.0, doc="relative drop of the policy's entropy")
+    distinct_drop: float = num(0.25, gt=0.0, le=1.0, doc="relative drop of distinct-2 of the rollouts")
     auditor: Optional[str] = None         # a second reward-model folder scoring the rollouts (opt-in)
     auditor_drop: float = num(0.5, gt=0.0, doc="auditor score below its best while the RM is at its best")
     action: Literal["warn", "stop"] = "warn"   # stop: end PPO, keep the last checkpoint before the alarm

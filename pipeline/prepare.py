@@ -40,14 +40,24 @@ def bradley_terry_label(rng: random.Random, gold_a: float, gold_b: float, temper
     return rng.random() < p
 
 
-def make_pairs(rng: random.Random, prompts: list[str], temperature: float) -> tuple[list[dict], float]:
-    """Preference pairs with noisy labels, and the noise ceiling (gold ordering vs the labels)."""
+def make_pairs(rng: random.Random, prompts: list[str], temperature: float, contrast: float = 0.0,
+               contrast_rng: random.Random | None = None) -> tuple[list[dict], float]:
+    """Preference pairs with noisy labels, and the noise ceiling (gold ordering vs the labels).
+
+    With `contrast` > 0 that fraction of pairs compares a review with itself turned to or away from
+    the asked aspect (reviews.swap_aspect), so the pair differs in nothing else. Two independent
+    reviews differ in many ways at once, and a reward model learns the prompt-aspect match, the
+    hardest part of the annotator's judgement, slowly from them (contrast sets, Gardner et al. 2020).
+    The choice and the swap draw from `contrast_rng`, so `rng` is consumed as without contrast and
+    every other split keeps its bytes."""
     rows, agree = [], 0.0
     for prompt in prompts:
         a = reviews.sample_review(rng, prompt, _random_style(rng))
         b = reviews.sample_review(rng, prompt, _random_style(rng))
         while b == a:
             b = reviews.sample_review(rng, prompt, _random_style(rng))
+        if contrast > 0 and contrast_rng is not None and contrast_rng.random() < contrast:
+            b = reviews.swap_aspect(contrast_rng, prompt, a) or b
         ga, gb = reviews.gold_score(prompt, a), reviews.gold_score(prompt, b)
         a_wins = bradley_terry_label(rng, ga, gb, temperature)
         chosen, rejected, gc, gr = (a, b, ga, gb) if a_wins else (b, a, gb, ga)
@@ -55,6 +65,24 @@ def make_pairs(rng: random.Random, prompts: list[str], temperature: float) -> tu
         agree += 1.0 if gc > gr else 0.5 if gc == gr else 0.0
         rows.append({"prompt": prompt, "chosen": chosen, "rejected": rejected})
     return rows, agree / len(prompts)
+
+
+def pair_key(row: dict) -> tuple[str, frozenset[str]]:
+    """A pair regardless of which side the label chose."""
+    return row["prompt"], frozenset((row["chosen"], row["rejected"]))
+
+
+def audit_pairs(cfg: DataConfig, train_titles: list[str], train_pairs: list[dict]) -> list[dict]:
+    """Fresh preference pairs of the training titles for an auditor reward model (ppo.detector.auditor):
+    drawn from their own seeded stream, so the training RM's pairs are neither reused nor taken away,
+    and without the aspect contrast, so the auditor learns from ordinary pairs. A fresh pair that
+    happens to equal a training pair is left out: the two data sets are disjoint by construction."""
+    rng = random.Random(f"{cfg.seed}-audit")
+    rows, _ = make_pairs(rng, _prompts(rng, train_titles, cfg.n_audit_pairs), cfg.label_temperature)
+    train_keys = {pair_key(r) for r in train_pairs}
+    rows = [r for r in rows if pair_key(r) not in train_keys]
+    assert not train_keys & {pair_key(r) for r in rows}
+    return rows
 
 
 def check_leakage(splits: dict[str, list[dict]], eval_titles: list[str]) -> None:
@@ -79,11 +107,14 @@ def build_splits(cfg: DataConfig) -> tuple[dict[str, list[dict]], dict[str, Any]
     splits: dict[str, list[dict]] = {"sft_train": demo(train_titles, cfg.n_sft),
                                      "sft_eval": demo(eval_titles, cfg.n_sft_eval)}
     splits["pairs_train"], ceiling_train = make_pairs(rng, _prompts(rng, train_titles, cfg.n_pairs),
-                                                      cfg.label_temperature)
+                                                      cfg.label_temperature, cfg.aspect_contrast,
+                                                      random.Random(f"{cfg.seed}-aspect-contrast"))
     splits["pairs_eval"], ceiling_eval = make_pairs(rng, _prompts(rng, eval_titles, cfg.n_pairs_eval),
                                                     cfg.label_temperature)
     splits["ppo_prompts"] = [{"prompt": p} for p in _prompts(rng, train_titles, cfg.n_ppo_prompts)]
     splits["eval_prompts"] = [{"prompt": p} for p in _prompts(rng, eval_titles, cfg.n_eval_prompts)]
+    if cfg.n_audit_pairs:
+        splits["pairs_audit"] = audit_pairs(cfg, train_titles, splits["pairs_train"])
     for name, rows in splits.items():
         for i, row in enumerate(rows):
             row["id"] = f"{name}-{i}"

@@ -8,12 +8,18 @@ from pathlib import Path
 
 import pytest
 
+import csv
+import dataclasses
+
 from pipeline.config import DetectorConfig, Params, from_dict
 from pipeline.errors import ConfigError
 from pipeline.ppo.detector import Detector, replay, replay_signals, summary, window_signals
 
 ROOT = Path(__file__).resolve().parents[1]
-CFG = DetectorConfig()   # warmup 10, window 5: rules checked from iteration 20
+# The synthetic streams below are sized for windows of 5 after a warmup of 10 (rules checked from
+# iteration 20); the calibrated defaults are tested on real logged runs at the end.
+CFG = DetectorConfig(warmup=10, window=5, entropy_drop=0.3, distinct_drop=0.3)
+LOGS = ROOT / "tests" / "data" / "detector"
 
 
 def stream(n: int, seed: int, kl=lambda t: 4.0, length=lambda t: 30.0, entropy=lambda t: 2.0,
@@ -86,7 +92,7 @@ def test_warmup_ignores_the_start():
     # KL climbing fast over the first 10 iterations (PPO's transient), flat afterwards.
     rows = stream(60, 0, kl=lambda t: min(t, 10) * 1.5, noise=0.0)
     assert replay(rows, CFG) is None
-    no_warmup = DetectorConfig(warmup=0)
+    no_warmup = dataclasses.replace(CFG, warmup=0)
     assert replay(rows, no_warmup) == 10    # first check at 0 + 2 * 5: mean(9..15) - mean(1.5..7.5) = 7.5
     values = replay_signals(rows, CFG)
     assert all(v["detector/kl_rise"] == 0.0 for v in values[:19])   # not computed before iteration 20
@@ -137,10 +143,10 @@ def test_config_validation():
     with pytest.raises(ConfigError, match=r"ppo.detector.action: expected one of 'warn', 'stop', got 'halt'"):
         from_dict(Params, {"ppo": {"detector": {"action": "halt"}}}, "params.yaml: ")
     # stop keeps the last checkpoint before the alarm: one must be written before the first check.
-    with pytest.raises(ConfigError, match=r"ppo.detector.action: stop .*ppo.save_every=20\) .* = 20\)"):
-        from_dict(Params, {"ppo": {"save_every": 20, "detector": {"action": "stop"}}}, "params.yaml: ")
-    p = from_dict(Params, {"ppo": {"save_every": 19, "detector": {"action": "stop", "auditor": "rm2"}}}, "params.yaml: ")
-    assert p.ppo.detector.auditor == "rm2" and p.ppo.detector.first_check == 20
+    with pytest.raises(ConfigError, match=r"ppo.detector.action: stop .*ppo.save_every=11\) .* = 11\)"):
+        from_dict(Params, {"ppo": {"save_every": 11, "detector": {"action": "stop"}}}, "params.yaml: ")
+    p = from_dict(Params, {"ppo": {"save_every": 10, "detector": {"action": "stop", "auditor": "rm2"}}}, "params.yaml: ")
+    assert p.ppo.detector.auditor == "rm2" and p.ppo.detector.first_check == 11
 
 
 def test_detect_cli(tmp_path):
@@ -155,3 +161,31 @@ def test_detect_cli(tmp_path):
     missing = subprocess.run([sys.executable, "-m", "pipeline", "detect", str(tmp_path / "none.tsv")],
                              cwd=ROOT, capture_output=True, text=True)
     assert missing.returncode == 2 and "no such step log" in missing.stderr
+
+
+def _log(name: str) -> list[dict]:
+    with (LOGS / name).open() as f:
+        return list(csv.DictReader(f, delimiter="\t"))
+
+
+@pytest.mark.parametrize("name,collapse", [("kl0_u0_p0.tsv", 14), ("kl0_u0_p1.tsv", 14)])
+def test_default_thresholds_fire_at_or_before_a_real_collapse(name, collapse):
+    """Two logged kl_coef=0 runs of the default (benchmarks/seed_grid.py, 2026-11-30): the rollouts'
+    gold falls below the SFT policy's (0.327) at iteration 14 and stays there; the calibrated
+    defaults must fire no later, without a gold judge."""
+    rows = _log(name)
+    gold = [float(r["objective/gold_scores"]) for r in rows]
+    assert all(g < 0.327 for g in gold[collapse - 1:collapse + 2]) and max(gold[:collapse - 1]) > 1.327
+    first = replay(rows, DetectorConfig())
+    assert first is not None and first <= collapse
+
+
+@pytest.mark.parametrize("name", ["healthy_u0_p4.tsv", "healthy_u1_p3.tsv", "healthy_u0_p1_1thread.tsv"])
+def test_default_thresholds_quiet_on_real_healthy_runs(name):
+    """Logged default runs whose gold rose and held (one with a one-iteration KL spike to 6.5 nats
+    at iteration 11, recovered at the next): no alarm, with room below each threshold."""
+    cfg = DetectorConfig()
+    values = replay_signals(_log(name), cfg)
+    assert replay(_log(name), cfg) is None
+    for rule in ("kl_rise", "length_change", "entropy_drop", "distinct_drop"):
+        assert max(v[f"detector/{rule}"] for v in values) < getattr(cfg, rule) / 1.5

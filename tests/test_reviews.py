@@ -305,6 +305,53 @@ def test_make_pairs_rows_and_noise_ceiling():
     assert make_pairs(random.Random(11), prompts, 0.5) == (rows, ceiling)
 
 
+def test_swap_aspect_turns_a_review_to_or_away_from_the_asked_aspect():
+    on = "the music was good . I liked the plot . overall , I recommend it ."
+    off = "the plot was good . I liked the acting . overall , I recommend it ."
+    away = R.swap_aspect(random.Random(0), PROMPT, on)
+    toward = R.swap_aspect(random.Random(0), PROMPT, off)
+    # Only the one aspect word changes, everywhere it occurs.
+    for before, after in ((on, away), (off, toward)):
+        changed = [(a, b) for a, b in zip(before.split(), after.split()) if a != b]
+        assert len(before.split()) == len(after.split()) and len({c for c in changed}) == 1
+    assert "music" not in away.split() and away.split()[1] not in ("plot", "music")
+    assert "music" in toward.split()
+    # The annotator's on-aspect bonus moves with it: +1 on the aspect, -0.5 off it (W_ON/W_OFF),
+    # and the on-aspect sentiment term (+1 x mean polarity 1) comes and goes too.
+    assert gold(on) - gold(away) == pytest.approx(R.W_ON_ASPECT - R.W_OFF_ASPECT + R.W_ASPECT_SENTIMENT)
+    assert gold(toward) - gold(off) == pytest.approx(R.W_ON_ASPECT - R.W_OFF_ASPECT + R.W_ASPECT_SENTIMENT)
+    assert R.swap_aspect(random.Random(0), PROMPT, "I loved the film . overall , I recommend it .") is None
+
+
+def test_aspect_contrast_pairs_leave_other_splits_byte_identical():
+    plain, _ = build_splits(DataConfig(**{**SMALL.__dict__, "n_pairs": 400, "aspect_contrast": 0.0}))
+    contrast, stats = build_splits(DataConfig(**{**SMALL.__dict__, "n_pairs": 400, "aspect_contrast": 0.5}))
+    for name in SPLITS:
+        if name != "pairs_train":
+            assert contrast[name] == plain[name]
+    # A contrast pair is one review against itself with one aspect word swapped.
+    def one_word_apart(r):
+        a, b = r["chosen"].split(), r["rejected"].split()
+        return len(a) == len(b) and len({(x, y) for x, y in zip(a, b) if x != y}) == 1
+    share = sum(map(one_word_apart, contrast["pairs_train"])) / 400
+    assert 0.35 < share < 0.6          # half drawn, minus reviews that name no aspect
+    assert sum(map(one_word_apart, plain["pairs_train"])) / 400 < 0.05
+    assert [r["prompt"] for r in contrast["pairs_train"]] == [r["prompt"] for r in plain["pairs_train"]]
+
+
+def test_audit_pairs_are_fresh_and_disjoint_from_the_training_pairs():
+    from pipeline.prepare import pair_key
+    plain, _ = build_splits(DataConfig(**{**SMALL.__dict__, "n_pairs": 300}))
+    splits, stats = build_splits(DataConfig(**{**SMALL.__dict__, "n_pairs": 300, "n_audit_pairs": 300}))
+    for name in SPLITS:                       # opting in changes no other split
+        assert splits[name] == plain[name]
+    audit, train = splits["pairs_audit"], splits["pairs_train"]
+    assert not {pair_key(r) for r in audit} & {pair_key(r) for r in train}
+    assert 250 < len(audit) <= 300 and stats["sizes"]["pairs_audit"] == len(audit)
+    assert not _titles_in(audit) & _titles_in(splits["pairs_eval"])     # training titles only
+    assert "pairs_audit" not in plain
+
+
 SMALL = DataConfig(seed=3, n_sft=40, n_sft_eval=20, n_pairs=30, n_pairs_eval=20, n_ppo_prompts=25,
                    n_eval_prompts=20, label_temperature=0.5, eval_title_fraction=0.2)
 TRAIN = ("sft_train", "pairs_train", "ppo_prompts")

@@ -68,6 +68,25 @@ def test_score_read_at_last_real_token_any_padding_side(arch):
     assert rm.last_token_index(left_mask).tolist() == [4, 4, 4]
 
 
+
+def test_length_sorted_parts_equal_one_padded_batch_in_scores_and_gradients():
+    """The RM trains on length-sorted parts of each batch; scores (in the input order) and the
+    gradient of the loss must be those of the whole batch padded at once."""
+    model = _tiny_rm("llama").double()
+    pad = model.config.pad_token_id
+    gen = torch.Generator().manual_seed(0)
+    seqs = [torch.randint(2, 20, (int(n),), generator=gen).tolist() + [1]
+            for n in torch.randint(2, 12, (7,), generator=gen)]
+    whole = rm.raw_scores(model, *rm.pad_right(seqs, pad))
+    weights = torch.linspace(-1.0, 1.0, len(seqs), dtype=whole.dtype)
+    grads_whole = torch.autograd.grad((whole * weights).sum(), list(model.parameters()))
+    parts = rm.length_sorted_scores(model, seqs, pad, max_rows=3)     # 3 parts of 2-3 rows
+    grads_parts = torch.autograd.grad((parts * weights).sum(), list(model.parameters()))
+    assert torch.allclose(parts, whole, atol=1e-10)
+    assert parts.argsort().tolist() == whole.argsort().tolist()
+    for a, b in zip(grads_parts, grads_whole):
+        assert torch.allclose(a, b, atol=1e-10)
+
 def test_head_init_std_and_offset(tmp_path):
     from pipeline.tokenizer import build_word_tokenizer
     tok = build_word_tokenizer(["a", "b", "good", "."])

@@ -272,6 +272,22 @@ def sample_review(rng: random.Random, prompt: str, style: Style = Style()) -> st
     return " ".join(sentences)
 
 
+def swap_aspect(rng: random.Random, prompt: str, response: str) -> str | None:
+    """The response with one aspect word replaced throughout, so that it turns to or away from the
+    aspect the prompt asks for: the asked aspect becomes another one, or (when the review does not
+    discuss it) an aspect it does discuss becomes the asked one. None when it names no aspect."""
+    asked = requested_aspect(prompt)
+    words = response.split()
+    present = sorted({w for w in words if w in ASPECTS})
+    if not present or asked is None:
+        return None
+    if asked in present:
+        old, new = asked, rng.choice([a for a in ASPECTS if a not in present])
+    else:
+        old, new = rng.choice(present), asked
+    return " ".join(new if w == old else w for w in words)
+
+
 def gold_scores(prompts: list[str], responses: list[str]) -> list[float]:
     """Batch form of `gold_score`, usable as PPO's `reward_source` for an oracle run."""
     return [gold_score(p, r) for p, r in zip(prompts, responses)]
