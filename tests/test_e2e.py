@@ -109,22 +109,22 @@ def test_dvc_exp_run_changes_param_and_reports_eval_metrics(tiny_repo):
     run([str(BIN / "dvc"), "repro"], tiny_repo)
     run(["git", "-c", "user.name=t", "-c", "user.email=t@t", "add", "-A"], tiny_repo)
     run(["git", "-c", "user.name=t", "-c", "user.email=t@t", "commit", "-qm", "baseline"], tiny_repo)
-    run([str(BIN / "dvc"), "exp", "run", "-n", "kl-high", "-S", "ppo.kl_coef=0.2"], tiny_repo)
+    run([str(BIN / "dvc"), "exp", "run", "-n", "kl-low", "-S", "ppo.kl_coef=0.05"], tiny_repo)
     import dvc.api
     rows = {row["Experiment"] or row["rev"]: row for row in dvc.api.exp_show(repo=str(tiny_repo))}
-    assert "kl-high" in rows
+    assert "kl-low" in rows
 
     def find(row, suffix):
         return [v for k, v in row.items() if k.endswith(suffix)]
-    assert find(rows["kl-high"], "ppo.kl_coef") == [0.2]
-    baseline = next(r for name, r in rows.items() if name not in ("kl-high", "workspace"))
-    assert find(baseline, "ppo.kl_coef") == [0.05]
-    for row in (rows["kl-high"], baseline):
+    assert find(rows["kl-low"], "ppo.kl_coef") == [0.05]
+    baseline = next(r for name, r in rows.items() if name not in ("kl-low", "workspace"))
+    assert find(baseline, "ppo.kl_coef") == [0.2]
+    for row in (rows["kl-low"], baseline):
         gold = find(row, "ppo.gold")
         assert len(gold) == 1 and isinstance(gold[0], float)
     # The experiment re-ran PPO with the new penalty: its logged kl_coef is the new one.
-    assert find(rows["kl-high"], "train.kl_coef") == [0.2]
-    assert find(baseline, "train.kl_coef") == [0.05]
+    assert find(rows["kl-low"], "train.kl_coef") == [0.05]
+    assert find(baseline, "train.kl_coef") == [0.2]
 
     # A queued experiment runs in a fresh copy without the (gitignored) resumable checkpoints; it
     # too re-runs only the stages its param reaches.
