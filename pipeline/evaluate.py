@@ -38,7 +38,6 @@ from .mlflow_tracking import stage_tracking
 from .tracking import StepLog, write_metrics
 
 
-
 def policies(cfg: EvaluateConfig) -> tuple[str, ...]:
     """Policy names in report order: sft, best_of_<n> for each n, ppo."""
     return ("sft", *(f"best_of_{n}" for n in cfg.best_of_n), "ppo")
