@@ -302,6 +302,22 @@ def test_explained_variance() -> None:
     assert explained_variance(values, returns, mask) == pytest.approx(expected, abs=1e-12)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_explained_variance_is_nan_for_returns_constant_up_to_rounding(dtype) -> None:
+    """Returns assembled as (returns - values) + values in float32 are constant only up to rounding;
+    their variance is noise, and the ratio once came out near -1e33 for most such batches."""
+    gen = torch.Generator().manual_seed(7)
+    for _ in range(100):
+        c = float(torch.randn(1, generator=gen)) * 3
+        mask = torch.rand(8, 20, generator=gen) > 0.3
+        values = torch.randn(8, 20, generator=gen, dtype=dtype)
+        returns = (torch.full((8, 20), c, dtype=dtype) - values) + values
+        assert math.isnan(explained_variance(values, returns, mask))
+    # A real spread just above rounding is still measured.
+    returns = torch.full((8, 20), 2.0, dtype=dtype) + 1e-3 * torch.randn(8, 20, generator=gen, dtype=dtype)
+    assert math.isfinite(explained_variance(returns, returns, mask))
+
+
 # ------------------------------------------------------------------- KL
 
 

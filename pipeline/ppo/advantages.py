@@ -193,6 +193,10 @@ def gae(
     return advantages, returns
 
 
+# Below (ROUNDING_ULPS ulps of the largest return)^2, a variance of returns is rounding noise.
+ROUNDING_ULPS = 16
+
+
 def explained_variance(
     values: torch.Tensor,  # (B, R) critic predictions
     returns: torch.Tensor,  # (B, R) targets from gae
@@ -200,10 +204,14 @@ def explained_variance(
 ) -> float:
     """1 - Var[returns - values] / Var[returns] over real tokens (CleanRL's
     ``explained_variance``): 1 is a perfect critic, 0 no better than a constant.
-    NaN when the returns are constant, since the ratio is then undefined."""
+    NaN when the returns are constant up to rounding, since the ratio is then undefined: returns
+    assembled in float32 (``(returns - values) + values``) keep a variance of rounding noise,
+    about (eps * |returns|)^2, and dividing by it gave values near -1e33."""
     _check_mask(mask, values, returns)
     var_returns = masked_var(returns, mask, unbiased=False)
-    if float(var_returns) == 0.0:
+    scale = float(returns.abs().masked_fill(~mask, 0.0).max()) if mask.any() else 0.0
+    rounding = (ROUNDING_ULPS * torch.finfo(returns.dtype).eps * scale) ** 2
+    if float(var_returns) <= rounding:
         return float("nan")
     return float(1.0 - masked_var(returns - values, mask, unbiased=False) / var_returns)
 
