@@ -3,11 +3,15 @@
 Every training loop (SFT, RM, PPO's actor and critic) talks to a `TrainEngine`:
 
     loss = <sum over this micro-batch> / <size of the global batch>
-    engine.backward(loss)          # once per micro-batch
-    lr, grad_norm = engine.step()  # once per global batch (optimizer step)
+    engine.backward(loss)          # once per micro-batch: gradients only, never an update
+    result = engine.step()         # once per global batch: the update; StepResult(lr, grad_norm, skipped)
 
-so the *same* loop runs as plain PyTorch in one process (`TorchEngine`) or through
-`deepspeed.initialize` in N processes (`DeepSpeedEngine`). Why DeepSpeed directly rather than
+so the *same* loop runs as plain PyTorch in one process (`TrainEngine`) or through
+`deepspeed.initialize` in N processes (`DeepSpeedEngine`). The two are siblings with one meaning
+per method; callers use `forward` for training forwards, `model` where they need the Hugging Face
+model's structure (its trunk and head), `train()`/`eval()` for the mode, and never the optimizer
+or the schedule. Ranks come from the distributed `Context` the engine was built with; what PEFT
+adapters need lives in lora.py. Why DeepSpeed directly rather than
 through accelerate: PPO holds four models with different roles (two trained engines, two frozen
 ones that ZeRO-3 must partition too) and must switch ZeRO-3's parameter hooks off for generation;
 accelerate's DeepSpeed plugin is built around one model per config and hides the engine we need.
@@ -24,10 +28,11 @@ import contextlib
 import json
 import math
 from pathlib import Path
-from typing import Any, Callable, Iterator, Optional
+from typing import Any, Callable, Iterator, NamedTuple, Optional
 
 import torch
 
+from . import lora
 from .config import DistributedConfig
 from .distributed import Context
 from .errors import ConfigError
@@ -102,55 +107,77 @@ def validate_deepspeed_config(cfg: dict[str, Any], world_size: int) -> None:
         raise invalid(err) from None
 
 
+class StepResult(NamedTuple):
+    """What one `TrainEngine.step` did."""
+    lr: float          # the learning rate the update used (before the schedule advanced)
+    grad_norm: float   # global gradient norm before clipping
+    skipped: bool      # no update was applied (a non-finite gradient; fp16: a loss-scale overflow)
+
+
 class TrainEngine:
     """Plain PyTorch: AdamW, a schedule, gradient clipping, gradient accumulation by summation."""
 
     def __init__(self, model: torch.nn.Module, lr: float, weight_decay: float,
                  schedule: Callable[[int], float], max_grad_norm: float):
-        self.module = model
+        self.model = model
         self.params = [p for p in model.parameters() if p.requires_grad]
-        self.optimizer = torch.optim.AdamW(self.params, lr=lr, weight_decay=weight_decay)
-        self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, schedule)
+        self._optimizer = torch.optim.AdamW(self.params, lr=lr, weight_decay=weight_decay)
+        self._scheduler = torch.optim.lr_scheduler.LambdaLR(self._optimizer, schedule)
         self.max_grad_norm = max_grad_norm
         self.forward = model   # what training forwards call
 
+    def train(self) -> None:
+        self.model.train()
+
+    def eval(self) -> None:
+        """Dropout off; gradients still flow (PPO trains in eval mode so the first ratio is 1)."""
+        self.model.eval()
+
+    @property
+    def lr(self) -> float:
+        """The learning rate the next `step` will use."""
+        return self._scheduler.get_last_lr()[0]
+
     def backward(self, loss: torch.Tensor) -> None:
+        """Add this micro-batch's gradients; no update."""
         loss.backward()
 
-    def step(self) -> tuple[float, float]:
-        """Clip, step, advance the schedule; returns (learning rate used, grad norm before clipping)."""
+    def step(self) -> StepResult:
+        """Clip, update, advance the schedule, clear the gradients."""
         norm = float(torch.nn.utils.clip_grad_norm_(self.params, self.max_grad_norm))
-        lr = self.scheduler.get_last_lr()[0]
-        if math.isfinite(norm):   # a NaN/inf gradient never reaches the weights (the caller reports it)
-            self.optimizer.step()
-            self.scheduler.step()
-        self.optimizer.zero_grad(set_to_none=True)
-        return lr, norm
+        lr = self.lr
+        skipped = not math.isfinite(norm)   # a NaN/inf gradient never reaches the weights (the caller reports it)
+        if not skipped:
+            self._optimizer.step()
+            self._scheduler.step()
+        self._optimizer.zero_grad(set_to_none=True)
+        return StepResult(lr, norm, skipped)
 
     @property
     def device(self) -> torch.device:
-        return next(self.module.parameters()).device
+        return next(self.model.parameters()).device
 
     @contextlib.contextmanager
     def gathered(self) -> Iterator[torch.nn.Module]:
         """The whole model for generation (already whole in one process)."""
-        yield self.module
+        yield self.model
 
     def full_model(self) -> torch.nn.Module | None:
-        return self.module
+        return self.model
 
     # Resumable state: weights (safetensors), optimizer and schedule (tensors and numbers only).
     def save(self, folder: Path, name: str) -> None:
         from safetensors.torch import save_model
-        save_model(self.module, str(folder / f"{name}.safetensors"))
-        torch.save({"opt": self.optimizer.state_dict(), "sched": self.scheduler.state_dict()}, folder / f"{name}_optim.pt")
+        save_model(self.model, str(folder / f"{name}.safetensors"))
+        torch.save({"opt": self._optimizer.state_dict(), "sched": self._scheduler.state_dict()},
+                   folder / f"{name}_optim.pt")
 
     def load(self, folder: Path, name: str) -> None:
         from safetensors.torch import load_model
-        load_model(self.module, str(folder / f"{name}.safetensors"))
+        load_model(self.model, str(folder / f"{name}.safetensors"))
         state = torch.load(folder / f"{name}_optim.pt", weights_only=True)
-        self.optimizer.load_state_dict(state["opt"])
-        self.scheduler.load_state_dict(state["sched"])
+        self._optimizer.load_state_dict(state["opt"])
+        self._scheduler.load_state_dict(state["sched"])
 
 
 class DeepSpeedEngine(TrainEngine):
@@ -165,7 +192,7 @@ class DeepSpeedEngine(TrainEngine):
                                           accumulation_steps=accumulation_steps, max_grad_norm=max_grad_norm,
                                           lr=lr, weight_decay=weight_decay)
         validate_deepspeed_config(self.ds_config, ctx.world_size)
-        self.world_size = ctx.world_size
+        self.ctx = ctx
         params = [p for p in model.parameters() if p.requires_grad]
 
         def scheduler(optimizer):   # DeepSpeed steps it at each accumulation boundary
@@ -174,24 +201,33 @@ class DeepSpeedEngine(TrainEngine):
         # With optimizer offload the optimizer comes from the config (DeepSpeed's CPU Adam);
         # otherwise it is our torch AdamW.
         optimizer = None if dist.offload_optimizer else torch.optim.AdamW(params, lr=lr, weight_decay=weight_decay)
-        self.engine, self.optimizer, _, self.scheduler = deepspeed.initialize(
+        self.engine, self._optimizer, _, self._scheduler = deepspeed.initialize(
             model=model, optimizer=optimizer, model_parameters=params if optimizer is None else None,
             lr_scheduler=scheduler, config=self.ds_config)
-        self.module = self.engine.module
+        self.model = self.engine.module
         self.forward = self.engine
         self.params = params
-        self._lr_used = self.scheduler.get_last_lr()[0]
+        self._complete = False   # the last backward completed a global batch
 
     def backward(self, loss: torch.Tensor) -> None:
-        self.engine.backward(loss * self.world_size, scale_wrt_gas=False)
-        if self.engine.is_gradient_accumulation_boundary():
-            self._lr_used = self.scheduler.get_last_lr()[0]
-        self.engine.step()   # a no-op until the accumulation boundary; then reduce, clip, step, schedule
+        """Add this micro-batch's gradients (reduced over ranks at the accumulation boundary); no update.
+        DeepSpeed counts micro-batches in its own `step`, a no-op before the boundary: it is called
+        here for every micro-batch but the last, whose `step` is ours."""
+        self.engine.backward(loss * self.ctx.world_size, scale_wrt_gas=False)
+        self._complete = self.engine.is_gradient_accumulation_boundary()
+        if not self._complete:
+            self.engine.step()
 
-    def step(self) -> tuple[float, float]:
-        """The optimizer step already happened in the last `backward` (the accumulation boundary)."""
+    def step(self) -> StepResult:
+        """Clip, update, advance the schedule (DeepSpeed's step at the accumulation boundary)."""
+        if not self._complete:
+            raise RuntimeError("TrainEngine.step() before the last micro-batch of the global batch")
+        self._complete = False
+        lr, skipped_before = self.lr, self.engine.skipped_steps
+        self.engine.step()
         norm = self.engine.get_global_grad_norm()
-        return self._lr_used, float(norm) if norm is not None else float("nan")
+        norm = float(norm) if norm is not None else float("nan")
+        return StepResult(lr, norm, self.engine.skipped_steps > skipped_before or not math.isfinite(norm))
 
     @property
     def zero3(self) -> bool:
@@ -202,11 +238,11 @@ class DeepSpeedEngine(TrainEngine):
         """ZeRO-3: gather the parameters once and switch the per-module hooks off for generation
         (otherwise every generated token would all-gather every layer again)."""
         if not self.zero3:
-            yield self.module
+            yield self.model
             return
         from deepspeed.runtime.zero.stage3 import unwrap_model_for_generation
         with unwrap_model_for_generation(self.engine):
-            yield self.module
+            yield self.model
 
     def full_model(self) -> torch.nn.Module | None:
         """Collective: the whole model in float32 on rank 0 (None on the other ranks). Below ZeRO-3
@@ -214,43 +250,26 @@ class DeepSpeedEngine(TrainEngine):
         import deepspeed
         import torch.distributed as tdist
 
-        rank = tdist.get_rank()
         if not self.zero3:
-            return self.module.float() if rank == 0 else None
+            return self.model.float() if self.ctx.is_main else None
         state = None
-        with deepspeed.zero.GatheredParameters(list(self.module.parameters()), modifier_rank=None):
-            if rank == 0:
-                state = {k: v.detach().to("cpu", torch.float32).clone() for k, v in self.module.state_dict().items()}
-        if rank != 0:
+        with deepspeed.zero.GatheredParameters(list(self.model.parameters()), modifier_rank=None):
+            if self.ctx.is_main:
+                state = {k: v.detach().to("cpu", torch.float32).clone() for k, v in self.model.state_dict().items()}
+        if not self.ctx.is_main:
             return None
-        plain = _rebuild(self.module)
+        plain = lora.fresh_copy(self.model)
         plain.load_state_dict(state)
         return plain.float()
 
     def save(self, folder: Path, name: str) -> None:
         # Every rank writes its own shard of weights, optimizer and schedule state.
-        self.engine.save_checkpoint(str(folder), tag=name, client_state={"lr_used": self._lr_used})
+        self.engine.save_checkpoint(str(folder), tag=name)
 
     def load(self, folder: Path, name: str) -> None:
-        path, client = self.engine.load_checkpoint(str(folder), tag=name)
+        path, _ = self.engine.load_checkpoint(str(folder), tag=name)
         if path is None:
             raise FileNotFoundError(f"{folder / name}: no DeepSpeed checkpoint")
-        self._lr_used = client["lr_used"]
-
-
-def _rebuild(module: torch.nn.Module) -> torch.nn.Module:
-    """A fresh, unpartitioned copy of a (possibly PEFT-wrapped) HF model's architecture."""
-    config = getattr(module, "config", None)
-    if config is None:
-        raise TypeError(f"cannot rebuild {type(module).__name__} without a config")
-    return type(module)(config) if not hasattr(module, "peft_config") else _rebuild_peft(module)
-
-
-def _rebuild_peft(module: torch.nn.Module) -> torch.nn.Module:
-    from peft import get_peft_model
-    base = module.get_base_model()
-    fresh = type(base)(base.config)
-    return get_peft_model(fresh, module.peft_config["default"])
 
 
 class FrozenModel:
@@ -266,11 +285,11 @@ class FrozenModel:
             self.ds_config = deepspeed_config(dist, world_size=ctx.world_size, micro_batch_size=micro_batch_size,
                                               accumulation_steps=1, max_grad_norm=None, train=False)
             self.engine, *_ = deepspeed.initialize(model=model, config=self.ds_config)
-            self.module = self.engine.module
+            self.model = self.engine.module
         else:
             device = torch.device("cpu") if dist.offload_frozen else ctx.device
             dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(dist.precision)
-            self.module = model.to(device=device, dtype=dtype) if dtype else model.to(device)
+            self.model = model.to(device=device, dtype=dtype) if dtype else model.to(device)
 
 
 def make_engine(model: torch.nn.Module, *, lr: float, weight_decay: float, schedule: Callable[[int], float],

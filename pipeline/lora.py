@@ -37,6 +37,7 @@ def wrap(model: torch.nn.Module, cfg: LoraConfig, task_type: str) -> torch.nn.Mo
 
 
 def is_peft(model: torch.nn.Module) -> bool:
+    """Whether `model` is a PEFT wrapper (the one place this is asked)."""
     return hasattr(model, "peft_config")
 
 
@@ -63,3 +64,20 @@ def count_trainable(model: torch.nn.Module) -> tuple[int, int]:
     """(trainable, total) parameter counts."""
     params = list(model.parameters())
     return sum(p.numel() for p in params if p.requires_grad), sum(p.numel() for p in params)
+
+
+def unwrap(model: torch.nn.Module) -> torch.nn.Module:
+    """The Hugging Face model inside a PEFT wrapper (its LoRA layers stay active), else the model itself."""
+    return model.get_base_model() if is_peft(model) else model
+
+
+def fresh_copy(model: torch.nn.Module) -> torch.nn.Module:
+    """A fresh, unpartitioned model of the same architecture (and the same adapters, untrained):
+    the container ZeRO-3's gathered weights are loaded into."""
+    config = getattr(unwrap(model), "config", None)
+    if config is None:
+        raise TypeError(f"cannot rebuild {type(model).__name__} without a config")
+    if not is_peft(model):
+        return type(model)(config)
+    from peft import get_peft_model
+    return get_peft_model(type(unwrap(model))(config), model.peft_config["default"])

@@ -191,24 +191,24 @@ def train(params: Params, data_dir: Path, sft_dir: Path, out_dir: Path, progress
     state = SupervisedState("reward", out_dir / "checkpoint", resume_fingerprint, engine, batches,
                             {"train": train_log, "eval": eval_log}, ctx)
     start = state.load()
-    engine.module.train()
+    engine.train()
     for step in tqdm(range(start + 1, steps + 1), desc="reward", initial=start, total=steps,
                      disable=not (progress and ctx.is_main), mininterval=1.0):
         mine = ctx.shard([train_pairs[i] for i in next(batches)])
         sums = torch.zeros(2, dtype=torch.float64)                       # loss, correct
         for first in range(0, len(mine), micro):
             part = mine[first:first + micro]
-            rc, rr = batch_scores(engine.module, tok, part, cfg.max_length, engine.device)
+            rc, rr = batch_scores(engine.model, tok, part, cfg.max_length, engine.device)
             loss, correct = rm.pairwise_loss_sum(rc, rr, torch.tensor([p.margin for p in part], device=rc.device))
             check_finite(f"reward step {step}", "loss", loss.detach())
             engine.backward(loss / cfg.batch_size)
             sums += torch.tensor([loss.item(), correct], dtype=torch.float64)
-        lr, grad_norm = engine.step()
+        lr, grad_norm, _ = engine.step()
         check_finite(f"reward step {step}", "gradient norm", grad_norm)
         sums = ctx.sum(sums) / cfg.batch_size
         train_log.log(step, {"loss": float(sums[0]), "accuracy": float(sums[1]), "lr": lr, "grad_norm": grad_norm})
         if step % cfg.eval_every == 0 or step == steps:
-            eval_log.log(step, eval_pairs_loss(engine.module, tok, eval_pairs, cfg.max_length, ctx, engine.device))
+            eval_log.log(step, eval_pairs_loss(engine.model, tok, eval_pairs, cfg.max_length, ctx, engine.device))
             train_log.flush()
             eval_log.flush()
         if step % cfg.save_every == 0 or step == steps:

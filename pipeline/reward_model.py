@@ -21,15 +21,11 @@ import torch.nn.functional as F
 from transformers import AutoModelForSequenceClassification, PreTrainedModel, PreTrainedTokenizerBase
 
 from .errors import CheckpointError
+from .lora import unwrap
 from .models import fit_embeddings, from_checkpoint
 from .tokenizer import encode_prompt, encode_response, load_tokenizer
 
 OFFSET_KEY = "reward_offset"
-
-
-def unwrap(model: torch.nn.Module) -> PreTrainedModel:
-    """The HF model inside a PEFT wrapper (its LoRA layers stay active), else the model itself."""
-    return model.get_base_model() if hasattr(model, "peft_config") else model
 
 
 def head(model: torch.nn.Module) -> torch.nn.Module:

@@ -98,7 +98,7 @@ def train(params: Params, data_dir: Path, log_dir: Path, progress: bool = True,
     train_log = StepLog(log_dir / "train.tsv", ["loss", "lr", "grad_norm"], tracker, series="train", write=ctx.is_main)
     eval_log = StepLog(log_dir / "eval.tsv", ["loss"], tracker, series="eval", write=ctx.is_main)
 
-    engine.module.train()
+    engine.train()
     batches = BatchSampler(len(train_ex), cfg.batch_size, cfg.seed)   # the same global batches on every rank
     state = SupervisedState("sft", log_dir / "checkpoint", resume_fingerprint, engine, batches,
                             {"train": train_log, "eval": eval_log}, ctx)
@@ -116,7 +116,7 @@ def train(params: Params, data_dir: Path, log_dir: Path, progress: bool = True,
             check_finite(f"sft step {step}", "loss", loss.detach())
             engine.backward(loss)
             loss_sum += loss.item()
-        lr, grad_norm = engine.step()
+        lr, grad_norm, _ = engine.step()
         check_finite(f"sft step {step}", "gradient norm", grad_norm)
         train_log.log(step, {"loss": float(ctx.sum(torch.tensor(loss_sum, dtype=torch.float64))),
                              "lr": lr, "grad_norm": grad_norm})

@@ -4,16 +4,8 @@ The local files are the record DVC reads and are always written, and written fir
 per series (registered as DVC plots) and the stage's `metrics.json` (read by `dvc metrics` /
 `dvc exp show`). Each is rewritten atomically, so a crash leaves the last complete version.
 
-Metric names of the SFT stage:
-| name | meaning |
-| --- | --- |
-| `train/loss` | mean cross-entropy per response token of the optimizer step's batch |
-| `train/lr`, `train/grad_norm` | learning rate of the step; gradient norm before clipping |
-| `eval/loss` | cross-entropy per response token on the held-out demonstrations |
-| `eval/gold_greedy`, `eval/gold_sampled` | mean gold score of greedy / sampled responses to evaluation prompts |
-| `eval/gold_demonstrations` | mean gold score of the held-out demonstrations (what SFT imitates) |
-| `eval/well_formed_greedy`, `eval/well_formed_sampled` | rate of grammatical reviews that end with a closing sentence |
-| `eval/eos_rate_greedy`, `eval/eos_rate_sampled` | rate of responses that emit the end-of-response token |
+Every metric name, its meaning and the file it goes to are in one registry, metric_names.py;
+docs/metrics.md is generated from it and a test checks both against what a run writes.
 
 MLflow, the second sink, lives in `mlflow_tracking.py`; it never delays or loses these files.
 """

@@ -188,17 +188,17 @@ def test_lora_ppo_trains_only_adapters_and_reference_is_the_sft_model(root):
     params = Params(ppo=PPOConfig(**TINY_PPO, lora=LoraConfig(r=4), critic_lora=LoraConfig(r=4)))
     m = place_models(params, root / "sft/model", root / "rm/model")
     assert isinstance(m.ref, AdapterOff) and not list(m.ref.parameters())   # no second copy of the weights
-    before = {k: v.clone() for k, v in m.actor.module.named_parameters()}
+    before = {k: v.clone() for k, v in m.actor.model.named_parameters()}
     sft, _ = load_policy(root / "sft/model")
     trainer = PPOTrainer(params.ppo, m, [PROMPT] * 8)
     for _ in range(2):
         trainer.step()
-    after = dict(m.actor.module.named_parameters())
+    after = dict(m.actor.model.named_parameters())
     changed = {k for k in before if not torch.equal(before[k], after[k])}
     assert changed and all("lora_" in k for k in changed)
     assert any("lora_B" in k for k in changed)     # B starts at 0: the adapter is now active
     # The reference log-probs are the SFT model's, even though the adapter has moved the actor.
-    ro = rollout(m.actor.module, m.tok, [PROMPT] * 4, params.ppo.sampling, torch.Generator().manual_seed(3))
+    ro = rollout(m.actor.model, m.tok, [PROMPT] * 4, params.ppo.sampling, torch.Generator().manual_seed(3))
     with torch.no_grad():
         ref_lp, _ = policy_logprobs(m.ref, ro, 1.0)
         sft_lp, _ = policy_logprobs(sft, ro, 1.0)
@@ -207,7 +207,7 @@ def test_lora_ppo_trains_only_adapters_and_reference_is_the_sft_model(root):
     assert torch.allclose(ref_lp[mask], sft_lp[mask], atol=1e-6)
     assert not torch.allclose(actor_lp[mask], sft_lp[mask], atol=1e-3)
     # The merged export is a plain model equal to the actor with its adapter on.
-    merged = lora.export(m.actor.module, None)
+    merged = lora.export(m.actor.model, None)
     assert not lora.is_peft(merged)
     with torch.no_grad():
         merged_lp, _ = policy_logprobs(merged, ro, 1.0)
@@ -230,13 +230,13 @@ def test_lora_sft_and_ppo_stage_outputs(root):
 def test_shared_backbone_critic_is_a_head_on_the_actor(root):
     params = Params(ppo=PPOConfig(**TINY_PPO, shared_backbone=True))
     m = place_models(params, root / "sft/model", root / "rm/model")
-    assert isinstance(m.critic.module, SharedValueHead)
-    assert [n for n, _ in m.critic.module.named_parameters()] == ["score.weight", "score.bias"]
-    trunk = {k: v.clone() for k, v in m.actor.module.named_parameters()}
+    assert isinstance(m.critic.model, SharedValueHead)
+    assert [n for n, _ in m.critic.model.named_parameters()] == ["score.weight", "score.bias"]
+    trunk = {k: v.clone() for k, v in m.actor.model.named_parameters()}
     trainer = PPOTrainer(params.ppo, m, [PROMPT] * 8)
     trainer.step()
-    assert m.critic.module.score.weight.abs().sum() > 0          # the value head learned
-    moved = [k for k, v in m.actor.module.named_parameters() if not torch.equal(trunk[k], v)]
+    assert m.critic.model.score.weight.abs().sum() > 0          # the value head learned
+    moved = [k for k, v in m.actor.model.named_parameters() if not torch.equal(trunk[k], v)]
     assert moved
 
 

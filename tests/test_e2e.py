@@ -10,6 +10,7 @@ import torch
 from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification, AutoTokenizer
 
 from conftest import BIN, run
+from pipeline.metric_names import check_run
 from pipeline.tokenizer import decode_response, encode_prompt
 
 
@@ -91,6 +92,10 @@ def test_dvc_repro_tiny_pipeline(tiny_repo):
     assert verdict.startswith("**") and "the over-optimisation detector stayed quiet" in verdict
     for png in ("scores.png", "kl_frontier.png"):
         assert (tiny_repo / "outputs/evaluate" / png).read_bytes()[:4] == b"\x89PNG"
+
+    # Every name the run wrote is defined in docs/metrics.md's registry, and every name defined
+    # for these conditions was written.
+    assert check_run(tiny_repo / "outputs") == ([], [])
 
     # Nothing changed: a second repro runs no stage; a params change reruns only what reads it.
     assert "didn't change" in run([str(BIN / "dvc"), "repro"], tiny_repo).stdout

@@ -47,13 +47,13 @@ def test_ratio_is_one_at_first_minibatch_and_sampling_logprobs_match(dirs):
     m = place_models(params, dirs / "sft", dirs / "rm")
     prompts = ["Review the film Silent River . Focus on the music ."] * 3 + ["Review the film Lost Harbor . Focus on the plot ."]
     gen = torch.Generator().manual_seed(0)
-    ro = rollout(m.actor.module, m.tok, prompts, params.ppo.sampling, gen)
-    sc = score_rollout(m.actor.forward, m.ref, m.critic.module, m.reward, ro, 1.0, 2, None, None)
+    ro = rollout(m.actor.model, m.tok, prompts, params.ppo.sampling, gen)
+    sc = score_rollout(m.actor.forward, m.ref, m.critic.model, m.reward, ro, 1.0, 2, None, None)
     lp, _ = policy_logprobs(m.actor.forward, ro.select(torch.tensor([2, 0])), 1.0)
     ratio = torch.exp(lp - sc.old_logprobs[[2, 0]])[ro.response_mask[[2, 0]]]
     assert torch.allclose(ratio, torch.ones_like(ratio), atol=1e-5)
     # The KV-cached sampling pass computed the same log-probs.
-    again = sample(m.actor.module, [encode_prompt(m.tok, p) for p in prompts],
+    again = sample(m.actor.model, [encode_prompt(m.tok, p) for p in prompts],
                    m.tok.pad_token_id, m.tok.eos_token_id, params.ppo.sampling, torch.Generator().manual_seed(0))
     assert torch.equal(again.response_ids, ro.input_ids[:, ro.n_prompt:])
     assert torch.allclose(again.logprobs[ro.response_mask], sc.old_logprobs[ro.response_mask], atol=1e-5)
@@ -64,10 +64,10 @@ def test_ratio_is_one_at_first_minibatch_and_sampling_logprobs_match(dirs):
 def test_eos_trick_and_score_clip(dirs):
     params = _params()
     m = place_models(params, dirs / "sft", dirs / "rm")
-    ro = rollout(m.actor.module, m.tok, ["Review the film Silent River . Focus on the music ."] * 6,
+    ro = rollout(m.actor.model, m.tok, ["Review the film Silent River . Focus on the music ."] * 6,
                  SamplingConfig(max_new_tokens=2), torch.Generator().manual_seed(1))
     assert not ro.ended.all()   # two tokens are too few for most responses to end
-    sc = score_rollout(m.actor.forward, m.ref, m.critic.module, m.reward, ro, 1.0, 4, missing_eos_score=-7.0, score_clip=5.0)
+    sc = score_rollout(m.actor.forward, m.ref, m.critic.model, m.reward, ro, 1.0, 4, missing_eos_score=-7.0, score_clip=5.0)
     expected = torch.where(ro.ended, sc.raw_scores.clamp(-5, 5), torch.full_like(sc.raw_scores, -5.0))
     assert torch.equal(sc.scores, expected)
 
@@ -78,12 +78,12 @@ def test_micro_batch_accumulation_equals_full_minibatch(dirs):
     for micro in (4, 2, 1):
         params = _params(micro_batch_size=micro)
         m = place_models(params, dirs / "sft", dirs / "rm")
-        m.actor.module.double()
-        m.critic.module.double()
+        m.actor.model.double()
+        m.critic.model.double()
         m.ref.double()
         trainer = PPOTrainer(params.ppo, m, ["Review the film Silent River . Focus on the music ."] * 8)
         trainer.step()
-        results.append(torch.cat([p.detach().flatten() for p in [*m.actor.module.parameters(), *m.critic.module.parameters()]]))
+        results.append(torch.cat([p.detach().flatten() for p in [*m.actor.model.parameters(), *m.critic.model.parameters()]]))
     assert torch.allclose(results[0], results[1], atol=1e-10, rtol=0)
     assert torch.allclose(results[0], results[2], atol=1e-10, rtol=0)
 
@@ -169,7 +169,7 @@ def test_stop_token_truncates_rollouts(dirs):
     params = _params()
     m = place_models(params, dirs / "sft", dirs / "rm")
     cfg = SamplingConfig(max_new_tokens=12, stop_token=".")
-    ro = rollout(m.actor.module, m.tok, ["Review the film Silent River . Focus on the music ."] * 16, cfg,
+    ro = rollout(m.actor.model, m.tok, ["Review the film Silent River . Focus on the music ."] * 16, cfg,
                  torch.Generator().manual_seed(3))
     dot, eos = m.tok.convert_tokens_to_ids("."), m.tok.eos_token_id
     ids = ro.input_ids[:, ro.n_prompt:]
@@ -188,7 +188,7 @@ def test_trimmed_length_sorted_micro_batches_change_nothing(dirs):
     params = _params(sampling=SamplingConfig(max_new_tokens=12))
     m = place_models(params, dirs / "sft", dirs / "rm")
     prompts = ["Review the film Silent River . Focus on the music .", "What did you think of Lost Harbor ? Talk about the plot ."] * 4
-    ro = rollout(m.actor.module, m.tok, prompts, params.ppo.sampling, torch.Generator().manual_seed(5))
+    ro = rollout(m.actor.model, m.tok, prompts, params.ppo.sampling, torch.Generator().manual_seed(5))
     # An untrained model rarely ends early: end rows at 12, 3, 7, 12, 1, 9, 5, 12 tokens (pads after).
     ro = dataclasses.replace(ro, input_ids=ro.input_ids.clone(), attention_mask=ro.attention_mask.clone(),
                              response_mask=ro.response_mask.clone(), logprobs=ro.logprobs.clone())
@@ -204,7 +204,7 @@ def test_trimmed_length_sorted_micro_batches_change_nothing(dirs):
     assert all(lengths[c].max() <= lengths[p].min() for p, c in zip(chunks, chunks[1:]))
     with torch.no_grad():
         full_lp, _ = policy_logprobs(m.actor.forward, ro, 1.0)
-        full_v = critic_values(m.critic.module, ro)
+        full_v = critic_values(m.critic.model, ro)
         for idx in chunks:
             mb = ro.select(idx, trim=True)
             r = mb.response_mask.size(1)
@@ -212,9 +212,9 @@ def test_trimmed_length_sorted_micro_batches_change_nothing(dirs):
             lp, _ = policy_logprobs(m.actor.forward, mb, 1.0)
             keep = mb.response_mask
             assert torch.allclose(lp[keep], full_lp[idx, :r][keep], atol=1e-5)
-            assert torch.allclose(critic_values(m.critic.module, mb)[keep], full_v[idx, :r][keep], atol=1e-5)
-    reused = score_rollout(m.actor.forward, m.ref, m.critic.module, m.reward, ro, 1.0, 3, None, None)
-    recomputed = score_rollout(m.actor.forward, m.ref, m.critic.module, m.reward, ro, 1.0, 3, None, None,
+            assert torch.allclose(critic_values(m.critic.model, mb)[keep], full_v[idx, :r][keep], atol=1e-5)
+    reused = score_rollout(m.actor.forward, m.ref, m.critic.model, m.reward, ro, 1.0, 3, None, None)
+    recomputed = score_rollout(m.actor.forward, m.ref, m.critic.model, m.reward, ro, 1.0, 3, None, None,
                                recompute_logprobs=True)
     assert torch.allclose(reused.old_logprobs, recomputed.old_logprobs, atol=1e-5)
     assert torch.allclose(reused.values, full_v.masked_fill(~ro.response_mask, 0.0), atol=1e-5)

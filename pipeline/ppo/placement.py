@@ -111,7 +111,7 @@ def place_models(params: Params, sft_dir: Path, reward_dir: Path, ctx: Context =
     memory.mark("actor")
 
     if cfg.shared_backbone:
-        critic_model: torch.nn.Module = SharedValueHead(actor.module)
+        critic_model: torch.nn.Module = SharedValueHead(actor.model)
     else:
         if cfg.critic_init == "reward":
             critic_model, _ = rm.load_reward_model(reward_dir, trust)
@@ -129,10 +129,10 @@ def place_models(params: Params, sft_dir: Path, reward_dir: Path, ctx: Context =
 
     def place_frozen(model: torch.nn.Module) -> torch.nn.Module:
         placed.append(FrozenModel(model, dist, ctx, cfg.micro_batch_size))
-        return placed[-1].module
+        return placed[-1].model
 
-    if lora.is_peft(actor.module):
-        ref: torch.nn.Module = AdapterOff(actor.module)
+    if lora.is_peft(actor.model):
+        ref: torch.nn.Module = AdapterOff(actor.model)
     else:
         ref = place_frozen(load_policy(sft_dir, trust)[0])
     memory.mark("reference")

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 import torch
 from transformers import PreTrainedModel
 
+from .. import lora
 from .. import reward_model as rm
 from ..reward_source import RewardSource
 from .losses import entropy_from_logits, logprobs_from_logits
@@ -21,10 +22,11 @@ from .rollout import Rollout
 
 
 def _hf_model(model) -> torch.nn.Module:
-    """The Hugging Face model behind a DeepSpeed engine, the LoRA reference view or a PEFT wrapper."""
+    """The Hugging Face model behind a DeepSpeed engine's forward (its `module`), the LoRA
+    reference view (`AdapterOff`) or a PEFT wrapper."""
     inner = getattr(model, "module", model)
     inner = getattr(inner, "_actor", [inner])[0]
-    return inner.get_base_model() if hasattr(inner, "get_base_model") else inner
+    return lora.unwrap(inner)
 
 
 def keeps_logits(model) -> bool:

@@ -67,6 +67,7 @@ class PPOTrainer:
         self.sample_gen = torch.Generator().manual_seed(cfg.seed + 1 + 7919 * self.ctx.rank)
         self.shuffle_gen = torch.Generator().manual_seed(cfg.seed + 2)
         self.iteration = 0  # iterations completed
+        self.actor_lr = models.actor.lr   # learning rate of the actor's last update
 
     # ---- steps 3-4 -------------------------------------------------------------------------
     def make_batch(self, ro: Rollout, sc: Scored) -> tuple[Batch, dict[str, float]]:
@@ -98,7 +99,7 @@ class PPOTrainer:
         if cfg.kl_loss_coef > 0:
             kl = adv.kl_penalty(logprobs, b.sc.ref_logprobs[idx, :r], cfg.kl_estimator)
             loss = loss + cfg.kl_loss_coef * torch.where(mask, kl, 0.0).sum() / n_tokens
-        values = critic_values(self.m.critic.module, ro)
+        values = critic_values(self.m.critic.model, ro)
         v_loss, vstats = value_loss(values, b.sc.values[idx, :r], b.returns[idx, :r], mask, cfg.clip_eps_value,
                                     loss_denominator=n_tokens)
         _check_finite("loss/policy", pg_loss.detach(), self.iteration + 1)
@@ -113,11 +114,15 @@ class PPOTrainer:
         return out
 
     def optimizer_step(self) -> tuple[float, float]:
+        """Both engines' updates; returns their gradient norms. The actor's learning rate is kept
+        for the iteration's log (the rate its last update used, as SFT and the RM log it)."""
         norms = []
         for engine in (self.m.actor, self.m.critic):
-            _, norm = engine.step()   # a plain engine skips the step when the norm is not finite
-            _check_finite("gradient norm", norm, self.iteration + 1)
-            norms.append(norm)
+            result = engine.step()   # skipped (and reported below) when the norm is not finite
+            _check_finite("gradient norm", result.grad_norm, self.iteration + 1)
+            norms.append(result.grad_norm)
+            if engine is self.m.actor:
+                self.actor_lr = result.lr
         return norms[0], norms[1]
 
     def update(self, b: Batch) -> dict[str, float]:
@@ -152,14 +157,14 @@ class PPOTrainer:
     # ---- one iteration ------------------------------------------------------------------------
     def step(self) -> dict[str, float]:
         cfg, it = self.cfg, self.iteration + 1
-        self.m.actor.module.eval()   # dropout off everywhere; gradients still flow in the update
+        self.m.actor.eval()   # dropout off everywhere; gradients still flow in the update
         t0 = time.perf_counter()
         # The same global batch on every rank (same seed); each keeps its slice.
         prompts = self.ctx.shard([self.prompts[i] for i in next(self.prompt_sampler)])
         with self.m.actor.gathered() as policy:   # ZeRO-3: parameters gathered once per rollout
             ro = rollout(policy, self.m.tok, prompts, cfg.sampling, self.sample_gen, cfg.max_prompt_length)   # 1
         t1 = time.perf_counter()
-        sc = score_rollout(self.m.actor.forward, self.m.ref, self.m.critic.module, self.m.reward, ro,   # 2
+        sc = score_rollout(self.m.actor.forward, self.m.ref, self.m.critic.model, self.m.reward, ro,   # 2
                            cfg.sampling.temperature, cfg.micro_batch_size, cfg.missing_eos_score, cfg.score_clip,
                            cfg.recompute_logprobs)
         _check_finite("rewards (scores)", sc.raw_scores, it)
@@ -170,7 +175,7 @@ class PPOTrainer:
         t3 = time.perf_counter()
         n_tokens = float(ro.response_mask.sum())
         stats.update({                                                                             # 6
-            "kl_coef": self.kl_ctl.kl_coef, "lr": self.m.actor.scheduler.get_last_lr()[0],
+            "kl_coef": self.kl_ctl.kl_coef, "lr": self.actor_lr,
             "val/num_eos_tokens": float(ro.ended.sum()), "rollouts": float(len(prompts)),
             "objective/response_length": n_tokens / len(prompts),
             "time/rollout": t1 - t0, "time/scoring": t2 - t1, "time/update": t3 - t2,

@@ -1,0 +1,97 @@
+"""The engine contract (engines.py): `backward` only adds gradients, `step` updates and says what it
+did, with the same meaning for the plain and the DeepSpeed engine."""
+
+from __future__ import annotations
+
+import json
+import math
+import subprocess
+import sys
+import textwrap
+
+import torch
+
+from conftest import REPO, run_env
+from pipeline.engines import StepResult, TrainEngine, warmup_cosine
+
+
+def tiny_engine(seed: int = 0) -> TrainEngine:
+    torch.manual_seed(seed)
+    return TrainEngine(torch.nn.Linear(4, 1), lr=0.1, weight_decay=0.0, schedule=warmup_cosine(1, 4), max_grad_norm=1.0)
+
+
+def test_plain_engine_backward_never_updates_and_step_reports_the_lr_it_used():
+    engine = tiny_engine()
+    before = engine.model.weight.detach().clone()
+    x = torch.ones(2, 4)
+    engine.backward(engine.forward(x).sum())
+    engine.backward(engine.forward(x).sum())
+    assert torch.equal(engine.model.weight, before)                 # two micro-batches, no update yet
+    first = engine.step()                                           # warmup step 0: lr multiplier 0
+    assert isinstance(first, StepResult) and first.lr == 0.0 and not first.skipped
+    assert first.grad_norm == torch.tensor([4.0] * 5).norm().item()   # (x, 1) summed over 2 x 2 rows
+    assert engine.lr == 0.1                                         # the next step's rate
+    engine.backward(engine.forward(x).sum())
+    second = engine.step()
+    assert second.lr == 0.1 and not torch.equal(engine.model.weight, before)
+
+
+def test_plain_engine_skips_a_non_finite_gradient_and_says_so():
+    engine = tiny_engine()
+    engine.step()                                                    # past the warmup's zero rate
+    before = engine.model.weight.detach().clone()
+    engine.backward(engine.forward(torch.full((1, 4), float("nan"))).sum())
+    result = engine.step()
+    assert result.skipped and math.isnan(result.grad_norm)
+    assert torch.equal(engine.model.weight, before)
+    assert engine.model.weight.grad is None                          # cleared for the next batch
+
+
+DEEPSPEED_SCRIPT = textwrap.dedent("""
+    import json, torch
+    from pipeline import distributed
+    from pipeline.config import DistributedConfig
+    from pipeline.engines import TrainEngine, DeepSpeedEngine, warmup_cosine
+    dist = DistributedConfig(backend="deepspeed", zero_stage=1, gradient_accumulation_steps=2)
+    out = {}
+    with distributed.session(dist) as ctx:
+        engines = {}
+        for name in ("plain", "deepspeed"):
+            torch.manual_seed(0)
+            model = torch.nn.Linear(4, 1)
+            kw = dict(lr=0.1, weight_decay=0.0, schedule=warmup_cosine(1, 4), max_grad_norm=1.0)
+            engines[name] = (TrainEngine(model, **kw) if name == "plain" else
+                             DeepSpeedEngine(model, **kw, dist=dist, ctx=ctx, micro_batch_size=2, accumulation_steps=2))
+        gen = torch.Generator().manual_seed(1)
+        batches = [torch.randn(4, 4, generator=gen) for _ in range(3)]
+        for name, engine in engines.items():
+            results = []
+            for x in batches:
+                for k, half in enumerate(x.split(2)):
+                    engine.backward(engine.forward(half).pow(2).sum() / 4)
+                    if name == "deepspeed" and not results and k == 0:
+                        try:
+                            engine.step()
+                            out["early_step"] = "allowed"
+                        except RuntimeError as err:
+                            out["early_step"] = str(err)
+                results.append(list(engine.step()))
+            out[name] = {"results": results, "weight": engine.model.weight.detach().flatten().tolist()}
+    print("RESULT" + json.dumps(out))
+""")
+
+
+def test_deepspeed_engine_has_the_plain_engines_meaning():
+    """Gradient accumulation over two micro-batches: the update happens in `step`, not in the last
+    `backward`; lr used, gradient norm and weights equal the plain engine's; a `step` before the
+    global batch is complete is refused."""
+    proc = subprocess.run([sys.executable, "-c", DEEPSPEED_SCRIPT], cwd=REPO, env=run_env(), capture_output=True,
+                          text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    out = json.loads(proc.stdout.split("RESULT", 1)[1])
+    assert "before the last micro-batch" in out["early_step"]
+    plain, ds = out["plain"], out["deepspeed"]
+    assert [r[0] for r in plain["results"]] == [r[0] for r in ds["results"]] == [0.0, 0.1, 0.1 * 0.5 * (1 + math.cos(math.pi / 3))]
+    for a, b in zip(plain["results"], ds["results"]):
+        assert abs(a[1] - b[1]) <= 1e-6 * max(1.0, a[1]) and a[2] is b[2] is False
+    assert max(abs(a - b) for a, b in zip(plain["weight"], ds["weight"])) <= 1e-6
