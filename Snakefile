@@ -1,13 +1,13 @@
 # The pipeline under Snakemake (a workstation or a SLURM cluster), for
 #     snakemake --profile profiles/local     |     snakemake --profile profiles/slurm
 #
-# One rule per stage of dvc.yaml, built from it (pipeline/stage_graph.py): the same command,
+# One rule per stage of dvc.yaml, built from it (pipeline/workflow/stage_graph.py): the same command,
 # inputs (deps), outputs (outs, metrics, plots) and params, so the two engines cannot drift.
 # params.yaml is Snakemake's config; its `cluster` section gives each job its SLURM resources
-# (pipeline/cluster.py). A stage's output log goes to logs/<stage>.log; under SLURM the job's own
+# (pipeline/workflow/cluster.py). A stage's output log goes to logs/<stage>.log; under SLURM the job's own
 # log is in logs/slurm/<stage>/<job id>.log (profiles/slurm sets that folder).
 
-from pipeline import cluster, stage_graph
+from pipeline.workflow import cluster, stage_graph
 from pipeline.config import load_params
 
 configfile: "params.yaml"

@@ -42,11 +42,11 @@ def build(out: Path, sft_epochs: float = 1.0) -> None:
 
     The policy is the default tiny model after a short SFT (one epoch on 2000 demonstrations), so
     responses end with eos at realistic lengths, as they do when PPO starts from an SFT model."""
-    from pipeline import reward_model as rm
-    from pipeline import sft
+    from pipeline.models import reward_model as rm
+    from pipeline.stages import sft
     from pipeline.config import DataConfig, ModelConfig, Params, SFTConfig
-    from pipeline.models import init_policy, save_checkpoint
-    from pipeline.prepare import run as prepare
+    from pipeline.models.checkpoints import init_policy, save_checkpoint
+    from pipeline.stages.prepare import run as prepare
 
     prepare(DataConfig(n_sft=2000, n_sft_eval=16, n_pairs=8, n_pairs_eval=4, n_ppo_prompts=1024, n_eval_prompts=8),
             out / "data")
@@ -61,7 +61,7 @@ def build(out: Path, sft_epochs: float = 1.0) -> None:
 
 
 def prompts(out: Path) -> list[str]:
-    from pipeline.data import load_prompts
+    from pipeline.data.records import load_prompts
     return [p for _, p in load_prompts(out / "data" / "ppo_prompts.jsonl")]
 
 
@@ -100,7 +100,7 @@ def run_trl(out: Path, updates: int) -> dict:
     from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification, TrainerCallback
     from trl.experimental.ppo import PPOConfig, PPOTrainer
 
-    from pipeline.tokenizer import encode_prompt, load_tokenizer
+    from pipeline.data.tokenizer import encode_prompt, load_tokenizer
 
     torch.manual_seed(SEED)
     tok = load_tokenizer(out / "policy")

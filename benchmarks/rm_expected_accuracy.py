@@ -22,7 +22,8 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from pipeline import prepare, reward_model as rm  # noqa: E402
+from pipeline.stages import prepare
+from pipeline.models import reward_model as rm
 from pipeline.config import load_params  # noqa: E402
 from pipeline.tasks import reviews  # noqa: E402
 

@@ -19,7 +19,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from pipeline import stage_graph  # noqa: E402
+from pipeline.workflow import stage_graph  # noqa: E402
 
 
 def main() -> int:

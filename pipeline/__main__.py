@@ -9,11 +9,12 @@ from __future__ import annotations
 
 import argparse
 import csv
+import importlib
 import subprocess
 import sys
 from pathlib import Path
 
-from . import distributed
+from .training import distributed
 from .config import load_params
 from .errors import DataError, UserError
 
@@ -68,12 +69,12 @@ def _parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     if args.stage == "frontier":
-        from . import frontier
+        from .measurement import frontier
         frontier.main(args.out)
         return 0
     try:
         if args.stage == "recipe":
-            from . import recipes
+            from .workflow import recipes
             out = args.out or args.params
             recipes.apply(args.name, args.params, out)
             print(f"recipe {args.name}: wrote {out}")
@@ -86,8 +87,8 @@ def main(argv: list[str] | None = None) -> int:
         if args.stage in ("sft", "reward", "ppo"):
             node_rank, master_addr = args.node_rank, args.master_addr
             if node_rank is None and getattr(params, args.stage).distributed.num_nodes > 1:
-                # One copy per node of a SLURM job (see pipeline/cluster.py): rank and master from SLURM.
-                from .cluster import slurm_node
+                # One copy per node of a SLURM job (see pipeline/workflow/cluster.py): rank and master from SLURM.
+                from .workflow.cluster import slurm_node
                 node_rank, slurm_master = slurm_node()
                 master_addr = master_addr or slurm_master
             params = distributed.with_node(params, args.stage, node_rank, master_addr)
@@ -98,33 +99,20 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"{args.stage}: launching {dist.world_size} processes: {' '.join(cmd)}", flush=True)
                 return subprocess.call(cmd)
         if args.stage == "prepare":
-            from . import prepare
+            from .stages import prepare
             stats = prepare.run(params.data, args.out)
             print(f"prepare: wrote {args.out} (noise ceiling on held-out pairs "
                   f"{stats['noise_ceiling']['pairs_eval']:.3f})")
-        elif args.stage == "sft":
-            from . import sft
-            metrics = sft.run(params, args.data, args.out, progress=not args.no_progress)
+        elif args.stage in ("sft", "reward", "ppo"):
+            module = importlib.import_module(f".stages.{args.stage}", __package__)   # this stage's code only
+            folders = [getattr(args, name) for name in module.SPEC.inputs]   # --data, --sft, ... as declared
+            metrics = module.run(params, *folders, args.out, progress=not args.no_progress)
             if not metrics:   # ranks other than 0 of a multi-process run
                 return 0
-            print(f"sft: wrote {args.out}; " + ", ".join(f"{k}={v:.3f}" for k, v in metrics.items()
-                                                       if k.startswith("eval/")))
-        elif args.stage == "reward":
-            from . import reward
-            metrics = reward.run(params, args.data, args.sft, args.out, progress=not args.no_progress)
-            if not metrics:   # ranks other than 0 of a multi-process run
-                return 0
-            print(f"reward: wrote {args.out}; " + ", ".join(f"{k}={v:.3f}" for k, v in metrics.items()
-                                                          if k.startswith("eval/")))
-        elif args.stage == "ppo":
-            from .ppo import stage
-            metrics = stage.run(params, args.data, args.sft, args.reward, args.out, progress=not args.no_progress)
-            if not metrics:
-                return 0
-            print(f"ppo: wrote {args.out}; " + ", ".join(f"{k}={v:.3f}" for k, v in metrics.items()
-                                                       if k.startswith("eval/")))
+            print(f"{args.stage}: wrote {args.out}; " + ", ".join(f"{k}={v:.3f}" for k, v in metrics.items()
+                                                                 if k.startswith("eval/")))
         elif args.stage == "evaluate":
-            from . import evaluate
+            from .stages import evaluate
             metrics = evaluate.run(params, args.data, args.sft, args.reward, args.ppo, args.out)
             print(f"evaluate: wrote {args.out}; report: {args.out / 'report.md'}")
             for policy in evaluate.policies(params.evaluate):

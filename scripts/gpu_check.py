@@ -28,15 +28,16 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch  # noqa: E402
 
-from pipeline import distributed  # noqa: E402
-from pipeline import reward_model as rm  # noqa: E402
-from pipeline.config import (DataConfig, DistributedConfig, ModelConfig, Params, PPOConfig,  # noqa: E402
-                             RewardConfig, SamplingConfig)
-from pipeline.data import load_prompts  # noqa: E402
-from pipeline.models import init_policy, save_checkpoint  # noqa: E402
+from pipeline.training import distributed  # noqa: E402
+from pipeline.models import reward_model as rm  # noqa: E402
+from pipeline.config import (
+    DataConfig, DistributedConfig, ModelConfig, Params, PPOConfig, RewardConfig, SamplingConfig,
+)
+from pipeline.data.records import load_prompts  # noqa: E402
+from pipeline.models.checkpoints import init_policy, save_checkpoint  # noqa: E402
 from pipeline.ppo.placement import place_models  # noqa: E402
 from pipeline.ppo.trainer import PPOTrainer  # noqa: E402
-from pipeline.prepare import run as prepare  # noqa: E402
+from pipeline.stages.prepare import run as prepare  # noqa: E402
 
 PEAK_TFLOPS = {"H100": 989.0, "H200": 989.0, "H800": 989.0, "A100": 312.0, "A800": 312.0, "L40S": 362.0}
 

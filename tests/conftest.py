@@ -99,8 +99,8 @@ def tiny_policy_and_reward_model(root: Path, data_dir: Path, offset: float = 0.0
     import torch
     from transformers import AutoModelForCausalLM, LlamaConfig
 
-    from pipeline import reward_model as rm
-    from pipeline.tokenizer import load_tokenizer
+    from pipeline.models import reward_model as rm
+    from pipeline.data.tokenizer import load_tokenizer
 
     tok = load_tokenizer(data_dir / "tokenizer")
     torch.manual_seed(0)

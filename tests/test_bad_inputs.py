@@ -22,7 +22,7 @@ from ruamel.yaml import YAML
 from conftest import REPO, TINY, merge, run_env, write_params
 from pipeline.__main__ import main
 from pipeline.config import Params, from_dict
-from pipeline.prepare import run as prepare_run
+from pipeline.stages.prepare import run as prepare_run
 from pipeline.config import DataConfig
 
 CORPUS = Path(__file__).parent / "bad_inputs"
@@ -70,8 +70,8 @@ def _snapshot(root: Path) -> dict[str, str]:
 def work(tmp_path_factory) -> Path:
     """A tiny finished run: data/prepared and outputs/{sft,reward,ppo} (the earlier outputs that a
     failing run must leave alone), and params.yaml."""
-    from pipeline import reward, sft
-    from pipeline.ppo import stage as ppo_stage
+    from pipeline.stages import reward, sft
+    from pipeline.stages import ppo as ppo_stage
 
     root = tmp_path_factory.mktemp("bad_inputs")
     write_params(root / "params.yaml", TINY)

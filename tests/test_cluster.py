@@ -18,8 +18,8 @@ from snakemake_executor_plugin_slurm.submit_string import get_submit_command
 from snakemake_executor_plugin_slurm.utils import set_gres_string
 
 from conftest import BIN, REPO, TINY, copy_repo, flat, run, write_params
-from pipeline import stage_graph
-from pipeline.cluster import check_shape, expand_first, job_command, slurm_node, slurm_resources
+from pipeline.workflow import stage_graph
+from pipeline.workflow.cluster import check_shape, expand_first, job_command, slurm_node, slurm_resources
 from pipeline.config import Params, from_dict, merge_distributed
 from pipeline.errors import ConfigError
 
@@ -192,7 +192,7 @@ def test_tiny_pipeline_on_slurm_equals_dvc_repro(tmp_path):
 def test_failed_job_names_its_log(tmp_path):
     _ensure_slurm()
     repo = _repo(tmp_path, "fail")
-    (repo / "pipeline/sft.py").write_text("raise SystemExit('boom: sft broke')\n")   # sft fails as a job
+    (repo / "pipeline/stages/sft.py").write_text("raise SystemExit('boom: sft broke')\n")   # sft fails as a job
     proc = run([str(BIN / "snakemake"), "--profile", "profiles/slurm", "--slurm-init-seconds-before-status-checks", "1",
                 "--seconds-between-status-checks", "2"], repo, check=False, timeout=1800)
     assert proc.returncode != 0

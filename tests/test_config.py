@@ -10,16 +10,7 @@ from pathlib import Path
 import pytest
 
 from pipeline.config import (
-    DataConfig,
-    ModelConfig,
-    Params,
-    SamplingConfig,
-    SFTConfig,
-    flatten,
-    from_dict,
-    load_params,
-    read_yaml,
-    to_dict,
+    DataConfig, ModelConfig, Params, SamplingConfig, SFTConfig, flatten, from_dict, load_params, read_yaml, to_dict,
 )
 from pipeline.errors import ConfigError, UserError
 

@@ -8,18 +8,12 @@ from pathlib import Path
 import pytest
 import torch
 
-from pipeline.data import IGNORE, Example, collate_sft, load_demonstrations, tokenize_demonstrations
+from pipeline.data.records import IGNORE, Example, collate_sft, load_demonstrations, tokenize_demonstrations
 from pipeline.errors import DataError
-from pipeline.io import atomic_dir, atomic_write_json, atomic_write_text, read_jsonl, write_jsonl
+from pipeline.data.io import atomic_dir, atomic_write_json, atomic_write_text, read_jsonl, write_jsonl
 from pipeline.tasks import reviews
-from pipeline.tokenizer import (
-    BOS,
-    EOS,
-    PAD,
-    build_word_tokenizer,
-    decode_response,
-    encode_prompt,
-    encode_response,
+from pipeline.data.tokenizer import (
+    BOS, EOS, PAD, build_word_tokenizer, decode_response, encode_prompt, encode_response,
 )
 
 OK = '{"prompt": "p", "response": "r"}'

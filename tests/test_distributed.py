@@ -20,12 +20,12 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from conftest import REPO, TINY, merge, run_env, write_params
-from pipeline import lora
+from pipeline.models import lora
 from pipeline.config import DistributedConfig, LoraConfig, Params, PPOConfig, SamplingConfig, from_dict
-from pipeline.distributed import launch_command, with_node
-from pipeline.engines import deepspeed_config, validate_deepspeed_config
+from pipeline.training.distributed import launch_command, with_node
+from pipeline.training.engines import deepspeed_config, validate_deepspeed_config
 from pipeline.errors import ConfigError
-from pipeline.models import load_policy
+from pipeline.models.checkpoints import load_policy
 from pipeline.ppo.placement import AdapterOff, SharedValueHead, place_models
 from pipeline.ppo.rollout import rollout
 from pipeline.ppo.scoring import policy_logprobs

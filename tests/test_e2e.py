@@ -10,8 +10,11 @@ import torch
 from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification, AutoTokenizer
 
 from conftest import BIN, run
-from pipeline.metric_names import check_run
-from pipeline.tokenizer import decode_response, encode_prompt
+from pipeline.config import load_params
+from pipeline.stages import evaluate as evaluate_stage, ppo as ppo_stage, reward as reward_stage, sft as sft_stage
+from pipeline.stages.spec import resolve
+from pipeline.tracking.metric_names import check_run
+from pipeline.data.tokenizer import decode_response, encode_prompt
 
 
 def test_dvc_repro_tiny_pipeline(tiny_repo):
@@ -92,6 +95,12 @@ def test_dvc_repro_tiny_pipeline(tiny_repo):
     assert verdict.startswith("**") and "the over-optimisation detector stayed quiet" in verdict
     for png in ("scores.png", "kl_frontier.png"):
         assert (tiny_repo / "outputs/evaluate" / png).read_bytes()[:4] == b"\x89PNG"
+
+    # Each stage's config.json is its declaration resolved against the params (and nothing else).
+    params = load_params(tiny_repo / "params.yaml")
+    for module in (sft_stage, reward_stage, ppo_stage, evaluate_stage):
+        written = json.loads((tiny_repo / "outputs" / module.SPEC.name / "config.json").read_text())
+        assert written == resolve(params, module.SPEC), module.SPEC.name
 
     # Every name the run wrote is defined in docs/metrics.md's registry, and every name defined
     # for these conditions was written.

@@ -12,7 +12,7 @@ import textwrap
 import torch
 
 from conftest import REPO, run_env
-from pipeline.engines import StepResult, TrainEngine, warmup_cosine
+from pipeline.training.engines import StepResult, TrainEngine, warmup_cosine
 
 
 def tiny_engine(seed: int = 0) -> TrainEngine:
@@ -49,9 +49,9 @@ def test_plain_engine_skips_a_non_finite_gradient_and_says_so():
 
 DEEPSPEED_SCRIPT = textwrap.dedent("""
     import json, torch
-    from pipeline import distributed
+    from pipeline.training import distributed
     from pipeline.config import DistributedConfig
-    from pipeline.engines import TrainEngine, DeepSpeedEngine, warmup_cosine
+    from pipeline.training.engines import TrainEngine, DeepSpeedEngine, warmup_cosine
     dist = DistributedConfig(backend="deepspeed", zero_stage=1, gradient_accumulation_steps=2)
     out = {}
     with distributed.session(dist) as ctx:

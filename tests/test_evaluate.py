@@ -7,8 +7,8 @@ import pytest
 
 from pipeline.config import EvaluateConfig, from_dict, Params
 from pipeline.errors import ConfigError
-from pipeline.evaluate import (best_of_n_choices, best_of_n_kl, best_of_n_kl_exact, distinct_n, mean_ci, policies,
-                               ppo_vs_best_of_n, verdict, win_rate)
+from pipeline.measurement.stats import best_of_n_choices, best_of_n_kl, best_of_n_kl_exact, distinct_n, mean_ci, win_rate
+from pipeline.stages.evaluate import policies, ppo_vs_best_of_n, verdict
 
 
 def test_win_rate_against_itself_is_one_half():
@@ -54,7 +54,7 @@ def test_distinct_n_and_mean_ci():
 
 
 def test_frontier_collects_points_from_exp_show_rows():
-    from pipeline.frontier import collect, flat_params
+    from pipeline.measurement.frontier import collect, flat_params
     rows = [
         {"Experiment": None, "rev": "workspace", "outputs/evaluate/metrics.json:ppo.kl": 3.0,
          "outputs/evaluate/metrics.json:ppo.rm": 1.0, "outputs/evaluate/metrics.json:ppo.gold": 0.8,

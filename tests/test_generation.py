@@ -5,7 +5,8 @@ import torch
 from transformers import AutoModelForCausalLM, GPT2Config, LlamaConfig
 
 from pipeline.config import SamplingConfig
-from pipeline.generation import filter_logits, left_pad, sample
+from pipeline.data.padding import left_pad, right_pad
+from pipeline.models.generation import filter_logits, sample
 
 EOS, PAD = 1, 0
 
@@ -71,10 +72,13 @@ def test_response_mask_stops_after_first_eos():
         assert (ids[:n - 1] != EOS).all()                  # eos only as the last real token
 
 
-def test_left_pad():
+def test_left_and_right_pad():
     ids, mask = left_pad([[5, 6, 7], [8]], pad_id=0)
     assert ids.tolist() == [[5, 6, 7], [0, 0, 8]]
     assert mask.tolist() == [[True, True, True], [False, False, True]]
+    ids, mask = right_pad([[5, 6, 7], [8]], pad_id=0)
+    assert ids.tolist() == [[5, 6, 7], [8, 0, 0]]
+    assert mask.tolist() == [[True, True, True], [True, False, False]]
 
 
 def test_filter_logits_top_k_and_top_p():
@@ -105,9 +109,9 @@ def test_stop_token_ends_response_and_is_kept():
 
 def test_stop_token_must_be_one_token():
     from pipeline.errors import ConfigError
-    from pipeline.generation import stop_token_id
+    from pipeline.models.generation import stop_token_id
     from pipeline.tasks.reviews import vocabulary
-    from pipeline.tokenizer import build_word_tokenizer
+    from pipeline.data.tokenizer import build_word_tokenizer
     tok = build_word_tokenizer(vocabulary())
     assert stop_token_id(tok, SamplingConfig()) is None
     assert stop_token_id(tok, SamplingConfig(stop_token=".")) == tok.convert_tokens_to_ids(".")

@@ -1,4 +1,4 @@
-"""The metric-name registry (pipeline/metric_names.py) against docs/metrics.md and the committed run."""
+"""The metric-name registry (pipeline/tracking/metric_names.py) against docs/metrics.md and the committed run."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from pipeline import metric_names as mn
+from pipeline.tracking import metric_names as mn
 
 REPO = Path(__file__).resolve().parents[1]
 OUTPUTS = REPO / "outputs"
@@ -34,7 +34,7 @@ def edit_json(path: Path, edit) -> None:
 
 def test_docs_are_generated_from_the_registry():
     assert DOCS.read_text(encoding="utf-8") == mn.render_markdown(), (
-        f"docs/metrics.md differs from pipeline/metric_names.py; edit the registry and run: {mn.REGENERATE}")
+        f"docs/metrics.md differs from pipeline/tracking/metric_names.py; edit the registry and run: {mn.REGENERATE}")
 
 
 def test_registry_is_well_formed():

@@ -10,18 +10,18 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from conftest import tiny_policy_and_reward_model
-from pipeline import reward_model as rm
+from pipeline.models import reward_model as rm
 from pipeline.config import DataConfig, DetectorConfig, Params, PPOConfig, SamplingConfig, from_dict
 from pipeline.errors import ConfigError
-from pipeline.generation import sample
-from pipeline.ppo import stage
+from pipeline.models.generation import sample
+from pipeline.stages import ppo as stage
 from pipeline.ppo.placement import place_models
 from pipeline.ppo.rollout import rollout
 from pipeline.ppo.scoring import policy_logprobs, score_rollout
 from pipeline.errors import NumericalError
 from pipeline.ppo.trainer import PPOTrainer
-from pipeline.prepare import run as prepare_run
-from pipeline.tokenizer import encode_prompt
+from pipeline.stages.prepare import run as prepare_run
+from pipeline.data.tokenizer import encode_prompt
 
 TINY_PPO = dict(iterations=4, rollout_batch_size=8, minibatch_size=4, micro_batch_size=2, ppo_epochs=2,
                 save_every=2, n_eval_prompts=8, lr=1e-3, critic_lr=1e-3,

@@ -10,17 +10,11 @@ import pytest
 import torch
 
 from pipeline.ppo.advantages import (
-    AdaptiveKLController,
-    FixedKLController,
-    assemble_rewards,
-    explained_variance,
-    gae,
-    kl_penalty,
-    masked_mean,
-    masked_var,
-    masked_whiten,
+    AdaptiveKLController, FixedKLController, assemble_rewards, explained_variance, gae, kl_penalty, masked_mean,
+    masked_var, masked_whiten,
 )
-from pipeline.ppo.losses import entropy_from_logits, logprobs_from_logits, policy_loss, value_loss
+from pipeline.models.logprobs import entropy_from_logits, logprobs_from_logits
+from pipeline.ppo.losses import policy_loss, value_loss
 
 F64 = torch.float64
 

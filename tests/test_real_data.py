@@ -19,14 +19,14 @@ from transformers import (AutoModelForCausalLM, AutoModelForSequenceClassificati
                           LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast)
 
 from conftest import REPO, TINY, merge, run_env, write_params
-from pipeline import inputs
+from pipeline.data import inputs
 from pipeline.config import ModelConfig, Params, from_dict
-from pipeline.data import tokenize_demonstrations
+from pipeline.data.records import tokenize_demonstrations
 from pipeline.errors import DataError
-from pipeline.models import init_policy
-from pipeline.reward_model import encode_pair_text
+from pipeline.models.checkpoints import init_policy
+from pipeline.models.reward_model import encode_pair_text
 from pipeline.tasks import reviews
-from pipeline.tokenizer import build_word_tokenizer, encode_prompt, load_tokenizer
+from pipeline.data.tokenizer import build_word_tokenizer, encode_prompt, load_tokenizer
 
 CHAT_TEMPLATE = ("{{ bos_token }}{% for m in messages %}< | {{ m['role'] }} | > {{ m['content'] }} {% endfor %}"
                  "{% if add_generation_prompt %}< | assistant | >{% endif %}")
@@ -213,8 +213,8 @@ def test_policy_and_reward_model_with_different_tokenizers(files):
     ppo = _stage("ppo", params, files, "mixed_ppo", sft="llama_sft/model", reward="gpt2_rm/model")
     assert ppo["train"]["rollouts"] == 8 and abs(ppo["eval"]["rm_ppo"]) < 1e6
     # The reward model's own tokenizer is the one used: scoring a text equals scoring its BPE ids.
-    from pipeline.reward_source import RewardModelSource
-    from pipeline import reward_model as rm
+    from pipeline.models.reward_source import RewardModelSource
+    from pipeline.models import reward_model as rm
     source = RewardModelSource(files / "gpt2_rm/model", max_length=200)
     prompt, response = _examples(1)[0]
     ids = encode_pair_text(source.tok, prompt, response, 200)

@@ -7,8 +7,8 @@ from __future__ import annotations
 import pytest
 
 from conftest import BIN, REPO, copy_repo, run
-from pipeline import recipes, stage_graph
-from pipeline.cluster import check_shape, slurm_resources
+from pipeline.workflow import recipes, stage_graph
+from pipeline.workflow.cluster import check_shape, slurm_resources
 from pipeline.errors import ConfigError
 
 

@@ -19,10 +19,12 @@ import torch
 from safetensors.torch import load_file
 
 from conftest import BIN, TINY, copy_repo, flat, merge, run, run_env, write_params
-from pipeline import errors, resume, reward, sft
+from pipeline import errors
+from pipeline.training import resume, supervised
+from pipeline.stages import reward, sft
 from pipeline.config import DataConfig, Params, from_dict
 from pipeline.errors import NumericalError
-from pipeline.prepare import run as prepare_run
+from pipeline.stages.prepare import run as prepare_run
 
 TIME_KEYS = ("seconds", "time", "tokens_per_second")
 
@@ -57,7 +59,8 @@ def _rows(path: Path) -> list[dict]:
 
 
 def _die_at(monkeypatch, module, where: str) -> None:
-    """Interrupt the loop of `module` when it checks the first quantity of step `where`."""
+    """Interrupt the supervised loop (SFT's and the RM's) when it checks the first quantity of step `where`."""
+    module = supervised
     real = module.check_finite
 
     def dying(at, name, value):
@@ -139,7 +142,7 @@ def test_sft_nan_stops_at_the_step_and_keeps_the_checkpoint(quantity, data, tmp_
 
 
 def test_reward_nan_stops_at_the_step(data, sft_model, tmp_path, monkeypatch):
-    from pipeline import reward_model as rm
+    from pipeline.models import reward_model as rm
     real, calls = rm.pairwise_loss_sum, {"n": 0}
 
     def broken(rc, rr, margin):

@@ -15,8 +15,8 @@ import random
 import pytest
 
 from pipeline.config import DataConfig
-from pipeline.prepare import SPLITS, bradley_terry_label, build_splits, check_leakage, make_pairs, run
-from pipeline.io import read_jsonl
+from pipeline.stages.prepare import SPLITS, bradley_terry_label, build_splits, check_leakage, make_pairs, run
+from pipeline.data.io import read_jsonl
 from pipeline.tasks import reviews as R
 
 PROMPT = "Write a review of the film Crimson Harbor . Discuss the music ."
@@ -340,7 +340,7 @@ def test_aspect_contrast_pairs_leave_other_splits_byte_identical():
 
 
 def test_audit_pairs_are_fresh_and_disjoint_from_the_training_pairs():
-    from pipeline.prepare import pair_key
+    from pipeline.stages.prepare import pair_key
     plain, _ = build_splits(DataConfig(**{**SMALL.__dict__, "n_pairs": 300}))
     splits, stats = build_splits(DataConfig(**{**SMALL.__dict__, "n_pairs": 300, "n_audit_pairs": 300}))
     for name in SPLITS:                       # opting in changes no other split

@@ -8,10 +8,11 @@ import pytest
 import torch
 from transformers import AutoModelForSequenceClassification, GPT2Config, LlamaConfig
 
-from pipeline import reward_model as rm
+from pipeline.data.padding import right_pad
+from pipeline.models import reward_model as rm
 from pipeline.errors import DataError
-from pipeline.preferences import Pair, load_pairs
-from pipeline.reward import calibration, gold_order_agreement
+from pipeline.data.preferences import Pair, load_pairs
+from pipeline.stages.reward import calibration, gold_order_agreement
 
 
 def test_pairwise_loss_hand_computed():
@@ -50,7 +51,8 @@ def test_score_read_at_last_real_token_any_padding_side(arch):
     model = _tiny_rm(arch)
     pad = model.config.pad_token_id
     seqs = [[5, 6, 7, 8, 1], [9, 10, 1], [11, 12, 13, 1]]      # each ends with eos = 1
-    right_ids, right_mask = rm.pad_right(seqs, pad)
+    right_ids, right_mask = right_pad(seqs, pad)
+    right_mask = right_mask.long()
     width = right_ids.size(1)
     left_ids = torch.full_like(right_ids, pad)
     left_mask = torch.zeros_like(right_mask)
@@ -77,7 +79,7 @@ def test_length_sorted_parts_equal_one_padded_batch_in_scores_and_gradients():
     gen = torch.Generator().manual_seed(0)
     seqs = [torch.randint(2, 20, (int(n),), generator=gen).tolist() + [1]
             for n in torch.randint(2, 12, (7,), generator=gen)]
-    whole = rm.raw_scores(model, *rm.pad_right(seqs, pad))
+    whole = rm.raw_scores(model, right_pad(seqs, pad)[0], right_pad(seqs, pad)[1].long())
     weights = torch.linspace(-1.0, 1.0, len(seqs), dtype=whole.dtype)
     grads_whole = torch.autograd.grad((whole * weights).sum(), list(model.parameters()))
     parts = rm.length_sorted_scores(model, seqs, pad, max_rows=3)     # 3 parts of 2-3 rows
@@ -88,7 +90,7 @@ def test_length_sorted_parts_equal_one_padded_batch_in_scores_and_gradients():
         assert torch.allclose(a, b, atol=1e-10)
 
 def test_head_init_std_and_offset(tmp_path):
-    from pipeline.tokenizer import build_word_tokenizer
+    from pipeline.data.tokenizer import build_word_tokenizer
     tok = build_word_tokenizer(["a", "b", "good", "."])
     cfg = LlamaConfig(vocab_size=len(tok), hidden_size=64, intermediate_size=32, num_hidden_layers=1,
                       num_attention_heads=2, num_key_value_heads=2, pad_token_id=tok.pad_token_id)
@@ -104,9 +106,9 @@ def test_head_init_std_and_offset(tmp_path):
 
 def test_normalisation_makes_reference_mean_zero(tmp_path):
     from pipeline.config import Params
-    from pipeline.reward import normalise
+    from pipeline.stages.reward import normalise
     from pipeline.tasks import reviews
-    from pipeline.tokenizer import build_word_tokenizer
+    from pipeline.data.tokenizer import build_word_tokenizer
     from transformers import AutoModelForCausalLM
     tok = build_word_tokenizer(reviews.vocabulary())
     cfg = LlamaConfig(vocab_size=len(tok), hidden_size=16, intermediate_size=32, num_hidden_layers=1,
@@ -167,7 +169,7 @@ def test_messages_layout_like_ultrafeedback_parquet_and_saved_dataset(tmp_path):
     no_prompt = [{k: v for k, v in UF[0].items() if k != "prompt"}]
     prompt = load_pairs(_jsonl(tmp_path / "np.jsonl", no_prompt))[0].prompt
     assert prompt == [{"role": "user", "content": "Name a colour."}]
-    from pipeline.tokenizer import prompt_text
+    from pipeline.data.tokenizer import prompt_text
     assert prompt_text(prompt) == "user: Name a colour."
 
 
@@ -236,9 +238,9 @@ def test_gold_order_agreement_hand_computed():
 
 
 def test_overlong_pairs_truncated_or_dropped_and_counted():
-    from pipeline.reward import fit_pairs
+    from pipeline.stages.reward import fit_pairs
     from pipeline.tasks import reviews
-    from pipeline.tokenizer import build_word_tokenizer
+    from pipeline.data.tokenizer import build_word_tokenizer
     tok = build_word_tokenizer(reviews.vocabulary())
     short = Pair("Review the film Lost River .", "the plot was good .", "the plot was bad .")
     long = Pair("Review the film Lost River .", "the plot was good . " * 6, "the plot was bad .")

@@ -9,7 +9,7 @@ from __future__ import annotations
 import re
 
 from conftest import BIN, REPO, TINY, copy_repo, run, write_params
-from pipeline import stage_graph
+from pipeline.workflow import stage_graph
 from pipeline.config import ModelConfig
 
 SOURCES = sorted((REPO / "pipeline").rglob("*.py")) + sorted((REPO / "scripts").glob("*.py")) + [REPO / "Snakefile"]

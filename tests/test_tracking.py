@@ -18,14 +18,14 @@ from mlflow import MlflowClient
 from ruamel.yaml import YAML
 
 from conftest import BIN, TINY, flat, run, tiny_policy_and_reward_model
-from pipeline import mlflow_tracking as tracking
-from pipeline import sft
+from pipeline.tracking import mlflow_sink as tracking
+from pipeline.stages import sft
 from pipeline.config import DataConfig, ModelConfig, Params, PPOConfig, SamplingConfig, SFTConfig, load_params
 from pipeline.errors import ConfigError
-from pipeline.mlflow_tracking import deps_hash, lock_deps_hash, stage_tracking, tracking_uri
-from pipeline.ppo import stage as ppo_stage
-from pipeline.prepare import run as prepare_run
-from pipeline.tracking import NO_TRACKER, StepLog, Tracker, write_metrics
+from pipeline.tracking.mlflow_sink import deps_hash, lock_deps_hash, stage_tracking, tracking_uri
+from pipeline.stages import ppo as ppo_stage
+from pipeline.stages.prepare import run as prepare_run
+from pipeline.tracking.sinks import NO_TRACKER, StepLog, Tracker, write_metrics
 
 TINY_MODEL = ModelConfig(hidden_size=32, num_layers=1, num_heads=2, intermediate_size=64)
 
@@ -143,7 +143,7 @@ def test_dvc_exp_run_logs_one_parent_with_nested_stage_runs(tiny_repo, tmp_path,
     # deps_hash describes the deps as they are now, not the dvc.lock of the last run.
     monkeypatch.chdir(tiny_repo)
     monkeypatch.setenv("DVC_STAGE", "sft")
-    source = tiny_repo / "pipeline/sft.py"
+    source = tiny_repo / "pipeline/stages/sft.py"
     text = source.read_text()
     source.write_text(text + "# changed\n")
     changed, how = deps_hash("sft", [])

@@ -9,7 +9,7 @@ Contents of the checkpoint folder:
 - `state.json`: iteration, KL controller, the prompt sampler's pending order, the step log so far
   (columns in order, and rows), the number of processes, and the fingerprint of the run
 
-Fingerprint, staging and the swap are shared with SFT and RM: see pipeline/resume.py.
+Fingerprint, staging and the swap are shared with SFT and RM: see pipeline/training/resume.py.
 """
 
 from __future__ import annotations
@@ -19,8 +19,8 @@ from pathlib import Path
 import torch
 
 from ..errors import CheckpointError
-from ..resume import fingerprint, load_engine, load_rng, read_state, save_staged
-from ..tracking import StepLog
+from ..training.resume import fingerprint, load_engine, load_rng, read_state, save_staged
+from ..tracking.sinks import StepLog
 from .trainer import PPOTrainer
 
 __all__ = ["fingerprint", "load", "restore_actor", "save"]

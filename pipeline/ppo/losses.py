@@ -16,7 +16,8 @@ from __future__ import annotations
 
 import torch
 
-from pipeline.ppo.advantages import _check_mask, masked_mean
+
+from .advantages import _check_mask, masked_mean
 
 
 def _token_mean(
@@ -131,29 +132,3 @@ def value_loss(
     }
     return loss, stats
 
-
-def logprobs_from_logits(
-    logits: torch.Tensor,  # (B, R, V) next-token logits aligned with labels
-    labels: torch.Tensor,  # (B, R) int64 token ids whose log-prob is wanted
-) -> torch.Tensor:  # (B, R) log softmax(logits)[labels]
-    """log p(label) = logit[label] - logsumexp(logits).
-
-    Avoids keeping a (B, R, V) log_softmax copy alive for backward; logsumexp
-    is stable (max-shifted). Pass float32 or wider logits: logsumexp over a
-    large vocabulary in bfloat16 loses the precision PPO ratios need.
-    """
-    picked = torch.gather(logits, dim=-1, index=labels.unsqueeze(-1)).squeeze(-1)
-    return picked - torch.logsumexp(logits, dim=-1)
-
-
-def entropy_from_logits(
-    logits: torch.Tensor,  # (B, R, V)
-) -> torch.Tensor:  # (B, R) entropy of softmax(logits) in nats
-    """H = logsumexp(z) - sum_v softmax(z)_v z_v, the stable form of -sum p log p.
-
-    The sum over V is an einsum (a batched dot product) rather than
-    ``(probs * logits).sum(-1)``, which would allocate a second (B, R, V)
-    tensor. Logits must be finite (-inf gives 0 * -inf = NaN).
-    """
-    probs = torch.softmax(logits, dim=-1)
-    return torch.logsumexp(logits, dim=-1) - torch.einsum("...v,...v->...", probs, logits)

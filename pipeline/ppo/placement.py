@@ -24,14 +24,14 @@ from typing import Any
 import torch
 from transformers import PreTrainedTokenizerBase
 
-from .. import lora
-from .. import reward_model as rm
+from ..models import lora
+from ..models import reward_model as rm
 from ..config import Params
-from ..distributed import SINGLE, Context
-from ..engines import FrozenModel, TrainEngine, make_engine
+from ..training.distributed import SINGLE, Context
+from ..training.engines import FrozenModel, TrainEngine, make_engine
 from ..errors import CheckpointError
-from ..models import load_policy
-from ..reward_source import RewardModelSource, RewardSource, make_reward_source
+from ..models.checkpoints import load_policy
+from ..models.reward_source import RewardModelSource, RewardSource, make_reward_source
 
 
 @dataclass

@@ -13,8 +13,9 @@ import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from ..config import SamplingConfig
-from ..generation import sample, stop_token_id
-from ..tokenizer import decode_response, encode_prompt
+from ..models.generation import sample, stop_token_id
+from ..data.padding import positions
+from ..data.tokenizer import decode_response, encode_prompt
 
 
 @dataclass
@@ -31,7 +32,7 @@ class Rollout:
 
     @property
     def position_ids(self) -> torch.Tensor:  # (B, T)
-        return (self.attention_mask.cumsum(-1) - 1).clamp(min=0)
+        return positions(self.attention_mask)
 
     def select(self, idx: torch.Tensor, trim: bool = False) -> "Rollout":
         """The rows `idx` (a micro-batch). With `trim`, columns that are padding in every selected

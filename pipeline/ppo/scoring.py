@@ -7,46 +7,21 @@ update does, so the ratio is 1 at the first minibatch.
 
 from __future__ import annotations
 
-import functools
-import inspect
 from dataclasses import dataclass
 
 import torch
 from transformers import PreTrainedModel
 
-from .. import lora
-from .. import reward_model as rm
-from ..reward_source import RewardSource
-from .losses import entropy_from_logits, logprobs_from_logits
+from ..models import logprobs
+from ..models import reward_model as rm
+from ..models.reward_source import RewardSource
 from .rollout import Rollout
 
 
-def _hf_model(model) -> torch.nn.Module:
-    """The Hugging Face model behind a DeepSpeed engine's forward (its `module`), the LoRA
-    reference view (`AdapterOff`) or a PEFT wrapper."""
-    inner = getattr(model, "module", model)
-    inner = getattr(inner, "_actor", [inner])[0]
-    return lora.unwrap(inner)
-
-
-def keeps_logits(model) -> bool:
-    """Whether the model's forward can compute logits for the last k positions only."""
-    return _class_keeps_logits(type(_hf_model(model)))
-
-
-@functools.cache
-def _class_keeps_logits(cls: type) -> bool:   # once per class: this runs on every training forward
-    return "logits_to_keep" in inspect.signature(cls.forward).parameters
-
-
 def response_logits(model: PreTrainedModel, ro: Rollout, temperature: float) -> torch.Tensor:
-    """(B, R, V) temperature-scaled logits that predict each response token. Only the last R + 1
-    positions go through the LM head when the model allows it (prompt logits are never used)."""
-    R = ro.response_mask.size(1)
-    extra = {"logits_to_keep": R + 1} if keeps_logits(model) else {}
-    logits = model(input_ids=ro.input_ids, attention_mask=ro.attention_mask,
-                   position_ids=ro.position_ids, **extra).logits              # (B, T or R + 1, V)
-    return logits[:, -(R + 1):-1].float() / temperature
+    """(B, R, V) temperature-scaled logits that predict each response token of the rollout."""
+    return logprobs.response_logits(model, ro.input_ids, ro.attention_mask, ro.position_ids,
+                                    ro.response_mask.size(1), temperature)
 
 
 def policy_logprobs(model: PreTrainedModel, ro: Rollout, temperature: float,
@@ -55,13 +30,13 @@ def policy_logprobs(model: PreTrainedModel, ro: Rollout, temperature: float,
     graph when `entropy_grad` is False: logged, not trained on)."""
     logits = response_logits(model, ro, temperature)
     labels = ro.input_ids[:, ro.n_prompt:]
-    logprobs = logprobs_from_logits(logits, labels)
+    lp = logprobs.logprobs_from_logits(logits, labels)
     if not with_entropy:
-        return logprobs, None
+        return lp, None
     if entropy_grad:
-        return logprobs, entropy_from_logits(logits)
+        return lp, logprobs.entropy_from_logits(logits)
     with torch.no_grad():
-        return logprobs, entropy_from_logits(logits.detach())
+        return lp, logprobs.entropy_from_logits(logits.detach())
 
 
 def critic_values(critic: PreTrainedModel, ro: Rollout) -> torch.Tensor:

@@ -22,8 +22,8 @@ import torch
 
 from ..config import PPOConfig
 from ..errors import check_finite
-from ..evaluate import distinct_n
-from ..training import BatchSampler
+from ..measurement.stats import distinct_n
+from ..training.batches import BatchSampler
 from . import advantages as adv
 from .losses import policy_loss, value_loss
 from .placement import PPOModels

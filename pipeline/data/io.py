@@ -1,0 +1,167 @@
+"""Atomic outputs and validated JSONL inputs.
+
+Every file or folder a stage produces is written under a temporary name in the same directory and
+renamed into place, so a crash never leaves a half-written output that DVC would then cache.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import shutil
+import tempfile
+from pathlib import Path
+from typing import Any, Iterator, Sequence
+
+
+from ..errors import DataError
+
+
+def atomic_write_text(path: str | Path, text: str) -> None:
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as f:
+            f.write(text)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(tmp)
+        raise
+
+
+def atomic_write_json(path: str | Path, obj: Any) -> None:
+    atomic_write_text(path, json.dumps(obj, indent=2, sort_keys=True) + "\n")
+
+
+def write_jsonl(path: str | Path, rows: Sequence[dict[str, Any]]) -> None:
+    atomic_write_text(path, "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in rows))
+
+
+@contextlib.contextmanager
+def atomic_dir(target: str | Path) -> Iterator[Path]:
+    """Yield a fresh temporary folder; on success it replaces `target` whole, on error it vanishes.
+
+    The old `target` is kept until the new one is complete, so an interrupted run loses nothing.
+    """
+    target = Path(target)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(dir=target.parent, prefix=f".{target.name}.", suffix=".tmp"))
+    try:
+        yield tmp
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    swap_in(tmp, target)
+
+
+def swap_in(new: Path, target: Path) -> None:
+    """Replace folder `target` by the complete folder `new` (the old one stays until then)."""
+    old = target.with_name(f".{target.name}.old")
+    shutil.rmtree(old, ignore_errors=True)
+    if target.exists():
+        os.replace(target, old)
+    os.replace(new, target)
+    shutil.rmtree(old, ignore_errors=True)
+
+
+def numbered_jsonl(path: str | Path) -> list[tuple[int, dict[str, Any]]]:
+    """(line number, object) for every non-blank line; a malformed line is a `file:line:` error."""
+    path = Path(path)
+    try:
+        raw = path.read_bytes()
+    except FileNotFoundError:
+        raise DataError(f"{path}: no such file") from None
+    rows = []
+    for lineno, line in enumerate(raw.split(b"\n"), start=1):
+        if not line.strip():
+            continue
+        try:
+            text = line.decode("utf-8")
+        except UnicodeDecodeError as err:
+            raise DataError(f"{path}:{lineno}: invalid UTF-8 at byte {err.start}") from None
+        try:
+            row = json.loads(text)
+        except json.JSONDecodeError as err:
+            raise DataError(f"{path}:{lineno}: malformed JSON: {err.msg} (column {err.colno})") from None
+        if not isinstance(row, dict):
+            raise DataError(f"{path}:{lineno}: expected a JSON object, got {type(row).__name__}")
+        rows.append((lineno, row))
+    if not rows:
+        raise DataError(f"{path}: no records")
+    return rows
+
+
+def read_records(path: str | Path, required: Sequence[str], nonempty: Sequence[str] = (),
+                 allowed: Sequence[str] | None = None) -> list[tuple[str, dict[str, Any]]]:
+    """(`file:line`, row) for every record of a JSONL file, each checked; errors read
+    `file:line: what is wrong`. `required` fields must be present; `nonempty` fields must be
+    strings with visible text; with `allowed` (a fixed schema) any other field is an error; ids
+    (an `id` field) must be unique."""
+    records = []
+    for lineno, row in numbered_jsonl(path):
+        where = f"{path}:{lineno}"
+        for key in required:
+            if key not in row:
+                raise DataError(f"{where}: missing field '{key}'")
+        for key in nonempty:
+            nonempty_text(row.get(key), where, key)
+        if allowed is not None:
+            check_fields(where, row, allowed)
+        records.append((where, row))
+    check_ids(records)
+    return records
+
+
+def read_jsonl(path: str | Path, required: Sequence[str], nonempty: Sequence[str] = (),
+               allowed: Sequence[str] | None = None) -> list[dict[str, Any]]:
+    """The rows of `read_records`, without their locations."""
+    return [row for _, row in read_records(path, required, nonempty, allowed)]
+
+
+def nonempty_text(value: Any, where: str, key: str) -> str:
+    """`value` when it is a string with something besides white space, else a DataError naming
+    the record (`where`) and the field (the one check of text fields, whatever the source)."""
+    if not isinstance(value, str):
+        raise DataError(f"{where}: field '{key}' must be a string, got {type(value).__name__}")
+    if not value.strip():
+        raise DataError(f"{where}: field '{key}' is empty")
+    return value
+
+
+def check_fields(where: str, row: dict[str, Any], allowed: Sequence[str]) -> None:
+    """A record of a fixed schema holds no field outside `allowed`."""
+    extra = sorted(set(row) - set(allowed))
+    if extra:
+        raise DataError(f"{where}: unexpected field '{extra[0]}' (this file's fields: {', '.join(allowed)})")
+
+
+def check_ids(records: Sequence[tuple[str, dict[str, Any]]], key: str = "id") -> None:
+    """Records that carry an id must not share one (a duplicated record, or two files merged)."""
+    first: dict[str, str] = {}
+    for where, row in records:
+        if key in row and row[key] is not None:
+            value = json.dumps(row[key], sort_keys=True, default=str)
+            if value in first:
+                raise DataError(f"{where}: duplicate {key} {value} (first at {first[value]})")
+            first[value] = where
+
+
+def remove_stale(*paths: Path) -> None:
+    """Remove files or folders a previous run of a stage wrote and this run does not (an adapter/
+    after LoRA was switched off, a DeepSpeed config after going back to plain PyTorch), so a
+    stage's folder never mixes two runs."""
+    for path in paths:
+        if path.is_dir():
+            shutil.rmtree(path)
+        elif path.exists():
+            path.unlink()
+
+
+def stale_extras(out: Path, lora: bool, deepspeed: bool) -> None:
+    """The optional extras of a training stage's folder that this run will not write."""
+    remove_stale(*([] if lora else [out / "adapter"]), *([] if deepspeed else [out / "deepspeed_config.json"]))

@@ -1,0 +1,78 @@
+"""Reading the stages' inputs with validation, and tokenizing them for training.
+
+Every record is checked before any compute: a malformed line, a missing field or an empty text
+stops the stage with `file:line: what is wrong`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from transformers import PreTrainedTokenizerBase
+
+from ..errors import DataError
+from .io import read_records
+from .padding import right_pad
+from .tokenizer import encode_prompt, encode_response
+
+IGNORE = -100  # label value that HF causal-LM losses skip
+
+
+def load_demonstrations(path: Path) -> list[dict]:
+    """{prompt, response, where} of the prepared task's demonstrations (fields prompt, response, id)."""
+    return [{"prompt": r["prompt"], "response": r["response"], "where": where}
+            for where, r in read_records(path, required=("prompt", "response"), nonempty=("prompt", "response"),
+                                         allowed=("prompt", "response", "id"))]
+
+
+def load_prompts(path: Path) -> list[tuple[str, str]]:
+    """(where, prompt) of the prepared task's prompts (fields prompt, id)."""
+    return [(where, r["prompt"]) for where, r in read_records(path, required=("prompt",), nonempty=("prompt",),
+                                                               allowed=("prompt", "id"))]
+
+
+@dataclass(frozen=True)
+class Example:
+    """One tokenized demonstration: prompt ids then response ids (ending in eos)."""
+    input_ids: list[int]
+    n_prompt: int
+
+
+def tokenize_demonstrations(rows: list[dict], tok: PreTrainedTokenizerBase, max_length: int,
+                            source: Path | str, overlong: str = "truncate") -> tuple[list[Example], int, int]:
+    """Tokenize. A demonstration longer than `max_length` keeps its response and loses the
+    prompt's left end (`overlong: truncate`: the instruction's tail and the response matter most),
+    or is left out (`drop`), or is an error naming it (`error`). Returns examples and how many were
+    truncated and dropped. A response alone longer than the limit is an error under `truncate`
+    (nothing sensible is left)."""
+    examples, truncated, dropped = [], 0, 0
+    for i, row in enumerate(rows):
+        p, r = encode_prompt(tok, row["prompt"]), encode_response(tok, row["response"])
+        if len(p) + len(r) > max_length:
+            where = row.get("where", f"{source}: record {i + 1}")
+            if overlong == "error":
+                raise DataError(f"{where}: prompt + response of "
+                                f"{len(p) + len(r)} tokens exceed sft.max_length={max_length} (sft.overlong: "
+                                f"truncate or drop accepts such records)")
+            if overlong == "drop":
+                dropped += 1
+                continue
+            if len(r) >= max_length:
+                raise DataError(f"{where}: response of {len(r)} tokens exceeds "
+                                f"sft.max_length={max_length} (sft.overlong: drop skips such records)")
+            p, truncated = p[len(p) + len(r) - max_length:], truncated + 1
+        examples.append(Example(p + r, len(p)))
+    if not examples:
+        raise DataError(f"{source}: every record is longer than sft.max_length={max_length}")
+    return examples, truncated, dropped
+
+
+def collate_sft(batch: list[Example], pad_id: int) -> dict[str, torch.Tensor]:
+    """Right-padded (B, T) input_ids/attention_mask and labels with prompt and pads ignored."""
+    ids, mask = right_pad([e.input_ids for e in batch], pad_id)
+    labels = ids.masked_fill(~mask, IGNORE)
+    for i, e in enumerate(batch):
+        labels[i, :e.n_prompt] = IGNORE
+    return {"input_ids": ids, "attention_mask": mask.long(), "labels": labels}

@@ -1,0 +1,89 @@
+"""`python -m pipeline frontier`: gold-vs-KL and RM-vs-KL across DVC experiments, as a PNG.
+
+Reads the experiments of the last commits (`dvc.api.exp_show`), takes the PPO policy's KL to SFT,
+reward-model score and gold score from the evaluate stage's metrics, and the experiment's
+`ppo.kl_coef`, and draws both scores against KL. A sweep over kl_coef traces the frontier; with a
+small penalty the RM score keeps rising while the gold score falls (reward over-optimisation,
+Gao et al. 2023).
+"""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+from typing import Any, Mapping, Optional
+
+from ..config import read_yaml
+from ..data.io import atomic_write_text
+from .comparison_plots import frontier_plot
+
+METRICS = {"kl": "ppo.kl", "rm": "ppo.rm", "gold": "ppo.gold"}
+FIXED_SECTIONS = ("data", "model", "sft", "reward")   # what the SFT policy and the RM depend on
+
+
+def _lookup(row: dict[str, Any], suffix: str) -> Optional[float]:
+    """A value whose key ends with `suffix` (DVC may prefix keys with their metrics file)."""
+    for key, value in row.items():
+        if (key == suffix or key.endswith(":" + suffix) or key.endswith("." + suffix)) and isinstance(value, (int, float)):
+            return float(value)
+    return None
+
+
+def _same(row: dict[str, Any], key: str, want: Any) -> bool:
+    """Whether the row's param `key` (possibly file-prefixed) equals `want`; floats compare closely."""
+    for k, value in row.items():
+        if k == key or k.endswith(":" + key):
+            if isinstance(value, (int, float)) and isinstance(want, (int, float)) and not isinstance(want, bool):
+                return math.isclose(value, want, rel_tol=1e-9)
+            return value == want or str(value) == str(want)   # exp_show renders None and bools as text
+    return False
+
+
+def flat_params(section: Mapping[str, Any], prefix: str) -> dict[str, Any]:
+    """{"model.num_layers": 4, "sft.sampling.top_k": 0, ...}: dotted keys as `dvc exp show` names them."""
+    out: dict[str, Any] = {}
+    for k, v in section.items():
+        out.update(flat_params(v, f"{prefix}{k}.") if isinstance(v, Mapping) else {f"{prefix}{k}": v})
+    return out
+
+
+def collect(rows: list[dict[str, Any]], fixed: Optional[Mapping[str, Any]] = None) -> list[dict[str, Any]]:
+    """One point per experiment that has the evaluate stage's PPO metrics and whose params equal
+    `fixed` (dotted keys): the frontier compares policies trained against the same SFT model and RM.
+    The workspace, the branch and the commit of one baseline show the same numbers: the first name
+    is kept."""
+    points, seen = [], set()
+    for row in rows:
+        if fixed and not all(_same(row, k, v) for k, v in fixed.items()):
+            continue
+        values = {name: _lookup(row, key) for name, key in METRICS.items()}
+        coef = _lookup(row, "ppo.kl_coef")
+        if values["kl"] is None or values["rm"] is None or coef is None:
+            continue
+        key = (coef, *values.values())
+        if key not in seen:
+            seen.add(key)
+            points.append({"name": row.get("Experiment") or row.get("rev") or "workspace", "kl_coef": coef, **values})
+    return sorted(points, key=lambda p: p["kl_coef"])
+
+
+def main(out: Path = Path("outputs/frontier.png"), num: int = 10) -> list[dict[str, Any]]:
+    import dvc.api
+
+    # Experiments of the last `num` commits (a sweep queued before a later commit still counts),
+    # restricted to those whose SFT and RM were built like the workspace's: an older commit may
+    # hold other models (a changed model size would put its baseline on the new frontier).
+    params = read_yaml("params.yaml")
+    fixed = {k: v for section in FIXED_SECTIONS for k, v in flat_params(params[section], f"{section}.").items()}
+    points = collect(dvc.api.exp_show(num=num), fixed)
+    if not points:
+        raise SystemExit("frontier: no experiment has evaluate metrics yet (run `dvc exp run` first)")
+    frontier_plot(points, out)
+    table = ["| experiment | ppo.kl_coef | KL to SFT | RM score | gold score |", "| --- | --- | --- | --- | --- |"]
+    for p in points:
+        gold = f"{p['gold']:.3f}" if p["gold"] is not None else "n/a"
+        table.append(f"| {p['name']} | {p['kl_coef']:g} | {p['kl']:.2f} | {p['rm']:.3f} | {gold} |")
+    atomic_write_text(out.with_suffix(".md"), "\n".join(table) + "\n")
+    print("\n".join(table))
+    print(f"frontier: wrote {out} and {out.with_suffix('.md')}")
+    return points

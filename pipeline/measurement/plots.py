@@ -1,0 +1,42 @@
+"""PNG plots people look at instead of reading tables (rendered offline with matplotlib's Agg):
+the writer every plot uses and the reward model's calibration diagram. The comparison of policies
+(evaluate stage, frontier across experiments) is in comparison_plots.py."""
+
+from __future__ import annotations
+
+import os
+import tempfile
+from pathlib import Path
+
+import matplotlib
+
+matplotlib.use("Agg")  # no display, no network: DVC's own renderer loads its JS from the web
+import matplotlib.pyplot as plt  # noqa: E402
+
+
+def save_figure(fig, path: Path) -> None:
+    """Write atomically: a reader never sees half a PNG."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".png")
+    os.close(fd)
+    try:
+        fig.savefig(tmp, dpi=110, bbox_inches="tight")
+        os.replace(tmp, path)
+    finally:
+        plt.close(fig)
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+
+
+def calibration_plot(bins: list[dict], path: Path) -> None:
+    """Reliability diagram: observed preference rate against the reward model's prediction."""
+    fig, ax = plt.subplots(figsize=(4.5, 4.5))
+    ax.plot([0, 1], [0, 1], color="grey", linestyle="--", label="perfect calibration")
+    ax.plot([b["predicted"] for b in bins], [b["observed"] for b in bins], marker="o", label="reward model")
+    ax.set_xlabel("predicted P(preferred) = sigmoid(r_a - r_b)")
+    ax.set_ylabel("observed rate preferred")
+    ax.set_xlim(0, 1)
+    ax.set_ylim(0, 1)
+    ax.legend(loc="upper left")
+    ax.set_title("Reward model calibration (held-out pairs)")
+    save_figure(fig, path)

@@ -1,0 +1,120 @@
+"""Building and loading models and tokenizers (Hugging Face format throughout).
+
+The default builds a tiny causal LM from a config (random weights, seeded), small enough that the
+whole pipeline runs in minutes on two CPU cores. With `model.name_or_path` set, any checkpoint that
+`AutoModelForCausalLM` loads is used instead. Checkpoints are written with `save_pretrained`
+(safetensors), so `AutoModelForCausalLM` / `AutoTokenizer` load them unchanged.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import torch
+from transformers import AutoModelForCausalLM, GPT2Config, LlamaConfig, PreTrainedModel
+from transformers import PreTrainedTokenizerBase
+
+from ..config import ModelConfig
+from ..errors import CheckpointError
+from ..data.tokenizer import load_tokenizer
+
+
+def tiny_config(cfg: ModelConfig, tok: PreTrainedTokenizerBase):
+    """A transformers config for the tiny default model, sized by the `model` section."""
+    special = dict(bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)
+    if cfg.arch == "llama":
+        return LlamaConfig(vocab_size=len(tok), hidden_size=cfg.hidden_size,
+                           intermediate_size=cfg.intermediate_size, num_hidden_layers=cfg.num_layers,
+                           num_attention_heads=cfg.num_heads, num_key_value_heads=cfg.num_heads,
+                           max_position_embeddings=cfg.max_position_embeddings,
+                           tie_word_embeddings=True, **special)
+    # GPT-2 has dropout by default; RLHF stages need it off (PPO's ratio must be 1 before updates).
+    return GPT2Config(vocab_size=len(tok), n_embd=cfg.hidden_size, n_layer=cfg.num_layers,
+                      n_head=cfg.num_heads, n_inner=cfg.intermediate_size,
+                      n_positions=cfg.max_position_embeddings, resid_pdrop=0.0, embd_pdrop=0.0,
+                      attn_pdrop=0.0, **special)
+
+
+def load_kwargs(cfg: ModelConfig) -> dict:
+    """`from_pretrained` arguments from the `model` params: dtype and attention implementation."""
+    kwargs: dict = {"trust_remote_code": cfg.trust_remote_code}
+    if cfg.dtype != "auto":
+        kwargs["dtype"] = getattr(torch, cfg.dtype)
+    if cfg.attn_implementation is not None:
+        kwargs["attn_implementation"] = cfg.attn_implementation
+    return kwargs
+
+
+def fit_embeddings(model: PreTrainedModel, tok: PreTrainedTokenizerBase) -> PreTrainedModel:
+    """Grow the embeddings when the tokenizer gained tokens (a pad token added on load)."""
+    if len(tok) > model.get_input_embeddings().weight.size(0):
+        model.resize_token_embeddings(len(tok))
+    if model.config.pad_token_id is None:
+        model.config.pad_token_id = tok.pad_token_id
+    return model
+
+
+def from_checkpoint(auto_cls: Any, path: str | Path, *, strict: bool, expected_missing: tuple[str, ...] = (),
+                    **kwargs: Any) -> PreTrainedModel:
+    """`auto_cls.from_pretrained(path)` that refuses weights of another model instead of silently
+    initialising what is missing: a missing or shape-mismatched weight is an error (except
+    `expected_missing` prefixes: a fresh head), and so is an unexpected one when `strict` (a
+    checkpoint this pipeline wrote: a policy folder holding a reward model has an extra `score`
+    weight). Load failures become one-line errors naming the folder."""
+    from transformers.utils import logging as hf_logging
+
+    verbosity = hf_logging.get_verbosity()
+    hf_logging.set_verbosity_error()   # its load report would repeat, as a table, what is checked below
+    try:
+        model, info = auto_cls.from_pretrained(str(path), output_loading_info=True, **kwargs)
+    except (OSError, ValueError, RuntimeError, KeyError, TypeError) as err:
+        first = next((line for line in str(err).splitlines() if line.strip()), type(err).__name__)
+        raise CheckpointError(f"{path}: cannot load as {auto_cls.__name__}: {first.strip()}") from None
+    finally:
+        hf_logging.set_verbosity(verbosity)
+    missing = sorted(k for k in info["missing_keys"] if not k.startswith(expected_missing))
+    unexpected = sorted(info["unexpected_keys"]) if strict else []
+    mismatched = sorted(str(k[0] if isinstance(k, tuple) else k) for k in info["mismatched_keys"])
+    if missing or unexpected or mismatched:
+        parts = [f"{what} {', '.join(keys[:3])}{' ...' if len(keys) > 3 else ''}"
+                 for what, keys in (("missing", missing), ("unexpected", unexpected), ("mismatched", mismatched)) if keys]
+        raise CheckpointError(f"{path}: weights of another model than {type(model).__name__} ({'; '.join(parts)})")
+    return model
+
+
+def init_policy(cfg: ModelConfig, tokenizer_dir: Path, seed: int) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
+    """The SFT starting point: a tiny model from config, or `name_or_path` with its own tokenizer
+    (a pad token added if it has none; dtype and attention implementation from params)."""
+    if cfg.name_or_path is None:
+        tok = load_tokenizer(tokenizer_dir)
+        torch.manual_seed(seed)
+        model = AutoModelForCausalLM.from_config(tiny_config(cfg, tok))
+    else:
+        tok = load_tokenizer(cfg.name_or_path, cfg.trust_remote_code, add_pad=True)
+        model = from_checkpoint(AutoModelForCausalLM, cfg.name_or_path, strict=False, **load_kwargs(cfg))
+        model = fit_embeddings(model, tok)
+    return model, tok
+
+
+def load_policy(path: Path, trust_remote_code: bool = False) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
+    """Load a checkpoint this pipeline wrote, refusing anything but safetensors weights."""
+    path = Path(path)
+    if not (path / "config.json").is_file():
+        raise CheckpointError(f"{path}: not a Hugging Face checkpoint (no config.json)")
+    if not list(path.glob("*.safetensors")):
+        raise CheckpointError(f"{path}: no safetensors weights; this pipeline does not load pickled checkpoints")
+    tok = load_tokenizer(path, trust_remote_code)
+    model = from_checkpoint(AutoModelForCausalLM, path, strict=True, trust_remote_code=trust_remote_code,
+                            use_safetensors=True)
+    n_vocab = json.loads((path / "config.json").read_text())["vocab_size"]
+    if len(tok) > n_vocab:
+        raise CheckpointError(f"{path}: tokenizer has {len(tok)} tokens but the model's vocab_size is {n_vocab}")
+    return model, tok
+
+
+def save_checkpoint(model: PreTrainedModel, tok: PreTrainedTokenizerBase, out: Path) -> None:
+    """An HF checkpoint (safetensors weights, config, tokenizer) in `out`."""
+    model.save_pretrained(str(out), safe_serialization=True)
+    tok.save_pretrained(str(out))

@@ -1,0 +1,68 @@
+"""Where PPO's sequence scores come from: one interface, `score(prompts, responses) -> (B,)`.
+
+- `RewardModelSource`: the trained reward model, applied to the response *text* and re-tokenized
+  with the reward model's own tokenizer, so any policy can be paired with any reward model. Its
+  stored normalisation offset is applied by `reward_model.score_texts`.
+- `FunctionSource`: a Python function named in params as `module:function`, taking
+  `(prompts, responses)` and returning one float per pair: a rule-based verifier, or the default
+  task's gold annotator (`pipeline.tasks.reviews:gold_scores`) for an oracle run.
+"""
+
+from __future__ import annotations
+
+import importlib
+import math
+from pathlib import Path
+from typing import Callable, Protocol, Sequence
+
+import torch
+
+from . import reward_model as rm
+from ..errors import ConfigError
+
+
+class RewardSource(Protocol):
+    def score(self, prompts: list[str], responses: list[str]) -> torch.Tensor:
+        """(B,) float32 score of each (prompt, response)."""
+        ...
+
+
+class RewardModelSource:
+    """A frozen reward model (inference mode, no gradients, dropout off)."""
+
+    def __init__(self, path: Path, max_length: int, trust_remote_code: bool = False,
+                 place: Callable[[torch.nn.Module], torch.nn.Module] | None = None):
+        model, self.tok = rm.load_reward_model(path, trust_remote_code)
+        model.eval().requires_grad_(False)
+        # `place` puts the frozen model where PPO's placement wants it (e.g. partitioned by ZeRO-3).
+        self.model = place(model) if place is not None else model
+        self.max_length = max_length
+
+    def score(self, prompts: list[str], responses: list[str]) -> torch.Tensor:
+        return rm.score_texts(self.model, self.tok, prompts, responses, self.max_length)
+
+
+class FunctionSource:
+    """Scores from `module:function(prompts, responses) -> sequence of floats`."""
+
+    def __init__(self, spec: str):
+        module_name, _, attr = spec.partition(":")
+        try:
+            fn = getattr(importlib.import_module(module_name), attr)
+        except (ImportError, AttributeError) as err:
+            raise ConfigError(f"ppo.reward_source: cannot import {spec!r}: {err}") from None
+        self.fn: Callable[[list[str], list[str]], Sequence[float]] = fn
+        self.spec = spec
+
+    def score(self, prompts: list[str], responses: list[str]) -> torch.Tensor:
+        values = [float(v) for v in self.fn(prompts, responses)]
+        if len(values) != len(prompts) or not all(math.isfinite(v) for v in values):
+            raise ValueError(f"{self.spec}: expected {len(prompts)} finite scores, got {values[:8]}...")
+        return torch.tensor(values, dtype=torch.float32)
+
+
+def make_reward_source(spec: str, reward_dir: Path, max_length: int, trust_remote_code: bool,
+                       place: Callable[[torch.nn.Module], torch.nn.Module] | None = None) -> RewardSource:
+    if spec == "reward_model":
+        return RewardModelSource(reward_dir, max_length, trust_remote_code, place)
+    return FunctionSource(spec)

@@ -1,0 +1,209 @@
+"""The `evaluate` stage: SFT, best-of-n and PPO policies on the held-out prompts.
+
+For each policy: reward-model score, gold score (when the task has a judge), KL to the reference
+(SFT) policy, response length, end-of-response rate, distinct-n diversity. Then win rates of PPO
+over SFT (gold and RM verdicts, ties count half) with bootstrap intervals, and the over-optimisation
+signal: how much more the reward model prefers PPO than the gold annotator does.
+
+Best-of-n samples n responses from SFT and keeps the one the reward model scores highest; its KL
+to SFT is known analytically, log n - (n - 1) / n (Stiennon et al. 2020, appendix G.3), an upper
+bound that is tight when responses rarely repeat. Each n of `evaluate.best_of_n` is measured from
+one draw of max(n) samples per prompt: best-of-n keeps the favourite among the first n, so the
+baselines are nested and cost as much as the largest alone; the KL-vs-score curve they trace is
+what PPO has to beat at its own KL (Gao et al. 2023).
+
+The verdict (first line of report.md, end of the console output, the MLflow parent run's
+description) says in one paragraph whether PPO beat SFT and whether the RM was gamed.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any, Callable, Optional
+
+from ..config import EvaluateConfig, Params
+from ..data import inputs
+from ..data.io import atomic_write_text
+from ..measurement.comparison_plots import evaluation_plots
+from ..measurement.policy import Measured, measure, summary
+from ..measurement.stats import best_of_n_choices, best_of_n_kl, win_rate
+from ..models.checkpoints import load_policy
+from ..models.reward_source import RewardModelSource
+from ..tracking.sinks import StepLog
+from .skeleton import stage_run
+from .spec import StageSpec
+
+SPEC = StageSpec("evaluate", inputs=("data", "sft", "reward", "ppo"), reads=(
+    "data.task", "model.trust_remote_code",
+    "reward.max_length",         # the reward model scores as it was trained
+    "ppo.sampling",              # every policy samples as PPO's rollouts did
+    "ppo.dataset",               # held-out prompts
+    "sft.dataset.path",          # the gold judge applies only to the default task's own data
+    "reward.dataset.path",
+    "evaluate",
+))
+
+
+def policies(cfg: EvaluateConfig) -> tuple[str, ...]:
+    """Policy names in report order: sft, best_of_<n> for each n, ppo."""
+    return ("sft", *(f"best_of_{n}" for n in cfg.best_of_n), "ppo")
+
+
+# ---- Policies ----------------------------------------------------------------------------------------
+
+
+def sample_policies(params: Params, sft_dir: Path, ppo_dir: Path, reward: RewardModelSource,
+                    prompts: list[str], judge: Optional[Callable]) -> dict[str, Measured]:
+    """Responses and per-response measurements of each policy on `prompts`."""
+    cfg, sampling = params.evaluate, params.ppo.sampling
+    sft, tok = load_policy(sft_dir, params.model.trust_remote_code)
+    ppo, _ = load_policy(ppo_dir, params.model.trust_remote_code)
+    out = {name: measure(policy, tok, prompts, sampling, cfg.seed, reward=reward.score, ref=sft, judge=judge)
+           for name, policy in (("sft", sft), ("ppo", ppo))}
+    # Best-of-n from SFT: max(n) samples per prompt (seed per sample), scored once; each n keeps
+    # the RM's favourite among the first n.
+    cands = [measure(sft, tok, prompts, sampling, cfg.seed + 1 + k, reward=reward.score)
+             for k in range(max(cfg.best_of_n))]
+    scores = [c.values["rm"] for c in cands]
+    for n, best in best_of_n_choices(scores, cfg.best_of_n).items():
+        texts = [cands[k].texts[i] for i, k in enumerate(best)]
+        out[f"best_of_{n}"] = Measured(texts, [cands[k].ended[i] for i, k in enumerate(best)],
+                                       {"rm": [scores[k][i] for i, k in enumerate(best)],
+                                        "kl": [best_of_n_kl(n)] * len(prompts)})
+        if judge is not None:
+            out[f"best_of_{n}"].values["gold"] = [judge(p, r) for p, r in zip(prompts, texts)]
+    return out
+
+
+def summarise(per: dict[str, Measured], n_boot: int, seed: int) -> dict[str, Any]:
+    m: dict[str, Any] = {}
+    for name, measured in per.items():
+        m.update(summary(measured, lambda key: f"{name}/{key}"))
+    has_gold = "gold" in per["sft"].values
+    for key in ("rm", "gold") if has_gold else ("rm",):
+        rate, low, high = win_rate(per["ppo"].values[key], per["sft"].values[key], n_boot, seed)
+        m[f"win_rate/ppo_vs_sft_{key}"], m[f"win_rate/ppo_vs_sft_{key}_low"], m[f"win_rate/ppo_vs_sft_{key}_high"] = rate, low, high
+    if has_gold:
+        # Over-optimisation: the RM's verdict minus the gold verdict on the same comparisons.
+        m["overoptimisation/win_rate_gap"] = m["win_rate/ppo_vs_sft_rm"] - m["win_rate/ppo_vs_sft_gold"]
+    return m
+
+
+def samples_markdown(per: dict[str, Measured], prompts: list[str], k: int) -> str:
+    sft, ppo = per["sft"], per["ppo"]
+    has_gold = "gold" in sft.values
+    lines = ["| prompt | SFT | PPO | RM (SFT / PPO) |" + (" gold (SFT / PPO) |" if has_gold else ""),
+             "| --- | --- | --- | --- |" + (" --- |" if has_gold else "")]
+    for i in range(min(k, len(prompts))):
+        row = f"| {prompts[i]} | {sft.texts[i]} | {ppo.texts[i]} | " \
+              f"{sft.values['rm'][i]:.2f} / {ppo.values['rm'][i]:.2f} |"
+        if has_gold:
+            row += f" {sft.values['gold'][i]:.2f} / {ppo.values['gold'][i]:.2f} |"
+        lines.append(row.replace("\n", " "))
+    return "\n".join(lines) + "\n"
+
+
+def ppo_vs_best_of_n(m: dict[str, Any], ns: tuple[int, ...], key: str) -> list[str]:
+    """Report lines: for each best-of-n, its KL and mean `key` score (gold, or RM without a judge)
+    against PPO's; last, PPO against the best-of-n nearest to it in KL."""
+    judge = "gold" if key == "gold" else "RM score"
+    ppo_kl, ppo = m["ppo/kl"], m[f"ppo/{key}"]
+    lines = []
+    for n in ns:
+        kl, b = m[f"best_of_{n}/kl"], m[f"best_of_{n}/{key}"]
+        lines.append(f"- best_of_{n} sits at KL {kl:.2f} with {judge} {b:.3f}; PPO, at KL {ppo_kl:.2f} with "
+                     f"{ppo:.3f}, {'beats' if ppo > b else 'does not beat'} it.")
+    near = min(ns, key=lambda n: abs(m[f"best_of_{n}/kl"] - ppo_kl))
+    lines.append(f"- PPO (KL {ppo_kl:.2f}) vs best-of-n at the nearest KL (best_of_{near}, KL "
+                 f"{m[f'best_of_{near}/kl']:.2f}): {judge} {ppo:.3f} vs {m[f'best_of_{near}/{key}']:.3f}.")
+    return lines
+
+
+def verdict(m: dict[str, Any], detector: Optional[dict[str, Any]]) -> str:
+    """One paragraph: did PPO beat SFT, and was the reward model gamed. `m` is evaluate's metrics;
+    `detector` the `detector` section of outputs/ppo/metrics.json (None: no record). With a gold
+    judge, an RM-vs-gold win-rate gap above 20 points is called over-optimisation."""
+    rm = m["win_rate/ppo_vs_sft_rm"]
+    if detector is None:
+        alarm = "detector: no record"
+    elif detector.get("first_fire"):
+        stopped = (f", training stopped there and kept iteration {int(detector['kept_iteration'])}'s weights"
+                   if detector.get("stopped_at") else "")
+        alarm = f"the over-optimisation detector fired at iteration {int(detector['first_fire'])}{stopped}"
+    else:
+        alarm = "the over-optimisation detector stayed quiet"
+    if "win_rate/ppo_vs_sft_gold" not in m:
+        return (f"No gold annotator for this task: the reward model prefers PPO over SFT in {rm:.0%} of "
+                f"held-out prompts; {alarm}.")
+    gold = m["win_rate/ppo_vs_sft_gold"]
+    if gold <= 0.5:
+        head = (f"PPO does NOT beat SFT by the gold annotator ({gold:.0%} win rate; the reward model "
+                f"prefers PPO in {rm:.0%} of prompts)")
+    elif abs(rm - gold) > 0.20:
+        head = f"over-optimisation: the reward model prefers PPO in {rm:.0%} of prompts, the gold annotator in {gold:.0%}"
+    else:
+        head = f"OK: PPO beats SFT in {gold:.0%} of prompts by the gold annotator and {rm:.0%} by the reward model"
+    return f"{head}; {alarm}."
+
+
+def detector_record(ppo_model_dir: Path) -> Optional[dict[str, Any]]:
+    """The detector's section of the ppo stage's metrics.json, next to its model folder."""
+    path = Path(ppo_model_dir).parent / "metrics.json"
+    if not path.is_file():
+        return None
+    return json.loads(path.read_text(encoding="utf-8")).get("detector")
+
+
+def report_markdown(m: dict[str, Any], samples: str, has_gold: bool, names: tuple[str, ...],
+                    ns: tuple[int, ...], verdict_text: str) -> str:
+    rows = ["| policy | RM score | gold score | KL to SFT (nats) | length | eos rate | distinct-2 |",
+            "| --- | --- | --- | --- | --- | --- | --- |"]
+    for name in names:
+        gold = f"{m[f'{name}/gold']:.3f} ± {m[f'{name}/gold_ci95']:.3f}" if has_gold else "n/a"
+        rows.append(f"| {name} | {m[f'{name}/rm']:.3f} ± {m[f'{name}/rm_ci95']:.3f} | {gold} | "
+                    f"{m[f'{name}/kl']:.2f} | {m[f'{name}/length']:.1f} | {m[f'{name}/eos_rate']:.2f} | "
+                    f"{m[f'{name}/distinct_2']:.3f} |")
+    wins = [f"- PPO beats SFT by the reward model's verdict in {m['win_rate/ppo_vs_sft_rm']:.1%} of prompts "
+            f"(95% CI {m['win_rate/ppo_vs_sft_rm_low']:.1%}-{m['win_rate/ppo_vs_sft_rm_high']:.1%})."]
+    if has_gold:
+        wins.append(f"- By the gold annotator: {m['win_rate/ppo_vs_sft_gold']:.1%} "
+                    f"(95% CI {m['win_rate/ppo_vs_sft_gold_low']:.1%}-{m['win_rate/ppo_vs_sft_gold_high']:.1%}); "
+                    f"the gap between the two verdicts, {m['overoptimisation/win_rate_gap']:+.1%}, is the "
+                    "over-optimisation signal (positive: the RM likes PPO more than the annotator does).")
+    return "\n".join([
+        "# Evaluation report", "", f"**{verdict_text}**", "",
+        "Held-out prompts (films never seen in training); ± is a 95% interval of the mean. "
+        "Best-of-n's KL is the analytic log n - (n-1)/n.", "", *rows, "", *wins, "",
+        "PPO against best-of-n (means):", "", *ppo_vs_best_of_n(m, ns, "gold" if has_gold else "rm"), "",
+        "![scores](scores.png)", "", "![KL vs score](kl_frontier.png)", "", "## Sample responses", "", samples])
+
+
+def run(params: Params, data_dir: Path, sft_dir: Path, reward_dir: Path, ppo_dir: Path, out: Path) -> dict[str, Any]:
+    """The stage: measure every policy, write the report, its plots and metrics; the verdict
+    becomes the description of the pipeline's MLflow parent run."""
+    with stage_run(SPEC, params, out, [data_dir, sft_dir, reward_dir, ppo_dir, params.ppo.dataset.path]) as run:
+        m, text = _run(run.params, data_dir, sft_dir, reward_dir, ppo_dir, out)
+        run.finish(m)
+        run.tracker.set_description(text)   # the pipeline's parent run, described by its verdict
+    return m
+
+
+def _run(params: Params, data_dir: Path, sft_dir: Path, reward_dir: Path, ppo_dir: Path,
+         out: Path) -> tuple[dict[str, Any], str]:
+    cfg, judge = params.evaluate, inputs.judge(params)
+    names = policies(cfg)
+    prompts = inputs.prompts(params, data_dir, "eval")[:cfg.n_prompts]
+    reward = RewardModelSource(reward_dir, params.reward.max_length, params.model.trust_remote_code)
+    per = sample_policies(params, sft_dir, ppo_dir, reward, prompts, judge)
+    m = summarise(per, cfg.bootstrap, cfg.seed)
+    table = StepLog(out / "policies.tsv", ["rm", "gold", "kl"] if judge else ["rm", "kl"])
+    for i, name in enumerate(names):
+        table.log(i, {k: m[f"{name}/{k}"] for k in table.columns[1:]})
+    table.flush()
+    evaluation_plots(m, names, judge is not None, out)
+    samples = samples_markdown(per, prompts, cfg.n_samples_shown)
+    text = verdict(m, detector_record(ppo_dir))
+    atomic_write_text(out / "samples.md", samples)
+    atomic_write_text(out / "report.md", report_markdown(m, samples, judge is not None, names, cfg.best_of_n, text))
+    return m, text

@@ -1,0 +1,159 @@
+"""The `ppo` stage: build the four models, run (or resume) the PPO loop, measure the result.
+
+Outputs under `outputs/ppo/`: `model/` (the actor, a plain HF checkpoint), `train.tsv` (every
+metric of every iteration), `metrics.json` (final training metrics, the over-optimisation
+detector's record and the held-out comparison of the PPO policy with the SFT policy it started
+from), `config.json`, and `checkpoint/` (resumable state; a `persist: true` DVC output, which DVC
+does not clear before re-running, so a killed run resumes).
+
+The detector (detector.py) reads each iteration's stats. With `ppo.detector.action: stop`, its
+first alarm ends the loop and the saved actor is the one of the last checkpoint before the alarm:
+the latest weights whose rollouts had not yet tripped it.
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+from typing import Any, Callable, Optional
+
+from tqdm import tqdm
+
+from ..config import Params
+from ..data import inputs
+from ..measurement.policy import measure, summary
+from ..measurement.stats import mean_ci
+from ..models.reward_source import RewardSource
+from ..ppo import checkpoint
+from ..ppo.detector import Detector
+from ..ppo.placement import evaluation_models, place_models
+from ..ppo.trainer import PPOTrainer
+from ..tracking.sinks import StepLog
+from ..training.engines import write_deepspeed_config
+from .skeleton import StageRun, stage_run
+from .spec import StageSpec
+
+SPEC = StageSpec("ppo", inputs=("data", "sft", "reward"), training=True, reads=(
+    "data.task", "model.trust_remote_code",
+    "reward.max_length",         # the reward model scores as it was trained
+    "ppo", "distributed",
+    "sft.dataset.path",          # the gold judge applies only to the default task's own data
+    "reward.dataset.path",
+))
+
+log = logging.getLogger(__name__)
+
+
+def compare_policies(actor, ref, tok, params: Params, prompts: list[str], judge: Optional[Callable],
+                     reward: RewardSource) -> dict[str, Any]:
+    """PPO policy vs the SFT (reference) policy on the same held-out prompts, sampled as in PPO:
+    `eval/<rm|kl|gold>_<policy>` with their 95% half-widths, `eval/eos_rate_<policy>`, and the
+    per-prompt gold gain of PPO over SFT."""
+    cfg = params.ppo
+    m: dict[str, Any] = {}
+    per = {}
+    for name, policy in (("sft", ref), ("ppo", actor)):
+        per[name] = measure(policy, tok, prompts, cfg.sampling, cfg.seed + 7, reward=reward.score, ref=ref,
+                            judge=judge, max_prompt_length=cfg.max_prompt_length)
+        stats = summary(per[name], lambda key: key)
+        m[f"eval/eos_rate_{name}"] = stats["eos_rate"]
+        for key in per[name].values:
+            m[f"eval/{key}_{name}"], m[f"eval/{key}_{name}_ci95"] = stats[key], stats[f"{key}_ci95"]
+    if judge is not None:
+        diff = [a - b for a, b in zip(per["ppo"].values["gold"], per["sft"].values["gold"])]
+        m["eval/gold_gain"], m["eval/gold_gain_ci95"] = mean_ci(diff)
+    return m
+
+
+def auditor_dirs(params: Params) -> list[Path]:
+    det = params.ppo.detector
+    return [Path(det.auditor)] if det.enabled and det.auditor is not None else []
+
+
+def progress_fields(stats: dict[str, float], detector: Optional[Detector]) -> dict[str, str]:
+    """The progress bar's postfix: RM score, KL, gold score (with a judge), detector state."""
+    fields = {"score": f"{stats['objective/scores']:.2f}", "kl": f"{stats['objective/kl']:.2f}"}
+    if "objective/gold_scores" in stats:
+        fields["gold"] = f"{stats['objective/gold_scores']:.2f}"
+    if detector is not None:
+        fields["detector"] = detector.state()
+    return fields
+
+
+def train(trainer: PPOTrainer, detector: Optional[Detector], step_log: StepLog, ckpt: Path, fp: str,
+          progress: bool) -> int:
+    """The numbered loop (trainer.py) from the trainer's iteration on, fed to the detector, logged,
+    checkpointed every save_every. Returns the iteration the detector stopped it at (0: it didn't)."""
+    cfg, ctx = trainer.cfg, trainer.ctx
+    bar = tqdm(total=cfg.iterations, initial=trainer.iteration, desc="ppo", disable=not progress, mininterval=1.0)
+    stopped_at = 0
+    while trainer.iteration < cfg.iterations:
+        stats = trainer.step()
+        if detector is not None:   # every rank holds the same reduced stats: all agree on an alarm
+            fired_before = detector.first_fire
+            stats.update(detector.update(stats))
+            if detector.first_fire and not fired_before and ctx.is_main:
+                log.warning(detector.message())
+        step_log.log(trainer.iteration, stats)
+        bar.update(1)
+        bar.set_postfix(progress_fields(stats, detector))
+        if detector is not None and detector.first_fire == trainer.iteration and cfg.detector.action == "stop":
+            stopped_at = trainer.iteration   # no checkpoint of this iteration: the last one predates the alarm
+            break
+        if trainer.iteration % cfg.save_every == 0 or trainer.iteration == cfg.iterations:
+            step_log.flush()
+            checkpoint.save(trainer, step_log, ckpt, fp)
+    bar.close()
+    step_log.flush()
+    return stopped_at
+
+
+def run(params: Params, data_dir: Path, sft_dir: Path, reward_dir: Path, out: Path,
+        progress: bool = True) -> dict[str, Any]:
+    """The stage: place the models, run (or resume) the loop, compare with SFT, write the outputs.
+    The auditor's weights are an input of the run like the SFT model and the RM."""
+    inputs_ = [data_dir, sft_dir, reward_dir, *auditor_dirs(params), params.ppo.dataset.path]
+    with stage_run(SPEC, params, out, inputs_) as run:
+        model, tok, metrics = _run(run, data_dir, sft_dir, reward_dir, progress)
+        run.finish(metrics, model, tok)
+    return metrics
+
+
+def _run(run: StageRun, data_dir: Path, sft_dir: Path, reward_dir: Path, progress: bool):
+    params, ctx, out, fp = run.params, run.ctx, run.out, run.fingerprint
+    cfg = params.ppo
+    prompts = inputs.prompt_records(params, data_dir, "train")
+    eval_prompts = inputs.prompt_records(params, data_dir, "eval")[:cfg.n_eval_prompts]
+    judge = inputs.judge(params)
+    models = place_models(params, sft_dir, reward_dir, ctx)
+    prompts, n_trunc, n_drop = inputs.fit_prompts(prompts, models.tok, cfg.max_prompt_length, cfg.overlong)
+    eval_prompts, _, _ = inputs.fit_prompts(eval_prompts, models.tok, cfg.max_prompt_length, cfg.overlong)
+    if ctx.is_main:
+        write_deepspeed_config(out / "deepspeed_config.json", actor=models.actor, critic=models.critic,
+                               frozen=models.frozen)
+    trainer = PPOTrainer(cfg, models, prompts, judge)
+    step_log = StepLog(out / "train.tsv", tracker=run.tracker, series="train", write=ctx.is_main)
+    detector = Detector(cfg.detector) if cfg.detector.enabled else None
+    saved_log = checkpoint.load(trainer, out / "checkpoint", fp)
+    if saved_log is not None:
+        step_log.restore(saved_log["rows"], saved_log["columns"])
+        if detector is not None:   # its state is the history it was fed: replaying it is exact
+            for row in saved_log["rows"]:
+                detector.update(row)
+        log.warning("ppo: resuming from %s at iteration %d", out / "checkpoint", trainer.iteration)
+    stopped_at = train(trainer, detector, step_log, out / "checkpoint", fp, progress and ctx.is_main)
+    kept = checkpoint.restore_actor(trainer, out / "checkpoint", fp) if stopped_at else trainer.iteration
+
+    adapter_dir = out / "adapter" if cfg.lora.enabled else None
+    plain = evaluation_models(models, params, sft_dir, reward_dir, adapter_dir)   # collective; None on ranks > 0
+    if plain is None:
+        return None, models.tok, {}
+    actor, ref, reward = plain
+    last = step_log.rows[-1]
+    metrics: dict[str, Any] = {f"train/{k.replace('/', '_')}": v for k, v in last.items() if k != "step"}
+    metrics.update({"data/prompts_truncated": n_trunc, "data/prompts_dropped": n_drop})
+    if detector is not None:
+        metrics.update({"detector/first_fire": detector.first_fire, "detector/fired": int(bool(detector.first_fire)),
+                        "detector/stopped_at": stopped_at, "detector/kept_iteration": kept})
+    metrics.update(compare_policies(actor, ref, models.tok, params, eval_prompts, judge, reward))
+    return actor, models.tok, metrics

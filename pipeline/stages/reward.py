@@ -1,0 +1,237 @@
+"""The `reward` stage: a Bradley-Terry reward model on preference pairs (InstructGPT step 2).
+
+Initialised from the SFT checkpoint by default. Trained with -log sigmoid(r_chosen - r_rejected),
+each optimizer step scoring chosen and rejected of a batch in one forward pass. Afterwards the
+scores are normalised on the held-out demonstrations and the model is measured against the task's
+gold annotator: pairwise accuracy next to the noise ceiling, Spearman correlation with gold on
+held-out responses and on responses of the SFT policy (the distribution PPO starts from), score
+statistics of chosen vs rejected, and calibration.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import torch
+from scipy.stats import spearmanr
+
+from ..config import Params
+from ..data import inputs
+from ..data.preferences import Pair, load_pairs
+from ..data.tokenizer import encode_prompt, encode_response
+from ..measurement.plots import calibration_plot
+from ..measurement.policy import measure
+from ..models import lora
+from ..models import reward_model as rm
+from ..models.checkpoints import load_kwargs, load_policy
+from ..tracking.sinks import StepLog
+from ..training import supervised
+from ..training.batches import total_steps
+from ..training.distributed import SINGLE, Context
+from ..training.engines import supervised_engine, write_deepspeed_config
+from ..training.supervised import SupervisedTask
+from .skeleton import StageRun, stage_run
+from .spec import StageSpec
+
+SPEC = StageSpec("reward", inputs=("data", "sft"), training=True, reads=(
+    "data.task", "model.trust_remote_code", "model.dtype", "model.attn_implementation",
+    "sft.sampling",              # how the SFT policy samples for the RM-vs-gold correlation
+    "sft.dataset",               # held-out demonstrations: the normalisation reference
+    "ppo.dataset",               # held-out prompts for the SFT-samples correlation
+    "reward", "distributed",
+))
+
+
+PREPARED_PAIR_FIELDS = ("prompt", "chosen", "rejected", "id")
+
+
+def pair_sources(params: Params, data_dir: Path) -> tuple[list[Pair], list[Pair]]:
+    """Training and held-out pairs; a held-out pair that is also a training pair is leakage
+    (`reward.dataset.leakage`)."""
+    ds = params.reward.dataset
+    if ds.path is None:
+        fields = PREPARED_PAIR_FIELDS + ((ds.margin_column,) if ds.margin_column else ())
+        train = load_pairs(data_dir / "pairs_train.jsonl", layout=ds.layout, margin_column=ds.margin_column,
+                           allowed=fields)
+        held = load_pairs(data_dir / "pairs_eval.jsonl", layout=ds.layout, margin_column=ds.margin_column,
+                          allowed=fields)
+    else:
+        train = load_pairs(ds.path, ds.train_split, ds.revision, ds.layout, ds.margin_column)
+        held = load_pairs(ds.path, ds.eval_split, ds.revision, ds.layout, ds.margin_column)
+    key = lambda p: (inputs.prompt_key(p.prompt), p.chosen, p.rejected)   # noqa: E731
+    held = inputs.held_out([(p.where, key(p)) for p in train], held, [(p.where, key(p)) for p in held],
+                           ds.leakage, "reward.dataset.leakage", "pair")
+    return train, held
+
+
+def fit_pairs(pairs: list[Pair], tok, max_length: int, overlong: str) -> tuple[list[Pair], int, int]:
+    """Pairs whose prompt + longer answer exceed `max_length` tokens: scored with the prompt's left
+    end cut (`truncate`, see reward_model.encode_pair_text) or left out (`drop`). Returns the pairs
+    and how many were truncated and dropped."""
+    def length(p: Pair) -> int:
+        return len(encode_prompt(tok, p.prompt)) + max(len(encode_response(tok, p.chosen)),
+                                                       len(encode_response(tok, p.rejected)))
+    return inputs.fit_lengths(pairs, length, max_length, overlong, "reward.max_length", where=lambda p: p.where)
+
+
+def batch_scores(model, tok, pairs: list[Pair], max_length: int,
+                 device: torch.device | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Raw (B,) scores of chosen and rejected, from length-sorted forwards over the 2B sequences."""
+    seqs = [rm.encode_pair_text(tok, p.prompt, p.chosen, max_length) for p in pairs]
+    seqs += [rm.encode_pair_text(tok, p.prompt, p.rejected, max_length) for p in pairs]
+    scores = rm.length_sorted_scores(model, seqs, tok.pad_token_id, device)
+    return scores[:len(pairs)], scores[len(pairs):]
+
+
+@torch.inference_mode()
+def score_pairs(model, tok, pairs: list[Pair], max_length: int, batch_size: int = 64) -> tuple[torch.Tensor, torch.Tensor]:
+    model.eval()
+    chosen, rejected = zip(*(batch_scores(model, tok, pairs[i:i + batch_size], max_length)
+                             for i in range(0, len(pairs), batch_size)))
+    model.train()
+    return torch.cat(chosen), torch.cat(rejected)
+
+
+def calibration(diff: torch.Tensor, bins: int) -> tuple[list[dict], float]:
+    """Predicted vs observed preference rate. Each pair counts in both orders (p for the labelled
+    winner with outcome 1, 1 - p for the loser with outcome 0), so a calibrated model lies on the
+    diagonal. Returns the bins and the expected calibration error (count-weighted |pred - obs|)."""
+    p = torch.sigmoid(diff.double())
+    pred, obs = torch.cat([p, 1 - p]), torch.cat([torch.ones_like(p), torch.zeros_like(p)])
+    idx = (pred * bins).long().clamp(max=bins - 1)
+    rows, ece = [], 0.0
+    for b in range(bins):
+        sel = idx == b
+        n = int(sel.sum())
+        if n:
+            rows.append({"bin": b, "predicted": float(pred[sel].mean()), "observed": float(obs[sel].mean()), "count": n})
+            ece += n * abs(rows[-1]["predicted"] - rows[-1]["observed"])
+    return rows, ece / len(pred)
+
+
+def _spearman(x: list[float], y: list[float]) -> float:
+    return float(spearmanr(x, y).statistic)
+
+
+def gold_order_agreement(rc: torch.Tensor, rr: torch.Tensor, gold: torch.Tensor) -> float:
+    """Fraction of pairs the model orders as the gold annotator does; a tie on either side counts 1/2.
+
+    rc, rr: (N,) model scores of chosen and rejected; gold: (2, N) their gold scores. Unlike the
+    accuracy on the sampled labels, this does not depend on the one draw of label noise, so it
+    separates two reward models more reliably on 1000 pairs (its ceiling is 1)."""
+    model_sign = torch.sign(rc - rr)            # (N,)
+    gold_sign = torch.sign(gold[0] - gold[1]).to(model_sign.dtype)  # (N,)
+    per_pair = torch.where((model_sign == 0) | (gold_sign == 0), 0.5, (model_sign == gold_sign).to(rc.dtype))
+    return float(per_pair.mean())
+
+
+def evaluate(model, tok, params: Params, data_dir: Path, sft_dir: Path, eval_pairs: list[Pair],
+             out_dir: Path) -> dict[str, Any]:
+    """Metrics of the trained (and normalised) reward model; writes calibration.tsv/png."""
+    cfg, judge = params.reward, inputs.judge(params)
+    rc, rr = score_pairs(model, tok, eval_pairs, cfg.max_length)
+    rc, rr = rc - rm.offset(model), rr - rm.offset(model)
+    bins, ece = calibration(rc - rr, cfg.calibration_bins)
+    m: dict[str, Any] = {
+        "eval/accuracy": float((rc > rr).float().mean()),
+        "eval/chosen_mean": float(rc.mean()), "eval/chosen_std": float(rc.std()),
+        "eval/rejected_mean": float(rr.mean()), "eval/rejected_std": float(rr.std()),
+        "eval/calibration_error": ece,
+    }
+    cal_log = StepLog(out_dir / "calibration.tsv", ["predicted", "observed", "count"])
+    for row in bins:
+        cal_log.log(row["bin"], {k: row[k] for k in ("predicted", "observed", "count")})
+    cal_log.flush()
+    calibration_plot(bins, out_dir / "calibration.png")
+    stats_path = data_dir / "stats.json"
+    if params.reward.dataset.path is None and stats_path.is_file():
+        ceiling = json.loads(stats_path.read_text())["noise_ceiling"]["pairs_eval"]
+        m["eval/noise_ceiling"] = ceiling
+        m["eval/accuracy_of_ceiling"] = m["eval/accuracy"] / ceiling
+    if judge is not None:
+        prompts = [p.prompt for p in eval_pairs] * 2
+        responses = [p.chosen for p in eval_pairs] + [p.rejected for p in eval_pairs]
+        gold = [judge(p, r) for p, r in zip(prompts, responses)]
+        m["eval/spearman_gold_heldout"] = _spearman(torch.cat([rc, rr]).tolist(), gold)
+        m["eval/gold_order_agreement"] = gold_order_agreement(rc, rr, torch.tensor(gold).view(2, -1))
+        policy, ptok = load_policy(sft_dir)
+        sft_prompts = inputs.prompts(params, data_dir, "eval")
+        sft_prompts = (sft_prompts * (cfg.n_sft_samples // len(sft_prompts) + 1))[:cfg.n_sft_samples]
+        sampled = measure(policy, ptok, sft_prompts, params.sft.sampling, cfg.seed, judge=judge,
+                          reward=lambda prompts, texts: rm.score_texts(model, tok, prompts, texts, cfg.max_length))
+        m["eval/spearman_gold_sft_samples"] = _spearman(sampled.values["rm"], sampled.values["gold"])
+        m["eval/sft_samples_score_mean"] = float(torch.tensor(sampled.values["rm"]).mean())
+    return m
+
+
+def normalise(model, tok, params: Params, data_dir: Path) -> float:
+    """Store the mean raw score of held-out demonstrations as the offset; returns that mean."""
+    demos = inputs.demonstrations(params, data_dir, "eval")
+    setattr(model.config, rm.OFFSET_KEY, 0.0)
+    mean = float(rm.score_texts(model, tok, [d["prompt"] for d in demos], [d["response"] for d in demos],
+                                params.reward.max_length).mean())
+    setattr(model.config, rm.OFFSET_KEY, mean)
+    return mean
+
+
+def train(run: StageRun, data_dir: Path, sft_dir: Path, progress: bool = True):
+    """Train, normalise and measure; in a multi-process run rank 0 returns the whole model, the
+    other ranks (None, tokenizer, {})."""
+    params, ctx, out_dir = run.params, run.ctx, run.out
+    cfg = params.reward
+    train_pairs, eval_pairs = pair_sources(params, data_dir)
+    init = cfg.name_or_path if cfg.name_or_path is not None else sft_dir
+    model, tok = rm.init_reward_model(init, cfg.seed, cfg.head_init_std, params.model.trust_remote_code,
+                                      load_kwargs(params.model) if cfg.name_or_path is not None else None)
+    model = lora.wrap(model, cfg.lora, "SEQ_CLS")
+    train_pairs, n_trunc, n_drop = fit_pairs(train_pairs, tok, cfg.max_length, cfg.overlong)
+    torch.manual_seed(cfg.seed)
+    engine, micro = supervised_engine(model, cfg, total_steps(len(train_pairs), cfg.batch_size, cfg.epochs), ctx)
+    write_deepspeed_config(out_dir / "deepspeed_config.json", reward=engine) if ctx.is_main else None
+
+    def loss(part: list[Pair], batch: list[Pair]) -> tuple[torch.Tensor, list[float]]:
+        rc, rr = batch_scores(engine.model, tok, part, cfg.max_length, engine.device)
+        total, correct = rm.pairwise_loss_sum(rc, rr, torch.tensor([p.margin for p in part], device=rc.device))
+        return total / cfg.batch_size, [total.item(), correct]
+
+    task = SupervisedTask("reward", train_pairs, ["loss", "accuracy"], loss, normaliser=lambda batch: cfg.batch_size,
+                          eval_columns=["loss", "accuracy"],
+                          evaluate=lambda: eval_pairs_loss(engine.model, tok, eval_pairs, cfg.max_length, ctx,
+                                                           engine.device))
+    result = supervised.train(task, cfg, engine, micro, out_dir, run.tracker, ctx, run.fingerprint, progress)
+    model, metrics = supervised.finish(engine, result, cfg.lora, out_dir, {"data/truncated": n_trunc,
+                                                                           "data/dropped": n_drop})
+    if model is None:
+        return None, tok, {}
+    if cfg.normalize:
+        metrics["eval/offset"] = normalise(model, tok, params, data_dir)
+    metrics.update(evaluate(model, tok, params, data_dir, sft_dir, eval_pairs, out_dir))
+    return model, tok, metrics
+
+
+@torch.inference_mode()
+def eval_pairs_loss(model, tok, pairs: list[Pair], max_length: int, ctx: Context = SINGLE,
+                    device: torch.device | None = None, batch_size: int = 64) -> dict[str, float]:
+    """Held-out loss and accuracy, every rank scoring its share (same number of forwards per rank)."""
+    model.eval()
+    sums = torch.zeros(3, dtype=torch.float64)                          # loss, correct, count
+    for part in ctx.eval_parts(pairs, batch_size):
+        rc, rr = batch_scores(model, tok, part or pairs[:1], max_length, device)
+        if part:
+            loss, correct = rm.pairwise_loss_sum(rc, rr, torch.tensor([p.margin for p in part], device=rc.device))
+            sums += torch.tensor([float(loss), correct, len(part)], dtype=torch.float64)
+    model.train()
+    sums = ctx.sum(sums)
+    return {"loss": float(sums[0] / sums[2]), "accuracy": float(sums[1] / sums[2])}
+
+
+def run(params: Params, data_dir: Path, sft_dir: Path, out: Path, progress: bool = True) -> dict[str, Any]:
+    """The stage: train, normalise, measure, then write model/, metrics.json, config.json and the
+    step logs atomically (rank 0 writes; other ranks of a multi-process run return empty metrics)."""
+    cfg = params.reward
+    with stage_run(SPEC, params, out, [data_dir, sft_dir, cfg.dataset.path, cfg.name_or_path]) as run:
+        model, tok, metrics = train(run, data_dir, sft_dir, progress)
+        run.finish(metrics, model, tok)
+    return metrics

@@ -1,0 +1,132 @@
+"""The `sft` stage: supervised fine-tuning on demonstrations (InstructGPT step 1).
+
+Causal-LM cross-entropy on response tokens only (prompt tokens are context, not targets), AdamW,
+linear warmup then cosine decay, gradient clipping, held-out loss every `eval_every` steps. After
+training, greedy and sampled responses to the evaluation prompts are judged by the task's gold
+annotator next to the held-out demonstrations, so the metrics say how good imitation got.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from ..config import Params
+from ..data import inputs
+from ..data.records import IGNORE, Example, collate_sft, tokenize_demonstrations
+from ..measurement.policy import measure, summary
+from ..models import lora
+from ..models.checkpoints import init_policy
+from ..tasks import reviews
+from ..training import supervised
+from ..training.batches import total_steps
+from ..training.distributed import SINGLE, Context, to_device
+from ..training.engines import supervised_engine, write_deepspeed_config
+from ..training.supervised import SupervisedTask
+from .skeleton import StageRun, stage_run
+from .spec import StageSpec
+
+SPEC = StageSpec("sft", inputs=("data",), training=True, reads=(
+    "data.task", "model", "sft", "distributed",
+    "ppo.dataset",               # held-out prompts for the SFT policy's evaluation
+    "ppo.max_prompt_length",
+    "reward.dataset.path",       # the gold judge applies only to the default task's own data
+))
+
+
+def response_token_count(e: Example) -> int:
+    """Response tokens an example is trained on (the targets after the prompt)."""
+    return len(e.input_ids) - e.n_prompt
+
+
+def ce_sum(model, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, int]:
+    """Summed cross-entropy over the response tokens of `batch`, and their count."""
+    logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits   # (B, T, V)
+    labels = batch["labels"][:, 1:]                                                                 # (B, T-1)
+    loss = F.cross_entropy(logits[:, :-1].float().flatten(0, 1), labels.flatten(), ignore_index=IGNORE,
+                           reduction="sum")
+    return loss, int((labels != IGNORE).sum())
+
+
+@torch.no_grad()
+def eval_loss(model, examples: list[Example], pad_id: int, batch_size: int, ctx: Context = SINGLE,
+              device: torch.device | None = None) -> float:
+    """Cross-entropy per response token over all held-out examples (token-weighted), every rank
+    scoring its share; every rank runs the same number of forwards (ZeRO-3 gathers per forward)."""
+    model.eval()
+    total = torch.zeros(2, dtype=torch.float64)
+    for part in ctx.eval_parts(examples, batch_size):
+        batch = to_device(collate_sft(part or examples[:1], pad_id), device)
+        loss, n = ce_sum(model, batch)
+        if part:
+            total += torch.tensor([float(loss), n], dtype=torch.float64)
+    model.train()
+    total = ctx.sum(total)
+    return float(total[0] / total[1])
+
+
+def train(run: StageRun, data_dir: Path, progress: bool = True) -> tuple[Any, Any, dict]:
+    """Train and return (model, tokenizer, metrics); per-step TSVs are written into the stage's
+    folder. In a multi-process run every rank trains and the returned model is whole on rank 0 only
+    (None elsewhere); evaluation after training is rank 0's."""
+    params, ctx = run.params, run.ctx
+    cfg = params.sft
+    train_rows = inputs.demonstrations(params, data_dir, "train")
+    eval_rows = inputs.demonstrations(params, data_dir, "eval")
+    source = cfg.dataset.path or data_dir / "sft_train.jsonl"
+    model, tok = init_policy(params.model, data_dir / "tokenizer", cfg.seed)
+    model = lora.wrap(model, cfg.lora, "CAUSAL_LM")
+    train_ex, n_trunc, n_drop = tokenize_demonstrations(train_rows, tok, cfg.max_length, source, cfg.overlong)
+    eval_ex, _, _ = tokenize_demonstrations(eval_rows, tok, cfg.max_length, source, cfg.overlong)
+
+    torch.manual_seed(cfg.seed)
+    engine, micro = supervised_engine(model, cfg, total_steps(len(train_ex), cfg.batch_size, cfg.epochs), ctx)
+    write_deepspeed_config(run.out / "deepspeed_config.json", sft=engine) if ctx.is_main else None
+
+    def loss(part: list[Example], batch: list[Example]) -> tuple[torch.Tensor, list[float]]:
+        n_tokens = sum(map(response_token_count, batch))      # of the global batch
+        total, _ = ce_sum(engine.forward, to_device(collate_sft(part, tok.pad_token_id), engine.device))
+        loss = total / n_tokens
+        return loss, [loss.item()]
+
+    task = SupervisedTask("sft", train_ex, ["loss"], loss, normaliser=lambda batch: 1.0, eval_columns=["loss"],
+                          evaluate=lambda: {"loss": eval_loss(engine.forward, eval_ex, tok.pad_token_id,
+                                                              2 * cfg.batch_size, ctx, engine.device)})
+    result = supervised.train(task, cfg, engine, micro, run.out, run.tracker, ctx, run.fingerprint, progress)
+    model, metrics = supervised.finish(engine, result, cfg.lora, run.out, {"data/truncated": n_trunc,
+                                                                           "data/dropped": n_drop})
+    if model is None:
+        return None, tok, {}
+    metrics.update(evaluate_policy(model, tok, params, data_dir))
+    return model, tok, metrics
+
+
+def evaluate_policy(model, tok, params: Params, data_dir: Path) -> dict[str, Any]:
+    """Greedy and sampled responses to evaluation prompts, judged next to the demonstrations:
+    `eval/<eos_rate|gold|well_formed>_<greedy|sampled>` (gold ones only with a judge)."""
+    cfg, judge = params.sft, inputs.judge(params)
+    prompts = inputs.prompts(params, data_dir, "eval")[:cfg.n_eval_generations]
+    out: dict[str, Any] = {}
+    for tag, greedy in (("greedy", True), ("sampled", False)):
+        measured = measure(model, tok, prompts, cfg.sampling, cfg.seed, greedy=greedy, judge=judge)
+        stats = summary(measured, lambda key: key)
+        out[f"eval/eos_rate_{tag}"] = stats["eos_rate"]
+        if judge is not None:
+            out[f"eval/gold_{tag}"] = stats["gold"]
+            out[f"eval/well_formed_{tag}"] = sum(map(reviews.is_well_formed, measured.texts)) / len(measured.texts)
+    if judge is not None:
+        demos = inputs.demonstrations(params, data_dir, "eval")
+        out["eval/gold_demonstrations"] = sum(judge(r["prompt"], r["response"]) for r in demos) / len(demos)
+    return out
+
+
+def run(params: Params, data_dir: Path, out: Path, progress: bool = True) -> dict[str, Any]:
+    """The stage: train, then write model/, metrics.json, config.json and the step logs atomically
+    (rank 0 writes; other ranks of a multi-process run return empty metrics)."""
+    with stage_run(SPEC, params, out, [data_dir, params.sft.dataset.path]) as run:
+        model, tok, metrics = train(run, data_dir, progress)
+        run.finish(metrics, model, tok)
+    return metrics

@@ -1,0 +1,76 @@
+"""The one skeleton every stage runs in: session, output folder, tracking, fingerprint, and the
+atomic writing of what it produces.
+
+    with stage_run(SPEC, params, out, inputs) as run:
+        ...  run.params (declared keys only), run.ctx, run.tracker, run.fingerprint ...
+        run.finish(metrics, model, tok)
+
+- A training stage (`SPEC.training`) runs in a distributed session of its own section's
+  `distributed` settings (a plain single process by default); its output folder loses the optional
+  extras this run will not write (adapter/, deepspeed_config.json), then every rank waits for it.
+- Tracking: the stage's MLflow run (or none), with the resolved config as its params.
+- The resume fingerprint hashes the resolved config and every local input (folders and the user's
+  dataset files), so a checkpoint of another config or other inputs is never resumed.
+- `finish` (rank 0): `model/` (safetensors and tokenizer) swapped in atomically, config.json
+  (keys sorted), metrics.json, then the files to the tracker. Nothing is written before the stage's
+  work is done, so a failed run leaves the previous outputs in place.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Iterator, Sequence
+
+from ..config import Params
+from ..data.io import atomic_dir, atomic_write_json, stale_extras
+from ..models.checkpoints import save_checkpoint
+from ..tracking.mlflow_sink import stage_tracking
+from ..tracking.sinks import Tracker, write_metrics
+from ..training import distributed
+from ..training.distributed import SINGLE, Context
+from ..training.resume import fingerprint, input_paths
+from .spec import StageSpec, declared, resolve
+
+
+@dataclass
+class StageRun:
+    spec: StageSpec
+    params: Params              # the declared view: reading an undeclared key raises
+    resolved: dict[str, Any]    # config.json, the MLflow params, the fingerprint's config
+    out: Path
+    ctx: Context
+    tracker: Tracker
+    fingerprint: str
+
+    def finish(self, metrics: dict[str, Any], model: Any = None, tok: Any = None) -> None:
+        """Write the stage's outputs (rank 0 only; other ranks return at once)."""
+        if not self.ctx.is_main:
+            return
+        if model is not None:
+            with atomic_dir(self.out / "model") as tmp:
+                save_checkpoint(model, tok, tmp)
+        atomic_write_json(self.out / "config.json", self.resolved)
+        write_metrics(self.out / "metrics.json", metrics, self.tracker)
+        self.tracker.log_outputs(self.out)
+
+
+@contextlib.contextmanager
+def stage_run(spec: StageSpec, params: Params, out: Path, inputs: Sequence[str | Path | None]) -> Iterator[StageRun]:
+    """The stage's prologue around its body (see the module doc). `inputs`: its input folders and
+    the user's dataset paths (None and hub ids are left out of the fingerprint: their params are in
+    the config)."""
+    resolved = resolve(params, spec)
+    local = input_paths(*inputs)
+    section = getattr(params, spec.name)
+    session = distributed.session(section.distributed) if spec.training else contextlib.nullcontext(SINGLE)
+    with session as ctx:
+        if ctx.is_main:
+            out.mkdir(parents=True, exist_ok=True)
+            if spec.training:
+                stale_extras(out, section.lora.enabled,
+                             ctx.world_size > 1 or section.distributed.backend != "none")
+        ctx.barrier()
+        with stage_tracking(spec.name, resolved, local, enabled=ctx.is_main) as tracker:
+            yield StageRun(spec, declared(params, spec), resolved, out, ctx, tracker, fingerprint(resolved, local))

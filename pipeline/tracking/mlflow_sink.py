@@ -1,0 +1,368 @@
+"""MLflow: the second sink of tracking.py, for browsing and comparing runs.
+
+MLflow is a second sink, for browsing and comparing runs; it never delays or loses the local files.
+- Runs: one parent per pipeline execution, one nested run per stage named after it. A stage's
+  parent is env `MLFLOW_PARENT_RUN_ID` (owned by whoever made it); else the run tagged
+  `pipeline_execution` = host:pid:start time of the nearest `dvc repro` / `dvc exp` process above
+  the stage, found or made under a file lock; else (a stage run by hand) a parent of its own. A
+  stage sets such a parent RUNNING when it starts and to its own end status when it ends, so the
+  parent ends FINISHED when the last stage did.
+- Metrics: a StepLog row is `<series>/<column>` at its step (`train/loss`, `eval/accuracy`); a
+  column with a `/` keeps its name (PPO's `objective/kl`; its `lr` becomes `train/lr`). Final
+  metrics (`write_metrics`) are logged at the last step, so the runs table shows them.
+- Params: the resolved config flattened (`sft.lr`). Artifacts: `model/` and the stage's top-level
+  png/tsv/json/md files. Tags: `stage`, `git_commit`, `dvc_exp_name` and `dvc_exp_baseline_rev`
+  (set by `dvc exp run`), `deps_hash` and `deps_hash_source` (see `deps_hash`).
+- Store: env `MLFLOW_TRACKING_URI`, else SQLite `mlflow.db` at the repository root (an absolute
+  URI, so temp and queued experiments write to the workspace's database), artifacts in
+  `mlartifacts/` beside it. Experiment: env `MLFLOW_EXPERIMENT_NAME`, else `rlhf-pipeline`.
+  `PIPELINE_TRACKING=off` turns MLflow off; only the process with `RANK` unset or 0 logs.
+- Failures: the first failed MLflow call logs one warning naming the URI and the error and turns
+  MLflow off for the rest of the stage. Per-step metrics are buffered and sent in batches when a
+  StepLog is flushed, so a tiny run doesn't pay a request per step.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import getpass
+import hashlib
+import logging
+import numbers
+import os
+import socket
+import subprocess
+import tempfile
+import time
+from pathlib import Path
+from typing import Any, Callable, Iterator, Mapping, Sequence
+
+from ..config import flatten
+from ..errors import ConfigError
+from .sinks import NO_TRACKER, Tracker
+
+log = logging.getLogger(__name__)
+
+EXPERIMENT = "rlhf-pipeline"
+EXECUTION_TAG = "pipeline_execution"
+# MLflow retries a failed request 7 times with backoff and waits 120 s for an answer (minutes per
+# call in an outage, mlflow/environment_variables.py); one try and a short wait cost seconds.
+HTTP_DEFAULTS = {"MLFLOW_HTTP_REQUEST_MAX_RETRIES": "0", "MLFLOW_HTTP_REQUEST_TIMEOUT": "10"}
+# SQLite allows one writer at a time; parallel queued experiments may find the database busy for
+# longer than its own 5 s wait. Seconds between retries of a call that failed with "database is locked".
+SQLITE_BUSY_WAITS = (0.5, 1.0, 2.0, 4.0)
+# Per-request limits of log_batch (mlflow/utils/validation.py).
+METRICS_PER_BATCH, PARAMS_PER_BATCH = 1000, 100
+
+
+# ---- Where MLflow writes, and what joins a run to git and DVC ------------------------------------
+
+
+def dvc_project(start: Path | None = None) -> Path | None:
+    """The nearest folder at or above `start` (default: the cwd) that holds dvc.yaml."""
+    start = (start or Path.cwd()).resolve()
+    return next((d for d in (start, *start.parents) if (d / "dvc.yaml").is_file()), None)
+
+
+def repo_root() -> Path:
+    """DVC_ROOT when set: DVC sets it for every stage command, and `dvc exp run --temp` / queued
+    runs point it at the workspace rather than their temporary copy
+    (dvc/repo/experiments/queue/base.py), so all of them share one database. Else the nearest
+    folder above the cwd with dvc.yaml; else the cwd."""
+    if os.environ.get("DVC_ROOT"):
+        return Path(os.environ["DVC_ROOT"]).resolve()
+    return dvc_project() or Path.cwd().resolve()
+
+
+def tracking_uri() -> str:
+    """Env MLFLOW_TRACKING_URI (e.g. a team's server), else `sqlite:////<repo root>/mlflow.db`.
+    MLflow 3.13+ refuses the old ./mlruns file store, and a relative URI would split runs by cwd."""
+    return os.environ.get("MLFLOW_TRACKING_URI") or f"sqlite:///{repo_root() / 'mlflow.db'}"
+
+
+def _sqlite_file(uri: str) -> Path | None:
+    return Path(uri.removeprefix("sqlite:///")).resolve() if uri.startswith("sqlite:///") else None
+
+
+def tracking_enabled() -> bool:
+    value = (os.environ.get("PIPELINE_TRACKING") or "on").strip().lower()
+    if value not in ("on", "off"):
+        raise ConfigError(f"environment variable PIPELINE_TRACKING: expected 'on' or 'off', got {value!r}")
+    # Only rank 0 of a multi-process run logs, or every rank would make a run of its own.
+    return value == "on" and os.environ.get("RANK", "0") in ("", "0")
+
+
+def git_commit() -> str | None:
+    """HEAD of the git repository the cwd is in, if any."""
+    try:
+        proc = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, timeout=10)
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    return proc.stdout.strip() if proc.returncode == 0 else None
+
+
+def join_tags() -> dict[str, str]:
+    try:
+        tags = {"mlflow.user": getpass.getuser()}
+    except (KeyError, OSError):         # no login name and no passwd entry, as in some containers
+        tags = {"mlflow.user": "unknown"}
+    commit = git_commit()
+    if commit:
+        tags.update({"git_commit": commit, "mlflow.source.git.commit": commit})
+    for tag, env in (("dvc_exp_name", "DVC_EXP_NAME"), ("dvc_exp_baseline_rev", "DVC_EXP_BASELINE_REV")):
+        if os.environ.get(env):
+            tags[tag] = os.environ[env]
+    return tags
+
+
+def execution_key() -> str | None:
+    """`host:pid:start time` of the nearest `dvc repro` / `dvc exp ...` process above this one.
+    DVC runs every stage of one execution as a child of that process, so the stages share the key;
+    the start time keeps a reused pid from joining an old execution."""
+    import psutil
+    try:
+        parents = psutil.Process().parents()
+    except psutil.Error:
+        return None
+    for proc in parents:
+        try:
+            args = proc.cmdline()
+            if "dvc" in map(os.path.basename, args) and {"repro", "exp"} & set(args):
+                return f"{socket.gethostname()}:{proc.pid}:{proc.create_time():.3f}"
+        except psutil.Error:            # a process that ended or that we may not inspect
+            continue
+    return None
+
+
+def deps_hash(stage: str, inputs: Sequence[Path]) -> tuple[str, str]:
+    """(hash, source) of what the stage reads. When DVC runs this stage (env DVC_STAGE names it):
+    sha256 over the stage's `deps` paths and their hashes as DVC computes them for this run, i.e.
+    the value `lock_deps_hash` gives for the dvc.lock DVC writes when the stage ends. dvc.lock
+    can't be read instead: DVC rewrites a stage's entry only after its command exits, so during the
+    run it still describes the previous run. Otherwise (a stage run by hand, tests): sha256 over
+    the contents of the caller's input paths."""
+    addressing = os.environ.get("DVC_STAGE", "")
+    if addressing.rpartition(":")[2] == stage:
+        try:
+            return _digest(_dvc_deps(addressing)), "dvc"
+        except Exception as err:      # noqa: BLE001 -- DVC internals; the source tag says we fell back
+            log.info("deps_hash: DVC could not hash the deps of %s (%s); hashing the inputs", addressing, err)
+    return inputs_hash(inputs), "inputs"
+
+
+def _dvc_deps(addressing: str) -> list[tuple[str, str]]:
+    """(path, hash) of each path dependency of the stage, from DVC's own hashing of the repository
+    the stage runs in (a temporary copy under `dvc exp run --temp`). DVC hashed them just before
+    starting the stage, so its state cache answers without rereading the files."""
+    from dvc.dependency.param import ParamsDependency
+    from dvc.repo import Repo
+    root = dvc_project()
+    if root is None:
+        raise FileNotFoundError("no dvc.yaml at or above the cwd")
+    file, _, name = addressing.rpartition(":")
+    with Repo(str(root)) as repo:
+        (stage,) = repo.stage.collect(f"{root / (file or 'dvc.yaml')}:{name}")
+        deps = [(d.def_path, d.get_hash().value) for d in stage.deps if not isinstance(d, ParamsDependency)]
+    missing = [path for path, value in deps if value is None]
+    if missing:
+        raise FileNotFoundError(f"missing dependencies {missing}")
+    return deps
+
+
+def lock_deps_hash(lock: Path, stage: str) -> str | None:
+    """The `deps_hash` of `stage` from a dvc.lock written after its run; None if it isn't listed."""
+    from ruamel.yaml import YAML
+    entry = ((YAML(typ="safe", pure=True).load(Path(lock).read_text()) or {}).get("stages") or {}).get(stage)
+    return _digest([(d["path"], d.get("md5")) for d in entry.get("deps", [])]) if entry else None
+
+
+def _digest(deps: list[tuple[str, str]]) -> str:
+    return hashlib.sha256("".join(f"{path}\t{value}\n" for path, value in sorted(deps)).encode()).hexdigest()
+
+
+def inputs_hash(paths: Sequence[Path]) -> str:
+    """sha256 over the files under each path (relative names and contents, in order). Where the
+    inputs lie doesn't enter, so the same inputs in another folder give the same hash."""
+    h = hashlib.sha256()
+    for i, path in enumerate(map(Path, paths)):
+        files = sorted(p for p in path.rglob("*") if p.is_file()) if path.is_dir() else [path]
+        for f in files:
+            rel = f.relative_to(path).as_posix() if path.is_dir() else ""
+            h.update(f"{i}/{rel}\t{_file_sha256(f) if f.is_file() else 'missing'}\n".encode())
+    return h.hexdigest()
+
+
+def _file_sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+# ---- The MLflow tracker -----------------------------------------------------------------------------
+
+
+class MlflowTracker(Tracker):
+    """The nested MLflow run of one stage. Every MLflow call goes through `_guard`."""
+
+    def __init__(self, uri: str):
+        self.uri, self.enabled = uri, True
+        self.client: Any = None
+        self.run_id: str | None = None
+        self.parent_id: str | None = None
+        self.owns_parent = False          # whether this stage sets the parent's status
+        self._pending: list[tuple[str, float, int, int]] = []   # (name, value, time ms, step)
+        self._latest: dict[str, tuple[int, float]] = {}          # name -> (step, value) last logged
+        self._last_step = 0
+
+    def _guard(self, doing: str, call: Callable[[], Any]) -> Any:
+        """Run one MLflow call; on the first failure warn once and turn this tracker off, so the
+        stage goes on at full speed with its local files, which were written before any call."""
+        if not self.enabled:
+            return None
+        for wait in (*SQLITE_BUSY_WAITS, None):
+            try:
+                return call()
+            except Exception as err:    # noqa: BLE001 -- any failure of this sink must not stop training
+                if wait is not None and "database is locked" in str(err):
+                    time.sleep(wait)    # another process holds SQLite's write lock: wait, then retry
+                    continue
+                self.enabled, self._pending = False, []
+                text = (str(err).strip().splitlines() or [""])[0][:600]
+                log.warning("MLflow tracking at %s failed while %s (%s: %s); the stage goes on without MLflow, "
+                            "its TSV and metrics.json files are unaffected", self.uri, doing, type(err).__name__,
+                            text)
+                return None
+
+    def start(self, stage: str, config: Mapping[str, Any], inputs: Sequence[Path]) -> None:
+        tags = self._guard("reading git and DVC state", lambda: {**join_tags(), "stage": stage})
+        digest = self._guard("hashing the stage's inputs", lambda: deps_hash(stage, inputs))
+        self._guard("starting the stage's run", lambda: self._start(stage, config, {
+            **tags, "deps_hash": digest[0], "deps_hash_source": digest[1]}))
+
+    def _start(self, stage: str, config: Mapping[str, Any], tags: dict[str, str]) -> None:
+        for key, value in HTTP_DEFAULTS.items():
+            os.environ.setdefault(key, value)
+        from filelock import FileLock
+        from mlflow import MlflowClient
+        from mlflow.entities import Param
+        # Stages of parallel queued experiments may start at once: one finds-or-creates at a time.
+        # The client is made under the lock too: its SQLite store creates the database's tables on
+        # first use, and two processes doing that at once fail ("table experiments already exists").
+        with FileLock(str(self._lock_path()), timeout=60):
+            self.client = MlflowClient(self.uri)
+            exp_id = self._experiment_id()
+            self.parent_id, self.owns_parent = self._parent(exp_id, tags)
+        # `mlflow.parentRunId` is the tag MLflow's UI nests runs by (mlflow/utils/mlflow_tags.py).
+        run = self.client.create_run(exp_id, run_name=stage, tags={**tags, "mlflow.parentRunId": self.parent_id})
+        self.run_id = run.info.run_id
+        params = [Param(k, str(v)) for k, v in flatten(config).items()]
+        for i in range(0, len(params), PARAMS_PER_BATCH):
+            self.client.log_batch(self.run_id, params=params[i:i + PARAMS_PER_BATCH])
+
+    def _lock_path(self) -> Path:
+        """Next to the SQLite file; for a server, in the temp dir (execution keys are per host)."""
+        db = _sqlite_file(self.uri)
+        if db is not None:
+            return db.with_name(db.name + ".lock")
+        digest = hashlib.sha256(self.uri.encode()).hexdigest()[:16]
+        return Path(tempfile.gettempdir()) / f"pipeline-mlflow-{digest}.lock"
+
+    def _experiment_id(self) -> str:
+        name = os.environ.get("MLFLOW_EXPERIMENT_NAME") or EXPERIMENT
+        exp = self.client.get_experiment_by_name(name)
+        if exp is not None:
+            return exp.experiment_id
+        db = _sqlite_file(self.uri)
+        # A server stores artifacts where it was told to; with SQLite they go beside the database.
+        location = (db.parent / "mlartifacts").as_uri() if db is not None else None
+        return self.client.create_experiment(name, artifact_location=location)
+
+    def _parent(self, exp_id: str, tags: dict[str, str]) -> tuple[str, bool]:
+        """(parent run id, whether this stage sets its status); the order is in the module doc."""
+        if os.environ.get("MLFLOW_PARENT_RUN_ID"):
+            return os.environ["MLFLOW_PARENT_RUN_ID"], False
+        key = execution_key()
+        if key is not None:
+            found = self.client.search_runs([exp_id], f"tags.{EXECUTION_TAG} = '{key}'", max_results=1)
+            if found:
+                if found[0].info.status != "RUNNING":
+                    self.client.update_run(found[0].info.run_id, status="RUNNING")
+                return found[0].info.run_id, True
+        label = tags.get("dvc_exp_name") or tags.get("git_commit", "")[:7] or "outside git"
+        parent_tags = {k: v for k, v in tags.items() if k not in ("stage", "deps_hash", "deps_hash_source")}
+        if key is not None:
+            parent_tags[EXECUTION_TAG] = key
+        return self.client.create_run(exp_id, run_name=f"pipeline {label}", tags=parent_tags).info.run_id, True
+
+    def log_metrics(self, step: int, metrics: Mapping[str, Any]) -> None:
+        if not self.enabled:
+            return
+        now = int(time.time() * 1000)
+        for name, value in metrics.items():
+            if isinstance(value, numbers.Real):
+                self._pending.append((name, float(value), now, int(step)))
+                self._latest[name] = (int(step), float(value))
+        self._last_step = max(self._last_step, int(step))
+
+    def flush(self) -> None:
+        if not self.enabled or not self._pending:
+            return
+        from mlflow.entities import Metric
+        pending, self._pending = self._pending, []
+        metrics = [Metric(name, value, ts, step) for name, value, ts, step in pending]
+        for i in range(0, len(metrics), METRICS_PER_BATCH):
+            self._guard("sending metrics", lambda i=i: self.client.log_batch(
+                self.run_id, metrics=metrics[i:i + METRICS_PER_BATCH]))
+
+    def log_final(self, metrics: Mapping[str, Any]) -> None:
+        """At the last step logged, so the runs table shows them; a value that equals the metric's
+        point at that step (SFT's final `train/loss` is its last step's) isn't logged twice."""
+        step = self._last_step
+        self.log_metrics(step, {k: v for k, v in metrics.items()
+                                if isinstance(v, numbers.Real) and self._latest.get(k) != (step, float(v))})
+        self.flush()
+
+    def log_artifacts(self, path: Path, artifact_path: str | None = None) -> None:
+        self._guard(f"uploading {path}", lambda: self.client.log_artifacts(self.run_id, str(path), artifact_path))
+
+    def log_artifact(self, path: Path, artifact_path: str | None = None) -> None:
+        self._guard(f"uploading {path}", lambda: self.client.log_artifact(self.run_id, str(path), artifact_path))
+
+    def set_description(self, text: str) -> None:
+        """The parent run's description: MLflow's UI shows the tag `mlflow.note.content` as the run's
+        note (mlflow/utils/mlflow_tags.py); evaluate puts its verdict there."""
+        if self.parent_id is not None:
+            self._guard("describing the parent run", lambda: self.client.set_tag(
+                self.parent_id, "mlflow.note.content", text))
+
+    def finish(self, status: str) -> None:
+        self.flush()
+        self._guard("ending the stage's run", lambda: self.client.set_terminated(self.run_id, status))
+        if self.owns_parent:
+            self._guard("ending the parent run", lambda: self.client.set_terminated(self.parent_id, status))
+
+
+@contextlib.contextmanager
+def stage_tracking(stage: str, config: Mapping[str, Any], inputs: Sequence[Path] = (),
+                   enabled: bool = True) -> Iterator[Tracker]:
+    """Around the body of a stage's `run`: yields the stage's MLflow tracker, or `NO_TRACKER` when
+    tracking is off. `config` is the resolved config the stage writes as config.json (its flattened
+    keys are the run's params); `inputs` are the stage's input paths, hashed when DVC isn't running
+    the stage. The run ends FINISHED, FAILED (an exception) or KILLED (Ctrl-C). `enabled=False`
+    (ranks other than 0 of a multi-process run) yields `NO_TRACKER`."""
+    if not enabled or not tracking_enabled():
+        yield NO_TRACKER
+        return
+    tracker = MlflowTracker(tracking_uri())
+    tracker.start(stage, config, inputs)
+    status = "FAILED"
+    try:
+        yield tracker
+        status = "FINISHED"
+    except KeyboardInterrupt:
+        status = "KILLED"
+        raise
+    finally:
+        tracker.finish(status)

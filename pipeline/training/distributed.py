@@ -1,0 +1,200 @@
+"""Processes: launching a stage on N processes, who this process is, and cross-process reductions.
+
+One stage command serves every scale. `python -m pipeline sft` with `distributed.num_processes: 1`
+and `backend: none` trains in this process with plain PyTorch. With more processes it re-executes
+itself under the launcher named in params (`torchrun` or `deepspeed`); the launched copies see
+`LOCAL_RANK` in their environment and do not launch again.
+
+Data parallelism is by sharding the *global* batch: every rank draws the same global batch from an
+identically seeded sampler and keeps its own slice, so the maths of one optimizer step is the maths
+of one process with that global batch (losses are sums over the global batch divided by its size;
+see engines.py for how DeepSpeed's gradient averaging is undone).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import math
+import os
+import shutil
+import socket
+import sys
+import warnings
+from dataclasses import dataclass
+from typing import Any, Container, Iterator, Mapping, Sequence, TypeVar
+
+import torch
+import torch.distributed as dist
+
+from ..config import DistributedConfig
+from ..errors import ConfigError
+
+T = TypeVar("T")
+
+LAUNCHED_ENV = "LOCAL_RANK"  # set by torchrun and by the deepspeed launcher in each process
+
+
+def launch_command(cfg: DistributedConfig, argv: Sequence[str]) -> list[str]:
+    """The command that runs `python -m pipeline <argv>` on this node's processes."""
+    if cfg.launcher == "torchrun":
+        cmd = [_tool("torchrun"), f"--nproc_per_node={cfg.num_processes}", f"--nnodes={cfg.num_nodes}",
+               f"--node_rank={cfg.node_rank}", f"--master_addr={cfg.master_addr}",
+               f"--master_port={cfg.master_port}"]
+        return cmd + ["-m", "pipeline", *argv]
+    cmd = [_tool("deepspeed"), "--no_local_rank", f"--master_port={cfg.master_port}",
+           f"--master_addr={cfg.master_addr}"]
+    if cfg.hostfile is not None:
+        cmd += [f"--hostfile={cfg.hostfile}", f"--num_nodes={cfg.num_nodes}", f"--num_gpus={cfg.num_processes}"]
+    else:  # one node: no hostfile, no ssh
+        cmd += [f"--num_gpus={cfg.num_processes}"]
+    return cmd + ["--module", "pipeline", *argv]
+
+
+def _tool(name: str) -> str:
+    # The launcher of this interpreter's environment, so a venv's torchrun runs the venv's python.
+    here = os.path.join(os.path.dirname(sys.executable), name)
+    found = here if os.path.exists(here) else shutil.which(name)
+    if found is None:
+        raise ConfigError(f"distributed.launcher: {name!r} is not installed in this environment")
+    return found
+
+
+def with_node(params: Any, stage: str, node_rank: int | None, master_addr: str | None) -> Any:
+    """`params` with this node's rank and rank 0's address set for `stage` (command-line values
+    win over the shared params file; the file stays what DVC tracks)."""
+    changes = {k: v for k, v in (("node_rank", node_rank), ("master_addr", master_addr)) if v is not None}
+    if not changes:
+        return params
+    section = getattr(params, stage)
+    try:
+        dist = dataclasses.replace(section.distributed, **changes)
+    except ConfigError as err:
+        raise ConfigError(f"--node-rank/--master-addr: {err}") from None
+    return dataclasses.replace(params, **{stage: dataclasses.replace(section, distributed=dist)})
+
+
+def needs_launch(cfg: DistributedConfig) -> bool:
+    """True when this process should start the launcher instead of training itself."""
+    return cfg.world_size > 1 and LAUNCHED_ENV not in os.environ
+
+
+@dataclass(frozen=True)
+class Context:
+    """Who this process is. A single plain process is rank 0 of 1 with no process group."""
+    rank: int = 0
+    world_size: int = 1
+    local_rank: int = 0
+    device: torch.device = torch.device("cpu")
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+    @property
+    def active(self) -> bool:
+        return dist.is_available() and dist.is_initialized()
+
+    def shard(self, items: Sequence[T]) -> list[T]:
+        """This rank's contiguous slice of a global batch (equal slices; sizes are validated)."""
+        n = len(items) // self.world_size
+        return list(items[self.rank * n:(self.rank + 1) * n])
+
+    def sum(self, x: torch.Tensor) -> torch.Tensor:
+        """Sum of `x` over ranks (a new tensor; `x` itself is not modified)."""
+        if not self.active:
+            return x.clone()
+        y = x.detach().to(torch.float64).clone()
+        dist.all_reduce(y, op=dist.ReduceOp.SUM)
+        return y.to(x.dtype)
+
+    def reduce_stats(self, stats: dict[str, float], sum_keys: Container[str] = (),
+                     max_keys: Container[str] = ()) -> dict[str, float]:
+        """A dict of per-rank scalars reduced over ranks: summed for `sum_keys`, the largest for
+        `max_keys`, averaged otherwise. Every rank must pass the same keys."""
+        if not self.active:
+            return dict(stats)
+        keys = list(stats)  # the same insertion order on every rank
+        values = torch.tensor([stats[k] for k in keys], dtype=torch.float64)
+        total = values.clone()
+        dist.all_reduce(total, op=dist.ReduceOp.SUM)
+        peak = values.clone()
+        dist.all_reduce(peak, op=dist.ReduceOp.MAX)
+        return {k: float(peak[i] if k in max_keys else total[i] if k in sum_keys else total[i] / self.world_size)
+                for i, k in enumerate(keys)}
+
+    def eval_parts(self, items: Sequence[T], batch_size: int) -> Iterator[list[T]]:
+        """This rank's parts of an evaluation pass in batches of `batch_size` per rank. Every rank
+        gets the same number of parts (some may be empty: the caller runs a dummy forward then,
+        because under ZeRO-3 each forward is a collective)."""
+        span = batch_size * self.world_size
+        for start in range(0, len(items), span):
+            chunk = items[start:start + span]
+            n = math.ceil(len(chunk) / self.world_size)
+            yield list(chunk[self.rank * n:(self.rank + 1) * n])
+
+    def barrier(self) -> None:
+        if self.active:
+            dist.barrier()
+
+
+SINGLE = Context()
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def init(cfg: DistributedConfig) -> Context:
+    """Join the process group (DeepSpeed backend) or stay a single plain process."""
+    if cfg.backend == "none":
+        return SINGLE
+    import deepspeed  # heavy import: only when DeepSpeed is asked for
+
+    # DeepSpeed 0.19 calls torch collectives that torch 2.13 marks deprecated, once per step.
+    warnings.filterwarnings("ignore", category=FutureWarning, module=r"torch\.distributed")
+
+    if LAUNCHED_ENV not in os.environ:  # one process without a launcher: a group of one
+        os.environ.update({"RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0",
+                           "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(_free_port())})
+    if not dist.is_initialized():
+        deepspeed.init_distributed(dist_backend="nccl" if torch.cuda.is_available() else "gloo")
+    local = int(os.environ.get("LOCAL_RANK", 0))
+    if torch.cuda.is_available():
+        torch.cuda.set_device(local)
+        device = torch.device("cuda", local)
+    else:
+        device = torch.device("cpu")
+    world = dist.get_world_size()
+    if world != cfg.world_size:
+        raise ConfigError(f"distributed: params ask for {cfg.world_size} processes but {world} were started")
+    return Context(rank=dist.get_rank(), world_size=world, local_rank=local, device=device)
+
+
+@contextlib.contextmanager
+def session(cfg: DistributedConfig) -> Iterator[Context]:
+    """`init` ... `shutdown` around a stage's work."""
+    ctx = init(cfg)
+    try:
+        yield ctx
+    except BaseException:
+        if ctx.active:  # no barrier: the other ranks may be gone; the launcher stops them
+            dist.destroy_process_group()
+        raise
+    shutdown(ctx)
+
+
+def to_device(batch: Mapping[str, Any], device: torch.device | None) -> dict[str, Any]:
+    """A batch dict with its tensors on `device` (unchanged when None or already there)."""
+    if device is None:
+        return dict(batch)
+    return {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in batch.items()}
+
+
+def shutdown(ctx: Context) -> None:
+    """Leave the process group cleanly (a process that exits inside it can abort at exit)."""
+    if ctx.active:
+        dist.barrier()
+        dist.destroy_process_group()

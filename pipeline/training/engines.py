@@ -1,0 +1,335 @@
+"""Training and inference engines: where a model's weights live and how one optimizer step happens.
+
+Every training loop (SFT, RM, PPO's actor and critic) talks to a `TrainEngine`:
+
+    loss = <sum over this micro-batch> / <size of the global batch>
+    engine.backward(loss)          # once per micro-batch: gradients only, never an update
+    result = engine.step()         # once per global batch: the update; StepResult(lr, grad_norm, skipped)
+
+so the *same* loop runs as plain PyTorch in one process (`TrainEngine`) or through
+`deepspeed.initialize` in N processes (`DeepSpeedEngine`). The two are siblings with one meaning
+per method; callers use `forward` for training forwards, `model` where they need the Hugging Face
+model's structure (its trunk and head), `train()`/`eval()` for the mode, and never the optimizer
+or the schedule. Ranks come from the distributed `Context` the engine was built with; what PEFT
+adapters need lives in lora.py. Why DeepSpeed directly rather than
+through accelerate: PPO holds four models with different roles (two trained engines, two frozen
+ones that ZeRO-3 must partition too) and must switch ZeRO-3's parameter hooks off for generation;
+accelerate's DeepSpeed plugin is built around one model per config and hides the engine we need.
+
+Loss scaling: DeepSpeed averages gradients over the data-parallel ranks and (by default) divides
+each micro-batch loss by its accumulation steps. Our losses are already normalised by the global
+batch, so `DeepSpeedEngine.backward` multiplies by the world size and turns the division off: the
+summed gradient is then exactly the gradient one process computes on the whole global batch.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import math
+from pathlib import Path
+from typing import Any, Callable, Iterator, NamedTuple, Optional
+
+import torch
+
+from ..models import lora
+from ..config import DistributedConfig
+from .distributed import Context
+from ..errors import ConfigError
+
+# Optimizer types DeepSpeed builds itself (needed for optimizer offload: its CPU Adam runs the step).
+DS_ADAMW = "AdamW"
+
+
+def deepspeed_config(dist: DistributedConfig, *, world_size: int, micro_batch_size: int,
+                     accumulation_steps: int, max_grad_norm: float | None,
+                     lr: float | None = None, weight_decay: float = 0.0, train: bool = True) -> dict[str, Any]:
+    """The DeepSpeed JSON config for one engine, generated from the `distributed` params.
+
+    `micro_batch_size` x `accumulation_steps` x `world_size` is the global batch of one optimizer
+    step. With optimizer offload the optimizer is declared here (DeepSpeed's CPU Adam); otherwise
+    our own torch AdamW is handed to `deepspeed.initialize`.
+    """
+    zero: dict[str, Any] = {"stage": dist.zero_stage}
+    if dist.zero_stage == 3:
+        # Small models: gather whole layers at once; partition only what is worth it.
+        zero.update({"stage3_param_persistence_threshold": 1e4, "stage3_prefetch_bucket_size": 5e7,
+                     "stage3_gather_16bit_weights_on_model_save": True})
+    if train and dist.offload_optimizer:
+        zero["offload_optimizer"] = {"device": "cpu", "pin_memory": torch.cuda.is_available()}
+    if dist.offload_param or (not train and dist.offload_frozen and dist.zero_stage == 3):
+        zero["offload_param"] = {"device": "cpu", "pin_memory": torch.cuda.is_available()}
+    cfg: dict[str, Any] = {
+        "train_micro_batch_size_per_gpu": micro_batch_size,
+        "gradient_accumulation_steps": accumulation_steps,
+        "train_batch_size": micro_batch_size * accumulation_steps * world_size,
+        "zero_optimization": zero,
+        "bf16": {"enabled": dist.precision == "bf16"},
+        "fp16": {"enabled": dist.precision == "fp16", "initial_scale_power": 16},
+        "steps_per_print": 10 ** 9,          # we log ourselves
+        "wall_clock_breakdown": False,
+    }
+    if train and max_grad_norm is not None:
+        cfg["gradient_clipping"] = max_grad_norm
+    if train and dist.offload_optimizer:
+        assert lr is not None
+        cfg["optimizer"] = {"type": DS_ADAMW, "params": {"lr": lr, "weight_decay": weight_decay,
+                                                         "betas": [0.9, 0.999], "eps": 1e-8}}
+    return cfg
+
+
+def validate_deepspeed_config(cfg: dict[str, Any], world_size: int) -> None:
+    """Check a generated config before any engine is built: the batch arithmetic for `world_size`
+    ranks here, then DeepSpeed's own parser and its pydantic ZeRO model (which reject unknown or
+    ill-typed values). Raises ConfigError naming what is wrong."""
+    from deepspeed.runtime.config import DeepSpeedConfig
+    from deepspeed.runtime.zero.config import DeepSpeedZeroConfig
+
+    def invalid(why: object) -> ConfigError:
+        return ConfigError(f"distributed: the generated DeepSpeed config is invalid: {why}")
+
+    micro, acc = cfg["train_micro_batch_size_per_gpu"], cfg["gradient_accumulation_steps"]
+    if cfg["train_batch_size"] != micro * acc * world_size:
+        raise invalid(f"train_batch_size {cfg['train_batch_size']} != micro batch {micro} x accumulation {acc} "
+                      f"x {world_size} processes")
+    if cfg["bf16"]["enabled"] and cfg["fp16"]["enabled"]:
+        raise invalid("bf16 and fp16 together")
+    # DeepSpeed's parser reads the world size from the process group; without one it assumes 1,
+    # so it is then shown the per-process view of the same config.
+    import torch.distributed as tdist
+    local = json.loads(json.dumps(cfg))
+    if not (tdist.is_available() and tdist.is_initialized()):
+        local["train_batch_size"] = micro * acc
+    try:
+        DeepSpeedZeroConfig(**cfg["zero_optimization"])
+        DeepSpeedConfig(local)
+    except (AssertionError, ValueError, KeyError, TypeError) as err:
+        raise invalid(err) from None
+
+
+class StepResult(NamedTuple):
+    """What one `TrainEngine.step` did."""
+    lr: float          # the learning rate the update used (before the schedule advanced)
+    grad_norm: float   # global gradient norm before clipping
+    skipped: bool      # no update was applied (a non-finite gradient; fp16: a loss-scale overflow)
+
+
+class TrainEngine:
+    """Plain PyTorch: AdamW, a schedule, gradient clipping, gradient accumulation by summation."""
+
+    def __init__(self, model: torch.nn.Module, lr: float, weight_decay: float,
+                 schedule: Callable[[int], float], max_grad_norm: float):
+        self.model = model
+        self.params = [p for p in model.parameters() if p.requires_grad]
+        self._optimizer = torch.optim.AdamW(self.params, lr=lr, weight_decay=weight_decay)
+        self._scheduler = torch.optim.lr_scheduler.LambdaLR(self._optimizer, schedule)
+        self.max_grad_norm = max_grad_norm
+        self.forward = model   # what training forwards call
+
+    def train(self) -> None:
+        self.model.train()
+
+    def eval(self) -> None:
+        """Dropout off; gradients still flow (PPO trains in eval mode so the first ratio is 1)."""
+        self.model.eval()
+
+    @property
+    def lr(self) -> float:
+        """The learning rate the next `step` will use."""
+        return self._scheduler.get_last_lr()[0]
+
+    def backward(self, loss: torch.Tensor) -> None:
+        """Add this micro-batch's gradients; no update."""
+        loss.backward()
+
+    def step(self) -> StepResult:
+        """Clip, update, advance the schedule, clear the gradients."""
+        norm = float(torch.nn.utils.clip_grad_norm_(self.params, self.max_grad_norm))
+        lr = self.lr
+        skipped = not math.isfinite(norm)   # a NaN/inf gradient never reaches the weights (the caller reports it)
+        if not skipped:
+            self._optimizer.step()
+            self._scheduler.step()
+        self._optimizer.zero_grad(set_to_none=True)
+        return StepResult(lr, norm, skipped)
+
+    @property
+    def device(self) -> torch.device:
+        return next(self.model.parameters()).device
+
+    @contextlib.contextmanager
+    def gathered(self) -> Iterator[torch.nn.Module]:
+        """The whole model for generation (already whole in one process)."""
+        yield self.model
+
+    def full_model(self) -> torch.nn.Module | None:
+        return self.model
+
+    # Resumable state: weights (safetensors), optimizer and schedule (tensors and numbers only).
+    def save(self, folder: Path, name: str) -> None:
+        from safetensors.torch import save_model
+        save_model(self.model, str(folder / f"{name}.safetensors"))
+        torch.save({"opt": self._optimizer.state_dict(), "sched": self._scheduler.state_dict()},
+                   folder / f"{name}_optim.pt")
+
+    def load(self, folder: Path, name: str) -> None:
+        from safetensors.torch import load_model
+        load_model(self.model, str(folder / f"{name}.safetensors"))
+        state = torch.load(folder / f"{name}_optim.pt", weights_only=True)
+        self._optimizer.load_state_dict(state["opt"])
+        self._scheduler.load_state_dict(state["sched"])
+
+
+class DeepSpeedEngine(TrainEngine):
+    """A `deepspeed.initialize` engine behind the same three calls."""
+
+    def __init__(self, model: torch.nn.Module, lr: float, weight_decay: float,
+                 schedule: Callable[[int], float], max_grad_norm: float, dist: DistributedConfig,
+                 ctx: Context, micro_batch_size: int, accumulation_steps: int):
+        import deepspeed
+
+        self.ds_config = deepspeed_config(dist, world_size=ctx.world_size, micro_batch_size=micro_batch_size,
+                                          accumulation_steps=accumulation_steps, max_grad_norm=max_grad_norm,
+                                          lr=lr, weight_decay=weight_decay)
+        validate_deepspeed_config(self.ds_config, ctx.world_size)
+        self.ctx = ctx
+        params = [p for p in model.parameters() if p.requires_grad]
+
+        def scheduler(optimizer):   # DeepSpeed steps it at each accumulation boundary
+            return torch.optim.lr_scheduler.LambdaLR(optimizer, schedule)
+
+        # With optimizer offload the optimizer comes from the config (DeepSpeed's CPU Adam);
+        # otherwise it is our torch AdamW.
+        optimizer = None if dist.offload_optimizer else torch.optim.AdamW(params, lr=lr, weight_decay=weight_decay)
+        self.engine, self._optimizer, _, self._scheduler = deepspeed.initialize(
+            model=model, optimizer=optimizer, model_parameters=params if optimizer is None else None,
+            lr_scheduler=scheduler, config=self.ds_config)
+        self.model = self.engine.module
+        self.forward = self.engine
+        self.params = params
+        self._complete = False   # the last backward completed a global batch
+
+    def backward(self, loss: torch.Tensor) -> None:
+        """Add this micro-batch's gradients (reduced over ranks at the accumulation boundary); no update.
+        DeepSpeed counts micro-batches in its own `step`, a no-op before the boundary: it is called
+        here for every micro-batch but the last, whose `step` is ours."""
+        self.engine.backward(loss * self.ctx.world_size, scale_wrt_gas=False)
+        self._complete = self.engine.is_gradient_accumulation_boundary()
+        if not self._complete:
+            self.engine.step()
+
+    def step(self) -> StepResult:
+        """Clip, update, advance the schedule (DeepSpeed's step at the accumulation boundary)."""
+        if not self._complete:
+            raise RuntimeError("TrainEngine.step() before the last micro-batch of the global batch")
+        self._complete = False
+        lr, skipped_before = self.lr, self.engine.skipped_steps
+        self.engine.step()
+        norm = self.engine.get_global_grad_norm()
+        norm = float(norm) if norm is not None else float("nan")
+        return StepResult(lr, norm, self.engine.skipped_steps > skipped_before or not math.isfinite(norm))
+
+    @property
+    def zero3(self) -> bool:
+        return self.engine.zero_optimization_stage() == 3
+
+    @contextlib.contextmanager
+    def gathered(self) -> Iterator[torch.nn.Module]:
+        """ZeRO-3: gather the parameters once and switch the per-module hooks off for generation
+        (otherwise every generated token would all-gather every layer again)."""
+        if not self.zero3:
+            yield self.model
+            return
+        from deepspeed.runtime.zero.stage3 import unwrap_model_for_generation
+        with unwrap_model_for_generation(self.engine):
+            yield self.model
+
+    def full_model(self) -> torch.nn.Module | None:
+        """Collective: the whole model in float32 on rank 0 (None on the other ranks). Below ZeRO-3
+        every rank holds all weights already; under ZeRO-3 they are gathered into a fresh copy."""
+        import deepspeed
+
+        if not self.zero3:
+            return self.model.float() if self.ctx.is_main else None
+        state = None
+        with deepspeed.zero.GatheredParameters(list(self.model.parameters()), modifier_rank=None):
+            if self.ctx.is_main:
+                state = {k: v.detach().to("cpu", torch.float32).clone() for k, v in self.model.state_dict().items()}
+        if not self.ctx.is_main:
+            return None
+        plain = lora.fresh_copy(self.model)
+        plain.load_state_dict(state)
+        return plain.float()
+
+    def save(self, folder: Path, name: str) -> None:
+        # Every rank writes its own shard of weights, optimizer and schedule state.
+        self.engine.save_checkpoint(str(folder), tag=name)
+
+    def load(self, folder: Path, name: str) -> None:
+        path, _ = self.engine.load_checkpoint(str(folder), tag=name)
+        if path is None:
+            raise FileNotFoundError(f"{folder / name}: no DeepSpeed checkpoint")
+
+
+class FrozenModel:
+    """Reference or reward model: inference only. Partitioned with ZeRO-3 when training is stage 3
+    (every rank holds a slice), otherwise replicated; `offload_frozen` keeps it on the CPU."""
+
+    def __init__(self, model: torch.nn.Module, dist: DistributedConfig, ctx: Context, micro_batch_size: int):
+        model.eval().requires_grad_(False)
+        self.engine = None
+        self.ds_config: dict[str, Any] | None = None
+        if dist.backend == "deepspeed" and dist.zero_stage == 3:
+            import deepspeed
+            self.ds_config = deepspeed_config(dist, world_size=ctx.world_size, micro_batch_size=micro_batch_size,
+                                              accumulation_steps=1, max_grad_norm=None, train=False)
+            self.engine, *_ = deepspeed.initialize(model=model, config=self.ds_config)
+            self.model = self.engine.module
+        else:
+            device = torch.device("cpu") if dist.offload_frozen else ctx.device
+            dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(dist.precision)
+            self.model = model.to(device=device, dtype=dtype) if dtype else model.to(device)
+
+
+def make_engine(model: torch.nn.Module, *, lr: float, weight_decay: float, schedule: Callable[[int], float],
+                max_grad_norm: float, dist: DistributedConfig, ctx: Context, micro_batch_size: int,
+                accumulation_steps: int) -> TrainEngine:
+    if dist.backend == "none":
+        return TrainEngine(model.to(ctx.device), lr, weight_decay, schedule, max_grad_norm)
+    return DeepSpeedEngine(model, lr, weight_decay, schedule, max_grad_norm, dist, ctx, micro_batch_size,
+                           accumulation_steps)
+
+
+def supervised_engine(model: torch.nn.Module, cfg: Any, steps: int, ctx: Context) -> tuple[TrainEngine, int]:
+    """The engine of a supervised stage (SFT, RM) from its section (`lr`, `weight_decay`,
+    `warmup_ratio`, `max_grad_norm`, `batch_size`, `distributed`): warmup then cosine over `steps`.
+    Returns it with the micro-batch size per process (global batch / processes / accumulation)."""
+    dist = cfg.distributed
+    micro = cfg.batch_size // (ctx.world_size * dist.gradient_accumulation_steps)
+    engine = make_engine(model, lr=cfg.lr, weight_decay=cfg.weight_decay,
+                         schedule=warmup_cosine(round(cfg.warmup_ratio * steps), steps),
+                         max_grad_norm=cfg.max_grad_norm, dist=dist, ctx=ctx, micro_batch_size=micro,
+                         accumulation_steps=dist.gradient_accumulation_steps)
+    return engine, micro
+
+
+def warmup_cosine(warmup_steps: int, total: int) -> Callable[[int], float]:
+    """Linear warmup then cosine decay to 0 (the multiplier of the peak learning rate)."""
+    def f(step: int) -> float:
+        if step < warmup_steps:
+            return step / max(1, warmup_steps)
+        progress = (step - warmup_steps) / max(1, total - warmup_steps)
+        return max(0.0, 0.5 * (1.0 + math.cos(math.pi * progress)))
+    return f
+
+
+def write_deepspeed_config(path: Path, **engines: Any) -> Optional[dict]:
+    """Save the generated DeepSpeed config(s) next to the outputs: the config itself for one engine,
+    `{name: config}` for several (PPO). Nothing is written for plain PyTorch engines."""
+    configs = {name: getattr(e, "ds_config", None) for name, e in engines.items()}
+    if all(c is None for c in configs.values()):
+        return None
+    from ..data.io import atomic_write_json
+    out = next(iter(configs.values())) if len(configs) == 1 else configs
+    atomic_write_json(path, out)
+    return out

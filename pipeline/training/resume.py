@@ -1,0 +1,178 @@
+"""Resumable training state shared by every training stage: fingerprint, staging, SFT/RM state.
+
+A stage saves its state every `save_every` steps (and after its last step) into `checkpoint/`
+next to its outputs. That folder is gitignored and not a DVC out (see the head of dvc.yaml), so DVC
+never deletes it: a stage killed at any point and re-run by `dvc repro` continues from the last
+save instead of from step 0.
+
+Atomicity: every rank writes into one staging folder beside the target; rank 0 writes
+`state.json` last and swaps the folder in (io.swap_in). A kill before the swap leaves the previous
+checkpoint; a kill between the swap's two renames leaves it as `.checkpoint.old`, which `recover`
+puts back. So a checkpoint is either the old one or the new one, never a mix.
+
+The fingerprint hashes the stage's resolved params (its `distributed` settings included) and every
+file of its input folders, so a changed config, other data or a retrained input model never
+resumes from a stale state: the run starts afresh and its first save replaces the stale one.
+
+Contents for SFT and RM (`SupervisedState`): the engine's state (plain engines: `model.safetensors`
+and `model_optim.pt` with tensors and numbers only, loaded with weights_only=True; DeepSpeed: its
+sharded folder `model/`), `rng_rank<r>.pt` (the batch sampler's and torch's generators), and
+`state.json` (step, the sampler's pending order, the step logs so far, the world size, the
+fingerprint). PPO's contents are in ppo/checkpoint.py.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import shutil
+import time
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+
+from .distributed import Context
+from ..errors import CheckpointError
+from ..data.io import atomic_write_json, swap_in
+from ..tracking.sinks import StepLog
+from .batches import BatchSampler
+
+log = logging.getLogger(__name__)
+
+# Bump when a checkpoint's layout changes: it is part of the fingerprint, so an older checkpoint is
+# never read with the new layout (the run starts afresh instead).
+FORMAT = 4
+
+
+def fingerprint(config: dict[str, Any], inputs: list[Path]) -> str:
+    """sha256 of the resolved config and every file (path and bytes) under the input folders."""
+    h = hashlib.sha256(json.dumps({"format": FORMAT, "config": config}, sort_keys=True, default=str).encode())
+    for folder in map(Path, inputs):
+        files = sorted(p for p in folder.rglob("*") if p.is_file()) if folder.is_dir() else [folder]
+        for f in files:
+            if not f.exists():
+                continue
+            h.update(str(f.relative_to(folder) if f != folder else f.name).encode())
+            with open(f, "rb") as fh:
+                for chunk in iter(lambda: fh.read(1 << 20), b""):
+                    h.update(chunk)
+    return h.hexdigest()
+
+
+def input_paths(*paths: str | Path | None) -> list[Path]:
+    """The local files and folders among a stage's inputs, for `fingerprint`: None and hub ids are
+    left out (their params are in the config), a `{split}` path stands for the files it matches."""
+    out: list[Path] = []
+    for p in paths:
+        if p is None:
+            continue
+        if "{split}" in str(p):
+            pattern = Path(str(p).replace("{split}", "*"))
+            out += sorted(pattern.parent.glob(pattern.name)) if pattern.parent.is_dir() else []
+        elif Path(p).exists():
+            out.append(Path(p))
+    return out
+
+
+def recover(path: Path) -> None:
+    """Put back a checkpoint left as `.<name>.old` by a kill between the two renames of a swap."""
+    old = path.with_name(f".{path.name}.old")
+    if not path.exists() and old.is_dir():
+        os.replace(old, path)
+
+
+def save_staged(path: Path, ctx: Context, write: Callable[[Path], None], state: dict[str, Any]) -> None:
+    """Collective: every rank's `write(staging)`, then rank 0's `state.json` and the swap."""
+    staging = path.with_name(f".{path.name}.staging")
+    if ctx.is_main:
+        shutil.rmtree(staging, ignore_errors=True)
+        staging.mkdir(parents=True)
+    ctx.barrier()
+    write(staging)
+    ctx.barrier()
+    if ctx.is_main:
+        atomic_write_json(staging / "state.json", state)
+        swap_in(staging, path)
+    ctx.barrier()
+
+
+def read_state(path: Path, fp: str) -> dict[str, Any] | None:
+    """`state.json` of the checkpoint at `path` when it belongs to this run (same fingerprint)."""
+    recover(path)
+    state_file = path / "state.json"
+    if not state_file.is_file():
+        return None
+    try:
+        state = json.loads(state_file.read_text())
+    except (OSError, ValueError) as err:
+        raise CheckpointError(f"{state_file}: unreadable ({err}); delete {path} to start afresh") from None
+    return state if state.get("fingerprint") == fp else None
+
+
+def unreadable(path: Path, err: Exception) -> CheckpointError:
+    return CheckpointError(f"{path}: unreadable checkpoint ({err}); delete it to start afresh")
+
+
+def load_engine(engine: Any, path: Path, name: str) -> None:
+    """Restore a training engine's weights, optimizer and schedule saved as `name`."""
+    try:
+        engine.load(path, name)
+    except (OSError, RuntimeError, KeyError, ValueError) as err:
+        raise unreadable(path, err) from None
+
+
+def load_rng(path: Path, rank: int) -> dict[str, torch.Tensor]:
+    try:
+        return torch.load(path / f"rng_rank{rank}.pt", weights_only=True)
+    except (OSError, RuntimeError) as err:
+        raise unreadable(path, err) from None
+
+
+class SupervisedState:
+    """Save and restore a supervised loop (SFT, RM): engine, batch sampler, RNG, step logs, and
+    the training time of every run that worked on it."""
+
+    def __init__(self, stage: str, path: Path, fp: str, engine: Any, sampler: BatchSampler,
+                 logs: dict[str, StepLog], ctx: Context):
+        self.stage, self.path, self.fp, self.engine, self.sampler, self.logs, self.ctx = \
+            stage, path, fp, engine, sampler, logs, ctx
+        self.seconds_before = 0.0          # training time of the interrupted runs (restored by `load`)
+        self.t0 = time.perf_counter()      # this run's start of training
+
+    def elapsed(self) -> float:
+        """Training seconds so far, this run's and the interrupted runs'."""
+        return self.seconds_before + time.perf_counter() - self.t0
+
+    def save(self, step: int) -> None:
+        """Collective: flush the step logs and save the state after `step`."""
+        for log_ in self.logs.values():
+            log_.flush()
+        sampler = self.sampler.state_dict()
+        gen = sampler.pop("gen")
+
+        def write(staging: Path) -> None:
+            self.engine.save(staging, "model")
+            torch.save({"sampler": gen, "torch": torch.get_rng_state()}, staging / f"rng_rank{self.ctx.rank}.pt")
+
+        save_staged(self.path, self.ctx, write, {
+            "fingerprint": self.fp, "step": step, "seconds": self.elapsed(), "world_size": self.ctx.world_size,
+            "sampler": sampler,
+            "logs": {name: {"columns": log_.columns, "rows": log_.rows} for name, log_ in self.logs.items()}})
+
+    def load(self) -> int:
+        """Restore the last save of this run; returns its step (0: nothing to resume)."""
+        state = read_state(self.path, self.fp)
+        if state is None:
+            return 0
+        load_engine(self.engine, self.path, "model")
+        rng = load_rng(self.path, self.ctx.rank)
+        self.sampler.load_state_dict({**state["sampler"], "gen": rng["sampler"]})
+        torch.set_rng_state(rng["torch"])
+        for name, log_ in self.logs.items():
+            log_.restore(state["logs"][name]["rows"], state["logs"][name]["columns"])
+        self.seconds_before, self.t0 = float(state["seconds"]), time.perf_counter()
+        log.warning("%s: resuming from %s at step %d", self.stage, self.path, state["step"])
+        return int(state["step"])

@@ -1,0 +1,128 @@
+"""Which project files a stage's code reaches: the import closure DVC's `deps` must cover.
+
+A stage runs `python -m pipeline <stage>`: `pipeline/__main__.py` (its module-level imports; its
+other stages' imports are function-local and are not followed) and `pipeline/stages/<stage>.py`,
+then every project module either imports, at any depth, including imports inside functions (the
+gold judge is imported where it is needed). Found statically with `ast`, so nothing is executed.
+A package's `__init__.py` is reached with any of its modules.
+
+dvc.yaml's code deps of a stage must cover this closure (a folder covers what is under it);
+tests/test_stage_declarations.py checks it. `EXEMPT` lists the only files that may stay out, each
+with the reason it cannot change an output. Code that a user names in params (a
+`ppo.reward_source: module:function`) is imported at run time and is theirs to track.
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+# Files a stage imports that cannot change what it writes.
+EXEMPT = {
+    "pipeline/errors.py": "error types and the finite-value check: they stop a run, never change an output",
+    "pipeline/tracking/mlflow_sink.py": "the MLflow sink: a copy of what the stage writes, never read back",
+}
+
+
+def module_file(root: Path, module: str) -> Path | None:
+    """The file of a dotted project module (`pipeline.data.io`), or None when it is not one."""
+    base = root / Path(*module.split("."))
+    if base.with_suffix(".py").is_file():
+        return base.with_suffix(".py")
+    if (base / "__init__.py").is_file():
+        return base / "__init__.py"
+    return None
+
+
+def _module_name(root: Path, path: Path) -> str:
+    parts = list(path.relative_to(root).with_suffix("").parts)
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def imports(root: Path, path: Path, top_level_only: bool = False) -> set[Path]:
+    """Project files that `path` imports (with the `__init__.py` of each package on the way)."""
+    tree = ast.parse(path.read_text(encoding="utf-8"), str(path))
+    package = _module_name(root, path) if path.name == "__init__.py" else _module_name(root, path).rpartition(".")[0]
+    nodes = tree.body if top_level_only else ast.walk(tree)
+    found: set[Path] = set()
+    for node in nodes:
+        names: list[str] = []
+        if isinstance(node, ast.Import):
+            names = [a.name for a in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = package.split(".")
+                base = base[:len(base) - node.level + 1]
+                target = ".".join(base + ([node.module] if node.module else []))
+            else:
+                target = node.module or ""
+            names = [target] + [f"{target}.{a.name}" for a in node.names]
+        for name in names:
+            parts = name.split(".")
+            for i in range(1, len(parts) + 1):      # the packages on the way, then the module
+                f = module_file(root, ".".join(parts[:i]))
+                if f is not None:
+                    found.add(f)
+    return found
+
+
+def closure(root: Path, stage: str) -> set[str]:
+    """Repository-relative paths of every project file `python -m pipeline <stage>` can import."""
+    root = Path(root)
+    main = root / "pipeline" / "__main__.py"
+    entry = root / "pipeline" / "stages" / f"{stage}.py"
+    packages = {module_file(root, "pipeline"), module_file(root, "pipeline.stages")} - {None}
+    todo = {entry, *packages} | imports(root, main, top_level_only=True)
+    seen: set[Path] = {main}
+    while todo:
+        f = todo.pop()
+        if f in seen:
+            continue
+        seen.add(f)
+        todo |= imports(root, f) - seen
+    return {str(f.relative_to(root)) for f in seen}
+
+
+def covered(path: str, deps: list[str]) -> bool:
+    """Whether a dep of the list is `path` itself or a folder above it."""
+    return any(path == d or path.startswith(d.rstrip("/") + "/") for d in deps)
+
+
+def uncovered(root: Path, stage: str, deps: list[str]) -> list[str]:
+    """Files of the stage's closure that no dep covers and that are not exempt (empty package
+    markers are exempt: they hold no code)."""
+    out = []
+    for f in sorted(closure(root, stage)):
+        if covered(f, deps) or f in EXEMPT:
+            continue
+        if f.endswith("__init__.py") and not (Path(root) / f).read_text(encoding="utf-8").strip():
+            continue
+        out.append(f)
+    return out
+
+
+def coarse_deps(root: Path, stage: str) -> list[str]:
+    """The closure as dvc.yaml deps: a folder where the stage reaches every Python file under it,
+    else the files (so editing code one stage alone uses never re-runs another)."""
+    files = {f for f in closure(root, stage) if f not in EXEMPT}
+    root = Path(root)
+    deps: list[str] = []
+    folders = sorted({str(Path(f).parent) for f in files}, key=lambda d: (d.count("/"), d))
+    for folder in folders:
+        if folder == "pipeline" or covered(folder + "/x", deps):
+            continue
+        inside = {str(p.relative_to(root)) for p in (root / folder).rglob("*.py")}
+        if inside and inside <= files:
+            deps.append(folder)
+    deps += sorted(f for f in files if not covered(f, deps)
+                   and not (f.endswith("__init__.py") and not (root / f).read_text(encoding="utf-8").strip()))
+    return deps
+
+
+if __name__ == "__main__":   # print each stage's deps, for dvc.yaml
+    import sys
+    root = Path(__file__).resolve().parents[2]
+    for stage in sys.argv[1:] or ("prepare", "sft", "reward", "ppo", "evaluate"):
+        print(f"{stage}:")
+        for d in coarse_deps(root, stage):
+            print(f"      - {d}")
