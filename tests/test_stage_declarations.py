@@ -105,3 +105,10 @@ def test_declared_inputs_are_the_command_line_folders_dvc_passes():
         assert spec.inputs == tuple(k for k in STAGES[name][1] if k != "out"), name
         for folder in spec.inputs:
             assert f"--{folder} " in DVC[name]["cmd"], (name, folder)
+
+
+def test_readme_stage_table_lists_each_declaration():
+    rows = {m.group(1): re.findall(r"`([^`]+)`", m.group(2)) for m in
+            re.finditer(r"^\| `(\w+)` \| ([^|]+) \|", (REPO / "README.md").read_text(), re.M)}
+    for name, spec in SPECS.items():
+        assert sorted(rows[name]) == sorted(spec.reads), name
