@@ -11,26 +11,25 @@ from __future__ import annotations
 import torch
 
 
-def left_pad(seqs: list[list[int]], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """(B, W) ids and bool mask, W the longest sequence, each row's tokens at its right end."""
+def pad(seqs: list[list[int]], pad_id: int, left: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """(B, W) ids and bool mask, W the longest sequence, each row's tokens at its right end (`left`
+    padding) or at its left end."""
     width = max(map(len, seqs))
     ids = torch.full((len(seqs), width), pad_id, dtype=torch.long)
     mask = torch.zeros((len(seqs), width), dtype=torch.bool)
     for i, s in enumerate(seqs):
-        ids[i, width - len(s):] = torch.tensor(s, dtype=torch.long)
-        mask[i, width - len(s):] = True
+        cols = slice(width - len(s), width) if left else slice(0, len(s))
+        ids[i, cols] = torch.tensor(s, dtype=torch.long)
+        mask[i, cols] = True
     return ids, mask
+
+
+def left_pad(seqs: list[list[int]], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
+    return pad(seqs, pad_id, left=True)
 
 
 def right_pad(seqs: list[list[int]], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """(B, W) ids and bool mask, W the longest sequence, each row's tokens at its left end."""
-    width = max(map(len, seqs))
-    ids = torch.full((len(seqs), width), pad_id, dtype=torch.long)
-    mask = torch.zeros((len(seqs), width), dtype=torch.bool)
-    for i, s in enumerate(seqs):
-        ids[i, :len(s)] = torch.tensor(s, dtype=torch.long)
-        mask[i, :len(s)] = True
-    return ids, mask
+    return pad(seqs, pad_id, left=False)
 
 
 def positions(attention_mask: torch.Tensor) -> torch.Tensor:
