@@ -29,7 +29,7 @@ STAGES: dict[str, tuple[str, dict[str, str]]] = {
     "evaluate": ("SFT, best-of-n and PPO on the held-out prompts",
                  {"data": DATA, "sft": SFT, "reward": RM, "ppo": PPO, "out": "outputs/evaluate"}),
     "frontier": ("plot gold and RM score against KL across DVC experiments", {"out": "outputs/frontier.png"}),
-    "check": ("validate the params file and exit", {}),
+    "check": ("validate the params file (and with --data the inputs every stage reads) and exit", {}),
     "recipe": ("merge recipes/<name>.yaml into the params file (validated first)", {}),
     "detect": ("replay the over-optimisation detector (params' ppo.detector) over a PPO train.tsv", {}),
 }
@@ -44,6 +44,19 @@ def read_tsv(path: Path) -> list[dict[str, str]]:
         raise DataError(f"{path}: no such step log (run the ppo stage first)") from None
 
 
+def check_inputs(params, data_dir: Path) -> None:
+    """Read every input the stages read, through the same loaders and checks they run before their
+    first step (records, schemas, leakage, pairs, stats.json), without building a model."""
+    from .data import inputs
+    from .stages import reward
+
+    for split in ("train", "eval"):
+        inputs.demonstrations(params, data_dir, split)
+        inputs.prompt_records(params, data_dir, split)
+    _, held = reward.pair_sources(params, data_dir)
+    reward.held_out(params, data_dir, held)
+
+
 def _parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="python -m pipeline", description=__doc__.splitlines()[0])
     sub = ap.add_subparsers(dest="stage", required=True)
@@ -54,6 +67,10 @@ def _parser() -> argparse.ArgumentParser:
         if stage != "frontier":
             p.add_argument("--params", type=Path, default=Path("params.yaml"))
             p.add_argument("--no-progress", action="store_true", help="hide progress bars")
+        if stage == "check":
+            p.add_argument("--data", type=Path, default=None,
+                           help="also read and validate every input the stages read from this prepared folder "
+                                "(and the datasets params name), as they do before training")
         if stage == "detect":
             p.add_argument("train_tsv", type=Path, help="a PPO step log, e.g. outputs/ppo/train.tsv")
         if stage == "recipe":
@@ -98,6 +115,10 @@ def main(argv: list[str] | None = None) -> int:
                 cmd = distributed.launch_command(dist, sys.argv[1:] if argv is None else argv)
                 print(f"{args.stage}: launching {dist.world_size} processes: {' '.join(cmd)}", flush=True)
                 return subprocess.call(cmd)
+        out = getattr(args, "out", None)
+        if args.stage in ("prepare", "sft", "reward", "ppo", "evaluate") and out is not None \
+                and (out.exists() or out.is_symlink()) and not out.is_dir():
+            raise DataError(f"{out}: --out names an existing file; the {args.stage} stage writes a folder there")
         if args.stage == "prepare":
             from .stages import prepare
             stats = prepare.run(params.data, args.out)
@@ -122,7 +143,9 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"  win_rate/ppo_vs_sft_gold = {metrics['win_rate/ppo_vs_sft_gold']:.3f}")
             print(evaluate.verdict(metrics, evaluate.detector_record(args.ppo)))
         else:
-            print(f"{args.params}: ok")
+            if args.data is not None:
+                check_inputs(params, args.data)
+            print(f"{args.params}: ok" + (f"; {args.data}: ok" if args.data is not None else ""))
     except UserError as err:
         print(f"error: {err}", file=sys.stderr)
         return 2

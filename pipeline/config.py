@@ -21,7 +21,12 @@ from ruamel.yaml import YAML
 from ruamel.yaml.error import YAMLError
 
 
-from .errors import ConfigError
+from .errors import ConfigError, shown
+
+# Limits of a params file: its size, and the length of one string value (paths, module names and
+# comma lists are far shorter; a megabyte string is a mistake, and would make a megabyte message).
+MAX_PARAMS_BYTES = 1 << 20
+MAX_STRING = 4096
 
 
 def num(default: Any, *, gt: float | None = None, ge: float | None = None,
@@ -307,9 +312,8 @@ class PPOConfig:
                               f"{self.kl_coef}); set one of them to 0, never both (double penalty)")
         if self.adaptive_kl and self.kl_coef == 0:
             raise ConfigError("ppo.adaptive_kl: needs ppo.kl_coef > 0 as its initial value")
-        if self.reward_source != "reward_model" and ":" not in self.reward_source:
-            raise ConfigError(f"ppo.reward_source: expected 'reward_model' or 'module:function', "
-                              f"got {self.reward_source!r}")
+        if self.reward_source != "reward_model":
+            reward_function(self.reward_source)   # importable, a Python function of (prompts, responses)
         det = self.detector
         if det.enabled and det.action == "stop" and self.save_every >= det.first_check:
             # The weights kept on an alarm are those of the last checkpoint before it: one must exist.
@@ -379,6 +383,37 @@ class Params:
 TRAINING_STAGES = ("sft", "reward", "ppo")
 
 
+def reward_function(spec: str) -> typing.Callable:
+    """The function `module:function` names, checked the moment params are read, before any model
+    is built: the module imports, the name is a Python function (not a builtin such as `os:system`
+    nor a class), and it accepts `(prompts, responses)`. What it returns is checked on one probe
+    pair when PPO starts (reward_source.FunctionSource)."""
+    import importlib
+    import inspect
+
+    key = "ppo.reward_source"
+    module_name, sep, attr = spec.partition(":")
+    if not sep or not module_name or not attr:
+        raise ConfigError(f"{key}: expected 'reward_model' or 'module:function', got {shown(spec)!r}")
+    try:
+        module = importlib.import_module(module_name)
+    except Exception as err:   # noqa: BLE001 - any failure to import is the user's module
+        raise ConfigError(f"{key}: cannot import module {shown(module_name)!r} ({type(err).__name__}: "
+                          f"{shown(str(err), 120)})") from None
+    fn = getattr(module, attr, None)
+    if fn is None:
+        raise ConfigError(f"{key}: module {module_name!r} has no {shown(attr)!r}")
+    if not inspect.isfunction(fn):
+        raise ConfigError(f"{key}: {shown(spec)!r} is a {type(fn).__name__}, not a Python function "
+                          "def f(prompts, responses) -> list of floats")
+    try:
+        inspect.signature(fn).bind(["prompt"], ["response"])
+    except TypeError:
+        raise ConfigError(f"{key}: {shown(spec)!r} does not take (prompts, responses): "
+                          f"its signature is {shown(str(inspect.signature(fn)))}") from None
+    return fn
+
+
 def check_batch_split(section: str, batch_size: int, dist: DistributedConfig) -> None:
     """A global batch must split evenly into processes x micro-batches (same maths as one process)."""
     parts = dist.world_size * dist.gradient_accumulation_steps
@@ -392,7 +427,7 @@ def check_batch_split(section: str, batch_size: int, dist: DistributedConfig) ->
 
 
 def _describe(value: Any) -> str:
-    return repr(value) if isinstance(value, str) else f"{value!r} ({type(value).__name__})"
+    return repr(shown(value)) if isinstance(value, str) else f"{shown(value)} ({type(value).__name__})"
 
 
 def _bounds_text(meta: typing.Mapping[str, Any]) -> str:
@@ -450,14 +485,22 @@ def _convert(value: Any, tp: Any, meta: typing.Mapping[str, Any], where: str) ->
     if tp is str:
         if not isinstance(value, str) or not value:
             raise ConfigError(f"{where}: expected a non-empty string, got {_describe(value)}")
+        if len(value) > MAX_STRING:
+            raise ConfigError(f"{where}: a string of {len(value)} characters; at most {MAX_STRING}")
+        try:
+            value.encode("utf-8")
+        except UnicodeEncodeError as err:
+            raise ConfigError(f"{where}: not valid Unicode (a lone surrogate at character {err.start})") from None
         return value
     raise TypeError(f"unsupported config type {tp!r} at {where}")  # a bug in this module, not user error
 
 
 def from_dict(cls: type, data: Any, where: str) -> Any:
-    """Build dataclass `cls` from a mapping; `where` is the `file: dotted.key` prefix for errors."""
+    """Build dataclass `cls` from a mapping; `where` is the `file: dotted.key` prefix for errors.
+    A section set to null is an error: it reads as "nothing", not as "the defaults" (omit the key,
+    or write `{}`, for those)."""
     if data is None:
-        data = {}
+        raise ConfigError(f"{where.rstrip(': ')}: is null; omit it, or write {{}}, for the defaults")
     if not isinstance(data, typing.Mapping):
         raise ConfigError(f"{where.rstrip(': ')}: expected a mapping of keys, got {_describe(data)}")
     hints = typing.get_type_hints(cls)
@@ -476,19 +519,30 @@ def from_dict(cls: type, data: Any, where: str) -> Any:
 
 def read_yaml(path: str | Path) -> Any:
     """Read a YAML file with the YAML 1.2 loader; a file that is not YAML is a ConfigError."""
+    from .data.io import read_input
     path = Path(path)
+    raw = read_input(path, "params file", ConfigError, MAX_PARAMS_BYTES)
     try:
-        text = path.read_text(encoding="utf-8")
-    except FileNotFoundError:
-        raise ConfigError(f"{path}: no such params file") from None
+        text = raw.decode("utf-8")
     except UnicodeDecodeError as err:
         raise ConfigError(f"{path}: not UTF-8 text ({err.reason} at byte {err.start})") from None
+    yaml = YAML(typ="safe", pure=True)
     try:
-        return YAML(typ="safe", pure=True).load(text)
+        # Anchors and aliases let a few lines expand into billions of values ("billion laughs");
+        # params never need them, so they are refused before anything is built.
+        for event in yaml.parse(text):
+            if getattr(event, "anchor", None) is not None:
+                raise ConfigError(f"{path}:{event.start_mark.line + 1}: YAML anchors and aliases (&{shown(event.anchor, 40)} "
+                                  "/ *...) are not allowed in a params file; write the values out")
+        return yaml.load(text)
     except YAMLError as err:
         mark = getattr(err, "problem_mark", None)
         line = f":{mark.line + 1}" if mark is not None else ""
-        raise ConfigError(f"{path}{line}: not valid YAML: {getattr(err, 'problem', None) or err}") from None
+        raise ConfigError(f"{path}{line}: not valid YAML: {shown(getattr(err, 'problem', None) or err, 200)}") from None
+    except RecursionError:
+        raise ConfigError(f"{path}: not valid YAML: nested too deeply") from None
+    except ValueError as err:   # e.g. an integer with more digits than Python converts
+        raise ConfigError(f"{path}: not valid YAML: {shown(str(err), 200)}") from None
 
 
 def merge_distributed(data: Any, where: str) -> Any:
@@ -498,16 +552,19 @@ def merge_distributed(data: Any, where: str) -> Any:
     override names `<stage>.distributed.<key>`."""
     if not isinstance(data, typing.Mapping):
         return data
-    top = data.get("distributed") or {}
+    for key, value in data.items():
+        if value is None:
+            raise ConfigError(f"{where}{key}: is null; omit it, or write {{}}, for the defaults")
+    top = data.get("distributed", {})
     from_dict(DistributedConfig, top, f"{where}distributed")
     merged = dict(data)
     for stage in TRAINING_STAGES:
-        section = merged.get(stage)
-        if section is None:
-            section = {}
+        section = merged.get(stage, {})
         if not isinstance(section, typing.Mapping):
             continue  # from_dict reports it
-        own = section.get("distributed") or {}
+        own = section.get("distributed", {})
+        if own is None:
+            raise ConfigError(f"{where}{stage}.distributed: is null; omit it, or write {{}}, for the defaults")
         if not isinstance(own, typing.Mapping):
             continue
         from_dict(DistributedConfig, {**top, **own}, f"{where}{stage}.distributed")
@@ -518,7 +575,11 @@ def merge_distributed(data: Any, where: str) -> Any:
 def load_params(path: str | Path) -> Params:
     """Load and validate the whole params file before any compute."""
     where = f"{Path(path).name}: "
-    params = from_dict(Params, merge_distributed(read_yaml(path), where), where)
+    data = read_yaml(path)
+    if data is None:
+        raise ConfigError(f"{path}: the params file is empty (write {{}} for every default, or start from the "
+                          "repository's params.yaml)")
+    params = from_dict(Params, merge_distributed(data, where), where)
     for stage in ("sft", "reward"):
         cfg = getattr(params, stage)
         try:

@@ -5,8 +5,40 @@ traceback.
 """
 
 
+import contextlib
+import re
+from typing import Iterator
+
+# The longest message (the CLI's line `error: <message>` is then at most 500 characters), and the
+# longest value quoted inside one: a 10 MB string in a params file or a data line must not become a
+# 10 MB message.
+MAX_MESSAGE = 500 - len("error: ")
+MAX_QUOTED = 80
+
+
+def shown(value: object, limit: int = MAX_QUOTED) -> str:
+    """`value` for quoting in a message: repr of a non-string, one line, cut to `limit` characters
+    with the full length said."""
+    try:
+        text = value if isinstance(value, str) else repr(value)
+    except ValueError:   # an integer beyond Python's int-to-string limit
+        text = f"an integer of about {int(value.bit_length() * 0.30103)} digits" if isinstance(value, int) else "?"
+    text = re.sub(r"\s+", " ", text)
+    return text if len(text) <= limit else f"{text[:limit]}... ({len(text)} characters)"
+
+
+def one_line(message: str, limit: int = MAX_MESSAGE) -> str:
+    """A message as one line of at most `limit` characters."""
+    text = re.sub(r"\s*\n\s*", " ", message.strip())
+    return text if len(text) <= limit else text[:limit - 3] + "..."
+
+
 class UserError(Exception):
-    """Base of errors a user can act on; the message names the file and the line or key."""
+    """Base of errors a user can act on; the message names the file and the line or key. Shown as
+    one line of at most MAX_MESSAGE characters, whatever the message was built from."""
+
+    def __str__(self) -> str:
+        return one_line(super().__str__())
 
 
 class ConfigError(UserError, ValueError):
@@ -23,6 +55,21 @@ class CheckpointError(UserError, ValueError):
 
 class NumericalError(UserError):
     """A loss, gradient, reward or advantage became NaN or infinite; the message names which and when."""
+
+
+@contextlib.contextmanager
+def loading(path: object, what: str, hint: str = "") -> Iterator[None]:
+    """The one guard around reading a checkpoint (a model or tokenizer folder, resumable state):
+    whatever the loader raises (safetensors, tokenizers, pickle, JSON, OS errors...) becomes one
+    CheckpointError naming the path and what was being loaded, plus `hint` (e.g. what to delete).
+    Errors that already are user errors pass unchanged; interrupts are never caught."""
+    try:
+        yield
+    except UserError:
+        raise
+    except Exception as err:   # noqa: BLE001 - the boundary: any loader failure is a bad checkpoint
+        first = next((line for line in str(err).splitlines() if line.strip()), "")
+        raise CheckpointError(f"{path}: cannot load {what} ({type(err).__name__}: {shown(first, 200)}){hint}") from None
 
 
 def check_finite(where: str, name: str, value) -> None:

@@ -229,3 +229,279 @@ def test_real_process_exit_status_and_single_line(work, tmp_path):
                                                    f"delimiter (column {len((CORPUS / 'sft_train.malformed_json.jsonl').read_text().splitlines()[2]) + 1})"
     assert "Traceback" not in proc.stderr + proc.stdout
     assert _snapshot(work) == before
+
+
+# ---- Hostile inputs (#18): each family through the CLI in a child process ------------------------
+#
+# A child per family runs its cases one after another through `pipeline.__main__.main` (in-process
+# there, so a case costs no interpreter start) and reports each case's status and stderr; the
+# child's own peak memory, exit and wall time show an abort, a runaway allocation or a hang.
+
+DRIVER = r"""
+import contextlib, io, json, resource, sys, time
+from pipeline.__main__ import main
+for case in json.loads(sys.argv[1]):
+    err, t0 = io.StringIO(), time.perf_counter()
+    try:
+        with contextlib.redirect_stderr(err):
+            rc = main(case)
+    except BaseException as e:   # anything escaping main is a broken contract
+        rc = f"escaped {type(e).__name__}: {str(e)[:300]}"
+    print("CASE" + json.dumps({"rc": rc, "stderr": err.getvalue()[-4000:], "seconds": time.perf_counter() - t0}),
+          flush=True)
+print("PEAK_KB", resource.getrusage(resource.RUSAGE_SELF).ru_maxrss, flush=True)
+"""
+MAX_LINE, MAX_SECONDS, MAX_KB = 500, 30.0, 1 << 20
+
+
+def _family(cases: list[tuple[list[str], str]], work: Path) -> list[str]:
+    """Run (argv, expected regex of the error line) cases in one child; assert the contract for
+    each: exit status 2, exactly one `error:` line of at most MAX_LINE characters matching, no
+    traceback, under MAX_SECONDS each and MAX_KB of peak memory, earlier outputs byte-identical."""
+    import re
+    before = _snapshot(work)
+    proc = subprocess.run([sys.executable, "-c", DRIVER, json.dumps([argv for argv, _ in cases])], cwd=REPO,
+                          env=run_env(), capture_output=True, text=True, timeout=MAX_SECONDS * len(cases) + 60)
+    results = [json.loads(line[4:]) for line in proc.stdout.splitlines() if line.startswith("CASE")]
+    assert proc.returncode == 0 and len(results) == len(cases), proc.stderr[-3000:]
+    lines = []
+    for (argv, expected), r in zip(cases, results):
+        errors = [line for line in r["stderr"].splitlines() if line.startswith("error: ")]
+        assert r["rc"] == 2 and len(errors) == 1 and "Traceback" not in r["stderr"], (argv, r)
+        assert len(errors[0]) <= MAX_LINE and re.search(expected, errors[0]), (argv, errors[0])
+        assert r["seconds"] < MAX_SECONDS, (argv, r["seconds"])
+        lines.append(errors[0])
+    peak = int(proc.stdout.split("PEAK_KB")[1])
+    assert peak < MAX_KB, peak
+    assert _snapshot(work) == before
+    return lines
+
+
+def _params_with(tmp_path: Path, name: str, override: dict) -> Path:
+    path = tmp_path / f"{name}.yaml"
+    write_params(path, merge(TINY, override))
+    return path
+
+
+def _data_with(work: Path, tmp_path: Path, name: str, files: dict[str, bytes | None]) -> Path:
+    """A copy of the prepared data with files replaced (None: made a FIFO)."""
+    import os
+    data = tmp_path / name
+    shutil.copytree(work / "data/prepared", data)
+    for rel, content in files.items():
+        (data / rel).unlink()
+        if content is None:
+            os.mkfifo(data / rel)
+        else:
+            (data / rel).write_bytes(content)
+    return data
+
+
+def _line(**row) -> bytes:
+    return (json.dumps(row) + "\n").encode()
+
+
+def test_hostile_paths_that_are_not_regular_files(work, tmp_path):
+    import os
+    (tmp_path / "folder_data").mkdir()
+    folder = _data_with(work, tmp_path, "d1", {})
+    (folder / "sft_train.jsonl").unlink()
+    (folder / "sft_train.jsonl").mkdir()
+    fifo = _data_with(work, tmp_path, "d2", {"pairs_train.jsonl": None})
+    os.symlink("/dev/zero", tmp_path / "zero.yaml")
+    ckpt = tmp_path / "sft_fifo"
+    shutil.copytree(work / "outputs/sft/model", ckpt)
+    (ckpt / "model.safetensors").unlink()
+    os.mkfifo(ckpt / "model.safetensors")
+    p = work / "params.yaml"
+    _family([
+        (_argv("sft", p, folder, work / "outputs"), r"sft_train\.jsonl: is a folder, not a file$"),
+        (_argv("reward", p, fifo, work / "outputs"), r"pairs_train\.jsonl: not a regular file \(a FIFO, device or socket\)"),
+        (_argv("sft", tmp_path / "zero.yaml", work / "data/prepared", work / "outputs"),
+         r"zero\.yaml: not a regular file"),
+        (_argv("reward", p, work / "data/prepared", work / "outputs", sft_dir=ckpt),
+         rf"{ckpt}/model\.safetensors: not a regular file"),
+    ], work)
+
+
+def test_hostile_json_and_yaml_beyond_parser_limits(work, tmp_path):
+    deep = _data_with(work, tmp_path, "d1", {"sft_train.jsonl": b'{"prompt": ' + b"[" * 100000 + b"]" * 100000 + b"}\n"})
+    digits = _data_with(work, tmp_path, "d2", {"pairs_train.jsonl": b'{"prompt": "a", "chosen": "b", "rejected": "c", '
+                                                                      b'"id": ' + b"9" * 6000 + b"}\n"})
+    laughs = tmp_path / "laughs.yaml"
+    lines = ["a0: &a0 [x, x, x, x, x, x, x, x, x, x]"] + [f"a{i}: &a{i} [" + ", ".join([f"*a{i - 1}"] * 10) + "]"
+                                                           for i in range(1, 9)]
+    laughs.write_text("\n".join(lines) + "\n")
+    huge_string = _params_with(tmp_path, "huge_string", {"sft": {"dataset": {"path": "x" * 200_000}}})
+    huge_int = tmp_path / "huge_int.yaml"
+    huge_int.write_text("sft:\n  batch_size: " + "9" * 6000 + "\n")
+    nested = tmp_path / "nested.yaml"
+    nested.write_text("sft: " + "[" * 5000 + "]" * 5000 + "\n")
+    p = work / "params.yaml"
+    lines = _family([
+        (_argv("sft", p, deep, work / "outputs"), r"sft_train\.jsonl:1: malformed JSON: nested too deeply$"),
+        (_argv("reward", p, digits, work / "outputs"), r"pairs_train\.jsonl:1: malformed JSON: Exceeds the limit"),
+        (_argv("sft", laughs, work / "data/prepared", work / "outputs"), r"laughs\.yaml:1: YAML anchors and aliases"),
+        (_argv("sft", huge_string, work / "data/prepared", work / "outputs"),
+         r"sft\.dataset\.path: a string of 200000 characters; at most 4096$"),
+        (_argv("sft", huge_int, work / "data/prepared", work / "outputs"), r"huge_int\.yaml: not valid YAML: "),
+        (_argv("sft", nested, work / "data/prepared", work / "outputs"), r"nested\.yaml: "),
+    ], work)
+    assert all(len(line) < 300 for line in lines)
+
+
+def test_hostile_text_that_is_not_unicode_and_records_too_large(work, tmp_path):
+    surrogate = _data_with(work, tmp_path, "d1", {"sft_train.jsonl": b'{"prompt": "Review \\ud800 it .", '
+                                                                      b'"response": "the film is good ."}\n'})
+    pair_surrogate = _data_with(work, tmp_path, "d2", {"pairs_train.jsonl": b'{"prompt": "a", "chosen": "b \\udfff", '
+                                                                           b'"rejected": "c", "id": "x"}\n'})
+    big = _data_with(work, tmp_path, "d3", {"sft_train.jsonl": _line(prompt="p", response="word " * 1_000_000)})
+    big_pair = _data_with(work, tmp_path, "d4", {"pairs_train.jsonl": _line(prompt="p " * 600_000, chosen="a",
+                                                                           rejected="b", id="1")})
+    p = work / "params.yaml"
+    _family([
+        (_argv("sft", p, surrogate, work / "outputs"),
+         r"sft_train\.jsonl:1: field 'prompt' is not valid Unicode \(a lone surrogate"),
+        (_argv("reward", p, pair_surrogate, work / "outputs"), r"pairs_train\.jsonl:1: field 'chosen' is not valid Unicode"),
+        (_argv("sft", p, big, work / "outputs"), r"sft_train\.jsonl:1: a record of \d+ bytes; at most 1048576"),
+        (_argv("reward", p, big_pair, work / "outputs"), r"pairs_train\.jsonl:1: a record of \d+ bytes"),
+    ], work)
+
+
+def test_hostile_corrupt_checkpoints(work, tmp_path):
+    def copy(name: str) -> Path:
+        shutil.copytree(work / "outputs/sft/model", tmp_path / name)
+        return tmp_path / name
+    truncated = copy("truncated")
+    data = (truncated / "model.safetensors").read_bytes()
+    (truncated / "model.safetensors").write_bytes(data[:len(data) // 2])
+    lying = copy("lying")
+    header = json.dumps({"w": {"dtype": "F32", "shape": [1 << 40, 1 << 20], "data_offsets": [0, 1 << 62]}}).encode()
+    (lying / "model.safetensors").write_bytes(len(header).to_bytes(8, "little") + header + b"\0" * 64)
+    bad_tok = copy("bad_tok")
+    (bad_tok / "tokenizer.json").write_text('{"version": "1.0", "model": ')
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    # Resumable state of this very run (same params, same inputs: the fingerprint matches) gone bad.
+    resumable = tmp_path / "outputs"
+    shutil.copytree(work / "outputs/sft", resumable / "sft")
+    (resumable / "sft/checkpoint/rng_rank0.pt").write_bytes(b"not a tensor file")
+    resumable_state = tmp_path / "outputs2"
+    shutil.copytree(work / "outputs/sft", resumable_state / "sft")
+    (resumable_state / "sft/checkpoint/state.json").write_text("[1, 2]")
+    p = work / "params.yaml"
+    _family([
+        (_argv("reward", p, work / "data/prepared", work / "outputs", sft_dir=truncated),
+         rf"{truncated}: cannot load as AutoModelForSequenceClassification \(SafetensorError: "),
+        (_argv("reward", p, work / "data/prepared", work / "outputs", sft_dir=lying), rf"{lying}: cannot load as "),
+        (_argv("reward", p, work / "data/prepared", work / "outputs", sft_dir=bad_tok),
+         rf"{bad_tok}: cannot load the tokenizer \("),
+        (_argv("reward", p, work / "data/prepared", work / "outputs", sft_dir=empty), rf"{empty}: "),
+        (_argv("sft", p, work / "data/prepared", resumable), rf"{resumable}/sft/checkpoint: cannot load the "
+                                                               rf"resumable checkpoint .*; delete .*checkpoint to start afresh$"),
+        (_argv("sft", p, work / "data/prepared", resumable_state),
+         r"state\.json: expected a JSON object, got list; delete .*checkpoint to start afresh$"),
+    ], work)
+
+
+def test_hostile_reward_source_functions_fail_before_any_model(work, tmp_path):
+    (tmp_path / "empty_mod.py").write_text("")
+    (tmp_path / "wrong_count.py").write_text("def score(prompts, responses):\n    return [1.0, 2.0]\n")
+    (tmp_path / "one_arg.py").write_text("def score(prompts):\n    return [0.0]\n")
+    cases = {"os_system": ("os:system", r"ppo\.reward_source: 'os:system' is a builtin_function_or_method, not a Python function"),
+             "missing_module": ("no_such_module_xyz:f", r"ppo\.reward_source: cannot import module 'no_such_module_xyz'"),
+             "empty_module": ("empty_mod:score", r"ppo\.reward_source: module 'empty_mod' has no 'score'"),
+             "one_arg": ("one_arg:score", r"ppo\.reward_source: 'one_arg:score' does not take \(prompts, responses\)"),
+             "wrong_count": ("wrong_count:score", r"ppo\.reward_source: 'wrong_count:score' must return 1 finite score")}
+    import os
+    env_path = os.environ.get("PYTHONPATH", "")
+    os.environ["PYTHONPATH"] = f"{tmp_path}{os.pathsep}{env_path}"
+    try:
+        _family([(_argv("ppo", _params_with(tmp_path, name, {"ppo": {"reward_source": spec}}), work / "data/prepared",
+                        work / "outputs"), expected) for name, (spec, expected) in cases.items()], work)
+    finally:
+        os.environ["PYTHONPATH"] = env_path
+
+
+def test_hostile_values_valid_json_but_not_data_and_null_sections(work, tmp_path):
+    margin = {"reward": {"dataset": {"margin_column": "margin"}}}
+    rows = [json.loads(line) for line in (work / "data/prepared/pairs_train.jsonl").read_text().splitlines()]
+    nan = _data_with(work, tmp_path, "d1", {"pairs_train.jsonl": b"".join(
+        _line(**r, margin=1.0) for r in rows[:2]) + b'{"prompt": "a", "chosen": "b", "rejected": "c", "id": "z", '
+                                                     b'"margin": NaN}\n'})
+    inf = _data_with(work, tmp_path, "d2", {"pairs_train.jsonl": b"".join(_line(**r, margin=1.0) for r in rows[:1])
+                                            + b'{"prompt": "a", "chosen": "b", "rejected": "c", "id": "z", '
+                                              b'"margin": 1e400}\n'})
+    ragged = tmp_path / "ragged_{split}.csv"
+    for split in ("train", "test"):
+        (tmp_path / f"ragged_{split}.csv").write_text("prompt,chosen,rejected\na,b,c\nd,e,f,g\n")
+    empty = tmp_path / "empty.yaml"
+    empty.write_text("# nothing\n")
+    null_section = tmp_path / "null.yaml"
+    null_section.write_text("sft: null\n")
+    null_nested = _params_with(tmp_path, "null_nested", {"sft": {"lora": None}})
+    _family([
+        (_argv("reward", _params_with(tmp_path, "m", margin), nan, work / "outputs"),
+         r"pairs_train\.jsonl:3: malformed JSON: NaN is not JSON"),
+        (_argv("reward", _params_with(tmp_path, "m2", margin), inf, work / "outputs"),
+         r"pairs_train\.jsonl:2: margin field 'margin' must be finite, got inf"),
+        (_argv("reward", _params_with(tmp_path, "csv", {"reward": {"dataset": {"path": str(ragged)}}}),
+               work / "data/prepared", work / "outputs"), r"ragged_train\.csv: cannot load dataset: .*Expected 3 fields in line 3, saw 4"),
+        (_argv("sft", empty, work / "data/prepared", work / "outputs"), r"empty\.yaml: the params file is empty"),
+        (_argv("sft", null_section, work / "data/prepared", work / "outputs"), r"null\.yaml: sft: is null; omit it"),
+        (_argv("sft", null_nested, work / "data/prepared", work / "outputs"), r"null_nested\.yaml: sft\.lora: is null"),
+    ], work)
+
+
+def test_hostile_output_path_that_is_a_file(work, tmp_path):
+    (tmp_path / "a_file").write_text("keep me")
+    p = work / "params.yaml"
+    _family([
+        (["sft", "--params", str(p), "--no-progress", "--data", str(work / "data/prepared"), "--out",
+          str(tmp_path / "a_file")], r"a_file: --out names an existing file"),
+        (["evaluate", "--params", str(p), "--data", str(work / "data/prepared"), "--sft", str(work / "outputs/sft/model"),
+          "--reward", str(work / "outputs/reward/model"), "--ppo", str(work / "outputs/ppo/model"),
+          "--out", str(tmp_path / "a_file")], r"a_file: --out names an existing file"),
+    ], work)
+    assert (tmp_path / "a_file").read_text() == "keep me"
+
+
+@pytest.mark.parametrize("stage,broken", [
+    ("sft", {"eval_prompts.jsonl": b'{"prompt": ""}\n'}),
+    ("reward", {"sft_eval.jsonl": b'{"prompt": "p", "response": 3}\n'}),
+    ("reward", {"stats.json": b'{"noise_ceiling": {"pairs_eval": "high"}}'}),
+    ("reward", {"eval_prompts.jsonl": b'{"prompt": "p"} trailing\n'}),
+])
+def test_inputs_read_after_training_are_validated_before_it(stage, broken, work, tmp_path):
+    """A bad line in an input the stage reads only after training fails at once: no training step
+    runs, so the resumable checkpoint of an earlier run is left byte-identical."""
+    out = tmp_path / "outputs"
+    shutil.copytree(work / "outputs", out)
+    data = _data_with(work, tmp_path, "data", broken)
+    other = _params_with(tmp_path, "other", {stage: {"lr": 1e-5}})     # another config: it would train afresh
+    ckpt_before = _snapshot(out / stage / "checkpoint")
+    (line,) = _family([(_argv(stage, other, data, out), rf"{data}/{next(iter(broken))}")], work)
+    assert _snapshot(out / stage / "checkpoint") == ckpt_before
+
+
+def test_fuzzed_inputs_keep_the_contract(work, tmp_path):
+    """Random mutations of the tiny run's prepared files and params (byte flips, truncation,
+    duplicated or deleted lines, values of another type, huge numbers, garbage) through the
+    validation every stage runs before training (`python -m pipeline check --data`): each case
+    ends with status 0, or 2 and one short `error:` line; never an escaped exception, a signal, a
+    hang or more than 1 GB. The seed is printed, so a failure can be replayed."""
+    import random
+    seed = random.randrange(1 << 30)
+    print(f"fuzz seed {seed}")
+    shutil.copytree(work / "data/prepared", tmp_path / "data")
+    proc = subprocess.run([sys.executable, str(Path(__file__).parent / "fuzz_inputs.py"), str(work / "params.yaml"),
+                           str(tmp_path / "data"), str(seed), "300"], cwd=REPO, env=run_env(), capture_output=True,
+                          text=True, timeout=180)
+    results = [json.loads(line[4:]) for line in proc.stdout.splitlines() if line.startswith("CASE")]
+    assert proc.returncode == 0 and len(results) == 300, (seed, proc.stderr[-3000:])
+    for r in results:
+        errors = [line for line in r["stderr"].splitlines() if line.startswith("error: ")]
+        ok = r["rc"] == 0 or (r["rc"] == 2 and len(errors) == 1 and len(errors[0]) <= MAX_LINE)
+        assert ok and "Traceback" not in r["stderr"] and r["seconds"] < MAX_SECONDS, (seed, r)
+    assert int(proc.stdout.split("PEAK_KB")[1]) < MAX_KB
+    assert sum(r["rc"] == 2 for r in results) > 100          # the mutations do break inputs

@@ -106,6 +106,11 @@ def test_dvc_repro_tiny_pipeline(tiny_repo):
     # for these conditions was written.
     assert check_run(tiny_repo / "outputs") == ([], [])
 
+    # The README's `dvc repro -f`: SFT re-runs from its final checkpoint and writes every output again.
+    logs = {n: (tiny_repo / "outputs/sft" / n).read_bytes() for n in ("train.tsv", "eval.tsv")}
+    run([str(BIN / "dvc"), "repro", "-f", "-s", "sft"], tiny_repo)
+    assert {n: (tiny_repo / "outputs/sft" / n).read_bytes() for n in logs} == logs
+
     # Nothing changed: a second repro runs no stage; a params change reruns only what reads it.
     assert "didn't change" in run([str(BIN / "dvc"), "repro"], tiny_repo).stdout
     params = (tiny_repo / "params.yaml").read_text()

@@ -9,6 +9,7 @@ import csv
 import json
 import os
 import random
+import shutil
 import signal
 import subprocess
 import time
@@ -229,3 +230,77 @@ def test_dvc_repro_after_sigkill_in_each_training_stage_resumes(tmp_path):
     assert "Stage 'reward' didn't change, skipping" in printed and "ppo: resuming from" in printed, printed[-3000:]
     assert _final(killed) == _final(whole), note
     assert run([str(BIN / "dvc"), "status", "ppo"], killed).stdout.strip().endswith("up to date.")
+
+
+@pytest.mark.parametrize("stage", ["sft", "reward"])
+def test_resume_from_the_final_checkpoint_rewrites_every_output(stage, data, sft_model, tmp_path):
+    """Killed after its last save (held-out evaluation, samples, calibration) and re-run, or re-run
+    by `dvc repro -f`: DVC has removed the stage's outputs, the checkpoint says "done". The re-run
+    trains no step and still writes every output, equal to the uninterrupted run's."""
+    params = _params()
+    out = tmp_path / stage
+    go = (lambda: sft.run(params, data, out, progress=False)) if stage == "sft" else \
+        (lambda: reward.run(params, data, sft_model, out, progress=False))
+    first = go()
+    files = {p.name: p.read_bytes() for p in out.iterdir() if p.is_file()}
+    weights = (out / "model/model.safetensors").read_bytes()
+    assert {"train.tsv", "eval.tsv", "metrics.json", "config.json"} <= set(files)
+    for p in out.iterdir():                              # what DVC removes before re-running a stage
+        if p.name != "checkpoint":
+            shutil.rmtree(p) if p.is_dir() else p.unlink()
+    again = go()
+    assert _without_time(again) == _without_time(first)
+    assert (out / "model/model.safetensors").read_bytes() == weights
+    for name, content in files.items():
+        if name != "metrics.json":                       # its training seconds differ
+            assert (out / name).read_bytes() == content, name
+
+
+def _repro_killed_after(repo: Path, seconds: float | None, log: Path, when_exists: Path | None = None) -> bool:
+    """Start `dvc repro` (the whole pipeline) and SIGKILL its process group after `seconds`, or as
+    soon as `when_exists` appears; returns whether it was killed (False: it finished first)."""
+    with open(log, "a") as out:
+        proc = subprocess.Popen([str(BIN / "dvc"), "repro"], cwd=repo, env=run_env(), stdout=out,
+                                stderr=subprocess.STDOUT, start_new_session=True)
+        t0 = time.monotonic()
+        while proc.poll() is None and time.monotonic() - t0 < 900:
+            if (seconds is not None and time.monotonic() - t0 >= seconds) or \
+                    (when_exists is not None and when_exists.exists()):
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait()
+                return True
+            time.sleep(0.002)
+        return False
+
+
+def test_dvc_repro_killed_at_random_times_ends_identical(tmp_path):
+    """SIGKILLs of a real `dvc repro` of the whole pipeline at random moments (not only at
+    checkpoints), and once in the window between a stage's last write and DVC's lock update: the
+    next `dvc repro` completes, with every model, metric and step log equal to an uninterrupted run."""
+    whole = copy_repo(tmp_path / "whole")
+    write_params(whole / "params.yaml", TINY)
+    t0 = time.monotonic()
+    run([str(BIN / "dvc"), "repro"], whole)
+    duration = time.monotonic() - t0
+
+    killed = copy_repo(tmp_path / "killed")
+    write_params(killed / "params.yaml", TINY)
+    seed = random.randrange(1 << 30)
+    rng = random.Random(seed)
+    note = f"(kill times drawn with seed {seed}, a whole run took {duration:.0f} s)"
+    log = tmp_path / "killed.log"
+    # The stage wrote its last output (metrics.json comes last) and DVC has not recorded it yet.
+    assert _repro_killed_after(killed, None, log, when_exists=killed / "outputs/sft/metrics.json"), note
+    kills = [round(rng.uniform(0.5, duration), 2) for _ in range(4)]
+    for at in kills:
+        _repro_killed_after(killed, at, log)
+    proc = run([str(BIN / "dvc"), "repro"], killed)
+    assert _final(killed) == _final(whole), note + f" kills at {kills} s\n" + proc.stdout[-2000:]
+    evaluate = [_without_time(flat(json.loads((repo / "outputs/evaluate/metrics.json").read_text())))
+                for repo in (killed, whole)]
+    assert evaluate[0] == evaluate[1], note
+    for stage in ("sft", "reward", "ppo"):
+        a = load_file(killed / f"outputs/{stage}/model/model.safetensors")
+        b = load_file(whole / f"outputs/{stage}/model/model.safetensors")
+        assert all(torch.equal(a[k], b[k]) for k in b), (stage, note)
+    assert run([str(BIN / "dvc"), "status"], killed).stdout.strip().endswith("up to date."), note

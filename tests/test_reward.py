@@ -121,7 +121,8 @@ def test_normalisation_makes_reference_mean_zero(tmp_path):
     (tmp_path / "sft_eval.jsonl").write_text("".join(json.dumps(d) + "\n" for d in demos))
     (tmp_path / "sft_train.jsonl").write_text(json.dumps({"prompt": "Review the film Silent Harbor .",
                                                           "response": "I loved the plot ."}) + "\n")
-    raw_mean = normalise(model, tok, Params(), tmp_path)
+    from pipeline.data import inputs
+    raw_mean = normalise(model, tok, Params(), inputs.demonstrations(Params(), tmp_path, "eval"))
     scores = rm.score_texts(model, tok, [d["prompt"] for d in demos], [d["response"] for d in demos], 96)
     assert abs(raw_mean) > 1e-3                       # the offset did something
     assert scores.mean().item() == pytest.approx(0.0, abs=1e-5)

@@ -10,12 +10,99 @@ import contextlib
 import json
 import os
 import shutil
+import stat
 import tempfile
 from pathlib import Path
 from typing import Any, Iterator, Sequence
 
+from ..errors import CheckpointError, DataError, UserError, shown
 
-from ..errors import DataError
+# One record (a JSONL line, a dataset row) may hold at most this many bytes. The longest sequence
+# any stage trains on is a few thousand tokens (tens of KB of text even for a hub model's
+# max_length); a line 30x larger than that is refused before anything tokenizes it, which would
+# otherwise cost ~0.2 GB per MB of text in the tokenizer.
+MAX_RECORD_BYTES = 1 << 20
+# A whole input file: far more than any of ours; what is refused here is an endless stream.
+MAX_FILE_BYTES = 1 << 33
+
+
+def regular_file(path: str | Path, what: str = "file", error: type[UserError] = DataError) -> Path:
+    """`path` when it names a regular file (a symlink to one counts), else `error` naming it: a
+    folder, a FIFO, a device or a socket is never opened (a read from one can block or never end)."""
+    path = Path(path)
+    try:
+        st = os.stat(path)
+    except FileNotFoundError:
+        raise error(f"{path}: no such {what}") from None
+    except OSError as err:
+        raise error(f"{path}: cannot read the {what} ({err.strerror})") from None
+    if stat.S_ISDIR(st.st_mode):
+        raise error(f"{path}: is a folder, not a {what}")
+    if not stat.S_ISREG(st.st_mode):
+        raise error(f"{path}: not a regular file (a FIFO, device or socket), not a {what}")
+    return path
+
+
+def check_folder(path: str | Path) -> None:
+    """A local checkpoint must be a folder whose files are all regular files (a FIFO or device named
+    model.safetensors would block or never end the read); a hub id (no such local path) is left
+    to the loader."""
+    path = Path(path)
+    if not path.exists() and not path.is_symlink():
+        return
+    if not path.is_dir():
+        raise CheckpointError(f"{path}: not a checkpoint folder")
+    for entry in path.iterdir():
+        if not entry.is_dir():
+            regular_file(entry, "checkpoint file", CheckpointError)
+
+
+def read_input(path: str | Path, what: str = "file", error: type[UserError] = DataError,
+               limit: int = MAX_FILE_BYTES) -> bytes:
+    """The bytes of an input file, read only after `regular_file` and the size `limit` allow it:
+    the one way every input (data, params, checkpoint metadata, resumable state) is opened."""
+    path = regular_file(path, what, error)
+    try:
+        size = path.stat().st_size
+        if size > limit:
+            raise error(f"{path}: {size} bytes, more than the {limit} a {what} may have")
+        with open(path, "rb") as f:
+            return f.read(limit + 1)
+    except OSError as err:
+        raise error(f"{path}: cannot read the {what} ({err.strerror})") from None
+
+
+def check_unicode(row: Any, where: str, key: str = "") -> None:
+    """Every string in a decoded record must be valid Unicode: JSON's `\\ud800` escapes decode to
+    lone surrogates that no encoder (or tokenizer) accepts."""
+    if isinstance(row, str):
+        try:
+            row.encode("utf-8")
+        except UnicodeEncodeError as err:
+            raise DataError(f"{where}: field '{key}' is not valid Unicode (a lone surrogate "
+                            f"{shown(row[err.start:err.end])} at character {err.start})") from None
+    elif isinstance(row, dict):
+        for k, v in row.items():
+            check_unicode(v, where, f"{key}.{k}" if key else str(k))
+    elif isinstance(row, list):
+        for i, v in enumerate(row):
+            check_unicode(v, where, f"{key}[{i}]")
+
+
+def _no_constant(name: str) -> Any:
+    raise ValueError(f"{name} is not JSON (write a number)")
+
+
+def parse_json(text: str | bytes) -> Any:
+    """JSON without the parser's failure modes: NaN/Infinity are refused, and nesting too deep
+    (RecursionError) or integers too long for Python (ValueError) become ValueError with the
+    reason, for the caller to name the file and line."""
+    try:
+        return json.loads(text, parse_constant=_no_constant)
+    except json.JSONDecodeError as err:
+        raise ValueError(f"{err.msg} (column {err.colno})") from None
+    except RecursionError:
+        raise ValueError("nested too deeply") from None
 
 
 def atomic_write_text(path: str | Path, text: str) -> None:
@@ -69,27 +156,44 @@ def swap_in(new: Path, target: Path) -> None:
     shutil.rmtree(old, ignore_errors=True)
 
 
+def read_json_object(path: str | Path, what: str = "JSON file", error: type[UserError] = DataError,
+                     limit: int = MAX_RECORD_BYTES) -> dict[str, Any]:
+    """A small JSON file that must hold an object (stats.json, state.json, a model's config.json),
+    read through `read_input`; anything else is one `error` naming the file."""
+    raw = read_input(path, what, error, limit)
+    try:
+        obj = parse_json(raw.decode("utf-8"))
+    except UnicodeDecodeError as err:
+        raise error(f"{path}: invalid UTF-8 at byte {err.start}") from None
+    except ValueError as err:
+        raise error(f"{path}: malformed JSON: {shown(str(err), 200)}") from None
+    if not isinstance(obj, dict):
+        raise error(f"{path}: expected a JSON object, got {type(obj).__name__}")
+    return obj
+
+
 def numbered_jsonl(path: str | Path) -> list[tuple[int, dict[str, Any]]]:
     """(line number, object) for every non-blank line; a malformed line is a `file:line:` error."""
     path = Path(path)
-    try:
-        raw = path.read_bytes()
-    except FileNotFoundError:
-        raise DataError(f"{path}: no such file") from None
+    raw = read_input(path)
     rows = []
     for lineno, line in enumerate(raw.split(b"\n"), start=1):
         if not line.strip():
             continue
+        if len(line) > MAX_RECORD_BYTES:
+            raise DataError(f"{path}:{lineno}: a record of {len(line)} bytes; at most {MAX_RECORD_BYTES} are "
+                            "read (far above any stage's token limit)")
         try:
             text = line.decode("utf-8")
         except UnicodeDecodeError as err:
             raise DataError(f"{path}:{lineno}: invalid UTF-8 at byte {err.start}") from None
         try:
-            row = json.loads(text)
-        except json.JSONDecodeError as err:
-            raise DataError(f"{path}:{lineno}: malformed JSON: {err.msg} (column {err.colno})") from None
+            row = parse_json(text)
+        except ValueError as err:
+            raise DataError(f"{path}:{lineno}: malformed JSON: {shown(str(err), 200)}") from None
         if not isinstance(row, dict):
             raise DataError(f"{path}:{lineno}: expected a JSON object, got {type(row).__name__}")
+        check_unicode(row, f"{path}:{lineno}")
         rows.append((lineno, row))
     if not rows:
         raise DataError(f"{path}: no records")

@@ -14,12 +14,13 @@ other sources (hub ids, `save_to_disk` folders, Parquet/CSV) report `source: row
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal, Optional, Sequence
 
-from ..errors import DataError
-from .io import check_fields, check_ids, nonempty_text, numbered_jsonl
+from ..errors import DataError, shown
+from .io import MAX_RECORD_BYTES, check_fields, check_ids, check_unicode, nonempty_text, numbered_jsonl, regular_file
 
 Layout = Literal["auto", "text", "conversation", "messages"]
 ASSISTANT_TURN = "\n\nAssistant:"
@@ -39,6 +40,8 @@ def _rows(source: str, split: str, revision: Optional[str]) -> list[tuple[str, d
     A `{split}` in a local path is replaced by the split's name (`data/sft_{split}.jsonl`)."""
     source = source.replace("{split}", split)
     path = Path(source)
+    if (path.exists() or path.is_symlink()) and not path.is_dir():
+        regular_file(path)   # a FIFO, device or dangling link is refused before any reader opens it
     if path.suffix == ".jsonl" and path.is_file():
         rows = [(f"{source}:{line}", row) for line, row in numbered_jsonl(path)]
         check_ids(rows)
@@ -59,8 +62,20 @@ def _rows(source: str, split: str, revision: Optional[str]) -> list[tuple[str, d
     except DataError:
         raise
     except Exception as err:  # datasets raises many types; the user needs the source named
-        raise DataError(f"{source}: cannot load dataset: {err}") from None
-    rows = [(f"{source}: row {i + 1}", dict(r)) for i, r in enumerate(ds)]
+        # pandas' own words name the row ("Expected 2 fields in line 4, saw 3"): keep its first line
+        first = next((line for line in str(err).splitlines() if line.strip()), type(err).__name__)
+        cause = err.__cause__ or err.__context__
+        detail = next((line for line in str(cause).splitlines() if line.strip()), "") if cause else ""
+        raise DataError(f"{source}: cannot load dataset: {shown(first, 200)}"
+                        + (f" ({shown(detail, 200)})" if detail and detail not in first else "")) from None
+    rows = []
+    for i, r in enumerate(ds):
+        where, row = f"{source}: row {i + 1}", dict(r)
+        size = sum(len(v.encode("utf-8", "surrogatepass")) for v in row.values() if isinstance(v, str))
+        if size > MAX_RECORD_BYTES:
+            raise DataError(f"{where}: a record of {size} bytes of text; at most {MAX_RECORD_BYTES} are read")
+        check_unicode(row, where)
+        rows.append((where, row))
     check_ids(rows)
     return rows
 
@@ -127,8 +142,13 @@ def to_pair(row: dict[str, Any], layout: str, where: str, margin_column: Optiona
             raise DataError(f"{where}: missing margin field '{margin_column}'")
         value = row[margin_column]
         if isinstance(value, bool) or not isinstance(value, (int, float)):
-            raise DataError(f"{where}: margin field '{margin_column}' must be a number, got {value!r}")
-        margin = float(value)
+            raise DataError(f"{where}: margin field '{margin_column}' must be a number, got {shown(value)}")
+        try:
+            margin = float(value)
+        except OverflowError:   # an integer beyond float range
+            margin = math.inf
+        if not math.isfinite(margin):
+            raise DataError(f"{where}: margin field '{margin_column}' must be finite, got {shown(value)}")
     return Pair(prompt, chosen, rejected, margin, where)
 
 

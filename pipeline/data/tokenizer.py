@@ -23,7 +23,8 @@ from pathlib import Path
 from tokenizers import Tokenizer, models, pre_tokenizers, processors
 from transformers import AutoTokenizer, PreTrainedTokenizerBase, PreTrainedTokenizerFast
 
-from ..errors import CheckpointError
+from ..errors import CheckpointError, loading
+from .io import check_folder
 
 log = logging.getLogger(__name__)
 
@@ -56,7 +57,9 @@ def load_tokenizer(path: str | Path, trust_remote_code: bool = False,
     """Load a tokenizer and check the special tokens the pipeline relies on. With `add_pad` (a
     model entering the pipeline), a missing pad token is added as a new token; the caller resizes
     the model's embeddings (models.init_policy)."""
-    tok = AutoTokenizer.from_pretrained(str(path), trust_remote_code=trust_remote_code)
+    check_folder(path)
+    with loading(path, "the tokenizer"):
+        tok = AutoTokenizer.from_pretrained(str(path), trust_remote_code=trust_remote_code)
     if tok.eos_token_id is None:
         raise CheckpointError(f"{path}: tokenizer has no eos token; the pipeline needs one to end responses")
     if tok.pad_token_id is None:

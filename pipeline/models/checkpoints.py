@@ -8,7 +8,6 @@ whole pipeline runs in minutes on two CPU cores. With `model.name_or_path` set, 
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Any
 
@@ -17,7 +16,8 @@ from transformers import AutoModelForCausalLM, GPT2Config, LlamaConfig, PreTrain
 from transformers import PreTrainedTokenizerBase
 
 from ..config import ModelConfig
-from ..errors import CheckpointError
+from ..data.io import check_folder, read_json_object
+from ..errors import CheckpointError, loading
 from ..data.tokenizer import load_tokenizer
 
 
@@ -65,13 +65,12 @@ def from_checkpoint(auto_cls: Any, path: str | Path, *, strict: bool, expected_m
     weight). Load failures become one-line errors naming the folder."""
     from transformers.utils import logging as hf_logging
 
+    check_folder(path)
     verbosity = hf_logging.get_verbosity()
     hf_logging.set_verbosity_error()   # its load report would repeat, as a table, what is checked below
     try:
-        model, info = auto_cls.from_pretrained(str(path), output_loading_info=True, **kwargs)
-    except (OSError, ValueError, RuntimeError, KeyError, TypeError) as err:
-        first = next((line for line in str(err).splitlines() if line.strip()), type(err).__name__)
-        raise CheckpointError(f"{path}: cannot load as {auto_cls.__name__}: {first.strip()}") from None
+        with loading(path, f"as {auto_cls.__name__}"):
+            model, info = auto_cls.from_pretrained(str(path), output_loading_info=True, **kwargs)
     finally:
         hf_logging.set_verbosity(verbosity)
     missing = sorted(k for k in info["missing_keys"] if not k.startswith(expected_missing))
@@ -108,7 +107,9 @@ def load_policy(path: Path, trust_remote_code: bool = False) -> tuple[PreTrained
     tok = load_tokenizer(path, trust_remote_code)
     model = from_checkpoint(AutoModelForCausalLM, path, strict=True, trust_remote_code=trust_remote_code,
                             use_safetensors=True)
-    n_vocab = json.loads((path / "config.json").read_text())["vocab_size"]
+    n_vocab = read_json_object(path / "config.json", "model config", CheckpointError).get("vocab_size")
+    if not isinstance(n_vocab, int):
+        raise CheckpointError(f"{path / 'config.json'}: no integer vocab_size")
     if len(tok) > n_vocab:
         raise CheckpointError(f"{path}: tokenizer has {len(tok)} tokens but the model's vocab_size is {n_vocab}")
     return model, tok

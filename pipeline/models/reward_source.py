@@ -10,7 +10,6 @@
 
 from __future__ import annotations
 
-import importlib
 import math
 from pathlib import Path
 from typing import Callable, Protocol, Sequence
@@ -18,7 +17,8 @@ from typing import Callable, Protocol, Sequence
 import torch
 
 from . import reward_model as rm
-from ..errors import ConfigError
+from ..config import reward_function
+from ..errors import ConfigError, shown
 
 
 class RewardSource(Protocol):
@@ -45,19 +45,28 @@ class RewardModelSource:
 class FunctionSource:
     """Scores from `module:function(prompts, responses) -> sequence of floats`."""
 
-    def __init__(self, spec: str):
-        module_name, _, attr = spec.partition(":")
-        try:
-            fn = getattr(importlib.import_module(module_name), attr)
-        except (ImportError, AttributeError) as err:
-            raise ConfigError(f"ppo.reward_source: cannot import {spec!r}: {err}") from None
-        self.fn: Callable[[list[str], list[str]], Sequence[float]] = fn
+    def __init__(self, spec: str, probe: tuple[str, str] | None = None):
+        self.fn: Callable[[list[str], list[str]], Sequence[float]] = reward_function(spec)
         self.spec = spec
+        if probe is not None:   # one call before any training: a wrong contract fails in seconds
+            try:
+                self.score([probe[0]], [probe[1]])
+            except ConfigError:
+                raise
+            except Exception as err:   # noqa: BLE001 - the user's function failed on the probe
+                raise ConfigError(f"ppo.reward_source: {shown(spec)!r} failed on a probe pair "
+                                  f"({type(err).__name__}: {shown(str(err), 120)})") from None
 
     def score(self, prompts: list[str], responses: list[str]) -> torch.Tensor:
-        values = [float(v) for v in self.fn(prompts, responses)]
+        out = self.fn(prompts, responses)
+        try:
+            values = [float(v) for v in out]
+        except (TypeError, ValueError):
+            raise ConfigError(f"ppo.reward_source: {shown(self.spec)!r} returned {shown(out)}, not a sequence of "
+                              "numbers") from None
         if len(values) != len(prompts) or not all(math.isfinite(v) for v in values):
-            raise ValueError(f"{self.spec}: expected {len(prompts)} finite scores, got {values[:8]}...")
+            raise ConfigError(f"ppo.reward_source: {shown(self.spec)!r} must return {len(prompts)} finite "
+                              f"score(s) for {len(prompts)} pair(s), got {shown(values)}")
         return torch.tensor(values, dtype=torch.float32)
 
 

@@ -19,7 +19,7 @@ from pathlib import Path
 import torch
 
 from ..errors import CheckpointError
-from ..training.resume import fingerprint, load_engine, load_rng, read_state, save_staged
+from ..training.resume import fingerprint, load_engine, load_rng, read_state, restoring, save_staged
 from ..tracking.sinks import StepLog
 from .trainer import PPOTrainer
 
@@ -51,13 +51,14 @@ def load(trainer: PPOTrainer, path: Path, fp: str) -> dict | None:
     load_engine(trainer.m.actor, path, "actor")
     load_engine(trainer.m.critic, path, "critic")
     rng = load_rng(path, trainer.ctx.rank)
-    trainer.sample_gen.set_state(rng["sample"])
-    trainer.shuffle_gen.set_state(rng["shuffle"])
-    torch.set_rng_state(rng["torch"])
-    trainer.prompt_sampler.load_state_dict({**state["sampler"], "gen": rng["prompts"]})
-    trainer.kl_ctl.load_state_dict(state["kl_controller"])
-    trainer.iteration = state["iteration"]
-    return state["log"]
+    with restoring(path):   # a state.json of this run whose contents do not fit
+        trainer.sample_gen.set_state(rng["sample"])
+        trainer.shuffle_gen.set_state(rng["shuffle"])
+        torch.set_rng_state(rng["torch"])
+        trainer.prompt_sampler.load_state_dict({**state["sampler"], "gen": rng["prompts"]})
+        trainer.kl_ctl.load_state_dict(state["kl_controller"])
+        trainer.iteration = int(state["iteration"])
+        return {"columns": list(state["log"]["columns"]), "rows": list(state["log"]["rows"])}
 
 
 def restore_actor(trainer: PPOTrainer, path: Path, fp: str) -> int:

@@ -23,7 +23,7 @@ from ..config import Params
 from ..data import inputs
 from ..measurement.policy import measure, summary
 from ..measurement.stats import mean_ci
-from ..models.reward_source import RewardSource
+from ..models.reward_source import FunctionSource, RewardSource
 from ..ppo import checkpoint
 from ..ppo.detector import Detector
 from ..ppo.placement import evaluation_models, place_models
@@ -125,6 +125,8 @@ def _run(run: StageRun, data_dir: Path, sft_dir: Path, reward_dir: Path, progres
     prompts = inputs.prompt_records(params, data_dir, "train")
     eval_prompts = inputs.prompt_records(params, data_dir, "eval")[:cfg.n_eval_prompts]
     judge = inputs.judge(params)
+    if cfg.reward_source != "reward_model":   # its contract, on one probe pair, before any model is built
+        FunctionSource(cfg.reward_source, probe=(prompts[0][1], "a probe response ."))
     models = place_models(params, sft_dir, reward_dir, ctx)
     prompts, n_trunc, n_drop = inputs.fit_prompts(prompts, models.tok, cfg.max_prompt_length, cfg.overlong)
     eval_prompts, _, _ = inputs.fit_prompts(eval_prompts, models.tok, cfg.max_prompt_length, cfg.overlong)

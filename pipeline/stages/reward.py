@@ -10,15 +10,17 @@ statistics of chosen vs rejected, and calibration.
 
 from __future__ import annotations
 
-import json
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Optional
 
 import torch
 from scipy.stats import spearmanr
 
 from ..config import Params
 from ..data import inputs
+from ..data.io import read_json_object
+from ..errors import DataError, shown
 from ..data.preferences import Pair, load_pairs
 from ..data.tokenizer import encode_prompt, encode_response
 from ..measurement.plots import calibration_plot
@@ -127,10 +129,34 @@ def gold_order_agreement(rc: torch.Tensor, rr: torch.Tensor, gold: torch.Tensor)
     return float(per_pair.mean())
 
 
-def evaluate(model, tok, params: Params, data_dir: Path, sft_dir: Path, eval_pairs: list[Pair],
-             out_dir: Path) -> dict[str, Any]:
+@dataclass
+class HeldOut:
+    """Everything the reward stage reads after training, read and validated before its first step
+    (a broken line there must not cost a whole run)."""
+    pairs: list[Pair]                  # held-out preference pairs
+    demonstrations: list[dict]         # the normalisation reference (empty without `normalize`)
+    prompts: list                      # evaluation prompts for the SFT-sample correlation (empty without a judge)
+    noise_ceiling: Optional[float]     # from the prepare stage's stats.json (None for the user's own pairs)
+
+
+def held_out(params: Params, data_dir: Path, eval_pairs: list[Pair]) -> HeldOut:
+    cfg = params.reward
+    demos = inputs.demonstrations(params, data_dir, "eval") if cfg.normalize else []
+    prompts = inputs.prompts(params, data_dir, "eval") if inputs.judge(params) is not None else []
+    ceiling = None
+    stats_path = data_dir / "stats.json"
+    if cfg.dataset.path is None and (stats_path.exists() or stats_path.is_symlink()):
+        stats = read_json_object(stats_path, "stats file")
+        noise = stats.get("noise_ceiling")
+        ceiling = noise.get("pairs_eval") if isinstance(noise, dict) else None
+        if isinstance(ceiling, bool) or not isinstance(ceiling, (int, float)) or not 0 < ceiling <= 1:
+            raise DataError(f"{stats_path}: noise_ceiling.pairs_eval must be a number in (0, 1], got {shown(ceiling)}")
+    return HeldOut(eval_pairs, demos, prompts, ceiling)
+
+
+def evaluate(model, tok, params: Params, sft_dir: Path, held: HeldOut, out_dir: Path) -> dict[str, Any]:
     """Metrics of the trained (and normalised) reward model; writes calibration.tsv/png."""
-    cfg, judge = params.reward, inputs.judge(params)
+    cfg, judge, eval_pairs = params.reward, inputs.judge(params), held.pairs
     rc, rr = score_pairs(model, tok, eval_pairs, cfg.max_length)
     rc, rr = rc - rm.offset(model), rr - rm.offset(model)
     bins, ece = calibration(rc - rr, cfg.calibration_bins)
@@ -145,11 +171,9 @@ def evaluate(model, tok, params: Params, data_dir: Path, sft_dir: Path, eval_pai
         cal_log.log(row["bin"], {k: row[k] for k in ("predicted", "observed", "count")})
     cal_log.flush()
     calibration_plot(bins, out_dir / "calibration.png")
-    stats_path = data_dir / "stats.json"
-    if params.reward.dataset.path is None and stats_path.is_file():
-        ceiling = json.loads(stats_path.read_text())["noise_ceiling"]["pairs_eval"]
-        m["eval/noise_ceiling"] = ceiling
-        m["eval/accuracy_of_ceiling"] = m["eval/accuracy"] / ceiling
+    if held.noise_ceiling is not None:
+        m["eval/noise_ceiling"] = held.noise_ceiling
+        m["eval/accuracy_of_ceiling"] = m["eval/accuracy"] / held.noise_ceiling
     if judge is not None:
         prompts = [p.prompt for p in eval_pairs] * 2
         responses = [p.chosen for p in eval_pairs] + [p.rejected for p in eval_pairs]
@@ -157,7 +181,7 @@ def evaluate(model, tok, params: Params, data_dir: Path, sft_dir: Path, eval_pai
         m["eval/spearman_gold_heldout"] = _spearman(torch.cat([rc, rr]).tolist(), gold)
         m["eval/gold_order_agreement"] = gold_order_agreement(rc, rr, torch.tensor(gold).view(2, -1))
         policy, ptok = load_policy(sft_dir)
-        sft_prompts = inputs.prompts(params, data_dir, "eval")
+        sft_prompts = held.prompts
         sft_prompts = (sft_prompts * (cfg.n_sft_samples // len(sft_prompts) + 1))[:cfg.n_sft_samples]
         sampled = measure(policy, ptok, sft_prompts, params.sft.sampling, cfg.seed, judge=judge,
                           reward=lambda prompts, texts: rm.score_texts(model, tok, prompts, texts, cfg.max_length))
@@ -166,9 +190,8 @@ def evaluate(model, tok, params: Params, data_dir: Path, sft_dir: Path, eval_pai
     return m
 
 
-def normalise(model, tok, params: Params, data_dir: Path) -> float:
+def normalise(model, tok, params: Params, demos: list[dict]) -> float:
     """Store the mean raw score of held-out demonstrations as the offset; returns that mean."""
-    demos = inputs.demonstrations(params, data_dir, "eval")
     setattr(model.config, rm.OFFSET_KEY, 0.0)
     mean = float(rm.score_texts(model, tok, [d["prompt"] for d in demos], [d["response"] for d in demos],
                                 params.reward.max_length).mean())
@@ -187,6 +210,7 @@ def train(run: StageRun, data_dir: Path, sft_dir: Path, progress: bool = True):
                                       load_kwargs(params.model) if cfg.name_or_path is not None else None)
     model = lora.wrap(model, cfg.lora, "SEQ_CLS")
     train_pairs, n_trunc, n_drop = fit_pairs(train_pairs, tok, cfg.max_length, cfg.overlong)
+    held = held_out(params, data_dir, eval_pairs)
     torch.manual_seed(cfg.seed)
     engine, micro = supervised_engine(model, cfg, total_steps(len(train_pairs), cfg.batch_size, cfg.epochs), ctx)
     write_deepspeed_config(out_dir / "deepspeed_config.json", reward=engine) if ctx.is_main else None
@@ -206,8 +230,8 @@ def train(run: StageRun, data_dir: Path, sft_dir: Path, progress: bool = True):
     if model is None:
         return None, tok, {}
     if cfg.normalize:
-        metrics["eval/offset"] = normalise(model, tok, params, data_dir)
-    metrics.update(evaluate(model, tok, params, data_dir, sft_dir, eval_pairs, out_dir))
+        metrics["eval/offset"] = normalise(model, tok, params, held.demonstrations)
+    metrics.update(evaluate(model, tok, params, sft_dir, held, out_dir))
     return model, tok, metrics
 
 

@@ -76,6 +76,8 @@ def train(run: StageRun, data_dir: Path, progress: bool = True) -> tuple[Any, An
     cfg = params.sft
     train_rows = inputs.demonstrations(params, data_dir, "train")
     eval_rows = inputs.demonstrations(params, data_dir, "eval")
+    # Read (and so validate) now what is measured after training: a broken line must fail fast.
+    eval_prompts = inputs.prompts(params, data_dir, "eval")[:cfg.n_eval_generations]
     source = cfg.dataset.path or data_dir / "sft_train.jsonl"
     model, tok = init_policy(params.model, data_dir / "tokenizer", cfg.seed)
     model = lora.wrap(model, cfg.lora, "CAUSAL_LM")
@@ -100,15 +102,14 @@ def train(run: StageRun, data_dir: Path, progress: bool = True) -> tuple[Any, An
                                                                            "data/dropped": n_drop})
     if model is None:
         return None, tok, {}
-    metrics.update(evaluate_policy(model, tok, params, data_dir))
+    metrics.update(evaluate_policy(model, tok, params, eval_prompts, eval_rows))
     return model, tok, metrics
 
 
-def evaluate_policy(model, tok, params: Params, data_dir: Path) -> dict[str, Any]:
-    """Greedy and sampled responses to evaluation prompts, judged next to the demonstrations:
-    `eval/<eos_rate|gold|well_formed>_<greedy|sampled>` (gold ones only with a judge)."""
+def evaluate_policy(model, tok, params: Params, prompts: list, demos: list[dict]) -> dict[str, Any]:
+    """Greedy and sampled responses to the evaluation `prompts`, judged next to the held-out
+    `demos`: `eval/<eos_rate|gold|well_formed>_<greedy|sampled>` (gold ones only with a judge)."""
     cfg, judge = params.sft, inputs.judge(params)
-    prompts = inputs.prompts(params, data_dir, "eval")[:cfg.n_eval_generations]
     out: dict[str, Any] = {}
     for tag, greedy in (("greedy", True), ("sampled", False)):
         measured = measure(model, tok, prompts, cfg.sampling, cfg.seed, greedy=greedy, judge=judge)
@@ -118,7 +119,6 @@ def evaluate_policy(model, tok, params: Params, data_dir: Path) -> dict[str, Any
             out[f"eval/gold_{tag}"] = stats["gold"]
             out[f"eval/well_formed_{tag}"] = sum(map(reviews.is_well_formed, measured.texts)) / len(measured.texts)
     if judge is not None:
-        demos = inputs.demonstrations(params, data_dir, "eval")
         out["eval/gold_demonstrations"] = sum(judge(r["prompt"], r["response"]) for r in demos) / len(demos)
     return out
 

@@ -35,8 +35,8 @@ from typing import Any, Callable
 import torch
 
 from .distributed import Context
-from ..errors import CheckpointError
-from ..data.io import atomic_write_json, swap_in
+from ..errors import CheckpointError, loading
+from ..data.io import atomic_write_json, check_folder, read_json_object, swap_in
 from ..tracking.sinks import StepLog
 from .batches import BatchSampler
 
@@ -103,32 +103,34 @@ def read_state(path: Path, fp: str) -> dict[str, Any] | None:
     """`state.json` of the checkpoint at `path` when it belongs to this run (same fingerprint)."""
     recover(path)
     state_file = path / "state.json"
-    if not state_file.is_file():
+    if not state_file.exists():
         return None
     try:
-        state = json.loads(state_file.read_text())
-    except (OSError, ValueError) as err:
-        raise CheckpointError(f"{state_file}: unreadable ({err}); delete {path} to start afresh") from None
+        check_folder(path)   # every file of it regular: a FIFO among the weights would block the load
+        state = read_json_object(state_file, "checkpoint state", CheckpointError)
+    except CheckpointError as err:
+        raise CheckpointError(f"{err}; delete {path} to start afresh") from None
     return state if state.get("fingerprint") == fp else None
 
 
-def unreadable(path: Path, err: Exception) -> CheckpointError:
-    return CheckpointError(f"{path}: unreadable checkpoint ({err}); delete it to start afresh")
+def restoring(path: Path):
+    """The checkpoint guard for resumable state: a corrupt or truncated file says so in one line and
+    names the folder to delete (the run then starts afresh; no older save is kept to fall back to)."""
+    return loading(path, "the resumable checkpoint", f"; delete {path} to start afresh")
 
 
 def load_engine(engine: Any, path: Path, name: str) -> None:
     """Restore a training engine's weights, optimizer and schedule saved as `name`."""
-    try:
+    with restoring(path):
         engine.load(path, name)
-    except (OSError, RuntimeError, KeyError, ValueError) as err:
-        raise unreadable(path, err) from None
 
 
 def load_rng(path: Path, rank: int) -> dict[str, torch.Tensor]:
-    try:
-        return torch.load(path / f"rng_rank{rank}.pt", weights_only=True)
-    except (OSError, RuntimeError) as err:
-        raise unreadable(path, err) from None
+    with restoring(path):
+        rng = torch.load(path / f"rng_rank{rank}.pt", weights_only=True)
+        if not isinstance(rng, dict):
+            raise TypeError(f"rng_rank{rank}.pt holds a {type(rng).__name__}, not the generators' states")
+        return rng
 
 
 class SupervisedState:
@@ -169,10 +171,11 @@ class SupervisedState:
             return 0
         load_engine(self.engine, self.path, "model")
         rng = load_rng(self.path, self.ctx.rank)
-        self.sampler.load_state_dict({**state["sampler"], "gen": rng["sampler"]})
-        torch.set_rng_state(rng["torch"])
-        for name, log_ in self.logs.items():
-            log_.restore(state["logs"][name]["rows"], state["logs"][name]["columns"])
-        self.seconds_before, self.t0 = float(state["seconds"]), time.perf_counter()
+        with restoring(self.path):   # a state.json of this run whose contents do not fit
+            self.sampler.load_state_dict({**state["sampler"], "gen": rng["sampler"]})
+            torch.set_rng_state(rng["torch"])
+            for name, log_ in self.logs.items():
+                log_.restore(state["logs"][name]["rows"], state["logs"][name]["columns"])
+            self.seconds_before, self.t0 = float(state["seconds"]), time.perf_counter()
         log.warning("%s: resuming from %s at step %d", self.stage, self.path, state["step"])
         return int(state["step"])

@@ -101,4 +101,8 @@ def train(task: SupervisedTask, cfg: Any, engine: TrainEngine, micro: int, out: 
             eval_log.flush()
         if step % cfg.save_every == 0 or step == steps:
             state.save(step)
+    # A run resumed from its final save trains no step, yet DVC removed the stage's outputs before
+    # running it: the logs are written here whatever the loop did.
+    train_log.flush()
+    eval_log.flush()
     return SupervisedResult(steps, state.elapsed(), train_log, eval_log)
