@@ -11,6 +11,7 @@ import os
 import random
 import shutil
 import signal
+import sys
 import subprocess
 import time
 from pathlib import Path
@@ -304,3 +305,21 @@ def test_dvc_repro_killed_at_random_times_ends_identical(tmp_path):
         b = load_file(whole / f"outputs/{stage}/model/model.safetensors")
         assert all(torch.equal(a[k], b[k]) for k in b), (stage, note)
     assert run([str(BIN / "dvc"), "status"], killed).stdout.strip().endswith("up to date."), note
+
+
+def test_a_code_change_never_resumes_a_checkpoint(tmp_path):
+    """The fingerprint covers the code the stage imports: after an edit DVC re-runs the stage, and
+    the finished run's checkpoint must not hand back the old code's model; unchanged code resumes
+    (at the final step: nothing to train, every output rewritten)."""
+    repo = copy_repo(tmp_path / "repo")
+    write_params(repo / "params.yaml", TINY)
+    sft_cmd = [sys.executable, "-m", "pipeline", "sft", "--params", "params.yaml", "--no-progress",
+               "--data", "data/prepared", "--out", "outputs/sft"]
+    run([sys.executable, "-m", "pipeline", "prepare", "--params", "params.yaml", "--out", "data/prepared"], repo)
+    assert "resuming" not in (lambda p: p.stdout + p.stderr)(run(sft_cmd, repo))
+    again = run(sft_cmd, repo)
+    assert "sft: resuming from outputs/sft/checkpoint at step 4" in again.stdout + again.stderr
+    with open(repo / "pipeline/training/batches.py", "a") as f:      # code SFT imports
+        f.write("\n# an edit\n")
+    edited = run(sft_cmd, repo)
+    assert "resuming" not in edited.stdout + edited.stderr

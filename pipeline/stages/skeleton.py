@@ -9,8 +9,12 @@ atomic writing of what it produces.
   `distributed` settings (a plain single process by default); its output folder loses the optional
   extras this run will not write (adapter/, deepspeed_config.json), then every rank waits for it.
 - Tracking: the stage's MLflow run (or none), with the resolved config as its params.
-- The resume fingerprint hashes the resolved config and every local input (folders and the user's
-  dataset files), so a checkpoint of another config or other inputs is never resumed.
+- The resume fingerprint hashes the resolved config, every local input (folders and the user's
+  dataset files) and every project file the stage's code imports (the closure dvc.yaml's deps
+  cover), so a checkpoint of another config, other inputs or other code is never resumed: DVC
+  re-runs a stage after a code change, and resuming a finished run's checkpoint then would hand back
+  the old code's model. A re-run of unchanged code (a kill before DVC recorded the stage,
+  `dvc repro -f`) resumes, at the final step if training had finished.
 - `finish` (rank 0): `model/` (safetensors and tokenizer) swapped in atomically, config.json
   (keys sorted), metrics.json, then the files to the tracker. Nothing is written before the stage's
   work is done, so a failed run leaves the previous outputs in place.
@@ -31,7 +35,10 @@ from ..tracking.sinks import Tracker, write_metrics
 from ..training import distributed
 from ..training.distributed import SINGLE, Context
 from ..training.resume import fingerprint, input_paths
+from ..workflow import code_deps
 from .spec import StageSpec, declared, resolve
+
+ROOT = Path(__file__).resolve().parents[2]   # the folder holding the `pipeline` package
 
 
 @dataclass
@@ -73,4 +80,6 @@ def stage_run(spec: StageSpec, params: Params, out: Path, inputs: Sequence[str |
                              ctx.world_size > 1 or section.distributed.backend != "none")
         ctx.barrier()
         with stage_tracking(spec.name, resolved, local, enabled=ctx.is_main) as tracker:
-            yield StageRun(spec, declared(params, spec), resolved, out, ctx, tracker, fingerprint(resolved, local))
+            code = [ROOT / f for f in sorted(code_deps.closure(ROOT, spec.name))]
+            yield StageRun(spec, declared(params, spec), resolved, out, ctx, tracker,
+                           fingerprint(resolved, [*local, *code]))
