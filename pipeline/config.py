@@ -519,13 +519,9 @@ def from_dict(cls: type, data: Any, where: str) -> Any:
 
 def read_yaml(path: str | Path) -> Any:
     """Read a YAML file with the YAML 1.2 loader; a file that is not YAML is a ConfigError."""
-    from .data.io import read_input
+    from .data.io import decode_utf8, read_input
     path = Path(path)
-    raw = read_input(path, "params file", ConfigError, MAX_PARAMS_BYTES)
-    try:
-        text = raw.decode("utf-8")
-    except UnicodeDecodeError as err:
-        raise ConfigError(f"{path}: not UTF-8 text ({err.reason} at byte {err.start})") from None
+    text = decode_utf8(read_input(path, "params file", ConfigError, MAX_PARAMS_BYTES), str(path), ConfigError)
     yaml = YAML(typ="safe", pure=True)
     try:
         # Anchors and aliases let a few lines expand into billions of values ("billion laughs");

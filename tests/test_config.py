@@ -151,7 +151,7 @@ def test_not_utf8(tmp_path):
     path.write_bytes(b"sft:\n  lr: \xff\n")
     with pytest.raises(ConfigError) as err:
         load_params(path)
-    assert str(err.value) == f"{path}: not UTF-8 text (invalid start byte at byte 11)"
+    assert str(err.value) == f"{path}: invalid UTF-8 at byte 11"
 
 
 # ---- Values as DVC writes them ------------------------------------------------------------------

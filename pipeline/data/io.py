@@ -160,15 +160,25 @@ def read_json_object(path: str | Path, what: str = "JSON file", error: type[User
                      limit: int = MAX_RECORD_BYTES) -> dict[str, Any]:
     """A small JSON file that must hold an object (stats.json, state.json, a model's config.json),
     read through `read_input`; anything else is one `error` naming the file."""
-    raw = read_input(path, what, error, limit)
+    return json_object(read_input(path, what, error, limit), str(path), error)
+
+
+def decode_utf8(raw: bytes, where: str, error: type[UserError] = DataError) -> str:
     try:
-        obj = parse_json(raw.decode("utf-8"))
+        return raw.decode("utf-8")
     except UnicodeDecodeError as err:
-        raise error(f"{path}: invalid UTF-8 at byte {err.start}") from None
+        raise error(f"{where}: invalid UTF-8 at byte {err.start}") from None
+
+
+def json_object(raw: bytes, where: str, error: type[UserError] = DataError) -> dict[str, Any]:
+    """The JSON object in `raw` (a file, or one JSONL line), or one `error` at `where`."""
+    text = decode_utf8(raw, where, error)
+    try:
+        obj = parse_json(text)
     except ValueError as err:
-        raise error(f"{path}: malformed JSON: {shown(str(err), 200)}") from None
+        raise error(f"{where}: malformed JSON: {shown(str(err), 200)}") from None
     if not isinstance(obj, dict):
-        raise error(f"{path}: expected a JSON object, got {type(obj).__name__}")
+        raise error(f"{where}: expected a JSON object, got {type(obj).__name__}")
     return obj
 
 
@@ -183,16 +193,7 @@ def numbered_jsonl(path: str | Path) -> list[tuple[int, dict[str, Any]]]:
         if len(line) > MAX_RECORD_BYTES:
             raise DataError(f"{path}:{lineno}: a record of {len(line)} bytes; at most {MAX_RECORD_BYTES} are "
                             "read (far above any stage's token limit)")
-        try:
-            text = line.decode("utf-8")
-        except UnicodeDecodeError as err:
-            raise DataError(f"{path}:{lineno}: invalid UTF-8 at byte {err.start}") from None
-        try:
-            row = parse_json(text)
-        except ValueError as err:
-            raise DataError(f"{path}:{lineno}: malformed JSON: {shown(str(err), 200)}") from None
-        if not isinstance(row, dict):
-            raise DataError(f"{path}:{lineno}: expected a JSON object, got {type(row).__name__}")
+        row = json_object(line, f"{path}:{lineno}")
         check_unicode(row, f"{path}:{lineno}")
         rows.append((lineno, row))
     if not rows:
