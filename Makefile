@@ -8,7 +8,7 @@ BIN := $(CURDIR)/$(VENV)/bin
 export PATH := $(BIN):$(PATH)
 export TORCH_EXTENSIONS_DIR ?= $(CURDIR)/.cache/torch_extensions
 
-.PHONY: install pipeline test lock bench
+.PHONY: install pipeline test lock bench snakemake slurm
 
 $(VENV)/.installed: pyproject.toml requirements.lock
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -26,6 +26,13 @@ pipeline: install
 	@echo "  Metrics:     .venv/bin/dvc metrics show   (files: outputs/*/metrics.json; step logs outputs/*/*.tsv)"
 	@echo "  Checkpoints: outputs/{sft,reward,ppo}/model (Hugging Face format)"
 	@echo "  MLflow UI:   .venv/bin/mlflow ui --backend-store-uri sqlite:///$(CURDIR)/mlflow.db"
+
+# The same stages under Snakemake: on this machine, or as SLURM jobs (see profiles/).
+snakemake: install
+	$(BIN)/snakemake --profile profiles/local
+
+slurm: install
+	$(BIN)/snakemake --profile profiles/slurm
 
 # The tests include a real SLURM run: scripts/slurm-local.sh starts a one-node cluster on this
 # machine (installing slurm-wlm with apt if needed; root), and does nothing if one is running.

@@ -56,14 +56,25 @@ def write_params(path: Path, override: dict) -> None:
 
 
 def run_env() -> dict[str, str]:
-    """Environment for subprocesses: this interpreter's venv first on PATH (dvc.yaml calls `python`)."""
+    """Environment for subprocesses: this interpreter's venv first on PATH."""
     env = dict(os.environ)
     env["PATH"] = f"{BIN}{os.pathsep}{env.get('PATH', '')}"
     return env
 
 
-def run(cmd: list[str], cwd: Path, check: bool = True, timeout: int = 900) -> subprocess.CompletedProcess:
-    proc = subprocess.run(cmd, cwd=cwd, env=run_env(), capture_output=True, text=True, timeout=timeout)
+def bare_env(repo: Path) -> dict[str, str]:
+    """A user's shell without an activated venv: only the system's PATH (whose python has no torch),
+    and `repo` holding a `.venv` as a checkout set up by `make` does (a link to this one)."""
+    if not (repo / ".venv").exists():
+        (repo / ".venv").symlink_to(BIN.parent)
+    env = {k: v for k, v in os.environ.items() if k not in ("VIRTUAL_ENV", "PYTHONPATH")}
+    env["PATH"] = "/usr/bin:/bin"
+    return env
+
+
+def run(cmd: list[str], cwd: Path, check: bool = True, timeout: int = 900,
+        env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
+    proc = subprocess.run(cmd, cwd=cwd, env=env or run_env(), capture_output=True, text=True, timeout=timeout)
     if check and proc.returncode != 0:
         raise AssertionError(f"{' '.join(cmd)} exited {proc.returncode}\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}")
     return proc

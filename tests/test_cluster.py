@@ -17,7 +17,7 @@ import pytest
 from snakemake_executor_plugin_slurm.submit_string import get_submit_command
 from snakemake_executor_plugin_slurm.utils import set_gres_string
 
-from conftest import BIN, REPO, TINY, copy_repo, flat, run, write_params
+from conftest import BIN, REPO, TINY, bare_env, copy_repo, flat, run, write_params
 from pipeline.workflow import stage_graph
 from pipeline.workflow.cluster import check_shape, expand_first, job_command, slurm_node, slurm_resources
 from pipeline.config import Params, from_dict, merge_distributed
@@ -71,9 +71,11 @@ def test_snakemake_lint_is_clean(tmp_path):
 
 
 def test_params_change_reruns_the_stage_and_its_descendants(tmp_path):
-    """Snakemake re-runs what a changed param touches, as `dvc repro` would (params are rule params)."""
+    """Snakemake re-runs what a changed param touches, as `dvc repro` would (params are rule params).
+    The run is the README's command as written, `.venv/bin/snakemake --profile profiles/local`, from a
+    shell whose PATH lacks the venv (the jobs' `bin/pipeline` finds the checkout's .venv)."""
     repo = _repo(tmp_path, "rerun")
-    run([str(BIN / "snakemake"), "--profile", "profiles/local", "--quiet"], repo, timeout=900)
+    run([str(BIN / "snakemake"), "--profile", "profiles/local", "--quiet"], repo, timeout=900, env=bare_env(repo))
     write_params(repo / "params.yaml", {**TINY, "reward": {**TINY["reward"], "lr": 5e-4}})
     dry = run([str(BIN / "snakemake"), "-n"], repo)
     stats = (dry.stdout + dry.stderr).split("Job stats:")[1].split("total")[0]   # "job count" table

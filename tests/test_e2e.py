@@ -9,7 +9,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification, AutoTokenizer
 
-from conftest import BIN, run
+from conftest import BIN, bare_env, run
 from pipeline.config import load_params
 from pipeline.stages import evaluate as evaluate_stage, ppo as ppo_stage, reward as reward_stage, sft as sft_stage
 from pipeline.stages.spec import resolve
@@ -18,7 +18,8 @@ from pipeline.data.tokenizer import decode_response, encode_prompt
 
 
 def test_dvc_repro_tiny_pipeline(tiny_repo):
-    proc = run([str(BIN / "dvc"), "repro"], tiny_repo)
+    # As the README writes it, `.venv/bin/dvc repro`, from a shell without the venv on PATH.
+    proc = run([str(BIN / "dvc"), "repro"], tiny_repo, env=bare_env(tiny_repo))
     assert "Running stage 'sft'" in proc.stdout
 
     stats = json.loads((tiny_repo / "data/prepared/stats.json").read_text())
@@ -128,7 +129,8 @@ def test_dvc_exp_run_changes_param_and_reports_eval_metrics(tiny_repo):
     run([str(BIN / "dvc"), "repro"], tiny_repo)
     run(["git", "-c", "user.name=t", "-c", "user.email=t@t", "add", "-A"], tiny_repo)
     run(["git", "-c", "user.name=t", "-c", "user.email=t@t", "commit", "-qm", "baseline"], tiny_repo)
-    run([str(BIN / "dvc"), "exp", "run", "-n", "kl-low", "-S", "ppo.kl_coef=0.05"], tiny_repo)
+    bare = bare_env(tiny_repo)   # the README's `.venv/bin/dvc exp run`, no venv on PATH
+    run([str(BIN / "dvc"), "exp", "run", "-n", "kl-low", "-S", "ppo.kl_coef=0.05"], tiny_repo, env=bare)
     import dvc.api
     rows = {row["Experiment"] or row["rev"]: row for row in dvc.api.exp_show(repo=str(tiny_repo))}
     assert "kl-low" in rows
@@ -148,6 +150,7 @@ def test_dvc_exp_run_changes_param_and_reports_eval_metrics(tiny_repo):
     # A queued experiment runs in a fresh copy without the (gitignored) resumable checkpoints; it
     # too re-runs only the stages its param reaches.
     dvc = str(BIN / "dvc")
+    # `dvc queue start` starts its workers as `dvc` from PATH: queues need the venv activated (README).
     run([dvc, "exp", "run", "--queue", "-n", "kl-queued", "-S", "ppo.kl_coef=0.1"], tiny_repo)
     run([dvc, "queue", "start"], tiny_repo)
     deadline = time.monotonic() + 600
