@@ -323,3 +323,12 @@ def test_a_code_change_never_resumes_a_checkpoint(tmp_path):
         f.write("\n# an edit\n")
     edited = run(sft_cmd, repo)
     assert "resuming" not in edited.stdout + edited.stderr
+
+
+def test_a_long_runs_state_is_read_whole(tmp_path):
+    """state.json holds the step logs so far: a long run's is megabytes, and must resume, not be
+    refused as an oversized record."""
+    rows = [{"step": i, "loss": 1.0 / (i + 1), "lr": 1e-4, "grad_norm": 0.5} for i in range(40000)]
+    (tmp_path / "state.json").write_text(json.dumps({"fingerprint": "f", "logs": {"train": {"rows": rows}}}))
+    assert (tmp_path / "state.json").stat().st_size > 2 << 20
+    assert len(resume.read_state(tmp_path, "f")["logs"]["train"]["rows"]) == 40000

@@ -88,9 +88,6 @@ def detect_layout(row: dict[str, Any]) -> str:
     return "conversation"
 
 
-_text = nonempty_text
-
-
 def _split_conversation(chosen: str, rejected: str, where: str) -> tuple[str, str, str]:
     """Shared dialogue up to the last assistant turn, then the two final answers."""
     cut_c, cut_r = chosen.rfind(ASSISTANT_TURN), rejected.rfind(ASSISTANT_TURN)
@@ -128,12 +125,12 @@ def to_pair(row: dict[str, Any], layout: str, where: str, margin_column: Optiona
     if layout == "text":
         prompt, chosen, rejected = row["prompt"], row["chosen"], row["rejected"]
     elif layout == "conversation":
-        prompt, chosen, rejected = _split_conversation(_text(row["chosen"], where, "chosen"),
-                                                       _text(row["rejected"], where, "rejected"), where)
+        prompt, chosen, rejected = _split_conversation(nonempty_text(row["chosen"], where, "chosen"),
+                                                       nonempty_text(row["rejected"], where, "rejected"), where)
     else:
         prompt, chosen, rejected = _split_messages(row, where)
-    prompt = prompt if isinstance(prompt, list) else _text(prompt, where, "prompt")
-    chosen, rejected = _text(chosen, where, "chosen"), _text(rejected, where, "rejected")
+    prompt = prompt if isinstance(prompt, list) else nonempty_text(prompt, where, "prompt")
+    chosen, rejected = nonempty_text(chosen, where, "chosen"), nonempty_text(rejected, where, "rejected")
     if chosen.strip() == rejected.strip():
         raise DataError(f"{where}: chosen and rejected are identical")
     margin = 0.0

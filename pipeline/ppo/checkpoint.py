@@ -19,11 +19,11 @@ from pathlib import Path
 import torch
 
 from ..errors import CheckpointError
-from ..training.resume import fingerprint, load_engine, load_rng, read_state, restoring, save_staged
+from ..training.resume import load_engine, load_rng, read_state, restoring, save_staged
 from ..tracking.sinks import StepLog
 from .trainer import PPOTrainer
 
-__all__ = ["fingerprint", "load", "restore_actor", "save"]
+__all__ = ["load", "restore_actor", "save"]
 
 
 def save(trainer: PPOTrainer, step_log: StepLog, path: Path, fp: str) -> None:

@@ -36,7 +36,7 @@ import torch
 
 from .distributed import Context
 from ..errors import CheckpointError, loading
-from ..data.io import atomic_write_json, check_folder, read_json_object, swap_in
+from ..data.io import MAX_FILE_BYTES, atomic_write_json, check_folder, read_json_object, swap_in
 from ..tracking.sinks import StepLog
 from .batches import BatchSampler
 
@@ -107,7 +107,8 @@ def read_state(path: Path, fp: str) -> dict[str, Any] | None:
         return None
     try:
         check_folder(path)   # every file of it regular: a FIFO among the weights would block the load
-        state = read_json_object(state_file, "checkpoint state", CheckpointError)
+        # It holds the step logs so far, which grow with the run: the whole-file limit, not a record's.
+        state = read_json_object(state_file, "checkpoint state", CheckpointError, MAX_FILE_BYTES)
     except CheckpointError as err:
         raise CheckpointError(f"{err}; delete {path} to start afresh") from None
     return state if state.get("fingerprint") == fp else None

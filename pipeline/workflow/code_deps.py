@@ -83,6 +83,11 @@ def closure(root: Path, stage: str) -> set[str]:
     return {str(f.relative_to(root)) for f in seen}
 
 
+def empty_marker(root: Path, path: str) -> bool:
+    """An empty package `__init__.py`: it holds no code, so no dep need cover it."""
+    return path.endswith("__init__.py") and not (Path(root) / path).read_text(encoding="utf-8").strip()
+
+
 def covered(path: str, deps: list[str]) -> bool:
     """Whether a dep of the list is `path` itself or a folder above it."""
     return any(path == d or path.startswith(d.rstrip("/") + "/") for d in deps)
@@ -93,11 +98,8 @@ def uncovered(root: Path, stage: str, deps: list[str]) -> list[str]:
     markers are exempt: they hold no code)."""
     out = []
     for f in sorted(closure(root, stage)):
-        if covered(f, deps) or f in EXEMPT:
-            continue
-        if f.endswith("__init__.py") and not (Path(root) / f).read_text(encoding="utf-8").strip():
-            continue
-        out.append(f)
+        if not (covered(f, deps) or f in EXEMPT or empty_marker(root, f)):
+            out.append(f)
     return out
 
 
@@ -114,8 +116,7 @@ def coarse_deps(root: Path, stage: str) -> list[str]:
         inside = {str(p.relative_to(root)) for p in (root / folder).rglob("*.py")}
         if inside and inside <= files:
             deps.append(folder)
-    deps += sorted(f for f in files if not covered(f, deps)
-                   and not (f.endswith("__init__.py") and not (root / f).read_text(encoding="utf-8").strip()))
+    deps += sorted(f for f in files if not covered(f, deps) and not empty_marker(root, f))
     return deps
 
 
