@@ -1,0 +1,112 @@
+"""Per-sequence response log-probs of preference pairs, and the reference model's, cached once.
+
+Layout: the rollout's (``pipeline/models/logprobs.py``): prompts left-padded, responses
+right-padded, so the prompt is never gathered (its log-probs are not part of the sum) and the
+numbers are the same gather PPO's reference log-probs and the evaluate stage's KL use. Chosen and
+rejected go through one forward of 2N rows (each prompt twice), so a training step is one forward
+and one backward, and each side sees the same padding of its prompt.
+
+The reference model's log-probs do not change during training: ``reference_logprobs`` computes
+them once, in inference mode, before the first step, so no second model is resident while the
+policy trains (the issue's "three models, not four" for the offline methods).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from ..data.padding import left_pad, positions, right_pad
+from ..models.logprobs import logprobs_from_logits, response_logits
+
+
+@dataclass(frozen=True)
+class TokenPair:
+    """One preference pair as token ids: the prompt as `encode_prompt` gives it, each response as
+    `encode_response` gives it (eos included)."""
+    prompt: list[int]
+    chosen: list[int]
+    rejected: list[int]
+
+    def __post_init__(self) -> None:
+        if not self.prompt or not self.chosen or not self.rejected:
+            raise ValueError("a preference pair needs a non-empty prompt, chosen and rejected response")
+
+
+def sequence_logprobs(
+    model,
+    prompts: list[list[int]],
+    responses: list[list[int]],
+    pad_id: int,
+) -> tuple[torch.Tensor, torch.Tensor]:  # (B,) summed response log-probs, (B,) response lengths
+    """Sum over each response's tokens of log pi(y_t | x, y_<t), with grad when the caller has
+    it enabled. Temperature 1: these are the model's own probabilities, not a sampler's. Float32
+    whatever the model's dtype (``response_logits`` upcasts the logits before the logsumexp)."""
+    if len(prompts) != len(responses) or not prompts:
+        raise ValueError(f"need as many prompts as responses, at least one; got {len(prompts)} and {len(responses)}")
+    device = next(model.parameters()).device
+    p_ids, p_mask = left_pad(prompts, pad_id)  # (B, P)
+    r_ids, r_mask = right_pad(responses, pad_id)  # (B, R)
+    ids = torch.cat([p_ids, r_ids], 1).to(device)  # (B, T)
+    mask = torch.cat([p_mask, r_mask], 1).to(device)  # (B, T) bool
+    r_ids, r_mask = r_ids.to(device), r_mask.to(device)
+    logits = response_logits(model, ids, mask.long(), positions(mask), r_ids.size(1), 1.0)  # (B, R, V)
+    per_token = logprobs_from_logits(logits, r_ids)  # (B, R)
+    # where(), not a product: a pad's log-prob may be -inf, and 0 * -inf is NaN.
+    summed = torch.where(r_mask, per_token, torch.zeros_like(per_token)).sum(1)  # (B,)
+    return summed, r_mask.sum(1)
+
+
+def pair_logprobs(
+    model,
+    pairs: list[TokenPair],
+    pad_id: int,
+) -> tuple[torch.Tensor, torch.Tensor]:  # chosen (N,), rejected (N,): summed response log-probs
+    """Chosen and rejected log-probs of N pairs in one forward of 2N rows."""
+    prompts = [p.prompt for p in pairs] * 2
+    responses = [p.chosen for p in pairs] + [p.rejected for p in pairs]
+    summed, _ = sequence_logprobs(model, prompts, responses, pad_id)  # (2N,)
+    return summed[:len(pairs)], summed[len(pairs):]
+
+
+def response_lengths(pairs: list[TokenPair]) -> tuple[torch.Tensor, torch.Tensor]:
+    """(N,) int64 token counts of the chosen and of the rejected responses (SimPO, averaged IPO)."""
+    return (torch.tensor([len(p.chosen) for p in pairs], dtype=torch.long),
+            torch.tensor([len(p.rejected) for p in pairs], dtype=torch.long))
+
+
+def _pad_id(model) -> int:
+    pad_id = getattr(getattr(model, "config", None), "pad_token_id", None)
+    if pad_id is None:
+        raise ValueError("the model's config has no pad_token_id; pass pad_id")
+    return int(pad_id)
+
+
+@torch.inference_mode()
+def reference_logprobs(
+    model,
+    pairs: list[TokenPair],
+    batch_size: int,
+    pad_id: int | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:  # chosen (N,), rejected (N,): float32 on the CPU
+    """The reference model's summed log-probs of every pair's chosen and rejected response, once,
+    before training: inference mode (no graph, no grad), the model put in eval mode for the pass
+    (dropout off, as a frozen reference must be) and its previous mode restored. ``pad_id``
+    defaults to the model config's; its value never changes a result (pads are masked)."""
+    if batch_size < 1:
+        raise ValueError(f"batch_size must be >= 1, got {batch_size}")
+    if not pairs:
+        raise ValueError("no preference pairs to score")
+    pad_id = _pad_id(model) if pad_id is None else pad_id
+    was_training = model.training
+    model.eval()
+    try:
+        chosen, rejected = [], []
+        for start in range(0, len(pairs), batch_size):
+            c, r = pair_logprobs(model, pairs[start:start + batch_size], pad_id)  # (n,), (n,)
+            chosen.append(c.cpu())
+            rejected.append(r.cpu())
+    finally:
+        model.train(was_training)
+    return torch.cat(chosen), torch.cat(rejected)
