@@ -107,6 +107,9 @@ class DistributedConfig:
     offload_frozen: bool = False          # PPO: keep the reference and reward models on the CPU
     precision: Literal["fp32", "bf16", "fp16"] = "fp32"
     gradient_accumulation_steps: int = num(1, ge=1, doc="micro-batches per optimizer step per process")
+    # Memory one rank may use, for the memory plan (pipeline/training/memory_plan.py) a training stage
+    # checks before it builds a model; None: the CUDA device's free memory, else this machine's RAM.
+    device_memory_gb: Optional[float] = num(None, gt=0.0, le=1e6, doc="GiB per rank; None: ask the device")
 
     def __post_init__(self) -> None:
         if self.backend == "none" and (self.num_processes > 1 or self.num_nodes > 1):
@@ -288,7 +291,13 @@ class PPOConfig:
     dataset: PromptDatasetConfig = field(default_factory=PromptDatasetConfig)
     max_prompt_length: int = num(256, ge=4, doc="prompt tokens; longer ones follow `overlong`")
     overlong: Literal["truncate", "drop", "error"] = "truncate"
-    recompute_logprobs: bool = False      # the rollout policy's log-probs from a training forward, not the sampler's
+    # pi_old's log-probs: from a training forward (true), the sampler's (false), or auto: recompute
+    # wherever the two can differ (not fp32, or CUDA, or tis_cap set; pipeline/ppo/mismatch.py)
+    recompute_logprobs: Literal["auto", True, False] = "auto"
+    logprob_check_rows: int = num(8, ge=1, doc="rollouts per process whose sampler log-probs are checked "
+                                              "against a training forward when they are not recomputed")
+    tis_cap: Optional[float] = num(None, gt=1.0, doc="truncated importance sampling: weight each token's "
+                                                     "policy loss by min(pi_old / pi_sampler, tis_cap); None: off")
     shared_backbone: bool = False         # one trunk, two heads: the critic is a value head on the actor
     vf_coef: float = num(1.0, gt=0.0, doc="weight of the value loss (matters with shared_backbone)")
     lora: LoraConfig = field(default_factory=LoraConfig)          # actor adapter (reference = adapter off)
@@ -312,6 +321,12 @@ class PPOConfig:
                               f"{self.kl_coef}); set one of them to 0, never both (double penalty)")
         if self.adaptive_kl and self.kl_coef == 0:
             raise ConfigError("ppo.adaptive_kl: needs ppo.kl_coef > 0 as its initial value")
+        if type(self.recompute_logprobs) is not bool and self.recompute_logprobs != "auto":
+            # Literal's check lets 1 and 0.0 through (1 == True); only YAML's true/false are booleans.
+            raise ConfigError(f"ppo.recompute_logprobs: expected auto, true or false, got {self.recompute_logprobs!r}")
+        if self.tis_cap is not None and self.recompute_logprobs is False:
+            raise ConfigError(f"ppo.tis_cap: {self.tis_cap} weights tokens by pi_old / pi_sampler, which is 1 when "
+                              "pi_old is the sampler's; set ppo.recompute_logprobs: auto or true, or tis_cap: null")
         if self.reward_source != "reward_model":
             reward_function(self.reward_source)   # importable, a Python function of (prompts, responses)
         det = self.detector

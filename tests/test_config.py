@@ -262,3 +262,35 @@ def test_distributed_errors_name_the_key(tmp_path):
                                                        "sft:\n  batch_size: 64\nreward:\n  batch_size: 64\n")
     assert load_error(tmp_path, "ppo:\n  shared_backbone: true\n  distributed:\n    backend: deepspeed\n").startswith(
         "params.yaml: ppo.shared_backbone: runs with distributed.backend: none")
+
+
+def test_device_memory_gb_range(tmp_path):
+    # The memory plan's device size (GiB per rank): null asks the device; a value must be positive.
+    assert load_params(write_params(tmp_path, "{}\n")).distributed.device_memory_gb is None
+    assert load_params(write_params(tmp_path, "ppo:\n  distributed:\n    device_memory_gb: 80\n")
+                       ).ppo.distributed.device_memory_gb == 80.0
+    assert load_error(tmp_path, "distributed:\n  device_memory_gb: 0\n") == \
+        "params.yaml: distributed.device_memory_gb: expected a float > 0.0 and <= 1000000.0, got 0.0 (float)"
+    assert load_error(tmp_path, "sft:\n  distributed:\n    device_memory_gb: -1.5\n") == \
+        "params.yaml: sft.distributed.device_memory_gb: expected a float > 0.0 and <= 1000000.0, got -1.5 (float)"
+
+
+def test_ppo_logprob_settings(tmp_path):
+    # recompute_logprobs: auto (default), and the booleans params.yaml / dvc exp run -S users pass.
+    assert load_params(write_params(tmp_path, "{}\n")).ppo.recompute_logprobs == "auto"
+    for text, value in (("true", True), ("false", False), ("auto", "auto")):
+        p = load_params(write_params(tmp_path, f"ppo:\n  recompute_logprobs: {text}\n"))
+        assert p.ppo.recompute_logprobs is value or p.ppo.recompute_logprobs == value
+    assert load_params(write_params(tmp_path, "ppo:\n  tis_cap: 2\n")).ppo.tis_cap == 2.0
+    assert load_error(tmp_path, "ppo:\n  tis_cap: 1.0\n") == \
+        "params.yaml: ppo.tis_cap: expected a float > 1.0, got 1.0 (float)"
+    assert load_error(tmp_path, "ppo:\n  logprob_check_rows: 0\n") == \
+        "params.yaml: ppo.logprob_check_rows: expected an integer >= 1, got 0 (int)"
+    # 1 == True slips through a Literal check; only YAML's booleans and `auto` are accepted.
+    assert load_error(tmp_path, "ppo:\n  recompute_logprobs: 1\n") == \
+        "params.yaml: ppo.recompute_logprobs: expected auto, true or false, got 1"
+    assert load_error(tmp_path, "ppo:\n  recompute_logprobs: always\n").startswith(
+        "params.yaml: ppo.recompute_logprobs: expected one of 'auto', True, False, got 'always'")
+    # TIS weights pi_old / pi_sampler: identically 1 when pi_old is the sampler's.
+    assert load_error(tmp_path, "ppo:\n  tis_cap: 2.0\n  recompute_logprobs: false\n").startswith(
+        "params.yaml: ppo.tis_cap: 2.0 weights tokens by pi_old / pi_sampler")

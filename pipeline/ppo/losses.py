@@ -45,6 +45,7 @@ def policy_loss(
     clip_eps: float,
     dual_clip: float | None = None,
     loss_denominator: float | None = None,
+    tis_weights: torch.Tensor | None = None,  # (B, R) detached, from `truncated_is_weights`; None: off
 ) -> tuple[torch.Tensor, dict[str, float]]:
     """PPO-clip surrogate loss (Schulman et al. 2017, eq. 7), as a loss to minimise.
 
@@ -57,6 +58,9 @@ def policy_loss(
     Plain PPO-clip is unbounded below when A_t < 0 and rho_t -> inf (the
     unclipped branch rho_t A_t wins the min); the floor bounds the loss of such
     a token by -dual_clip * A_t and zeroes its gradient once rho_t > dual_clip.
+
+    Truncated importance sampling: with ``tis_weights`` each token's objective
+    (after both clips) is multiplied by its weight, a constant (see ``truncated_is_weights``).
 
     Stats: policy/clipfrac counts tokens where the PPO-clip branch is taken
     (zero gradient); policy/dual_clipfrac the tokens held at the dual-clip floor.
@@ -77,6 +81,9 @@ def policy_loss(
         floor = dual_clip * advantages
         dual_clipped = (advantages < 0) & (objective < floor)
         objective = torch.where(advantages < 0, torch.maximum(objective, floor), objective)
+    if tis_weights is not None:
+        _check_mask(response_mask, tis_weights)
+        objective = objective * tis_weights.detach()
     loss = _token_mean(-objective, response_mask, loss_denominator)
 
     with torch.no_grad():
@@ -94,6 +101,37 @@ def policy_loss(
         if dual_clip is not None:
             stats["policy/dual_clipfrac"] = _masked_float(dual_clipped.double(), response_mask)
     return loss, stats
+
+
+def truncated_is_weights(
+    old_logprobs: torch.Tensor,  # (B, R) log pi_old(a_t|s_t), recomputed by a training forward
+    sampler_logprobs: torch.Tensor,  # (B, R) log pi_sampler(a_t|s_t), as the sampler computed it
+    response_mask: torch.Tensor,  # (B, R) bool
+    cap: float,
+) -> tuple[torch.Tensor, dict[str, float]]:
+    """Truncated importance-sampling weights, (B, R), detached, 1 on pads:
+    w_t = min(pi_old(a_t|s_t) / pi_sampler(a_t|s_t), cap) = min(exp(old - sampler), cap).
+
+    The tokens were drawn from the sampler's distribution, but PPO's surrogate is an expectation
+    under pi_old (the trainer's numbers for the same weights); w_t re-weights each token's policy
+    loss to the trainer's distribution, and the cap bounds the variance a token whose sampler
+    probability is tiny would add (Yao et al. 2025, "Your efficient RL framework secretly brings
+    you off-policy RL training", token-level TIS; the same weight as verl's
+    `compute_policy_loss_vanilla`, `tis_imp_ratio_cap`). Only an upper cap: a weight below 1 only
+    shrinks a token's gradient.
+
+    Stats: policy/tis_weight (mean weight after the cap), policy/tis_capfrac (tokens at the cap).
+    """
+    _check_mask(response_mask, old_logprobs, sampler_logprobs)
+    if not cap > 1.0:
+        raise ValueError(f"the TIS cap must be > 1 (a weight of 1 is no correction), got {cap}")
+    log_w = torch.where(response_mask, old_logprobs.detach() - sampler_logprobs.detach(),
+                        torch.zeros_like(old_logprobs))   # masked before exp: no overflow on pads
+    raw = torch.exp(log_w)
+    weights = raw.clamp(max=cap)
+    stats = {"policy/tis_weight": _masked_float(weights, response_mask),
+             "policy/tis_capfrac": _masked_float((raw > cap).double(), response_mask)}
+    return weights, stats
 
 
 def value_loss(

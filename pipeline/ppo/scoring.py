@@ -15,6 +15,7 @@ from transformers import PreTrainedModel
 from ..models import logprobs
 from ..models import reward_model as rm
 from ..models.reward_source import RewardSource
+from .mismatch import logprob_diff
 from .rollout import Rollout
 
 
@@ -65,6 +66,7 @@ class Scored:
     values: torch.Tensor         # (B, R) V_old(s_t), the critic at sampling time
     scores: torch.Tensor         # (B,) sequence scores after the missing-eos rule and clipping
     raw_scores: torch.Tensor     # (B,) scores as the reward source gave them
+    mismatch: dict[str, float]   # val/logprob_diff_{mean,max}: sampler vs training forward (mismatch.py)
 
 
 # no_grad, not inference_mode: under ZeRO-3 these forwards gather parameters into buffers that
@@ -73,23 +75,34 @@ class Scored:
 def score_rollout(actor: PreTrainedModel, ref: PreTrainedModel, critic: PreTrainedModel, reward: RewardSource,
                   ro: Rollout, temperature: float, micro_batch_size: int,
                   missing_eos_score: float | None, score_clip: float | None,
-                  recompute_logprobs: bool = False) -> Scored:
+                  recompute_logprobs: bool = False, check_rows: int = 0) -> Scored:
     """Run the models over `ro` in micro-batches (bounded memory). The actor's log-probs are the
     ones the sampler computed (its forward passes *are* the actor's pass over the rollout), unless
-    `recompute_logprobs`. Micro-batches take rows of similar length and drop all-padding columns."""
+    `recompute_logprobs`. Micro-batches take rows of similar length and drop all-padding columns.
+
+    The sampler/trainer difference is measured either way: over every row when recomputing (free:
+    both are at hand), else over the first `check_rows` rows by one extra training forward (the
+    prompts are a random draw already, so the first rows are a random sample; no generator is
+    touched). That forward's log-probs are only measured, never used."""
     B, R = ro.response_mask.shape
     mask = ro.response_mask
+    recompute = recompute_logprobs or ro.logprobs is None
     out = {k: torch.zeros(B, R, device=mask.device) for k in ("old", "ref", "values")}
     for idx in length_sorted_chunks(mask, torch.arange(B), micro_batch_size):
         mb = ro.select(idx, trim=True)
         r = mb.response_mask.size(1)
-        if recompute_logprobs or ro.logprobs is None:
+        if recompute:
             out["old"][idx, :r] = policy_logprobs(actor, mb, temperature)[0]
         out["ref"][idx, :r] = policy_logprobs(ref, mb, temperature)[0]
         out["values"][idx, :r] = critic_values(critic, mb)
-    if not recompute_logprobs and ro.logprobs is not None:
+    if not recompute:
         out["old"] = ro.logprobs.float()
     old, refp, values = (out[k].masked_fill(~mask, 0.0) for k in ("old", "ref", "values"))
+    mismatch = {}
+    if ro.logprobs is not None and recompute:
+        mismatch = logprob_diff(ro.logprobs.float(), old, mask)
+    elif ro.logprobs is not None and check_rows > 0:
+        mismatch = sampler_trainer_diff(actor, ro, temperature, micro_batch_size, min(check_rows, B))
     raw = reward.score(ro.prompts, ro.responses).float()
     scores = raw.clone()
     if missing_eos_score is not None:
@@ -98,4 +111,17 @@ def score_rollout(actor: PreTrainedModel, ref: PreTrainedModel, critic: PreTrain
         scores = torch.where(ro.ended, scores, torch.full_like(scores, missing_eos_score))
     if score_clip is not None:
         scores = scores.clamp(-score_clip, score_clip)
-    return Scored(old, refp, values, scores, raw)
+    return Scored(old, refp, values, scores, raw, mismatch)
+
+
+@torch.no_grad()
+def sampler_trainer_diff(actor: PreTrainedModel, ro: Rollout, temperature: float, micro_batch_size: int,
+                         n_rows: int) -> dict[str, float]:
+    """val/logprob_diff_{mean,max} over the first `n_rows` rows of `ro`: the sampler's log-probs
+    against a training forward's, in micro-batches laid out as scoring lays them out."""
+    rows = torch.arange(n_rows)
+    trainer = torch.zeros(n_rows, ro.response_mask.size(1), device=ro.response_mask.device)
+    for idx in length_sorted_chunks(ro.response_mask, rows, micro_batch_size):
+        mb = ro.select(idx, trim=True)
+        trainer[idx, :mb.response_mask.size(1)] = policy_logprobs(actor, mb, temperature)[0]
+    return logprob_diff(ro.logprobs[rows].float(), trainer, ro.response_mask[rows])

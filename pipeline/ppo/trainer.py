@@ -2,7 +2,8 @@
 
 One iteration (numbered as in the code):
   1. rollout     sample responses to a batch of prompts from the actor (KV cache, stop at eos)
-  2. score       old/ref log-probs, critic values, reward-source scores (one forward per model)
+  2. score       old/ref log-probs, critic values, reward-source scores (one forward per model);
+                 the sampler's vs a training forward's log-probs measured (mismatch.py)
   3. rewards     per-token -kl_coef * KL_t plus the score on the last real token
   4. advantages  GAE over response tokens, returns = advantages + values, whitened advantages
   5. update      ppo_epochs of shuffled minibatches, micro-batch gradient accumulation,
@@ -25,7 +26,8 @@ from ..errors import check_finite
 from ..measurement.stats import distinct_n
 from ..training.batches import BatchSampler
 from . import advantages as adv
-from .losses import policy_loss, value_loss
+from .losses import policy_loss, truncated_is_weights, value_loss
+from .mismatch import TOLERANCE, ratio_deviation, resolve_recompute
 from .placement import PPOModels
 from .rollout import Rollout, rollout
 from .scoring import Scored, critic_values, length_sorted_chunks, policy_logprobs, score_rollout
@@ -44,11 +46,14 @@ class Batch:
     sc: Scored
     advantages: torch.Tensor   # (B, R) whitened GAE advantages, zero on pads
     returns: torch.Tensor      # (B, R) value targets, zero on pads
+    tis_weights: torch.Tensor | None = None   # (B, R) truncated IS weights (ppo.tis_cap), None when off
 
 
 # Per-iteration stats that add up over ranks (counts, throughput); the rest are averaged.
 SUM_STATS = ("val/num_eos_tokens", "rollouts", "tokens_per_second/rollout", "tokens_per_second/update")
-MAX_STATS = ("val/ratio_max", "memory/peak_gib")
+MAX_STATS = ("val/ratio_max", "memory/peak_gib", "val/logprob_diff_max", "val/first_ratio_max_dev")
+# Stats of the first minibatch only (the ratio before any update), kept out of the epoch averages.
+FIRST_STATS = ("val/first_ratio_mean_dev", "val/first_ratio_max_dev")
 
 
 class PPOTrainer:
@@ -68,6 +73,12 @@ class PPOTrainer:
         self.shuffle_gen = torch.Generator().manual_seed(cfg.seed + 2)
         self.iteration = 0  # iterations completed
         self.actor_lr = models.actor.lr   # learning rate of the actor's last update
+        # Whose log-probs are pi_old: decided once, from what the actor really is (mismatch.py).
+        param = next(p for p in models.actor.model.parameters() if p.is_floating_point())
+        device = "cuda" if "cuda" in (param.device.type, self.ctx.device.type) else param.device.type
+        self.recompute, self.recompute_reason = resolve_recompute(
+            cfg.recompute_logprobs, cfg.distributed.precision, param.dtype, device, tis=cfg.tis_cap is not None)
+        self._announced = False   # the log line on whose log-probs are used, once per process
 
     # ---- steps 3-4 -------------------------------------------------------------------------
     def make_batch(self, ro: Rollout, sc: Scored) -> tuple[Batch, dict[str, float]]:
@@ -83,17 +94,25 @@ class PPOTrainer:
         advantages, returns = adv.gae(rewards, sc.values, mask, cfg.gamma, cfg.lam)
         advantages = adv.masked_whiten(advantages, mask, reduce=reduce)   # over the global batch
         stats["val/explained_variance"] = adv.explained_variance(sc.values, returns, mask)
-        return Batch(ro, sc, advantages, returns), stats
+        weights = None
+        if cfg.tis_cap is not None:   # the tokens came from the sampler, the loss is under pi_old
+            weights, tis_stats = truncated_is_weights(sc.old_logprobs, ro.logprobs.float(), mask, cfg.tis_cap)
+            stats.update(tis_stats)
+        return Batch(ro, sc, advantages, returns, weights), stats
 
     # ---- step 5 ------------------------------------------------------------------------------
-    def micro_step(self, b: Batch, idx: torch.Tensor, n_tokens: float) -> dict[str, float]:
-        """Forward/backward of one micro-batch; losses are sums over tokens / minibatch tokens."""
+    def micro_step(self, b: Batch, idx: torch.Tensor, n_tokens: float, first: bool = False) -> dict[str, float]:
+        """Forward/backward of one micro-batch; losses are sums over tokens / minibatch tokens.
+        `first`: a micro-batch of the first minibatch, whose ratio (before any update) is logged."""
         cfg, ro = self.cfg, b.ro.select(idx, trim=True)   # only this micro-batch's own padding
         mask, r = ro.response_mask, ro.response_mask.size(1)
         logprobs, entropy = policy_logprobs(self.m.actor.forward, ro, cfg.sampling.temperature, with_entropy=True,
                                             entropy_grad=cfg.entropy_coef > 0)
+        weights = b.tis_weights[idx, :r] if b.tis_weights is not None else None
         pg_loss, stats = policy_loss(logprobs, b.sc.old_logprobs[idx, :r], b.advantages[idx, :r], mask,
-                                     cfg.clip_eps, cfg.dual_clip, loss_denominator=n_tokens)
+                                     cfg.clip_eps, cfg.dual_clip, loss_denominator=n_tokens, tis_weights=weights)
+        if first:
+            stats.update(ratio_deviation(logprobs, b.sc.old_logprobs[idx, :r], mask))
         ent_sum = torch.where(mask, entropy, 0.0).sum() / n_tokens
         loss = pg_loss - cfg.entropy_coef * ent_sum
         if cfg.kl_loss_coef > 0:
@@ -108,9 +127,9 @@ class PPOTrainer:
         self.m.actor.backward(loss)
         self.m.critic.backward(cfg.vf_coef * v_loss)
         weight = float(mask.sum()) / n_tokens
-        out = {k: v * weight for k, v in {**stats, **vstats}.items() if k != "val/ratio_max"}
+        out = {k: v * weight for k, v in {**stats, **vstats}.items() if k not in MAX_STATS}
         out.update({"loss/policy": pg_loss.item(), "loss/value": v_loss.item(),
-                    "objective/entropy": ent_sum.item(), "val/ratio_max": stats["val/ratio_max"]})
+                    "objective/entropy": ent_sum.item(), **{k: stats[k] for k in MAX_STATS if k in stats}})
         return out
 
     def optimizer_step(self) -> tuple[float, float]:
@@ -128,6 +147,7 @@ class PPOTrainer:
     def update(self, b: Batch) -> dict[str, float]:
         cfg, B = self.cfg, len(b.ro.prompts)
         totals: dict[str, float] = {}
+        first: dict[str, float] = {}
         n_minibatches, epochs_done = 0, 0
         for _ in range(cfg.ppo_epochs):
             perm = torch.randperm(B, generator=self.shuffle_gen)
@@ -137,10 +157,11 @@ class PPOTrainer:
                 n_tokens = float(self.ctx.sum(b.ro.response_mask[mb].sum().double()).clamp(min=1))
                 mb_stats: dict[str, float] = {}
                 for micro in length_sorted_chunks(b.ro.response_mask, mb, cfg.micro_batch_size):
-                    for k, v in self.micro_step(b, micro, n_tokens).items():
-                        mb_stats[k] = max(mb_stats.get(k, v), v) if k == "val/ratio_max" else mb_stats.get(k, 0.0) + v
+                    for k, v in self.micro_step(b, micro, n_tokens, first=n_minibatches == 0).items():
+                        mb_stats[k] = max(mb_stats.get(k, v), v) if k in MAX_STATS else mb_stats.get(k, 0.0) + v
                 # Each rank holds token-weighted parts of the global minibatch: they add up.
                 mb_stats = self.ctx.reduce_stats(mb_stats, sum_keys=set(mb_stats) - set(MAX_STATS), max_keys=MAX_STATS)
+                first.update({k: mb_stats.pop(k) for k in FIRST_STATS if k in mb_stats})
                 mb_stats["policy/grad_norm"], mb_stats["val/grad_norm"] = self.optimizer_step()
                 for k, v in mb_stats.items():
                     totals[k] = max(totals.get(k, v), v) if k == "val/ratio_max" else totals.get(k, 0.0) + v
@@ -152,6 +173,7 @@ class PPOTrainer:
                 break
         out = {k: (v if k == "val/ratio_max" else v / n_minibatches) for k, v in totals.items()}
         out["policy/epochs"] = float(epochs_done)
+        out.update(first)
         return out
 
     # ---- one iteration ------------------------------------------------------------------------
@@ -166,9 +188,10 @@ class PPOTrainer:
         t1 = time.perf_counter()
         sc = score_rollout(self.m.actor.forward, self.m.ref, self.m.critic.model, self.m.reward, ro,   # 2
                            cfg.sampling.temperature, cfg.micro_batch_size, cfg.missing_eos_score, cfg.score_clip,
-                           cfg.recompute_logprobs)
+                           self.recompute, cfg.logprob_check_rows)
         _check_finite("rewards (scores)", sc.raw_scores, it)
         batch, stats = self.make_batch(ro, sc)                                                     # 3, 4
+        stats.update(sc.mismatch)
         _check_finite("advantages", batch.advantages, it)
         t2 = time.perf_counter()
         stats.update(self.update(batch))                                                           # 5
@@ -197,13 +220,35 @@ class PPOTrainer:
         self.kl_ctl.update(stats["objective/kl"], cfg.rollout_batch_size)
         self.iteration = it
         if self.ctx.is_main:
-            warn_health(stats, it)
+            if not self._announced:   # warning level: the stages configure no logging, and this must show
+                log.warning(self.logprob_source(stats))
+            warn_health(stats, it, sampler_logprobs=not self.recompute)
+        self._announced = True
         return stats
 
+    def logprob_source(self, stats: dict[str, float]) -> str:
+        """The one log line on whose log-probs are pi_old, why, and the difference measured."""
+        cfg = self.cfg
+        measured = (f"measured max |diff| {stats['val/logprob_diff_max']:.2g} nats, mean "
+                    f"{stats['val/logprob_diff_mean']:.2g}, at iteration {self.iteration}")
+        if self.recompute:
+            tis = f"; truncated IS weights capped at {cfg.tis_cap}" if cfg.tis_cap is not None else ""
+            return (f"ppo: old log-probs: recomputed by a training forward ({self.recompute_reason}; sampler vs "
+                    f"trainer {measured} over every rollout; first-minibatch max |ratio - 1| "
+                    f"{stats['val/first_ratio_max_dev']:.2g}{tis})")
+        rows = min(cfg.logprob_check_rows, cfg.rollout_batch_size // self.ctx.world_size)
+        return (f"ppo: old log-probs: sampler's ({self.recompute_reason}; {measured} over {rows} rollouts "
+                f"per process; first-minibatch max |ratio - 1| {stats['val/first_ratio_max_dev']:.2g})")
 
-def warn_health(stats: dict[str, float], iteration: int) -> None:
+
+def warn_health(stats: dict[str, float], iteration: int, sampler_logprobs: bool = False) -> None:
     """Log the warning signs the seeds describe (000, 16.2.8): ratio far from 1, KL exploding,
-    many clipped updates. Warnings only: these are judgement calls, not errors."""
+    many clipped updates; and, when pi_old is the sampler's log-probs, a sampler that disagrees
+    with the training forward. Warnings only: these are judgement calls, not errors."""
+    if sampler_logprobs and stats["val/logprob_diff_max"] > TOLERANCE:
+        log.warning("iteration %d: the sampler's log-probs differ from the training forward's by up to %.2g "
+                    "nats, so the ratio is not 1 at the first minibatch: set ppo.recompute_logprobs: true",
+                    iteration, stats["val/logprob_diff_max"])
     if abs(stats["val/ratio"] - 1.0) > 0.2:
         log.warning("iteration %d: mean ratio %.3f is far from 1: updates are too large (lower lr or epochs)",
                     iteration, stats["val/ratio"])
