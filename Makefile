@@ -8,7 +8,7 @@ BIN := $(CURDIR)/$(VENV)/bin
 export PATH := $(BIN):$(PATH)
 export TORCH_EXTENSIONS_DIR ?= $(CURDIR)/.cache/torch_extensions
 
-.PHONY: install pipeline test lock bench snakemake slurm
+.PHONY: install pipeline test lock bench snakemake slurm commit register remote push offline-page
 
 $(VENV)/.installed: pyproject.toml requirements.lock
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -33,6 +33,38 @@ snakemake: install
 
 slurm: install
 	$(BIN)/snakemake --profile profiles/slurm
+
+# Committing and sharing a run (README, "Committing and sharing a run"):
+#   make commit                       git add dvc.lock, params.yaml and the run's changed outputs/ files
+#                                     (after checking `dvc status` is clean); COMMIT=1 also commits them
+#                                     as "pipeline run <UTC time>", MSG="..." with that message
+#   make remote REMOTE=<path or URL>  this checkout's DVC remote (.dvc/config.local); the committed
+#                                     default is ../rlhf-dvc-storage, a folder beside the checkout
+#   make register [VERSION=v1.2.0]    a version of each model of dvc.yaml's artifacts at HEAD: annotated
+#                                     git tags <name>@<version> (GTO's form), what `dvc artifacts get`
+#                                     and model registries read; without VERSION the next patch version
+#   make push                         the models and prepared data (DVC's cache) to the DVC remote
+commit: install
+	bash scripts/commit-run.sh
+
+register: install
+	@git diff --quiet HEAD -- dvc.lock || { echo "make register: dvc.lock differs from HEAD's; register a committed run (make commit COMMIT=1)" >&2; exit 1; }
+	@for name in $$($(BIN)/python -c "from dvc.repo import Repo; print(*Repo('.').artifacts.read().get('dvc.yaml', {}))"); do \
+		$(BIN)/gto register $$name HEAD $(if $(VERSION),--version $(VERSION)) || exit 1; done
+	@echo "Share the versions with: git push origin --tags"
+
+remote: install
+	@test -n "$(REMOTE)" || { echo "usage: make remote REMOTE=<folder or URL>   (now:)"; $(BIN)/dvc remote list; exit 2; }
+	$(BIN)/dvc remote modify --local storage url '$(REMOTE)'
+	$(BIN)/dvc remote list
+
+push: install
+	$(BIN)/dvc push
+
+# Rewrite .dvc/plots/offline.html (the page of `dvc plots show`, vega inline) and its NOTICE from the
+# venv's copies of vega, vega-lite and vega-embed, e.g. after a Snakemake upgrade.
+offline-page: install
+	$(BIN)/python scripts/dvc_offline_page.py
 
 # The tests include a real SLURM run: scripts/slurm-local.sh starts a one-node cluster on this
 # machine (installing slurm-wlm with apt if needed; root), and does nothing if one is running.

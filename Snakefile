@@ -6,19 +6,56 @@
 # params.yaml is Snakemake's config; its `cluster` section gives each job its SLURM resources
 # (pipeline/workflow/cluster.py). A stage's output log goes to logs/<stage>.log; under SLURM the job's own
 # log is in logs/slurm/<stage>/<job id>.log (profiles/slurm sets that folder).
+#
+# Params reach a rule as a file: .snakemake/params/<stage>.json holds the values of the keys the stage
+# declares, rewritten here only when they change, and is an input of the rule, so Snakemake re-runs
+# exactly the stages whose params changed (and what follows them), whichever engine built the outputs
+# (see stage_graph.write_param_files). `--config` overrides are refused: the jobs read params.yaml.
+#
+# `snakemake --report report.html` gathers each stage's figures, step logs and metrics (captions in
+# report/); `logs/benchmarks/<stage>.tsv` holds each job's time and memory.
+
+import sys
 
 from pipeline.workflow import cluster, stage_graph
 from pipeline.config import load_params
+from pipeline.errors import UserError
 
 configfile: "params.yaml"
 
-PARAMS = load_params("params.yaml")      # validated before any job is submitted
-cluster.check_shape(PARAMS)
-STAGES = stage_graph.load("dvc.yaml")
+try:
+    stage_graph.check_no_overrides(workflow.config_settings.overwrite_config)
+    PARAMS = load_params("params.yaml")      # validated before any job is submitted
+    cluster.check_shape(PARAMS)
+    STAGES = stage_graph.load("dvc.yaml")
+    if workflow.is_main_process:             # not again inside each job (a SLURM job parses this file too)
+        stage_graph.write_param_files(STAGES, "params.yaml")
+        stage_graph.drop_stale_benchmarks(STAGES)
+except UserError as err:
+    sys.exit(f"error: {err}")                # one line, as `python -m pipeline` prints it
+
+report: "report/workflow.rst"
+
+
+# What `snakemake --report` shows of each stage: (kind, caption) by how an output's name ends.
+REPORTED = {".png": ("figures", "report/figure.rst"), ".tsv": ("step logs", "report/step_log.rst"),
+            "metrics.json": ("metrics", "report/metrics.rst"), "report.md": ("report", "report/report_md.rst"),
+            "samples.md": ("report", "report/samples.rst")}
 
 
 def _outputs(stage):
-    return [directory(o) if stage.is_dir(o) else o for o in stage.outs]
+    """The stage's outputs; those a reader looks at (figures, step logs, metrics, the report) are
+    marked for the report, under the stage's name."""
+    out = []
+    for o in stage.outs:
+        kind = next((v for end, v in REPORTED.items() if o.endswith(end)), None)
+        if stage.is_dir(o):
+            out.append(directory(o))
+        elif kind is None:
+            out.append(o)
+        else:
+            out.append(report(o, caption=kind[1], category=stage.name, subcategory=kind[0]))
+    return out
 
 
 rule all:
@@ -34,15 +71,17 @@ for _stage in STAGES:
             _stage.name
         input:
             list(_stage.deps),
+            params=str(stage_graph.param_file(_stage)),
         output:
             _outputs(_stage),
         params:
             # The command travels as a param: a shell string is evaluated when the job runs,
             # after this loop has moved on, so it must not refer to `_stage`.
             cmd=cluster.job_command(PARAMS, _stage.name, _stage.cmd),
-            **stage_graph.param_values(_stage, config),
         log:
             f"logs/{_stage.name}.log",
+        benchmark:
+            str(stage_graph.BENCHMARK_DIR / f"{_stage.name}.tsv")
         conda:
             "envs/pipeline.yaml"
         threads: getattr(PARAMS.cluster, _stage.name).cpus_per_task

@@ -10,13 +10,15 @@ from __future__ import annotations
 import argparse
 import csv
 import importlib
+import importlib.metadata
+import os
 import subprocess
 import sys
 from pathlib import Path
 
 from .training import distributed
 from .config import load_params
-from .errors import DataError, UserError
+from .errors import ConfigError, DataError, UserError
 
 
 DATA, SFT, RM, PPO = "data/prepared", "outputs/sft/model", "outputs/reward/model", "outputs/ppo/model"
@@ -31,6 +33,8 @@ STAGES: dict[str, tuple[str, dict[str, str]]] = {
     "frontier": ("plot gold and RM score against KL across DVC experiments", {"out": "outputs/frontier.png"}),
     "check": ("validate the params file (and with --data the inputs every stage reads) and exit", {}),
     "recipe": ("merge recipes/<name>.yaml into the params file (validated first)", {}),
+    "plan": ("print each stage's memory plan per rank against the device, and refuse one that does not fit",
+             {"data": DATA}),
     "detect": ("replay the over-optimisation detector (params' ppo.detector) over a PPO train.tsv", {}),
 }
 
@@ -57,34 +61,96 @@ def check_inputs(params, data_dir: Path) -> None:
     reward.held_out(params, data_dir, held)
 
 
+# What each path option names; its default is the path dvc.yaml passes.
+PATH_HELP = {
+    "data": "the prepared data folder (what the prepare stage writes)",
+    "sft": "the SFT policy checkpoint (a Hugging Face model folder)",
+    "reward": "the reward model checkpoint (a Hugging Face model folder)",
+    "ppo": "the PPO policy checkpoint (a Hugging Face model folder)",
+    "out": "the folder the stage writes its outputs to",
+}
+OUT_HELP = {"prepare": "the folder the prepared splits and tokenizer are written to",
+            "frontier": "the figure to write (a table of the points is printed)"}
+
+
+def package_version() -> str:
+    """The installed distribution's version (pyproject.toml's, once `pip install -e .` has run)."""
+    try:
+        return importlib.metadata.version("rlhf-pipeline")
+    except importlib.metadata.PackageNotFoundError:
+        return "unknown (the package is not installed: pip install -e .)"
+
+
+class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """Every option's help ends with its default; flags (default off) and options whose default
+    is "none given" (None) say in their help what happens without them instead."""
+
+    def _get_help_string(self, action: argparse.Action) -> str | None:
+        if action.default is None or action.nargs == 0:
+            return action.help
+        return super()._get_help_string(action)
+
+
 def _parser() -> argparse.ArgumentParser:
-    ap = argparse.ArgumentParser(prog="python -m pipeline", description=__doc__.splitlines()[0])
-    sub = ap.add_subparsers(dest="stage", required=True)
+    ap = argparse.ArgumentParser(prog="python -m pipeline", description=__doc__.splitlines()[0],
+                                 epilog="`python -m pipeline <command> --help` lists a command's options.",
+                                 formatter_class=_HelpFormatter)
+    ap.add_argument("--version", action="version", version=f"%(prog)s {package_version()}",
+                    help="print the package version and exit")
+    sub = ap.add_subparsers(dest="stage", required=True, metavar="command")
     for stage, (help_text, paths) in STAGES.items():
-        p = sub.add_parser(stage, help=help_text)
+        p = sub.add_parser(stage, help=help_text, description=help_text, formatter_class=_HelpFormatter)
         for name, default in paths.items():
-            p.add_argument(f"--{name}", type=Path, default=Path(default))
+            what = OUT_HELP.get(stage, PATH_HELP[name]) if name == "out" else PATH_HELP[name]
+            p.add_argument(f"--{name}", type=Path, default=Path(default), help=what)
         if stage != "frontier":
-            p.add_argument("--params", type=Path, default=Path("params.yaml"))
-            p.add_argument("--no-progress", action="store_true", help="hide progress bars")
+            p.add_argument("--params", type=Path, default=Path("params.yaml"),
+                           help="the params file, validated in full before anything runs")
+            p.add_argument("--no-progress", action="store_true",
+                           help="no progress bar on a terminal, no progress lines in a log (sft, reward and ppo "
+                                "show them; default: shown)")
         if stage == "check":
             p.add_argument("--data", type=Path, default=None,
                            help="also read and validate every input the stages read from this prepared folder "
-                                "(and the datasets params name), as they do before training")
+                                "(and the datasets params name), as they do before training (default: the params "
+                                "file only)")
+        if stage == "plan":
+            p.add_argument("--stage", dest="plan_stage", choices=("sft", "reward", "ppo", "evaluate"), default=None,
+                           help="only this stage (default: all)")
         if stage == "detect":
             p.add_argument("train_tsv", type=Path, help="a PPO step log, e.g. outputs/ppo/train.tsv")
         if stage == "recipe":
-            p.add_argument("name", help="a file of recipes/ without .yaml")
+            p.add_argument("name", nargs="?", default=None, help="a file of recipes/ without .yaml")
+            p.add_argument("--list", action="store_true", help="list the recipes with their first comment line and exit")
             p.add_argument("--out", type=Path, default=None, help="where to write (default: the params file)")
         if stage in ("sft", "reward", "ppo"):
             # Per node on a cluster (the params file is shared): e.g. --node-rank $SLURM_NODEID.
-            p.add_argument("--node-rank", type=int, default=None, help="override distributed.node_rank")
-            p.add_argument("--master-addr", default=None, help="override distributed.master_addr")
+            p.add_argument("--node-rank", type=int, default=None,
+                           help="override distributed.node_rank (default: params', or SLURM_NODEID in a "
+                                "multi-node SLURM job)")
+            p.add_argument("--master-addr", default=None,
+                           help="override distributed.master_addr (default: params', or the job's first node "
+                                "in a multi-node SLURM job)")
     return ap
+
+
+def quiet_libraries() -> None:
+    """Library output that is noise in a stage's log: DeepSpeed's CPU-fallback notice (whoever
+    imports it), and, when stderr is not a terminal, transformers' own progress bars (loading and
+    saving weights) and MLflow's (copying a logged model's files), whose carriage-return frames pile
+    up in a log file as ours would."""
+    distributed.silence_cpu_fallback_notice()
+    if not sys.stderr.isatty():
+        os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
+        os.environ.setdefault("MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR", "false")   # copying a model's files
+        from transformers.utils import logging as hf_logging
+        hf_logging.disable_progress_bar()
 
 
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
+    if args.stage in ("prepare", "sft", "reward", "ppo", "evaluate"):
+        quiet_libraries()
     if args.stage == "frontier":
         from .measurement import frontier
         frontier.main(args.out)
@@ -92,6 +158,14 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if args.stage == "recipe":
             from .workflow import recipes
+            if args.list:
+                names = recipes.names()
+                width = max(map(len, names), default=0)
+                for name in names:
+                    print(f"{name:<{width}}  {recipes.describe(name)}")
+                return 0
+            if args.name is None:
+                raise ConfigError("recipe: name a recipe (python -m pipeline recipe --list shows them)")
             out = args.out or args.params
             recipes.apply(args.name, args.params, out)
             print(f"recipe {args.name}: wrote {out}")
@@ -101,6 +175,9 @@ def main(argv: list[str] | None = None) -> int:
             from .ppo import detector
             print(detector.summary(read_tsv(args.train_tsv), params.ppo.detector))
             return 0
+        if args.stage == "plan":
+            from .training import memory_plan
+            return memory_plan.main(params, args.data, args.plan_stage)
         if args.stage in ("sft", "reward", "ppo"):
             node_rank, master_addr = args.node_rank, args.master_addr
             if node_rank is None and getattr(params, args.stage).distributed.num_nodes > 1:

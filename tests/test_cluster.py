@@ -8,8 +8,11 @@ every stage ran as its own SLURM job, and that every metric equals `dvc repro` o
 from __future__ import annotations
 
 import json
+import os
 import re
 import subprocess
+import time
+import zipfile
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -70,17 +73,136 @@ def test_snakemake_lint_is_clean(tmp_path):
     assert "Congratulations, your workflow is in a good condition!" in proc.stdout + proc.stderr
 
 
-def test_params_change_reruns_the_stage_and_its_descendants(tmp_path):
-    """Snakemake re-runs what a changed param touches, as `dvc repro` would (params are rule params).
-    The run is the README's command as written, `.venv/bin/snakemake --profile profiles/local`, from a
-    shell whose PATH lacks the venv (the jobs' `bin/pipeline` finds the checkout's .venv)."""
+def _planned(repo: Path, *args: str) -> set[str]:
+    """The stages `snakemake -n` would run (none: "Nothing to be done")."""
+    proc = run([str(BIN / "snakemake"), "-n", *args], repo)
+    out = proc.stdout + proc.stderr
+    if "Nothing to be done" in out:
+        return set()
+    stats = out.split("Job stats:")[1].split("total")[0]   # the "job count" table
+    return {line.split()[0] for line in stats.splitlines() if line.split() and line.split()[0] in STAGES}
+
+
+def _set(repo: Path, section: str, key: str, value) -> None:
+    write_params(repo / "params.yaml", {**TINY, section: {**TINY.get(section, {}), key: value}})
+
+
+def test_either_engine_then_snakemake_reruns_exactly_what_a_param_change_reaches(tmp_path):
+    """`dvc repro` builds the tiny pipeline; Snakemake, which has no record of that run, plans exactly
+    ppo and evaluate after `ppo.kl_coef` changes (what `dvc status` flags and what follows it), and
+    nothing once it ran them, or once DVC rebuilt what a `reward.lr` change reached. The README's commands run as written (`.venv/bin/dvc repro`,
+    `.venv/bin/snakemake --profile profiles/local`) from a shell whose PATH lacks the venv (the jobs'
+    `bin/pipeline` finds the checkout's .venv). Then the report holds every stage's outputs."""
     repo = _repo(tmp_path, "rerun")
+    dvc = run([str(BIN / "dvc"), "repro"], repo, env=bare_env(repo))
+    # A stage's progress is plain lines when its output is not a terminal (pipeline/progress.py).
+    assert re.search(r"^sft: (\d+)/\1 steps \(100%\)", dvc.stdout + dvc.stderr, re.M) and "\r" not in dvc.stdout + dvc.stderr
+
+    # Snakemake's first look, after a params edit: what DVC flags and what follows it.
+    _set(repo, "ppo", "kl_coef", 0.123)
+    assert set(json.loads(run([str(BIN / "dvc"), "status", "--json"], repo).stdout)) == {"ppo"}
+    assert _planned(repo) == {"ppo", "evaluate"}
+    assert sorted(p.name for p in (repo / ".snakemake/params").iterdir()) == sorted(f"{s}.json" for s in STAGES)
+    # `--config` would reach neither the jobs nor DVC: refused in one line.
+    proc = run([str(BIN / "snakemake"), "-n", "--config", "ppo={kl_coef: 0.5}"], repo, check=False)
+    assert proc.returncode != 0
+    assert "error: snakemake --config/--configfile (ppo): overrides are not supported, the jobs read params.yaml; " \
+           "edit params.yaml" in proc.stderr
+
     run([str(BIN / "snakemake"), "--profile", "profiles/local", "--quiet"], repo, timeout=900, env=bare_env(repo))
-    write_params(repo / "params.yaml", {**TINY, "reward": {**TINY["reward"], "lr": 5e-4}})
-    dry = run([str(BIN / "snakemake"), "-n"], repo)
-    stats = (dry.stdout + dry.stderr).split("Job stats:")[1].split("total")[0]   # "job count" table
-    ran = {line.split()[0] for line in stats.splitlines() if line.split() and line.split()[0] in STAGES}
-    assert ran == {"reward", "ppo", "evaluate"}
+    assert not (repo / "logs/sft.log").exists()                 # only ppo and evaluate ran
+    ppo_log = (repo / "logs/ppo.log").read_text()
+    assert "\r" not in ppo_log
+    assert re.search(r"^ppo: 3/3 iterations \(100%\), .*; score=\S+ kl=\S+ gold=\S+ detector=\S+$", ppo_log, re.M)
+    for stage in ("ppo", "evaluate"):
+        bench = (repo / "logs/benchmarks" / f"{stage}.tsv").read_text().splitlines()
+        assert bench[0].startswith("s\th:m:s\tmax_rss") and float(bench[1].split("\t")[0]) > 0
+    assert _planned(repo) == set()
+    # A change undone before any run: Snakemake built ppo and recorded its params file's checksum.
+    _set(repo, "ppo", "kl_coef", 0.2)
+    assert _planned(repo) == {"ppo", "evaluate"}
+    _set(repo, "ppo", "kl_coef", 0.123)
+    assert _planned(repo) == set()
+
+    # The report: every stage's figures, step logs and metrics, by stage (reusing this run).
+    run([str(BIN / "snakemake"), "--report", "report.zip"], repo)
+    with zipfile.ZipFile(repo / "report.zip") as z:
+        html = z.read("report/report.html").decode()
+        files = {Path(n).name for n in z.namelist() if n.startswith("report/data/raw/")}
+    start = html.index("var categories = ") + len("var categories = ")
+    categories, _ = json.JSONDecoder().raw_decode(html, start)
+    shown = {stage: sorted(f for fs in kinds.values() for f in fs) for stage, kinds in categories.items()}
+    expected = {s.name: sorted(o for o in s.outs if o.endswith((".png", ".tsv", "metrics.json", "report.md", "samples.md")))
+                for s in stage_graph.load(repo / "dvc.yaml") if s.name != "prepare"}
+    assert shown == expected
+    assert categories["ppo"]["step logs"] == ["outputs/ppo/train.tsv"]
+    assert categories["evaluate"]["figures"] == ["outputs/evaluate/kl_frontier.png", "outputs/evaluate/scores.png"]
+    assert {"report.md", "samples.md", "calibration.png", "train.tsv", "metrics.json"} <= files
+    assert "A step log of the <tt class=\\\"docutils literal\\\">ppo</tt> stage" in html     # its caption
+    assert "InstructGPT-style RLHF" in html                                                # the workflow's
+
+    # A middle stage's param: it and what follows; DVC then rebuilds them, and Snakemake agrees
+    # (the benchmarks of the Snakemake run no longer describe the outputs: dropped).
+    _set(repo, "reward", "lr", 5e-4)
+    assert _planned(repo) == {"reward", "ppo", "evaluate"}
+    run([str(BIN / "dvc"), "repro"], repo, env=bare_env(repo))
+    assert _planned(repo) == set()
+    assert not (repo / "logs/benchmarks/ppo.tsv").exists()
+
+
+def test_param_files_change_only_with_the_values_and_date_from_the_edit(tmp_path):
+    stages = [stage_graph.Stage("a", "cmd", (), (), (), ("x",)),
+              stage_graph.Stage("b", "cmd", (), (), (), ("y", "x.k", "not.there"))]
+    params = tmp_path / "params.yaml"
+
+    def edit(text: str, when: float) -> list[str]:
+        params.write_text(text)
+        os.utime(params, (when, when))
+        return [p.stem for p in stage_graph.write_param_files(stages, params, tmp_path, tmp_path / "dvc.lock")]
+
+    def dated(name: str) -> float:
+        return (tmp_path / ".snakemake/params" / f"{name}.json").stat().st_mtime
+
+    # DVC built `a` with these values (b with another y): a's first file predates any output.
+    (tmp_path / "dvc.lock").write_text("schema: '2.0'\nstages:\n  a:\n    params:\n      params.yaml:\n"
+                                       "        x: {k: 1}\n  b:\n    params:\n      params.yaml:\n"
+                                       "        y: 7\n        x.k: 1\n")
+    assert edit("x: {k: 1}\ny: 2\n", 1000) == ["a", "b"]
+    assert dated("a") == 0 and dated("b") == 1000                  # b: dated from the edit
+    (tmp_path / ".snakemake/params/a.json").unlink()
+    (tmp_path / "dvc.lock").unlink()
+    assert edit("x: {k: 1}\ny: 2\n", 1000) == ["a"]                # no lock: dated from the edit
+    assert dated("a") == dated("b") == 1000
+    assert json.loads((tmp_path / ".snakemake/params/b.json").read_text()) == \
+        {"stage": "b", "params": {"y": 2, "x.k": 1}}                 # a key params.yaml lacks is left out
+    assert edit("x: {k: 1}\ny: 3\n", 2000) == ["b"]               # only the stage that reads y
+    assert dated("a") == 1000 and dated("b") == 2000
+    before = time.time()
+    assert edit("x: {k: 5}\ny: 3\n", 1500) == ["a", "b"]          # params.yaml dated back (restored)
+    assert dated("a") == 1500 and dated("b") >= before              # never dated before its last change
+    assert edit("x: {k: 5}\ny: 3\n", 9000) == [] and dated("a") == 1500   # same values: untouched
+
+
+def test_stale_benchmarks_are_dropped(tmp_path):
+    (stage,) = [stage_graph.Stage("s", "cmd", (), ("out/model", "out/metrics.json"), (), ())]
+    model, metrics = tmp_path / "out/model", tmp_path / "out/metrics.json"
+    bench = tmp_path / stage_graph.BENCHMARK_DIR / "s.tsv"
+    model.mkdir(parents=True)
+    bench.parent.mkdir(parents=True)
+
+    def state(marked: bool, metrics_at: float) -> list[Path]:
+        (model / ".snakemake_timestamp").unlink(missing_ok=True)
+        if marked:
+            (model / ".snakemake_timestamp").touch()
+        metrics.write_text("{}")
+        os.utime(metrics, (metrics_at, metrics_at))
+        bench.write_text("s\n1\n")
+        os.utime(bench, (200, 200))
+        return stage_graph.drop_stale_benchmarks([stage], tmp_path)
+
+    assert state(marked=True, metrics_at=100) == [] and bench.exists()       # Snakemake's own run
+    assert state(marked=True, metrics_at=300) == [bench] and not bench.exists()   # a file rebuilt after it
+    assert state(marked=False, metrics_at=100) == [bench]                    # a folder rebuilt without the mark
 
 
 # ---- SLURM resources (no GPU exists here: the sbatch lines are checked, not run) ----------------

@@ -6,6 +6,7 @@ import hashlib
 import json
 import logging
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -13,11 +14,16 @@ import time
 import urllib.request
 from pathlib import Path
 
+import mlflow.artifacts
+import mlflow.pyfunc
+import mlflow.transformers
+import pandas as pd
 import pytest
+import torch
 from mlflow import MlflowClient
 from ruamel.yaml import YAML
 
-from conftest import BIN, TINY, flat, run, tiny_policy_and_reward_model
+from conftest import BIN, TINY, flat, merge, run, run_env, tiny_policy_and_reward_model, write_params
 from pipeline.tracking import mlflow_sink as tracking
 from pipeline.stages import sft
 from pipeline.config import DataConfig, ModelConfig, Params, PPOConfig, SamplingConfig, SFTConfig, load_params
@@ -25,6 +31,9 @@ from pipeline.errors import ConfigError
 from pipeline.tracking.mlflow_sink import deps_hash, lock_deps_hash, stage_tracking, tracking_uri
 from pipeline.stages import ppo as ppo_stage
 from pipeline.stages.prepare import run as prepare_run
+from pipeline.models.checkpoints import load_policy
+from pipeline.models.reward_model import load_reward_model, score_texts
+from pipeline.tracking.mlflow_models import REGISTERED
 from pipeline.tracking.sinks import NO_TRACKER, StepLog, Tracker, write_metrics
 
 TINY_MODEL = ModelConfig(hidden_size=32, num_layers=1, num_heads=2, intermediate_size=64)
@@ -104,7 +113,9 @@ def test_dvc_exp_run_logs_one_parent_with_nested_stage_runs(tiny_repo, tmp_path,
     client = MlflowClient(server.uri)
     runs = client.search_runs([client.get_experiment_by_name("rlhf-pipeline").experiment_id])
     (parent,) = [r for r in runs if "mlflow.parentRunId" not in r.data.tags]
-    assert parent.info.run_name == "pipeline tiny-exp" and parent.info.status == "FINISHED"
+    # The start time in the name tells a resumed pipeline's parent from the killed one's.
+    assert re.fullmatch(r"pipeline tiny-exp \d{4}-\d\d-\d\d \d\d:\d\d:\d\d UTC", parent.info.run_name)
+    assert parent.info.status == "FINISHED"
     assert parent.data.tags["pipeline_execution"].count(":") == 2          # host:pid:start time of `dvc exp run`
     stages = {r.info.run_name: r for r in runs if r is not parent}
     assert set(stages) == {"sft", "reward"}
@@ -125,12 +136,16 @@ def test_dvc_exp_run_logs_one_parent_with_nested_stage_runs(tiny_repo, tmp_path,
         # Final metrics: every number of metrics.json.
         final = flat(json.loads((out / "metrics.json").read_text()))
         assert {k: r.data.metrics[k] for k in final} == pytest.approx(final)
-        # The checkpoint, byte for byte, and the step logs.
-        assert {a.path for a in client.list_artifacts(r.info.run_id, "model")} >= {"model/config.json",
-                                                                                   "model/model.safetensors"}
-        got = Path(client.download_artifacts(r.info.run_id, "model/model.safetensors", str(tmp_path / "dl" / name)))
-        assert got.read_bytes() == (out / "model/model.safetensors").read_bytes()
+        # The checkpoint is a registered model version of this run; the step logs are artifacts.
+        (version,) = client.search_model_versions(f"name = '{REGISTERED[name]}'")
+        assert (version.run_id, version.version, tags["registered_model"]) == (r.info.run_id, "1", f"{REGISTERED[name]}/1")
         assert {"train.tsv", "eval.tsv", "metrics.json", "config.json"} <= {a.path for a in client.list_artifacts(r.info.run_id)}
+        # The prepared data is the run's dataset input; its digest is DVC's md5 of it in dvc.lock.
+        (data_input,) = r.inputs.dataset_inputs
+        assert (data_input.dataset.name, data_input.dataset.digest) == ("prepared", _lock_md5(tiny_repo, name, "data/prepared"))
+        # Headline metrics on the parent, under the stage's name.
+        headline = {"sft": "eval/loss", "reward": "eval/accuracy"}[name]
+        assert parent.data.metrics[f"{name}/{headline}"] == pytest.approx(final[headline])
     sft_run, rm_run = stages["sft"].data, stages["reward"].data
     params = load_params(tiny_repo / "params.yaml")
     assert sft_run.params["sft.lr"] == str(params.sft.lr) and sft_run.params["model.hidden_size"] == "32"
@@ -139,6 +154,22 @@ def test_dvc_exp_run_logs_one_parent_with_nested_stage_runs(tiny_repo, tmp_path,
     assert rm_run.params["sft.sampling.temperature"] == str(params.sft.sampling.temperature)
     assert len(client.get_metric_history(stages["sft"].info.run_id, "train/loss")) == 4     # 64 demos / batch 16
     assert "calibration.png" in {a.path for a in client.list_artifacts(stages["reward"].info.run_id)}
+    # Param values as params.yaml writes them, not Python's repr; the main params on the parent.
+    assert (sft_run.params["model.trust_remote_code"], sft_run.params["sft.sampling.stop_token"]) == ("false", "null")
+    assert (parent.data.params["sft.lr"], parent.data.params["reward.seed"]) == (str(params.sft.lr), "0")
+
+    # The registered versions load with MLflow's loaders and give the checkpoints' outputs.
+    sft_model, tok = load_policy(tiny_repo / "outputs/sft/model")
+    generator = mlflow.transformers.load_model("models:/rlhf-sft-policy/1")
+    ids = tok("title : a film . aspect : plot . review :", return_tensors="pt").input_ids
+    with torch.no_grad():
+        assert torch.equal(generator.model(ids).logits, sft_model(ids).logits)
+    prompts, responses = ["title : a film . aspect : plot ."] * 2, ["the plot is good .", "the acting is bad ."]
+    rm, rm_tok = load_reward_model(tiny_repo / "outputs/reward/model")
+    expected = score_texts(rm, rm_tok, prompts, responses, params.reward.max_length).tolist()
+    got = mlflow.pyfunc.load_model("models:/rlhf-reward-model/1").predict(
+        pd.DataFrame({"prompt": prompts, "response": responses}))
+    assert got == pytest.approx(expected, abs=1e-6) and expected[0] != expected[1]
 
     # deps_hash describes the deps as they are now, not the dvc.lock of the last run.
     monkeypatch.chdir(tiny_repo)
@@ -150,6 +181,11 @@ def test_dvc_exp_run_logs_one_parent_with_nested_stage_runs(tiny_repo, tmp_path,
     source.write_text(text)
     assert how == "dvc" and changed != lock_deps_hash(tiny_repo / "dvc.lock", "sft")
     assert deps_hash("sft", []) == (lock_deps_hash(tiny_repo / "dvc.lock", "sft"), "dvc")
+
+
+def _lock_md5(repo: Path, stage: str, path: str) -> str:
+    lock = YAML(typ="safe", pure=True).load((repo / "dvc.lock").read_text())
+    return next(d["md5"] for d in lock["stages"][stage]["deps"] if d["path"] == path)
 
 
 def _tiny_data(root: Path) -> Path:
@@ -258,8 +294,22 @@ def test_ppo_stage_on_the_default_sqlite_store(tmp_path, monkeypatch):
                                                for r in rows]
     assert [m.step for m in client.get_metric_history(ppo.info.run_id, "train/kl_coef")] == [1, 2]
     assert ppo.data.metrics["eval/rm_ppo"] == pytest.approx(metrics["eval/rm_ppo"])
-    weights = tmp_path / "mlartifacts" / ppo.info.run_id / "artifacts/model/model.safetensors"
+    # The registered version holds the checkpoint's weights byte for byte, under the store's folder.
+    weights = _registered_weights(client, ppo.info.run_id, tmp_path / "dl")
     assert weights.read_bytes() == (tmp_path / "out/model/model.safetensors").read_bytes()
+    (version,) = client.search_model_versions("name = 'rlhf-policy'")
+    assert version.source.startswith(exp.artifact_location)     # beside the runs' artifacts
+    # Final metrics under the series' names: no `train/objective_kl` beside `objective/kl`.
+    assert "train/objective_kl" not in ppo.data.metrics and "objective/kl" in ppo.data.metrics
+
+
+def _registered_weights(client: MlflowClient, run_id: str, dest: Path) -> Path:
+    """model.safetensors of the model version registered from run `run_id`, downloaded to `dest`."""
+    (version,) = client.search_model_versions(f"run_id = '{run_id}'")
+    folder = Path(mlflow.artifacts.download_artifacts(artifact_uri=version.source, dst_path=str(dest),
+                                                      tracking_uri=client.tracking_uri))
+    (weights,) = [p for p in folder.rglob("model.safetensors")]
+    return weights
 
 
 class Recorder(Tracker):
@@ -328,6 +378,7 @@ def test_two_queued_experiments_at_once_lose_no_run_metric_or_artifact(tiny_repo
     client = MlflowClient(f"sqlite:///{tiny_repo.resolve()}/mlflow.db")
     runs = client.search_runs([client.get_experiment_by_name("rlhf-pipeline").experiment_id])
     parents = {r.info.run_name: r for r in runs if "mlflow.parentRunId" not in r.data.tags}
+    parents = {n.rsplit(" ", 3)[0]: r for n, r in parents.items()}     # the names end with their start time
     assert set(parents) == {"pipeline exp-a", "pipeline exp-b"}
     for name in ("exp-a", "exp-b"):
         lock = YAML(typ="safe", pure=True).load(run(["git", "show", f"{exps[name]['rev']}:dvc.lock"], tiny_repo).stdout)
@@ -342,7 +393,8 @@ def test_two_queued_experiments_at_once_lose_no_run_metric_or_artifact(tiny_repo
             assert {k: r.data.metrics[k] for k in final} == pytest.approx(final)
             steps = final["train/steps"]
             assert [m.step for m in client.get_metric_history(r.info.run_id, "train/loss")] == list(range(1, steps + 1))
-            weights = Path(client.download_artifacts(r.info.run_id, "model/model.safetensors", str(tmp_path / name / stage)))
+            assert "registered_model" in r.data.tags, run([dvc, "queue", "logs", name], tiny_repo, check=False).stdout[-3000:]
+            weights = _registered_weights(client, r.info.run_id, tmp_path / name / stage)
             # ... byte for byte the weights DVC cached for this experiment's stage
             (out,) = [o for o in lock["stages"][stage]["outs"] if o["path"] == f"outputs/{stage}/model"]
             listing = json.loads((tiny_repo / ".dvc/cache/files/md5" / out["md5"][:2] / out["md5"][2:]).read_text())
@@ -398,3 +450,68 @@ def test_parent_run_description_is_set_and_outage_tolerant(tmp_path, caplog):
     tracker.set_description("anything")            # warns once, turns MLflow off, raises nothing
     assert not tracker.enabled and len(_tracking_records(caplog)) == 1
     NO_TRACKER.set_description("no-op")
+
+
+def test_a_killed_stage_ends_killed_and_its_resumed_run_says_which_it_continues(tiny_repo, monkeypatch):
+    """SIGKILL `dvc repro sft` mid-training: nothing ends its MLflow runs. The next stage to start
+    marks them KILLED (their process is gone); the resumed SFT run links to the killed one."""
+    params = merge(TINY, {"sft": {"epochs": 6.0, "eval_every": 4, "save_every": 4}})
+    write_params(tiny_repo / "params.yaml", params)
+    env = {**run_env(), "PIPELINE_TRACKING": "on"}
+    state = tiny_repo / "outputs/sft/checkpoint/state.json"
+    proc = subprocess.Popen([str(BIN / "dvc"), "repro", "sft"], cwd=tiny_repo, env=env, stdout=subprocess.DEVNULL,
+                            stderr=subprocess.DEVNULL, start_new_session=True)
+    deadline = time.monotonic() + 600
+    while proc.poll() is None and time.monotonic() < deadline:
+        try:
+            if json.loads(state.read_text())["step"] >= 8:
+                break
+        except (OSError, ValueError, KeyError):
+            pass
+        time.sleep(0.01)
+    assert proc.poll() is None, "sft ended before the kill"
+    os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait()
+    client = MlflowClient(f"sqlite:///{tiny_repo / 'mlflow.db'}")
+    exp = client.get_experiment_by_name("rlhf-pipeline").experiment_id
+    (killed,) = [r for r in client.search_runs([exp]) if r.info.run_name == "sft"]
+    assert killed.info.status == "RUNNING"          # nobody was left to end it
+
+    printed = run([str(BIN / "dvc"), "repro", "sft"], tiny_repo, env=env)
+    assert "sft: resuming from" in printed.stdout + printed.stderr
+    runs = {r.info.run_id: r for r in client.search_runs([exp])}
+    first, resumed = runs[killed.info.run_id], next(r for r in runs.values()
+                                                    if r.info.run_name == "sft" and r.info.run_id != killed.info.run_id)
+    old_parent, new_parent = runs[first.data.tags["mlflow.parentRunId"]], runs[resumed.data.tags["mlflow.parentRunId"]]
+    assert (first.info.status, old_parent.info.status) == ("KILLED", "KILLED")
+    assert (resumed.info.status, new_parent.info.status) == ("FINISHED", "FINISHED")
+    assert resumed.data.tags["resumed_from"] == first.info.run_id and first.data.tags["resumed_by"] == resumed.info.run_id
+    assert int(resumed.data.tags["resumed_at_step"]) >= 8
+    assert old_parent.info.run_name != new_parent.info.run_name      # both carry their start time
+    # Findable the way a user would look: the runs that resumed another.
+    assert [r.info.run_id for r in client.search_runs([exp], "tags.resumed_from != ''")] == [resumed.info.run_id]
+
+
+def test_params_are_written_as_yaml_values():
+    assert [tracking.yaml_value(v) for v in (None, False, True, [4, 16, 64], 3e-05, "all-linear", 2)] == \
+        ["null", "false", "true", "[4, 16, 64]", "3e-05", "all-linear", "2"]
+
+
+def test_final_metrics_keep_the_name_of_the_series_they_end():
+    tracker = tracking.MlflowTracker("sqlite:///unused")
+    tracker.log_metrics(7, {"objective/kl": 3.5, "tokens_per_second/rollout": 9.0, "train/loss": 1.0})
+    assert [tracker.series_name(n) for n in ("train/objective_kl", "train/tokens_per_second_rollout",
+                                             "train/loss", "train/seconds", "eval/gold_ppo")] == \
+        ["objective/kl", "tokens_per_second/rollout", "train/loss", "train/seconds", "eval/gold_ppo"]
+
+
+def test_a_process_key_tells_a_live_process_from_a_gone_one():
+    mine = tracking.process_key()
+    child = subprocess.Popen(["sleep", "0"])
+    gone = tracking.process_key(child.pid)
+    child.wait()
+    host, pid, created = mine.rsplit(":", 2)
+    assert tracking.process_alive(mine) is True and tracking.process_alive(gone) is False
+    # The same pid started at another time (a reused pid) is not the same process.
+    assert tracking.process_alive(f"{host}:{pid}:{float(created) - 100:.3f}") is False
+    assert tracking.process_alive(f"another-host:{pid}:{created}") is None     # can't be judged from here

@@ -104,6 +104,17 @@ def samples_markdown(per: dict[str, Measured], prompts: list[str], k: int) -> st
     return "\n".join(lines) + "\n"
 
 
+def samples_table(per: dict[str, Measured], prompts: list[str]) -> dict[str, list]:
+    """Columns of the SFT and PPO answer to every held-out prompt with their scores (MLflow's table)."""
+    table: dict[str, list] = {"prompt": list(prompts)}
+    for policy in ("sft", "ppo"):
+        table[f"{policy}_response"] = list(per[policy].texts[:len(prompts)])
+        for key in ("rm", "gold"):
+            if key in per[policy].values:
+                table[f"{policy}_{key}"] = [float(v) for v in per[policy].values[key][:len(prompts)]]
+    return table
+
+
 def ppo_vs_best_of_n(m: dict[str, Any], ns: tuple[int, ...], key: str) -> list[str]:
     """Report lines: for each best-of-n, its KL and mean `key` score (gold, or RM without a judge)
     against PPO's; last, PPO against the best-of-n nearest to it in KL."""
@@ -183,27 +194,30 @@ def run(params: Params, data_dir: Path, sft_dir: Path, reward_dir: Path, ppo_dir
     """The stage: measure every policy, write the report, its plots and metrics; the verdict
     becomes the description of the pipeline's MLflow parent run."""
     with stage_run(SPEC, params, out, [data_dir, sft_dir, reward_dir, ppo_dir, params.ppo.dataset.path]) as run:
-        m, text = _run(run.params, data_dir, sft_dir, reward_dir, ppo_dir, out)
+        m, text, table = _run(run.params, data_dir, sft_dir, reward_dir, ppo_dir, out)
         run.finish(m)
+        run.tracker.log_table(table, "samples.json")   # every held-out prompt, browsable in MLflow
         run.tracker.set_description(text)   # the pipeline's parent run, described by its verdict
     return m
 
 
 def _run(params: Params, data_dir: Path, sft_dir: Path, reward_dir: Path, ppo_dir: Path,
-         out: Path) -> tuple[dict[str, Any], str]:
+         out: Path) -> tuple[dict[str, Any], str, dict[str, list]]:
     cfg, judge = params.evaluate, inputs.judge(params)
     names = policies(cfg)
     prompts = inputs.prompts(params, data_dir, "eval")[:cfg.n_prompts]
     reward = RewardModelSource(reward_dir, params.reward.max_length, params.model.trust_remote_code)
     per = sample_policies(params, sft_dir, ppo_dir, reward, prompts, judge)
     m = summarise(per, cfg.bootstrap, cfg.seed)
-    table = StepLog(out / "policies.tsv", ["rm", "gold", "kl"] if judge else ["rm", "kl"])
+    # The policy's name is a column so `dvc plots show` can draw bars by policy (dvc.yaml's plots).
+    scores = ["rm", "gold", "kl"] if judge else ["rm", "kl"]
+    table = StepLog(out / "policies.tsv", ["policy", *scores])
     for i, name in enumerate(names):
-        table.log(i, {k: m[f"{name}/{k}"] for k in table.columns[1:]})
+        table.log(i, {"policy": name, **{k: m[f"{name}/{k}"] for k in scores}})
     table.flush()
     evaluation_plots(m, names, judge is not None, out)
     samples = samples_markdown(per, prompts, cfg.n_samples_shown)
     text = verdict(m, detector_record(ppo_dir))
     atomic_write_text(out / "samples.md", samples)
     atomic_write_text(out / "report.md", report_markdown(m, samples, judge is not None, names, cfg.best_of_n, text))
-    return m, text
+    return m, text, samples_table(per, prompts)

@@ -17,8 +17,6 @@ import logging
 from pathlib import Path
 from typing import Any, Callable, Optional
 
-from tqdm import tqdm
-
 from ..config import Params
 from ..data import inputs
 from ..measurement.policy import measure, summary
@@ -28,6 +26,7 @@ from ..ppo import checkpoint
 from ..ppo.detector import Detector
 from ..ppo.placement import evaluation_models, place_models
 from ..ppo.trainer import PPOTrainer
+from ..progress import Progress
 from ..tracking.sinks import StepLog
 from ..training.engines import write_deepspeed_config
 from .skeleton import StageRun, stage_run
@@ -85,7 +84,7 @@ def train(trainer: PPOTrainer, detector: Optional[Detector], step_log: StepLog, 
     """The numbered loop (trainer.py) from the trainer's iteration on, fed to the detector, logged,
     checkpointed every save_every. Returns the iteration the detector stopped it at (0: it didn't)."""
     cfg, ctx = trainer.cfg, trainer.ctx
-    bar = tqdm(total=cfg.iterations, initial=trainer.iteration, desc="ppo", disable=not progress, mininterval=1.0)
+    bar = Progress(cfg.iterations, "ppo", unit="iterations", initial=trainer.iteration, enabled=progress)
     stopped_at = 0
     while trainer.iteration < cfg.iterations:
         stats = trainer.step()
@@ -95,8 +94,7 @@ def train(trainer: PPOTrainer, detector: Optional[Detector], step_log: StepLog, 
             if detector.first_fire and not fired_before and ctx.is_main:
                 log.warning(detector.message())
         step_log.log(trainer.iteration, stats)
-        bar.update(1)
-        bar.set_postfix(progress_fields(stats, detector))
+        bar.update(1, progress_fields(stats, detector))
         if detector is not None and detector.first_fire == trainer.iteration and cfg.detector.action == "stop":
             stopped_at = trainer.iteration   # no checkpoint of this iteration: the last one predates the alarm
             break
@@ -143,6 +141,7 @@ def _run(run: StageRun, data_dir: Path, sft_dir: Path, reward_dir: Path, progres
             for row in saved_log["rows"]:
                 detector.update(row)
         log.warning("ppo: resuming from %s at iteration %d", out / "checkpoint", trainer.iteration)
+        run.tracker.mark_resumed(trainer.iteration)
     stopped_at = train(trainer, detector, step_log, out / "checkpoint", fp, progress and ctx.is_main)
     kept = checkpoint.restore_actor(trainer, out / "checkpoint", fp) if stopped_at else trainer.iteration
 

@@ -8,6 +8,8 @@ atomic writing of what it produces.
 - A training stage (`SPEC.training`) runs in a distributed session of its own section's
   `distributed` settings (a plain single process by default); its output folder loses the optional
   extras this run will not write (adapter/, deepspeed_config.json), then every rank waits for it.
+- A training stage checks its memory plan (pipeline/training/memory_plan.py) before it builds a
+  model: a plan larger than the device is a ConfigError naming the params to change.
 - Tracking: the stage's MLflow run (or none), with the resolved config as its params.
 - The resume fingerprint hashes the resolved config, every local input (folders and the user's
   dataset files) and every project file the stage's code imports (the closure dvc.yaml's deps
@@ -32,7 +34,7 @@ from ..data.io import atomic_dir, atomic_write_json, stale_extras
 from ..models.checkpoints import save_checkpoint
 from ..tracking.mlflow_sink import stage_tracking
 from ..tracking.sinks import Tracker, write_metrics
-from ..training import distributed
+from ..training import distributed, memory_plan
 from ..training.distributed import SINGLE, Context
 from ..training.resume import fingerprint, input_paths
 from ..workflow import code_deps
@@ -79,7 +81,10 @@ def stage_run(spec: StageSpec, params: Params, out: Path, inputs: Sequence[str |
                 stale_extras(out, section.lora.enabled,
                              ctx.world_size > 1 or section.distributed.backend != "none")
         ctx.barrier()
-        with stage_tracking(spec.name, resolved, local, enabled=ctx.is_main) as tracker:
-            code = [ROOT / f for f in sorted(code_deps.closure(ROOT, spec.name))]
-            yield StageRun(spec, declared(params, spec), resolved, out, ctx, tracker,
-                           fingerprint(resolved, [*local, *code]))
+        if spec.training:   # before any model is built: refuse a plan that cannot fit this rank's device
+            memory_plan.check_stage(spec.name, declared(params, spec), dict(zip(spec.inputs, inputs)), ctx.is_main)
+        code = [ROOT / f for f in sorted(code_deps.closure(ROOT, spec.name))]
+        fp = fingerprint(resolved, [*local, *code])
+        # The fingerprint tags the MLflow run too: a resumed run finds the killed run it continues by it.
+        with stage_tracking(spec.name, resolved, local, enabled=ctx.is_main, fingerprint=fp) as tracker:
+            yield StageRun(spec, declared(params, spec), resolved, out, ctx, tracker, fp)

@@ -76,6 +76,7 @@ CONDITIONS = {
     "auditor": "`ppo.detector.auditor` is set and the detector is enabled",
     "dual_clip": "`ppo.dual_clip` is set",
     "cuda": "the ppo stage's process sees a CUDA device (`torch.cuda.is_available()`)",
+    "tis": "`ppo.tis_cap` is set (truncated importance sampling)",
 }
 IMPLIES = {"custom_pairs": ("no_judge",)}
 
@@ -200,6 +201,18 @@ _PPO_TRAIN = (
     ("loss/value", "clipped value loss (0.5 * max of the squared errors)", None),
     ("val/ratio", "mean probability ratio new/old over real tokens; healthy near 1", None),
     ("val/ratio_max", "largest probability ratio new/old of the iteration", None),
+    ("val/logprob_diff_mean", "mean \\|sampler log-prob - training-forward log-prob\\| of the rollout's response "
+                              "tokens, nats: over every rollout when the old log-probs are recomputed, else over the "
+                              "first `ppo.logprob_check_rows` rollouts per process (one extra actor forward); "
+                              "averaged over processes", None),
+    ("val/logprob_diff_max", "the largest such difference, over processes; ~1e-6 in fp32 on CPU, far more in "
+                             "bf16/fp16 or on a GPU", None),
+    ("val/first_ratio_mean_dev", "mean \\|ratio - 1\\| over the first minibatch's tokens, before any update: 0 in "
+                                 "exact arithmetic when the old log-probs are the trainer's", None),
+    ("val/first_ratio_max_dev", "largest \\|ratio - 1\\| over the first minibatch's tokens, over processes", None),
+    ("policy/tis_weight", "mean truncated importance-sampling weight min(pi_old / pi_sampler, `ppo.tis_cap`) of the "
+                          "rollout's tokens", "tis"),
+    ("policy/tis_capfrac", "fraction of the rollout's tokens whose weight was cut to `ppo.tis_cap`", "tis"),
     ("val/clipfrac", "fraction of tokens where the clipped value prediction was used", None),
     ("val/vpred", "mean critic prediction", None),
     ("val/error", "mean squared error of the critic's prediction to the returns", None),
@@ -282,6 +295,7 @@ def _evaluate() -> list[Metric]:
 
     out = [
         m("policies.tsv", "step", "position of the policy in the order `sft`, `best_of_<n>` for each n, `ppo`"),
+        m("policies.tsv", "policy", "the policy's name: `sft`, `best_of_<n>`, `ppo` (the bars of `dvc plots show`)"),
         m("policies.tsv", "rm", "the policy's mean RM score (its `<policy>/rm`)"),
         m("policies.tsv", "gold", "its mean gold score", "!no_judge"),
         m("policies.tsv", "kl", "its KL to SFT"),
@@ -375,7 +389,10 @@ thresholds. `python -m pipeline detect outputs/ppo/train.tsv` replays the detect
 (each signal's maximum, the first alarm) to calibrate the thresholds.
 
 Health warnings in the log: mean ratio more than 0.2 from 1, KL above 20 nats per response, more
-than 30% of tokens clipped. A NaN or infinite loss, gradient, reward or advantage stops the stage
+than 30% of tokens clipped, and (when the old log-probs are the sampler's) a sampler/trainer
+difference `val/logprob_diff_max` above 1e-4 nats. The log's first PPO line says whose log-probs
+are the old policy's (`ppo.recompute_logprobs`), why, and the difference measured.
+A NaN or infinite loss, gradient, reward or advantage stops the stage
 with the iteration and the quantity named; the last checkpoint is kept.
 """,
     "evaluate": """\

@@ -17,6 +17,17 @@ MLflow is a second sink, for browsing and comparing runs; it never delays or los
   URI, so temp and queued experiments write to the workspace's database), artifacts in
   `mlartifacts/` beside it. Experiment: env `MLFLOW_EXPERIMENT_NAME`, else `rlhf-pipeline`.
   `PIPELINE_TRACKING=off` turns MLflow off; only the process with `RANK` unset or 0 logs.
+- Orphans and resumes: every run this module makes is tagged `pipeline_process` (host:pid:start of
+  the process that ends it: the stage's, or for a parent the `dvc` process). A stage starting on a
+  host marks that host's RUNNING runs whose process is gone as KILLED (a SIGKILL or a node failure
+  ends a process without ending its run). A stage that resumes a checkpoint tags its run
+  `resumed_from` = the killed run of the same stage and fingerprint, which gets `resumed_by`.
+  Parent names carry their start time (UTC), so a resumed pipeline's parent is told from the killed one.
+- Parent run: the main params (`PARENT_PARAMS`) and headline metrics (`HEADLINE`) of each stage that
+  ran, so the runs table compares pipelines without expanding each stage.
+- Models: `mlflow_models.py` logs and registers the stage's `model/` (transformers flavour for the
+  policies, pyfunc for the RM). Figures go through `log_image`, evaluate's samples through
+  `log_table`, the prepared data as a dataset input whose digest is DVC's md5 of it.
 - Failures: the first failed MLflow call logs one warning naming the URI and the error and turns
   MLflow off for the rest of the stage. Per-step metrics are buffered and sent in batches when a
   StepLog is flushed, so a tiny run doesn't pay a request per step.
@@ -25,6 +36,7 @@ MLflow is a second sink, for browsing and comparing runs; it never delays or los
 from __future__ import annotations
 
 import contextlib
+import fnmatch
 import getpass
 import hashlib
 import logging
@@ -51,6 +63,21 @@ HTTP_DEFAULTS = {"MLFLOW_HTTP_REQUEST_MAX_RETRIES": "0", "MLFLOW_HTTP_REQUEST_TI
 # SQLite allows one writer at a time; parallel queued experiments may find the database busy for
 # longer than its own 5 s wait. Seconds between retries of a call that failed with "database is locked".
 SQLITE_BUSY_WAITS = (0.5, 1.0, 2.0, 4.0)
+PROCESS_TAG, FINGERPRINT_TAG = "pipeline_process", "resume_fingerprint"
+# The params and final metrics each stage copies to the parent run: what tells two pipelines apart
+# (seeds, sizes, the knobs experiments sweep) and what they are judged by (gold and RM score per
+# policy, win rates, RM accuracy). A stage's headline metric `m` is `<stage>/m` on the parent, except
+# evaluate's, whose names already say the policy (`ppo/gold`, `win_rate/ppo_vs_sft_gold`).
+PARENT_PARAMS = ("data.task", "data.seed", "model.name_or_path", "model.num_layers", "model.hidden_size",
+                 "sft.seed", "sft.lr", "sft.epochs", "reward.seed", "reward.lr", "reward.epochs", "ppo.seed",
+                 "ppo.lr", "ppo.kl_coef", "ppo.adaptive_kl", "ppo.iterations", "ppo.rollout_batch_size",
+                 "evaluate.n_prompts", "evaluate.best_of_n")
+HEADLINE = {
+    "sft": ("eval/loss", "eval/gold_sampled", "eval/well_formed_sampled"),
+    "reward": ("eval/accuracy", "eval/accuracy_of_ceiling", "eval/spearman_gold_sft_samples"),
+    "ppo": ("eval/gold_ppo", "eval/rm_ppo", "eval/kl_ppo", "detector/fired"),
+    "evaluate": ("*/gold", "*/rm", "*/kl", "win_rate/ppo_vs_sft_gold", "win_rate/ppo_vs_sft_rm"),
+}
 # Per-request limits of log_batch (mlflow/utils/validation.py).
 METRICS_PER_BATCH, PARAMS_PER_BATCH = 1000, 100
 
@@ -115,6 +142,34 @@ def join_tags() -> dict[str, str]:
     return tags
 
 
+def yaml_value(value: Any) -> str:
+    """A param value as params.yaml writes it (`null`, `false`, `[4, 16, 64]`), not Python's repr,
+    so a filter like `params.ppo.target_kl = 'null'` reads as the file does."""
+    import json
+    if value is None or isinstance(value, (bool, list, tuple, dict)):
+        return json.dumps(value)      # JSON's null/true/false, lists and maps are YAML flow style too
+    return str(value)
+
+
+def process_key(pid: int | None = None) -> str:
+    """`host:pid:start time` of a process (default: this one)."""
+    import psutil
+    proc = psutil.Process(pid)
+    return f"{socket.gethostname()}:{proc.pid}:{proc.create_time():.3f}"
+
+
+def process_alive(key: str) -> bool | None:
+    """Whether the process of a `process_key` still runs; None when it ran on another host."""
+    import psutil
+    host, pid, created = (key.rsplit(":", 2) + ["", ""])[:3]
+    if host != socket.gethostname():
+        return None
+    try:
+        return abs(psutil.Process(int(pid)).create_time() - float(created)) < 0.01
+    except (psutil.Error, ValueError):
+        return False
+
+
 def execution_key() -> str | None:
     """`host:pid:start time` of the nearest `dvc repro` / `dvc exp ...` process above this one.
     DVC runs every stage of one execution as a child of that process, so the stages share the key;
@@ -128,7 +183,7 @@ def execution_key() -> str | None:
         try:
             args = proc.cmdline()
             if "dvc" in map(os.path.basename, args) and {"repro", "exp"} & set(args):
-                return f"{socket.gethostname()}:{proc.pid}:{proc.create_time():.3f}"
+                return process_key(proc.pid)
         except psutil.Error:            # a process that ended or that we may not inspect
             continue
     return None
@@ -209,6 +264,9 @@ class MlflowTracker(Tracker):
     def __init__(self, uri: str):
         self.uri, self.enabled = uri, True
         self.client: Any = None
+        self.stage = ""
+        self.config: Mapping[str, Any] = {}
+        self.experiment_id: str | None = None
         self.run_id: str | None = None
         self.parent_id: str | None = None
         self.owns_parent = False          # whether this stage sets the parent's status
@@ -221,25 +279,36 @@ class MlflowTracker(Tracker):
         stage goes on at full speed with its local files, which were written before any call."""
         if not self.enabled:
             return None
-        for wait in (*SQLITE_BUSY_WAITS, None):
-            try:
-                return call()
-            except Exception as err:    # noqa: BLE001 -- any failure of this sink must not stop training
-                if wait is not None and "database is locked" in str(err):
-                    time.sleep(wait)    # another process holds SQLite's write lock: wait, then retry
-                    continue
-                self.enabled, self._pending = False, []
-                text = (str(err).strip().splitlines() or [""])[0][:600]
-                log.warning("MLflow tracking at %s failed while %s (%s: %s); the stage goes on without MLflow, "
-                            "its TSV and metrics.json files are unaffected", self.uri, doing, type(err).__name__,
-                            text)
-                return None
+        try:
+            return _retrying(call)
+        except Exception as err:        # noqa: BLE001 -- any failure of this sink must not stop training
+            self.enabled, self._pending = False, []
+            text = (str(err).strip().splitlines() or [""])[0][:600]
+            log.warning("MLflow tracking at %s failed while %s (%s: %s); the stage goes on without MLflow, "
+                        "its TSV and metrics.json files are unaffected", self.uri, doing, type(err).__name__, text)
+            return None
 
-    def start(self, stage: str, config: Mapping[str, Any], inputs: Sequence[Path]) -> None:
+    def _soft(self, doing: str, call: Callable[[], Any]) -> Any:
+        """A call whose failure loses only what it adds (a parent's summary, a model version, a link
+        between runs): one info line, and the stage's own run goes on being logged."""
+        if not self.enabled:
+            return None
+        try:
+            return _retrying(call)
+        except Exception as err:        # noqa: BLE001 -- see the docstring
+            log.warning("MLflow: %s failed (%s: %s)", doing, type(err).__name__, str(err).splitlines()[0][:300]
+                     if str(err) else "")
+            return None
+
+    def start(self, stage: str, config: Mapping[str, Any], inputs: Sequence[Path], fingerprint: str = "") -> None:
+        self.stage, self.config = stage, config
         tags = self._guard("reading git and DVC state", lambda: {**join_tags(), "stage": stage})
         digest = self._guard("hashing the stage's inputs", lambda: deps_hash(stage, inputs))
         self._guard("starting the stage's run", lambda: self._start(stage, config, {
-            **tags, "deps_hash": digest[0], "deps_hash_source": digest[1]}))
+            **tags, "deps_hash": digest[0], "deps_hash_source": digest[1], PROCESS_TAG: process_key(),
+            **({FINGERPRINT_TAG: fingerprint} if fingerprint else {})}))
+        self._soft("recording the parent's params", lambda: self._log_parent_params(config))
+        self._soft("logging the input datasets", lambda: self._log_datasets(stage, inputs))
 
     def _start(self, stage: str, config: Mapping[str, Any], tags: dict[str, str]) -> None:
         for key, value in HTTP_DEFAULTS.items():
@@ -251,13 +320,16 @@ class MlflowTracker(Tracker):
         # The client is made under the lock too: its SQLite store creates the database's tables on
         # first use, and two processes doing that at once fail ("table experiments already exists").
         with FileLock(str(self._lock_path()), timeout=60):
-            self.client = MlflowClient(self.uri)
-            exp_id = self._experiment_id()
+            # The registry in the same store: else MLflow takes the process-wide default (a relative
+            # sqlite:///mlflow.db), which in a queued experiment's temporary copy is another database.
+            self.client = MlflowClient(self.uri, registry_uri=self.uri)
+            exp_id = self.experiment_id = self._experiment_id()
+            self._soft("marking orphaned runs KILLED", lambda: self._reap_orphans(exp_id))
             self.parent_id, self.owns_parent = self._parent(exp_id, tags)
         # `mlflow.parentRunId` is the tag MLflow's UI nests runs by (mlflow/utils/mlflow_tags.py).
         run = self.client.create_run(exp_id, run_name=stage, tags={**tags, "mlflow.parentRunId": self.parent_id})
         self.run_id = run.info.run_id
-        params = [Param(k, str(v)) for k, v in flatten(config).items()]
+        params = [Param(k, yaml_value(v)) for k, v in flatten(config).items()]
         for i in range(0, len(params), PARAMS_PER_BATCH):
             self.client.log_batch(self.run_id, params=params[i:i + PARAMS_PER_BATCH])
 
@@ -279,6 +351,24 @@ class MlflowTracker(Tracker):
         location = (db.parent / "mlartifacts").as_uri() if db is not None else None
         return self.client.create_experiment(name, artifact_location=location)
 
+    def _reap_orphans(self, exp_id: str) -> list[str]:
+        """Mark KILLED the RUNNING runs of this host whose process is gone; their ids. Runs of other
+        hosts are left alone: from here nobody can tell a live process there from a dead one."""
+        host = socket.gethostname().replace("'", "")
+        found = self.client.search_runs([exp_id], f"attributes.status = 'RUNNING' and tags.{PROCESS_TAG} LIKE '{host}:%'",
+                                        max_results=1000)
+        reaped = []
+        for run in found:
+            key = run.data.tags.get(PROCESS_TAG, "")
+            if process_alive(key) is False:
+                self.client.set_tag(run.info.run_id, "pipeline_end", f"its process {key} ended without ending "
+                                    f"the run (killed); marked KILLED by the next stage to start on this host")
+                self.client.set_terminated(run.info.run_id, "KILLED")
+                reaped.append(run.info.run_id)
+        if reaped:
+            log.warning("MLflow: marked %d run(s) KILLED whose process was killed: %s", len(reaped), ", ".join(reaped))
+        return reaped
+
     def _parent(self, exp_id: str, tags: dict[str, str]) -> tuple[str, bool]:
         """(parent run id, whether this stage sets its status); the order is in the module doc."""
         if os.environ.get("MLFLOW_PARENT_RUN_ID"):
@@ -291,10 +381,44 @@ class MlflowTracker(Tracker):
                     self.client.update_run(found[0].info.run_id, status="RUNNING")
                 return found[0].info.run_id, True
         label = tags.get("dvc_exp_name") or tags.get("git_commit", "")[:7] or "outside git"
-        parent_tags = {k: v for k, v in tags.items() if k not in ("stage", "deps_hash", "deps_hash_source")}
+        parent_tags = {k: v for k, v in tags.items() if k not in ("stage", "deps_hash", "deps_hash_source",
+                                                                  FINGERPRINT_TAG)}
         if key is not None:
-            parent_tags[EXECUTION_TAG] = key
-        return self.client.create_run(exp_id, run_name=f"pipeline {label}", tags=parent_tags).info.run_id, True
+            parent_tags[EXECUTION_TAG] = parent_tags[PROCESS_TAG] = key   # the dvc process ends it
+        started = time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime())
+        return self.client.create_run(exp_id, run_name=f"pipeline {label} {started}",
+                                      tags=parent_tags).info.run_id, True
+
+    def _log_parent_params(self, config: Mapping[str, Any]) -> None:
+        """The main params (PARENT_PARAMS) this stage's config has, on the parent run."""
+        from mlflow.entities import Param
+        flat = flatten(config)
+        params = [Param(k, yaml_value(flat[k])) for k in PARENT_PARAMS if k in flat]
+        if params and self.parent_id is not None and not os.environ.get("MLFLOW_PARENT_RUN_ID"):
+            have = self.client.get_run(self.parent_id).data.params
+            params = [p for p in params if p.key not in have]   # logged by an earlier stage; params are immutable
+            if params:
+                self.client.log_batch(self.parent_id, params=params)
+
+    def _log_datasets(self, stage: str, inputs: Sequence[Path]) -> None:
+        """Each data input (a folder or file that holds no model weights) as a dataset input of the
+        run: name, source path, digest = DVC's md5 of it when DVC runs the stage (what dvc.lock
+        records), else a sha256 prefix of its files (tag `digest_source` says which)."""
+        from mlflow.entities import Dataset, DatasetInput, InputTag
+        dvc = dict(_dvc_deps_or_none(stage))
+        datasets = []
+        for path in map(Path, inputs):
+            if path.is_dir() and any((path / f).exists() for f in ("model.safetensors", "adapter_model.safetensors",
+                                                                     "model.safetensors.index.json")):
+                continue
+            rel = _relative(path)
+            digest, source = (dvc[rel], "dvc") if rel in dvc else (inputs_hash([path])[:32], "sha256")
+            datasets.append(DatasetInput(
+                Dataset(name=path.name, digest=digest[:36], source_type="local", source=json_source(path)),
+                tags=[InputTag("mlflow.data.context", "training" if stage != "evaluate" else "evaluation"),
+                      InputTag("digest_source", source)]))
+        if datasets:
+            self.client.log_inputs(self.run_id, datasets=datasets)
 
     def log_metrics(self, step: int, metrics: Mapping[str, Any]) -> None:
         if not self.enabled:
@@ -316,19 +440,96 @@ class MlflowTracker(Tracker):
             self._guard("sending metrics", lambda i=i: self.client.log_batch(
                 self.run_id, metrics=metrics[i:i + METRICS_PER_BATCH]))
 
+    def series_name(self, name: str) -> str:
+        """The per-step series a final metric repeats, when there is one: metrics.json can't hold a
+        `/` inside a key, so PPO's final `objective/kl` is `train/objective_kl` there; in MLflow it
+        stays one metric, `objective/kl`, whose last point is the final value."""
+        if name in self._latest or not name.startswith("train/"):
+            return name
+        rest = name.removeprefix("train/")
+        for i, char in enumerate(rest):
+            if char == "_" and f"{rest[:i]}/{rest[i + 1:]}" in self._latest:
+                return f"{rest[:i]}/{rest[i + 1:]}"
+        return name
+
     def log_final(self, metrics: Mapping[str, Any]) -> None:
-        """At the last step logged, so the runs table shows them; a value that equals the metric's
-        point at that step (SFT's final `train/loss` is its last step's) isn't logged twice."""
+        """At the last step logged, so the runs table shows them, under their series' names; a
+        value that equals the series' point at that step (SFT's final `train/loss` is its last
+        step's) isn't logged twice. The headline ones also go to the parent run."""
         step = self._last_step
-        self.log_metrics(step, {k: v for k, v in metrics.items()
-                                if isinstance(v, numbers.Real) and self._latest.get(k) != (step, float(v))})
+        final = {self.series_name(k): float(v) for k, v in metrics.items() if isinstance(v, numbers.Real)}
+        self.log_metrics(step, {k: v for k, v in final.items() if self._latest.get(k) != (step, v)})
         self.flush()
+        self._soft("copying headline metrics to the parent run", lambda: self._log_headline(metrics))
+
+    def _log_headline(self, metrics: Mapping[str, Any]) -> None:
+        from mlflow.entities import Metric
+        if self.parent_id is None or os.environ.get("MLFLOW_PARENT_RUN_ID"):
+            return   # a parent the user made is theirs to fill
+        prefix = "" if self.stage == "evaluate" else f"{self.stage}/"
+        now = int(time.time() * 1000)
+        chosen = [Metric(prefix + k, float(v), now, 0) for k, v in metrics.items()
+                  if isinstance(v, numbers.Real) and any(fnmatch.fnmatchcase(k, pat) for pat in HEADLINE.get(self.stage, ()))
+                  and not k.endswith("_ci95")]
+        if chosen:
+            self.client.log_batch(self.parent_id, metrics=chosen)
 
     def log_artifacts(self, path: Path, artifact_path: str | None = None) -> None:
         self._guard(f"uploading {path}", lambda: self.client.log_artifacts(self.run_id, str(path), artifact_path))
 
     def log_artifact(self, path: Path, artifact_path: str | None = None) -> None:
         self._guard(f"uploading {path}", lambda: self.client.log_artifact(self.run_id, str(path), artifact_path))
+
+    def log_image(self, path: Path) -> None:
+        """A PNG the stage wrote, as an MLflow image (shown as a figure in the run's page)."""
+        def call() -> None:
+            from PIL import Image
+            with Image.open(path) as img:
+                self.client.log_image(self.run_id, img.copy(), artifact_file=path.name)
+        self._guard(f"logging the figure {path}", call)
+
+    def log_table(self, rows: Mapping[str, Sequence[Any]], name: str) -> None:
+        """Columns of equal length as an MLflow table (`name`.json; the UI's table viewer)."""
+        self._guard(f"logging the table {name}", lambda: self.client.log_table(self.run_id, dict(rows), name))
+
+    def log_outputs(self, out: Path) -> None:
+        """The stage's model as a registered MLflow model (policies and RM), its figures as images,
+        its other top-level files as artifacts."""
+        from . import mlflow_models
+        if (out / "model").is_dir() and self.stage in mlflow_models.REGISTERED and mlflow_models.enabled():
+            tags = {k: v for k, v in join_tags().items() if not k.startswith("mlflow.")}
+            registered = self._soft(f"registering the {self.stage} model", lambda: mlflow_models.log_and_register(
+                self.client, self.experiment_id, self.run_id, self.stage, out / "model", flatten(self.config),
+                {**tags, "stage": self.stage}))
+            if registered is not None:
+                model_id, version = registered
+                self._guard("tagging the model version", lambda: self.client.set_tag(
+                    self.run_id, "registered_model", f"{mlflow_models.REGISTERED[self.stage]}/{version}"))
+                log.info("MLflow: registered %s version %s (model %s)", mlflow_models.REGISTERED[self.stage],
+                         version, model_id)
+        for path in sorted(out.iterdir()):
+            if path.is_file() and path.suffix == ".png":
+                self.log_image(path)
+            elif path.is_file() and path.suffix in (".tsv", ".json", ".md"):
+                self.log_artifact(path)
+
+    def mark_resumed(self, step: int) -> None:
+        """This run continues a killed one: link the two (`resumed_from`, `resumed_by`); the killed
+        one is the latest ended run of this stage with the same resume fingerprint."""
+        def call() -> None:
+            fp = self.client.get_run(self.run_id).data.tags.get(FINGERPRINT_TAG)
+            if not fp:
+                return
+            found = self.client.search_runs(
+                [self.experiment_id], f"tags.stage = '{self.stage}' and tags.{FINGERPRINT_TAG} = '{fp}' "
+                f"and attributes.status != 'RUNNING' and attributes.status != 'FINISHED'",
+                order_by=["attributes.start_time DESC"], max_results=5)
+            previous = next((r for r in found if r.info.run_id != self.run_id), None)
+            self.client.set_tag(self.run_id, "resumed_at_step", str(step))
+            if previous is not None:
+                self.client.set_tag(self.run_id, "resumed_from", previous.info.run_id)
+                self.client.set_tag(previous.info.run_id, "resumed_by", self.run_id)
+        self._soft("linking the resumed run to the killed one", call)
 
     def set_description(self, text: str) -> None:
         """The parent run's description: MLflow's UI shows the tag `mlflow.note.content` as the run's
@@ -344,19 +545,57 @@ class MlflowTracker(Tracker):
             self._guard("ending the parent run", lambda: self.client.set_terminated(self.parent_id, status))
 
 
+def _retrying(call: Callable[[], Any]) -> Any:
+    """`call()`, retried while SQLite is busy: parallel queued experiments may find the database
+    locked by another writer for longer than its own 5 s wait."""
+    for wait in SQLITE_BUSY_WAITS:
+        try:
+            return call()
+        except Exception as err:        # noqa: BLE001 -- re-raised below unless it is the busy lock
+            if "database is locked" not in str(err):
+                raise
+            time.sleep(wait)            # another process holds SQLite's write lock: wait, then retry
+    return call()
+
+
+def _relative(path: Path) -> str:
+    """`path` as dvc.yaml names it: relative to the DVC project when inside it."""
+    root = dvc_project()
+    try:
+        return Path(path).resolve().relative_to(root).as_posix() if root else str(path)
+    except ValueError:
+        return str(path)
+
+
+def json_source(path: Path) -> str:
+    import json
+    return json.dumps({"uri": Path(path).resolve().as_uri()})
+
+
+def _dvc_deps_or_none(stage: str) -> list[tuple[str, str]]:
+    addressing = os.environ.get("DVC_STAGE", "")
+    if addressing.rpartition(":")[2] != stage:
+        return []
+    try:
+        return _dvc_deps(addressing)
+    except Exception:                  # noqa: BLE001 -- DVC internals; the digest falls back to sha256
+        return []
+
+
 @contextlib.contextmanager
 def stage_tracking(stage: str, config: Mapping[str, Any], inputs: Sequence[Path] = (),
-                   enabled: bool = True) -> Iterator[Tracker]:
+                   enabled: bool = True, fingerprint: str = "") -> Iterator[Tracker]:
     """Around the body of a stage's `run`: yields the stage's MLflow tracker, or `NO_TRACKER` when
     tracking is off. `config` is the resolved config the stage writes as config.json (its flattened
     keys are the run's params); `inputs` are the stage's input paths, hashed when DVC isn't running
-    the stage. The run ends FINISHED, FAILED (an exception) or KILLED (Ctrl-C). `enabled=False`
+    the stage. `fingerprint` (the resume fingerprint) tags the run, to link a resumed run to the
+    killed one. The run ends FINISHED, FAILED (an exception) or KILLED (Ctrl-C). `enabled=False`
     (ranks other than 0 of a multi-process run) yields `NO_TRACKER`."""
     if not enabled or not tracking_enabled():
         yield NO_TRACKER
         return
     tracker = MlflowTracker(tracking_uri())
-    tracker.start(stage, config, inputs)
+    tracker.start(stage, config, inputs, fingerprint)
     status = "FAILED"
     try:
         yield tracker

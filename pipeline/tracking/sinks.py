@@ -7,7 +7,7 @@ per series (registered as DVC plots) and the stage's `metrics.json` (read by `dv
 Every metric name, its meaning and the file it goes to are in one registry, metric_names.py;
 docs/metrics.md is generated from it and a test checks both against what a run writes.
 
-MLflow, the second sink, lives in `mlflow_tracking.py`; it never delays or loses these files.
+MLflow, the second sink, lives in `mlflow_sink.py` (models: `mlflow_models.py`); it never delays or loses these files.
 """
 
 from __future__ import annotations
@@ -40,6 +40,12 @@ class Tracker:
 
     def log_artifact(self, path: Path, artifact_path: str | None = None) -> None:
         """Upload the file `path`."""
+
+    def log_table(self, rows: Mapping[str, Any], name: str) -> None:
+        """Columns of equal length (a dict of lists) as a table named `name` (e.g. samples.json)."""
+
+    def mark_resumed(self, step: int) -> None:
+        """This run continues an interrupted one from `step` (MLflow: links the two runs)."""
 
     def set_description(self, text: str) -> None:
         """Describe the pipeline execution (MLflow: the parent run's description)."""

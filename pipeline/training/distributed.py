@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import logging
 import math
 import os
 import shutil
@@ -147,11 +148,40 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+# DeepSpeed logs this WARNING from its accelerator detection when it finds no GPU and settles on
+# the CPU: once in every process of every stage, about the expected outcome on a CPU machine.
+CPU_FALLBACK_NOTICE = "Setting accelerator to CPU."
+
+
+class _NoCpuFallbackNotice(logging.Filter):
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not record.getMessage().startswith(CPU_FALLBACK_NOTICE)
+
+
+def import_deepspeed() -> Any:
+    """`import deepspeed` (heavy: only when DeepSpeed is asked for) without its CPU-fallback notice.
+
+    The filter sits on DeepSpeed's own logger ("DeepSpeed") and drops only that record, which it
+    logs only when it falls back to the CPU, so every other DeepSpeed warning still shows. A GPU that
+    CUDA cannot reach is still reported: by torch, whose CUDA check warns on a failed initialisation."""
+    silence_cpu_fallback_notice()
+    import deepspeed
+    return deepspeed
+
+
+def silence_cpu_fallback_notice() -> None:
+    """The filter of `import_deepspeed`, for the other ways DeepSpeed gets imported (transformers and
+    MLflow's transformers flavour import it when it is installed): the CLI installs it at start."""
+    logger = logging.getLogger("DeepSpeed")
+    if not any(isinstance(f, _NoCpuFallbackNotice) for f in logger.filters):
+        logger.addFilter(_NoCpuFallbackNotice())
+
+
 def init(cfg: DistributedConfig) -> Context:
     """Join the process group (DeepSpeed backend) or stay a single plain process."""
     if cfg.backend == "none":
         return SINGLE
-    import deepspeed  # heavy import: only when DeepSpeed is asked for
+    deepspeed = import_deepspeed()
 
     # DeepSpeed 0.19 calls torch collectives that torch 2.13 marks deprecated, once per step.
     warnings.filterwarnings("ignore", category=FutureWarning, module=r"torch\.distributed")

@@ -34,7 +34,7 @@ import torch
 
 from ..models import lora
 from ..config import DistributedConfig
-from .distributed import Context
+from .distributed import Context, import_deepspeed
 from ..errors import ConfigError
 
 # Optimizer types DeepSpeed builds itself (needed for optimizer offload: its CPU Adam runs the step).
@@ -82,6 +82,7 @@ def validate_deepspeed_config(cfg: dict[str, Any], world_size: int) -> None:
     """Check a generated config before any engine is built: the batch arithmetic for `world_size`
     ranks here, then DeepSpeed's own parser and its pydantic ZeRO model (which reject unknown or
     ill-typed values). Raises ConfigError naming what is wrong."""
+    import_deepspeed()
     from deepspeed.runtime.config import DeepSpeedConfig
     from deepspeed.runtime.zero.config import DeepSpeedZeroConfig
 
@@ -186,7 +187,7 @@ class DeepSpeedEngine(TrainEngine):
     def __init__(self, model: torch.nn.Module, lr: float, weight_decay: float,
                  schedule: Callable[[int], float], max_grad_norm: float, dist: DistributedConfig,
                  ctx: Context, micro_batch_size: int, accumulation_steps: int):
-        import deepspeed
+        deepspeed = import_deepspeed()
 
         self.ds_config = deepspeed_config(dist, world_size=ctx.world_size, micro_batch_size=micro_batch_size,
                                           accumulation_steps=accumulation_steps, max_grad_norm=max_grad_norm,
@@ -247,7 +248,7 @@ class DeepSpeedEngine(TrainEngine):
     def full_model(self) -> torch.nn.Module | None:
         """Collective: the whole model in float32 on rank 0 (None on the other ranks). Below ZeRO-3
         every rank holds all weights already; under ZeRO-3 they are gathered into a fresh copy."""
-        import deepspeed
+        deepspeed = import_deepspeed()
 
         if not self.zero3:
             return self.model.float() if self.ctx.is_main else None
@@ -280,7 +281,7 @@ class FrozenModel:
         self.engine = None
         self.ds_config: dict[str, Any] | None = None
         if dist.backend == "deepspeed" and dist.zero_stage == 3:
-            import deepspeed
+            deepspeed = import_deepspeed()
             self.ds_config = deepspeed_config(dist, world_size=ctx.world_size, micro_batch_size=micro_batch_size,
                                               accumulation_steps=1, max_grad_norm=None, train=False)
             self.engine, *_ = deepspeed.initialize(model=model, config=self.ds_config)

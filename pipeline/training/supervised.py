@@ -17,10 +17,10 @@ from pathlib import Path
 from typing import Any, Callable, Sequence
 
 import torch
-from tqdm import tqdm
 
 from ..errors import check_finite
 from ..models import lora
+from ..progress import track
 from ..tracking.sinks import StepLog, Tracker
 from .batches import BatchSampler, total_steps
 from .distributed import Context
@@ -79,9 +79,11 @@ def train(task: SupervisedTask, cfg: Any, engine: TrainEngine, micro: int, out: 
     state = SupervisedState(task.name, out / "checkpoint", resume_fingerprint, engine, batches,
                             {"train": train_log, "eval": eval_log}, ctx)
     start = state.load()
+    if start:
+        tracker.mark_resumed(start)
     engine.train()
-    for step in tqdm(range(start + 1, steps + 1), desc=task.name, initial=start, total=steps,
-                     disable=not (progress and ctx.is_main), mininterval=1.0):
+    for step in track(range(start + 1, steps + 1), steps, task.name, initial=start,
+                      enabled=progress and ctx.is_main):
         batch = [task.items[i] for i in next(batches)]
         mine = ctx.shard(batch)
         sums = torch.zeros(len(task.columns), dtype=torch.float64)

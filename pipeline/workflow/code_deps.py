@@ -21,6 +21,8 @@ from pathlib import Path
 EXEMPT = {
     "pipeline/errors.py": "error types and the finite-value check: they stop a run, never change an output",
     "pipeline/tracking/mlflow_sink.py": "the MLflow sink: a copy of what the stage writes, never read back",
+    "pipeline/progress.py": "progress bars and lines on stderr: what a person watches, never an output",
+    "pipeline/tracking/mlflow_models.py": "MLflow models: a copy of the checkpoint the stage wrote, never read back",
 }
 
 
@@ -67,7 +69,8 @@ def imports(root: Path, path: Path, top_level_only: bool = False) -> set[Path]:
 
 
 def closure(root: Path, stage: str) -> set[str]:
-    """Repository-relative paths of every project file `python -m pipeline <stage>` can import."""
+    """Repository-relative paths of every project file `python -m pipeline <stage>` can import (not
+    descending into EXEMPT files: what they alone import serves only them)."""
     root = Path(root)
     main = root / "pipeline" / "__main__.py"
     entry = root / "pipeline" / "stages" / f"{stage}.py"
@@ -79,7 +82,8 @@ def closure(root: Path, stage: str) -> set[str]:
         if f in seen:
             continue
         seen.add(f)
-        todo |= imports(root, f) - seen
+        if str(f.relative_to(root)) not in EXEMPT:   # what only an exempt file imports serves it alone
+            todo |= imports(root, f) - seen
     return {str(f.relative_to(root)) for f in seen}
 
 

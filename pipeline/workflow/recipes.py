@@ -25,6 +25,14 @@ def names() -> list[str]:
     return sorted(p.stem for p in FOLDER.glob("*.yaml"))
 
 
+def describe(name: str) -> str:
+    """A recipe's first comment line (its head says what it is for), for `recipe --list`."""
+    for line in (FOLDER / f"{name}.yaml").read_text(encoding="utf-8").splitlines():
+        if line.lstrip().startswith("#"):
+            return line.lstrip().lstrip("#").strip()
+    return "(no description)"
+
+
 def _merge(base: Any, override: Mapping[str, Any]) -> Any:
     for key, value in override.items():
         if isinstance(value, Mapping) and isinstance(base.get(key), Mapping) and value:

@@ -8,16 +8,31 @@ What Snakemake must not own: outputs DVC marks `persist: true`. Snakemake delete
 before running it, which would throw away state a later run relies on, so such outputs are left out
 of the rule and kept as they are by both engines. (The stages' own resumable checkpoints are not
 outs at all, for either engine: see the head of dvc.yaml.)
+
+Params: DVC records the values of each stage's declared params in dvc.lock and re-runs a stage
+when they change. Snakemake compares modification times, and its own record of rule params lives
+in `.snakemake/metadata`, which a `dvc repro` never writes (so it used to miss a change made after
+DVC ran). Here each stage's declared values become a file, `.snakemake/params/<stage>.json`, an
+input of its rule: rewritten only when the values change, and dated when params.yaml was edited,
+so outputs built after the edit (by either engine) stay up to date and older ones are re-run; a
+first file whose values dvc.lock records for the stage is dated at the epoch (DVC built with them).
 """
 
 from __future__ import annotations
 
+import json
+import os
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Mapping
 
 from ..config import read_yaml
+from ..data.io import atomic_write_text
 from ..errors import ConfigError
+
+PARAM_DIR = Path(".snakemake/params")      # one <stage>.json per stage (Snakemake's side only)
+BENCHMARK_DIR = Path("logs/benchmarks")    # one <stage>.tsv per stage: Snakemake's `benchmark:` files
 
 
 @dataclass(frozen=True)
@@ -68,16 +83,112 @@ def load(path: str | Path = "dvc.yaml") -> list[Stage]:
     return stages
 
 
-def param_values(stage: Stage, config: Mapping[str, Any]) -> dict[str, Any]:
-    """The values of the params a stage reads, named `data_task` for `data.task` (Snakemake
-    re-runs a job when one of them changes, as `dvc repro` does)."""
+def param_values(stage: Stage, params: Mapping[str, Any]) -> dict[str, Any]:
+    """The values of the params.yaml keys a stage declares (`ppo`, `data.task`), by dotted name,
+    as DVC reads them; a key params.yaml does not hold is left out (its default applies)."""
     values = {}
     for key in stage.params:
-        node: Any = config
+        node: Any = params
         for part in key.split("."):
+            if not isinstance(node, Mapping) or part not in node:
+                break
             node = node[part]
-        values[key.replace(".", "_")] = node
+        else:
+            values[key] = node
     return values
+
+
+def param_file(stage: Stage, root: str | Path = ".") -> Path:
+    return Path(root) / PARAM_DIR / f"{stage.name}.json"
+
+
+def locked_params(lock: str | Path) -> dict[str, Any]:
+    """Each stage's param values as dvc.lock records them (what DVC last built it with), by
+    stage; empty without a readable lock."""
+    try:
+        raw = read_yaml(lock) if Path(lock).is_file() else {}
+    except ConfigError:
+        return {}
+    stages = raw.get("stages") if isinstance(raw, Mapping) else None
+    out = {}
+    for name, entry in (stages if isinstance(stages, Mapping) else {}).items():
+        params = entry.get("params") if isinstance(entry, Mapping) else None
+        if isinstance(params, Mapping) and isinstance(params.get("params.yaml"), Mapping):
+            out[name] = dict(params["params.yaml"])
+    return out
+
+
+def _canonical(values: Any) -> str:
+    return json.dumps(values, sort_keys=True, default=str)
+
+
+def write_param_files(stages: list[Stage], params_path: str | Path = "params.yaml", root: str | Path = ".",
+                      lock: str | Path = "dvc.lock") -> list[Path]:
+    """Write each stage's declared param values to its param file when they differ from what the
+    file holds; return the files that changed.
+
+    A rewritten file is dated when params.yaml was last modified, the latest the change can have
+    happened: outputs made after it (by `dvc repro` too) are newer and stay, older ones re-run.
+    Should that date not move forward (params.yaml restored with its old date), the file is dated
+    now instead, so a change is never hidden. An unchanged file keeps its date. A first file whose
+    values dvc.lock records for the stage is dated at the epoch: DVC built the stage's outputs with
+    them, so they are not older (a first `snakemake -n` after `dvc repro` and a params edit plans
+    only the stages the edit reaches)."""
+    raw = read_yaml(params_path) or {}
+    edited = os.stat(params_path).st_mtime
+    locked = None
+    changed = []
+    for stage in stages:
+        path = param_file(stage, root)
+        values = param_values(stage, raw)
+        text = json.dumps({"stage": stage.name, "params": values}, indent=1, sort_keys=True, default=str) + "\n"
+        try:
+            before = path.stat().st_mtime
+            if path.read_text(encoding="utf-8") == text:
+                continue
+        except FileNotFoundError:
+            before = None
+        atomic_write_text(path, text)
+        if before is None:
+            locked = locked_params(lock) if locked is None else locked
+            built_with = stage.name in locked and _canonical(locked[stage.name]) == _canonical(values)
+            stamp = 0.0 if built_with else edited
+        else:
+            stamp = edited if edited > before else time.time()
+        os.utime(path, (stamp, stamp))
+        changed.append(path)
+    return changed
+
+
+def drop_stale_benchmarks(stages: list[Stage], root: str | Path = ".") -> list[Path]:
+    """Remove the Snakemake benchmark of a stage whose outputs were rebuilt after it (by `dvc repro`):
+    it no longer describes those outputs, and Snakemake dates a job's outputs by the oldest of them
+    and its benchmark, so a stale one would make a stage DVC just rebuilt look out of date.
+
+    Snakemake writes the benchmark once the job's files are written, and marks a folder output it
+    made with a `.snakemake_timestamp` file; a file output newer than the benchmark, or a folder
+    output without that mark, was made by something else."""
+    dropped = []
+    for stage in stages:
+        bench = Path(root) / BENCHMARK_DIR / f"{stage.name}.tsv"
+        if not bench.is_file():
+            continue
+        made = bench.stat().st_mtime
+        outs = [Path(root) / o for o in stage.outs]
+        if any(o.is_dir() and not (o / ".snakemake_timestamp").exists()
+               or o.is_file() and o.stat().st_mtime > made for o in outs):
+            bench.unlink()
+            dropped.append(bench)
+    return dropped
+
+
+def check_no_overrides(overrides: Mapping[str, Any]) -> None:
+    """Refuse `snakemake --config ...` / `--configfile ...`: the jobs and DVC read params.yaml, so an
+    override would reach neither, and outputs would not match the params either engine records."""
+    if overrides:
+        keys = ", ".join(sorted(overrides))
+        raise ConfigError(f"snakemake --config/--configfile ({keys}): overrides are not supported, the jobs read "
+                          "params.yaml; edit params.yaml (or run `dvc exp run -S key=value`)")
 
 
 def edges(stages: list[Stage]) -> set[tuple[str, str]]:

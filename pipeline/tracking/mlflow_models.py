@@ -1,0 +1,145 @@
+"""MLflow models of a stage's checkpoint: the policies in the transformers flavour, the reward model as
+a pyfunc that applies its normalisation offset; each logged as a model of the stage's run and
+registered as a new version of its registered model.
+
+    sft     -> rlhf-sft-policy     (transformers, text-generation, with its tokenizer)
+    ppo     -> rlhf-policy         (the same)
+    reward  -> rlhf-reward-model   (pyfunc: a DataFrame of prompt, response -> normalised scores)
+
+The names match the DVC artifacts of dvc.yaml, so a model has one name in both registries.
+
+Why a model is saved from the stage's finished `model/` folder and not from the object in memory:
+that folder is the checkpoint DVC caches and evaluate reads, so the registered version is exactly
+it (whatever engine, adapter or sharding trained it), and the logging can't disturb training state.
+
+`PIPELINE_LOG_MODELS=off` keeps MLflow runs without models (a 7B policy is 14 GB per version).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import tempfile
+import warnings
+from pathlib import Path
+from typing import Any, Iterator
+
+import mlflow.pyfunc
+import pandas as pd
+
+from ..errors import ConfigError
+
+log = logging.getLogger(__name__)
+
+REGISTERED = {"sft": "rlhf-sft-policy", "ppo": "rlhf-policy", "reward": "rlhf-reward-model"}
+# What a loader needs: the registry stores no environment, and inferring one would load the model
+# in a subprocess (mlflow's requirement inference), seconds to minutes per stage for nothing.
+REQUIREMENTS = ["torch", "transformers", "pandas"]
+PACKAGE = Path(__file__).resolve().parents[1]      # the `pipeline` package, carried by the RM's model
+
+
+def enabled() -> bool:
+    value = (os.environ.get("PIPELINE_LOG_MODELS") or "on").strip().lower()
+    if value not in ("on", "off"):
+        raise ConfigError(f"environment variable PIPELINE_LOG_MODELS: expected 'on' or 'off', got {value!r}")
+    return value == "on"
+
+
+@contextlib.contextmanager
+def _quiet() -> Iterator[None]:
+    """Warnings true of every model this pipeline logs, that say nothing the user can act on:
+    mlflow.transformers finds no hub model card or licence for a local folder, and mlflow.pyfunc
+    says the RM's predict has no type hints (deliberately: MLflow would read them as a schema) and
+    that a Python object is pickled (the class is the pipeline's own, carried as code)."""
+    loggers = [logging.getLogger(name) for name in ("mlflow.transformers", "mlflow.pyfunc")]
+    levels = [logger.level for logger in loggers]
+    for logger in loggers:
+        logger.setLevel(logging.ERROR)
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", UserWarning)
+            yield
+    finally:
+        for logger, level in zip(loggers, levels):
+            logger.setLevel(level)
+
+
+def save_policy(model_dir: Path, dest: Path) -> None:
+    """The causal LM and tokenizer of `model_dir` as an MLflow transformers model in `dest`
+    (`mlflow.transformers.load_model` gives a text-generation pipeline)."""
+    import mlflow.transformers
+    from ..models.checkpoints import load_policy
+    model, tok = load_policy(model_dir)
+    with _quiet():
+        mlflow.transformers.save_model({"model": model, "tokenizer": tok}, str(dest), task="text-generation",
+                                       pip_requirements=REQUIREMENTS)
+
+
+class PipelineRewardModel(mlflow.pyfunc.PythonModel):
+    """pyfunc body of the reward model: `predict(DataFrame[prompt, response])` -> normalised scores,
+    i.e. `pipeline.models.reward_model.score_texts` (raw score minus the offset in its config).
+    The DataFrame hint tells MLflow to pass the input as it comes (a hint it can't turn into a
+    schema is skipped silently; none at all draws a warning at every import)."""
+
+    def load_context(self, context: Any) -> None:
+        from ..models.reward_model import load_reward_model
+        self.model, self.tok = load_reward_model(context.artifacts["reward_model"])
+        self.max_length = int(context.model_config["max_length"])
+
+    def predict(self, context: Any, model_input: pd.DataFrame, params: dict | None = None) -> list[float]:
+        from ..models.reward_model import score_texts
+        frame = model_input if isinstance(model_input, pd.DataFrame) else pd.DataFrame(model_input)
+        missing = {"prompt", "response"} - set(frame.columns)
+        if missing:
+            raise ValueError(f"reward model input: missing columns {sorted(missing)} (expected prompt, response)")
+        scores = score_texts(self.model, self.tok, [str(p) for p in frame["prompt"]],
+                             [str(r) for r in frame["response"]], self.max_length)
+        return scores.tolist()
+
+def save_reward_model(model_dir: Path, dest: Path, max_length: int) -> None:
+    """The reward model of `model_dir` as an MLflow pyfunc model in `dest`; the folder travels as its
+    artifact `reward_model` (loadable with from_pretrained too) and the `pipeline` package as its
+    code, so it loads wherever torch and transformers are installed."""
+    with _quiet():
+        mlflow.pyfunc.save_model(str(dest), python_model=PipelineRewardModel(),
+                                 artifacts={"reward_model": str(model_dir)}, model_config={"max_length": int(max_length)},
+                                 code_paths=[str(PACKAGE)], pip_requirements=REQUIREMENTS)
+
+
+def save_model(stage: str, model_dir: Path, dest: Path, config: dict[str, Any]) -> None:
+    if stage == "reward":
+        save_reward_model(model_dir, dest, config.get("reward.max_length", 512))
+    else:
+        save_policy(model_dir, dest)
+
+
+def log_and_register(client: Any, experiment_id: str, run_id: str, stage: str, model_dir: Path,
+                     config: dict[str, Any], tags: dict[str, str]) -> tuple[str, str]:
+    """Log the stage's model as a model of run `run_id` and register it; (model id, version)."""
+    name = REGISTERED[stage]
+    with tempfile.TemporaryDirectory(prefix=f"mlflow-{stage}-") as tmp:
+        dest = Path(tmp) / "model"
+        save_model(stage, model_dir, dest, config)
+        logged = client.create_logged_model(experiment_id, name=stage, source_run_id=run_id, tags=tags)
+        client.log_model_artifacts(logged.model_id, str(dest))
+        client.finalize_logged_model(logged.model_id, "READY")
+    from mlflow.exceptions import MlflowException
+    try:
+        client.create_registered_model(name, description=DESCRIPTIONS[stage])
+    except MlflowException:
+        client.get_registered_model(name)   # made before, or just now by a parallel experiment; else this raises
+    # The source is the logged model's storage location, not `models:/<id>`: the SQLite registry
+    # resolves such a URI through the process-wide tracking URI, not this client's
+    # (mlflow/store/model_registry/sqlalchemy_store.py), and a queued experiment's cwd is elsewhere.
+    version = client.create_model_version(name, source=logged.artifact_location, run_id=run_id,
+                                          tags=tags, model_id=logged.model_id)
+    return logged.model_id, version.version
+
+
+DESCRIPTIONS = {
+    "sft": "The SFT policy of the RLHF pipeline (transformers text-generation, with its tokenizer).",
+    "ppo": "The PPO policy of the RLHF pipeline (transformers text-generation, with its tokenizer).",
+    "reward": "The reward model of the RLHF pipeline: pyfunc, DataFrame[prompt, response] -> scores "
+              "normalised so held-out demonstrations average 0.",
+}

@@ -1,0 +1,150 @@
+"""The command line as a user meets it: help and defaults, `--version`, `recipe --list`, progress
+in logs (plain lines, no carriage-return frames), and no DeepSpeed accelerator notice on CPU."""
+
+from __future__ import annotations
+
+import argparse
+import io
+import re
+import subprocess
+import sys
+import tomllib
+
+import pytest
+
+from conftest import REPO, run
+from pipeline.__main__ import STAGES, _parser, main
+from pipeline.progress import Progress, track
+
+
+def _subparsers() -> dict[str, argparse.ArgumentParser]:
+    (action,) = [a for a in _parser()._actions if isinstance(a, argparse._SubParsersAction)]
+    return dict(action.choices)
+
+
+def test_every_option_has_help_and_says_its_default():
+    subs = _subparsers()
+    assert set(subs) == set(STAGES)
+    for name, sub in subs.items():
+        text = sub.format_help().split("\noptions:\n")[1]
+        for action in sub._actions:
+            if not action.option_strings or action.dest == "help":
+                continue
+            assert action.help, (name, action.option_strings)
+            if action.nargs == 0:    # a flag (--list, --no-progress): off unless given
+                continue
+            # The option's entry in the help text, up to the next option.
+            entry = re.search(r"^  " + re.escape(action.option_strings[-1]) + r"\b(.*?)(?=\n  -|\Z)", text, re.S | re.M)
+            assert entry and "default" in entry.group(1), (name, action.option_strings, text)
+    sft = " ".join(subs["sft"].format_help().split())     # argparse wraps lines
+    for option, default in (("--data DATA", "data/prepared"), ("--out OUT", "outputs/sft"),
+                            ("--params PARAMS", "params.yaml")):
+        assert re.search(re.escape(option) + r" [^-]*\(default: " + re.escape(default) + r"\)", sft), option
+    ppo = " ".join(subs["ppo"].format_help().split())
+    assert "--sft SFT the SFT policy checkpoint (a Hugging Face model folder) (default: outputs/sft/model)" in ppo
+    assert "--reward REWARD the reward model checkpoint (a Hugging Face model folder) (default: outputs/reward/model)" in ppo
+
+
+def test_help_from_the_command_line():
+    out = run([sys.executable, "-m", "pipeline", "evaluate", "--help"], REPO).stdout
+    flat = " ".join(out.split())
+    assert flat.startswith("usage: python -m pipeline evaluate")
+    assert "--ppo PPO the PPO policy checkpoint (a Hugging Face model folder) (default: outputs/ppo/model)" in flat
+    assert "(default: outputs/evaluate)" in flat
+
+
+def test_version_is_the_installed_package_version():
+    version = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["version"]
+    proc = run([sys.executable, "-m", "pipeline", "--version"], REPO)
+    assert proc.stdout == f"python -m pipeline {version}\n"
+
+
+def test_recipe_list_names_each_recipe_with_its_first_comment_line(capsys):
+    assert main(["recipe", "--list"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    files = sorted((REPO / "recipes").glob("*.yaml"))
+    assert len(lines) == len(files) >= 2
+    for line, path in zip(lines, files):
+        first = next(li for li in path.read_text().splitlines() if li.startswith("#")).lstrip("# ").strip()
+        name, description = line.split(None, 1)
+        assert (name, description) == (path.stem, first)
+    assert lines[1].startswith("tldr-pythia-1b ") and "TL;DR summarisation with Pythia 1B" in lines[1]
+    # Neither a name nor --list: one line saying what to give.
+    assert main(["recipe"]) == 2
+    assert capsys.readouterr().err == "error: recipe: name a recipe (python -m pipeline recipe --list shows them)\n"
+
+
+# ---- progress ---------------------------------------------------------------------------------
+
+
+class _Terminal(io.StringIO):
+    def isatty(self) -> bool:
+        return True
+
+
+def test_progress_in_a_log_is_a_line_every_five_percent():
+    log = io.StringIO()
+    for _ in track(range(1000), 1000, "sft", stream=log):
+        pass
+    text = log.getvalue()
+    lines = text.splitlines()
+    assert "\r" not in text and len(lines) == 20
+    assert [int(re.match(r"sft: (\d+)/1000 steps \((\d+)%\)", li).group(1)) for li in lines] == \
+        list(range(50, 1001, 50))
+    assert lines[9].startswith("sft: 500/1000 steps (50%), ") and " elapsed, ~" in lines[9] and "left" in lines[9]
+    assert lines[-1].startswith("sft: 1000/1000 steps (100%), ") and "left" not in lines[-1]
+
+
+def test_progress_lines_carry_the_postfix_and_resume_where_the_run_was():
+    log = io.StringIO()
+    bar = Progress(40, "ppo", unit="iterations", initial=30, stream=log)
+    for i in range(10):
+        bar.update(1, {"score": f"{i:.2f}", "kl": "0.10", "gold": "1.50", "detector": "ok"})
+    bar.close()
+    lines = log.getvalue().splitlines()
+    # Resumed at 75%: a line at 80, 85, 90, 95 and 100%.
+    assert [li.split(",")[0] for li in lines] == [f"ppo: {n}/40 iterations ({100 * n // 40}%)" for n in (32, 34, 36, 38, 40)]
+    assert lines[-1].endswith("; score=9.00 kl=0.10 gold=1.50 detector=ok")
+    # A short loop: a line per step, the last at 100%.
+    log = io.StringIO()
+    list(track(range(3), 3, "reward", stream=log))
+    assert log.getvalue().splitlines()[-1].startswith("reward: 3/3 steps (100%)") and len(log.getvalue().splitlines()) == 3
+
+
+def test_progress_on_a_terminal_is_a_bar_and_disabled_is_silent():
+    tty = _Terminal()
+    list(track(range(50), 50, "sft", stream=tty))
+    assert "\r" in tty.getvalue() and "50/50" in tty.getvalue()      # tqdm's frames
+    quiet = io.StringIO()
+    list(track(range(50), 50, "sft", stream=quiet, enabled=False))
+    assert quiet.getvalue() == ""
+    with pytest.raises(ValueError, match="every must be a percentage"):
+        Progress(10, "x", every=0)
+
+
+# ---- DeepSpeed on CPU -------------------------------------------------------------------------
+
+NOTICE = "Setting accelerator to CPU"
+
+
+def _python(code: str) -> str:
+    proc = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    return proc.stdout + proc.stderr
+
+
+def test_deepspeed_cpu_notice_is_silenced_and_other_warnings_are_not():
+    # Without a GPU a plain import prints the notice (so the check below can fail here) ...
+    import torch
+    assert (NOTICE in _python("import deepspeed")) == (not torch.cuda.is_available())
+    # ... the pipeline's import (distributed.init, engines) does not, and DeepSpeed's logger still warns.
+    out = _python("from pipeline.training.distributed import import_deepspeed\n"
+                  "from pipeline.training.engines import deepspeed_config, validate_deepspeed_config\n"
+                  "from pipeline.config import DistributedConfig\n"
+                  "import_deepspeed()\n"
+                  "validate_deepspeed_config(deepspeed_config(DistributedConfig(backend='deepspeed', zero_stage=2),"
+                  " world_size=1, micro_batch_size=2, accumulation_steps=1, max_grad_norm=1.0, lr=1e-3,"
+                  " weight_decay=0.0), 1)\n"
+                  "from deepspeed.utils import logger\n"
+                  "logger.warning('still shown')\n")
+    assert NOTICE not in out and "still shown" in out
