@@ -19,6 +19,7 @@ $(VENV)/.installed: pyproject.toml requirements.lock
 install: $(VENV)/.installed
 
 pipeline: install
+	$(BIN)/python -m pipeline recover-lock
 	dvc repro
 	@echo
 	@echo "Done."

@@ -35,6 +35,8 @@ STAGES: dict[str, tuple[str, dict[str, str]]] = {
     "recipe": ("merge recipes/<name>.yaml into the params file (validated first)", {}),
     "plan": ("print each stage's memory plan per rank against the device, and refuse one that does not fit",
              {"data": DATA}),
+    "recover-lock": ("set aside a dvc.lock that a kill cut short (DVC rewrites it in place), so dvc repro "
+                     "can run again", {}),
     "detect": ("replay the over-optimisation detector (params' ppo.detector) over a PPO train.tsv", {}),
 }
 
@@ -103,7 +105,7 @@ def _parser() -> argparse.ArgumentParser:
         for name, default in paths.items():
             what = OUT_HELP.get(stage, PATH_HELP[name]) if name == "out" else PATH_HELP[name]
             p.add_argument(f"--{name}", type=Path, default=Path(default), help=what)
-        if stage != "frontier":
+        if stage not in ("frontier", "recover-lock"):
             p.add_argument("--params", type=Path, default=Path("params.yaml"),
                            help="the params file, validated in full before anything runs")
             p.add_argument("--no-progress", action="store_true",
@@ -117,6 +119,8 @@ def _parser() -> argparse.ArgumentParser:
         if stage == "plan":
             p.add_argument("--stage", dest="plan_stage", choices=("sft", "reward", "ppo", "evaluate"), default=None,
                            help="only this stage (default: all)")
+        if stage == "recover-lock":
+            p.add_argument("--lock", type=Path, default=Path("dvc.lock"), help="the lock file to check")
         if stage == "detect":
             p.add_argument("train_tsv", type=Path, help="a PPO step log, e.g. outputs/ppo/train.tsv")
         if stage == "recipe":
@@ -156,6 +160,10 @@ def main(argv: list[str] | None = None) -> int:
         frontier.main(args.out)
         return 0
     try:
+        if args.stage == "recover-lock":
+            from .workflow import lockfile
+            print(lockfile.recover(args.lock))
+            return 0
         if args.stage == "recipe":
             from .workflow import recipes
             if args.list:

@@ -20,6 +20,7 @@ import mlflow.transformers
 import pandas as pd
 import pytest
 import torch
+from PIL import Image
 from mlflow import MlflowClient
 from ruamel.yaml import YAML
 
@@ -153,7 +154,10 @@ def test_dvc_exp_run_logs_one_parent_with_nested_stage_runs(tiny_repo, tmp_path,
     assert rm_run.params["reward.batch_size"] == str(TINY["reward"]["batch_size"])
     assert rm_run.params["sft.sampling.temperature"] == str(params.sft.sampling.temperature)
     assert len(client.get_metric_history(stages["sft"].info.run_id, "train/loss")) == 4     # 64 demos / batch 16
+    # The calibration figure, logged with log_figure, renders as the PNG the stage wrote.
     assert "calibration.png" in {a.path for a in client.list_artifacts(stages["reward"].info.run_id)}
+    logged = client.download_artifacts(stages["reward"].info.run_id, "calibration.png", str(tmp_path / "fig"))
+    assert Image.open(logged).size == Image.open(tiny_repo / "outputs/reward/calibration.png").size
     # Param values as params.yaml writes them, not Python's repr; the main params on the parent.
     assert (sft_run.params["model.trust_remote_code"], sft_run.params["sft.sampling.stop_token"]) == ("false", "null")
     assert (parent.data.params["sft.lr"], parent.data.params["reward.seed"]) == (str(params.sft.lr), "0")
@@ -515,3 +519,33 @@ def test_a_process_key_tells_a_live_process_from_a_gone_one():
     # The same pid started at another time (a reused pid) is not the same process.
     assert tracking.process_alive(f"{host}:{pid}:{float(created) - 100:.3f}") is False
     assert tracking.process_alive(f"another-host:{pid}:{created}") is None     # can't be judged from here
+
+
+def test_a_figure_logged_as_such_is_not_uploaded_again_as_a_file(tmp_path, monkeypatch):
+    """log_figure hands MLflow the figure; the stage's PNG of it is then not sent a second time,
+    while a PNG no figure was logged for still goes up (as an image)."""
+    calls = []
+
+    class Client:
+        def log_figure(self, run_id, figure, name, save_kwargs=None):
+            calls.append(("figure", name, save_kwargs))
+
+        def log_image(self, run_id, image, artifact_file=None):
+            calls.append(("image", artifact_file, None))
+
+        def log_artifact(self, run_id, path, artifact_path=None):
+            calls.append(("file", Path(path).name, None))
+
+    tracker = tracking.MlflowTracker("sqlite:///unused")
+    tracker.client, tracker.run_id, tracker.stage = Client(), "r", "evaluate"
+    import matplotlib.pyplot as plt
+    for name in ("scores.png", "other.png"):
+        fig, ax = plt.subplots()
+        fig.savefig(tmp_path / name)
+        if name == "scores.png":
+            tracker.log_figure(fig, name)
+        plt.close(fig)
+    (tmp_path / "metrics.json").write_text("{}")
+    tracker.log_outputs(tmp_path)
+    assert calls == [("figure", "scores.png", tracking.FIGURE_SAVE), ("file", "metrics.json", None),
+                     ("image", "other.png", None)]

@@ -9,9 +9,10 @@ from pathlib import Path
 from .plots import save_figure, plt
 
 
-def evaluation_plots(m: dict, policies: tuple[str, ...], has_gold: bool, out: Path) -> None:
+def evaluation_plots(m: dict, policies: tuple[str, ...], has_gold: bool, out: Path) -> dict:
     """scores.png: RM (and gold) score per policy with 95% intervals; kl_frontier.png: score
-    against KL to the SFT policy, the trade-off PPO's KL penalty controls."""
+    against KL to the SFT policy, the trade-off PPO's KL penalty controls. Returns {file name:
+    figure}, the figures still open (see save_figure)."""
     keys = ["rm", "gold"] if has_gold else ["rm"]
     fig, ax = plt.subplots(figsize=(6, 3.8))
     width = 0.8 / len(keys)
@@ -24,7 +25,7 @@ def evaluation_plots(m: dict, policies: tuple[str, ...], has_gold: bool, out: Pa
     ax.set_ylabel("mean score (held-out prompts)")
     ax.legend()
     ax.set_title("Scores by policy (95% intervals)")
-    save_figure(fig, out / "scores.png")
+    figures = {"scores.png": save_figure(fig, out / "scores.png", close=False)}
 
     # Best-of-n points joined in order of n: the frontier a cheap baseline traces, which PPO's single
     # point is read against; SFT (KL 0) and PPO stand alone.
@@ -44,7 +45,8 @@ def evaluation_plots(m: dict, policies: tuple[str, ...], has_gold: bool, out: Pa
     ax.set_ylabel("mean score")
     ax.legend(fontsize=7)
     ax.set_title("Score against KL")
-    save_figure(fig, out / "kl_frontier.png")
+    figures["kl_frontier.png"] = save_figure(fig, out / "kl_frontier.png", close=False)
+    return figures
 
 
 def frontier_plot(points: list[dict], path: Path) -> None:

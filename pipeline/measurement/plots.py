@@ -14,8 +14,9 @@ matplotlib.use("Agg")  # no display, no network: DVC's own renderer loads its JS
 import matplotlib.pyplot as plt  # noqa: E402
 
 
-def save_figure(fig, path: Path) -> None:
-    """Write atomically: a reader never sees half a PNG."""
+def save_figure(fig, path: Path, close: bool = True):
+    """Write atomically: a reader never sees half a PNG. `close=False` keeps the figure open and
+    returns it, for a stage to hand to its tracker (MLflow's log_figure) before `close_figure`."""
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".png")
     os.close(fd)
@@ -23,13 +24,20 @@ def save_figure(fig, path: Path) -> None:
         fig.savefig(tmp, dpi=110, bbox_inches="tight")
         os.replace(tmp, path)
     finally:
-        plt.close(fig)
+        if close:
+            plt.close(fig)
         if os.path.exists(tmp):
             os.unlink(tmp)
+    return None if close else fig
 
 
-def calibration_plot(bins: list[dict], path: Path) -> None:
-    """Reliability diagram: observed preference rate against the reward model's prediction."""
+def close_figure(fig) -> None:
+    plt.close(fig)
+
+
+def calibration_plot(bins: list[dict], path: Path):
+    """Reliability diagram: observed preference rate against the reward model's prediction; the
+    figure is returned open (see save_figure)."""
     fig, ax = plt.subplots(figsize=(4.5, 4.5))
     ax.plot([0, 1], [0, 1], color="grey", linestyle="--", label="perfect calibration")
     ax.plot([b["predicted"] for b in bins], [b["observed"] for b in bins], marker="o", label="reward model")
@@ -39,4 +47,4 @@ def calibration_plot(bins: list[dict], path: Path) -> None:
     ax.set_ylim(0, 1)
     ax.legend(loc="upper left")
     ax.set_title("Reward model calibration (held-out pairs)")
-    save_figure(fig, path)
+    return save_figure(fig, path, close=False)

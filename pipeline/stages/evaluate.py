@@ -26,6 +26,7 @@ from ..config import EvaluateConfig, Params
 from ..data import inputs
 from ..data.io import atomic_write_text
 from ..measurement.comparison_plots import evaluation_plots
+from ..measurement.plots import close_figure
 from ..measurement.policy import Measured, measure, summary
 from ..measurement.stats import best_of_n_choices, best_of_n_kl, win_rate
 from ..models.checkpoints import load_policy
@@ -194,7 +195,10 @@ def run(params: Params, data_dir: Path, sft_dir: Path, reward_dir: Path, ppo_dir
     """The stage: measure every policy, write the report, its plots and metrics; the verdict
     becomes the description of the pipeline's MLflow parent run."""
     with stage_run(SPEC, params, out, [data_dir, sft_dir, reward_dir, ppo_dir, params.ppo.dataset.path]) as run:
-        m, text, table = _run(run.params, data_dir, sft_dir, reward_dir, ppo_dir, out)
+        m, text, table, figures = _run(run.params, data_dir, sft_dir, reward_dir, ppo_dir, out)
+        for name, figure in figures.items():   # before finish, which uploads the files not logged so
+            run.tracker.log_figure(figure, name)
+            close_figure(figure)
         run.finish(m)
         run.tracker.log_table(table, "samples.json")   # every held-out prompt, browsable in MLflow
         run.tracker.set_description(text)   # the pipeline's parent run, described by its verdict
@@ -202,7 +206,7 @@ def run(params: Params, data_dir: Path, sft_dir: Path, reward_dir: Path, ppo_dir
 
 
 def _run(params: Params, data_dir: Path, sft_dir: Path, reward_dir: Path, ppo_dir: Path,
-         out: Path) -> tuple[dict[str, Any], str, dict[str, list]]:
+         out: Path) -> tuple[dict[str, Any], str, dict[str, list], dict[str, Any]]:
     cfg, judge = params.evaluate, inputs.judge(params)
     names = policies(cfg)
     prompts = inputs.prompts(params, data_dir, "eval")[:cfg.n_prompts]
@@ -215,9 +219,9 @@ def _run(params: Params, data_dir: Path, sft_dir: Path, reward_dir: Path, ppo_di
     for i, name in enumerate(names):
         table.log(i, {"policy": name, **{k: m[f"{name}/{k}"] for k in scores}})
     table.flush()
-    evaluation_plots(m, names, judge is not None, out)
+    figures = evaluation_plots(m, names, judge is not None, out)
     samples = samples_markdown(per, prompts, cfg.n_samples_shown)
     text = verdict(m, detector_record(ppo_dir))
     atomic_write_text(out / "samples.md", samples)
     atomic_write_text(out / "report.md", report_markdown(m, samples, judge is not None, names, cfg.best_of_n, text))
-    return m, text, samples_table(per, prompts)
+    return m, text, samples_table(per, prompts), figures

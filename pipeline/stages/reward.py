@@ -23,12 +23,12 @@ from ..data.io import read_json_object
 from ..errors import DataError, shown
 from ..data.preferences import Pair, load_pairs
 from ..data.tokenizer import encode_prompt, encode_response
-from ..measurement.plots import calibration_plot
+from ..measurement.plots import calibration_plot, close_figure
 from ..measurement.policy import measure
 from ..models import lora
 from ..models import reward_model as rm
 from ..models.checkpoints import load_kwargs, load_policy
-from ..tracking.sinks import StepLog
+from ..tracking.sinks import NO_TRACKER, StepLog, Tracker
 from ..training import supervised
 from ..training.batches import total_steps
 from ..training.distributed import SINGLE, Context
@@ -154,7 +154,8 @@ def held_out(params: Params, data_dir: Path, eval_pairs: list[Pair]) -> HeldOut:
     return HeldOut(eval_pairs, demos, prompts, ceiling)
 
 
-def evaluate(model, tok, params: Params, sft_dir: Path, held: HeldOut, out_dir: Path) -> dict[str, Any]:
+def evaluate(model, tok, params: Params, sft_dir: Path, held: HeldOut, out_dir: Path,
+             tracker: Tracker = NO_TRACKER) -> dict[str, Any]:
     """Metrics of the trained (and normalised) reward model; writes calibration.tsv/png."""
     cfg, judge, eval_pairs = params.reward, inputs.judge(params), held.pairs
     rc, rr = score_pairs(model, tok, eval_pairs, cfg.max_length)
@@ -170,7 +171,9 @@ def evaluate(model, tok, params: Params, sft_dir: Path, held: HeldOut, out_dir: 
     for row in bins:
         cal_log.log(row["bin"], {k: row[k] for k in ("predicted", "observed", "count")})
     cal_log.flush()
-    calibration_plot(bins, out_dir / "calibration.png")
+    figure = calibration_plot(bins, out_dir / "calibration.png")
+    tracker.log_figure(figure, "calibration.png")
+    close_figure(figure)
     if held.noise_ceiling is not None:
         m["eval/noise_ceiling"] = held.noise_ceiling
         m["eval/accuracy_of_ceiling"] = m["eval/accuracy"] / held.noise_ceiling
@@ -231,7 +234,7 @@ def train(run: StageRun, data_dir: Path, sft_dir: Path, progress: bool = True):
         return None, tok, {}
     if cfg.normalize:
         metrics["eval/offset"] = normalise(model, tok, params, held.demonstrations)
-    metrics.update(evaluate(model, tok, params, sft_dir, held, out_dir))
+    metrics.update(evaluate(model, tok, params, sft_dir, held, out_dir, run.tracker))
     return model, tok, metrics
 
 

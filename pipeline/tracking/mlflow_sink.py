@@ -26,7 +26,7 @@ MLflow is a second sink, for browsing and comparing runs; it never delays or los
 - Parent run: the main params (`PARENT_PARAMS`) and headline metrics (`HEADLINE`) of each stage that
   ran, so the runs table compares pipelines without expanding each stage.
 - Models: `mlflow_models.py` logs and registers the stage's `model/` (transformers flavour for the
-  policies, pyfunc for the RM). Figures go through `log_image`, evaluate's samples through
+  policies, pyfunc for the RM). Figures go through `log_figure`, evaluate's samples through
   `log_table`, the prepared data as a dataset input whose digest is DVC's md5 of it.
 - Failures: the first failed MLflow call logs one warning naming the URI and the error and turns
   MLflow off for the rest of the stage. Per-step metrics are buffered and sent in batches when a
@@ -63,6 +63,8 @@ HTTP_DEFAULTS = {"MLFLOW_HTTP_REQUEST_MAX_RETRIES": "0", "MLFLOW_HTTP_REQUEST_TI
 # SQLite allows one writer at a time; parallel queued experiments may find the database busy for
 # longer than its own 5 s wait. Seconds between retries of a call that failed with "database is locked".
 SQLITE_BUSY_WAITS = (0.5, 1.0, 2.0, 4.0)
+# As measurement/plots.py saves the PNG files, so MLflow's copy is the same picture.
+FIGURE_SAVE = {"dpi": 110, "bbox_inches": "tight"}
 PROCESS_TAG, FINGERPRINT_TAG = "pipeline_process", "resume_fingerprint"
 # The params and final metrics each stage copies to the parent run: what tells two pipelines apart
 # (seeds, sizes, the knobs experiments sweep) and what they are judged by (gold and RM score per
@@ -273,6 +275,7 @@ class MlflowTracker(Tracker):
         self._pending: list[tuple[str, float, int, int]] = []   # (name, value, time ms, step)
         self._latest: dict[str, tuple[int, float]] = {}          # name -> (step, value) last logged
         self._last_step = 0
+        self._figures: set[str] = set()   # file names logged with log_figure
 
     def _guard(self, doing: str, call: Callable[[], Any]) -> Any:
         """Run one MLflow call; on the first failure warn once and turn this tracker off, so the
@@ -480,8 +483,14 @@ class MlflowTracker(Tracker):
     def log_artifact(self, path: Path, artifact_path: str | None = None) -> None:
         self._guard(f"uploading {path}", lambda: self.client.log_artifact(self.run_id, str(path), artifact_path))
 
+    def log_figure(self, figure: Any, name: str) -> None:
+        """A figure the stage drew, with MLflow's log_figure; `log_outputs` then skips its PNG file."""
+        self._guard(f"logging the figure {name}", lambda: self.client.log_figure(
+            self.run_id, figure, name, save_kwargs=FIGURE_SAVE))
+        self._figures.add(name)
+
     def log_image(self, path: Path) -> None:
-        """A PNG the stage wrote, as an MLflow image (shown as a figure in the run's page)."""
+        """A PNG the stage wrote that it didn't log as a figure, as an MLflow image."""
         def call() -> None:
             from PIL import Image
             with Image.open(path) as img:
@@ -509,7 +518,8 @@ class MlflowTracker(Tracker):
                          version, model_id)
         for path in sorted(out.iterdir()):
             if path.is_file() and path.suffix == ".png":
-                self.log_image(path)
+                if path.name not in self._figures:
+                    self.log_image(path)
             elif path.is_file() and path.suffix in (".tsv", ".json", ".md"):
                 self.log_artifact(path)
 

@@ -41,6 +41,9 @@ class Tracker:
     def log_artifact(self, path: Path, artifact_path: str | None = None) -> None:
         """Upload the file `path`."""
 
+    def log_figure(self, figure: Any, name: str) -> None:
+        """A matplotlib figure the stage drew (and saved as `name`), as a figure of the run."""
+
     def log_table(self, rows: Mapping[str, Any], name: str) -> None:
         """Columns of equal length (a dict of lists) as a table named `name` (e.g. samples.json)."""
 
