@@ -523,15 +523,12 @@ def test_a_process_key_tells_a_live_process_from_a_gone_one():
 
 def test_a_figure_logged_as_such_is_not_uploaded_again_as_a_file(tmp_path, monkeypatch):
     """log_figure hands MLflow the figure; the stage's PNG of it is then not sent a second time,
-    while a PNG no figure was logged for still goes up (as an image)."""
+    while a PNG no figure was logged for still goes up (as a file)."""
     calls = []
 
     class Client:
         def log_figure(self, run_id, figure, name, save_kwargs=None):
             calls.append(("figure", name, save_kwargs))
-
-        def log_image(self, run_id, image, artifact_file=None):
-            calls.append(("image", artifact_file, None))
 
         def log_artifact(self, run_id, path, artifact_path=None):
             calls.append(("file", Path(path).name, None))
@@ -548,4 +545,4 @@ def test_a_figure_logged_as_such_is_not_uploaded_again_as_a_file(tmp_path, monke
     (tmp_path / "metrics.json").write_text("{}")
     tracker.log_outputs(tmp_path)
     assert calls == [("figure", "scores.png", tracking.FIGURE_SAVE), ("file", "metrics.json", None),
-                     ("image", "other.png", None)]
+                     ("file", "other.png", None)]

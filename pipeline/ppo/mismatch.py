@@ -63,10 +63,7 @@ def logprob_diff(
     """Mean and max of |sampler - trainer| over real tokens, in nats (float64 sums)."""
     _check_mask(response_mask, sampler_logprobs, trainer_logprobs)
     diff = (sampler_logprobs.double() - trainer_logprobs.double()).abs()
-    diff = torch.where(response_mask, diff, torch.zeros_like(diff))
-    n = int(response_mask.sum())
-    return {"val/logprob_diff_mean": float(diff.sum() / max(n, 1)),
-            "val/logprob_diff_max": float(diff.max()) if n else 0.0}
+    return _mean_max(diff, response_mask, "val/logprob_diff")
 
 
 def ratio_deviation(
@@ -80,6 +77,11 @@ def ratio_deviation(
     _check_mask(response_mask, logprobs, old_logprobs)
     log_ratio = torch.where(response_mask, logprobs.detach().double() - old_logprobs.double(), 0.0)
     dev = torch.expm1(log_ratio).abs()   # expm1: no cancellation near ratio 1
+    return _mean_max(dev, response_mask, "val/first_ratio", suffix="_dev")
+
+
+def _mean_max(x: torch.Tensor, response_mask: torch.Tensor, name: str, suffix: str = "") -> dict[str, float]:
+    """`<name>_mean<suffix>` and `<name>_max<suffix>` of x (B, R) >= 0 over real tokens (0 without any)."""
+    x = torch.where(response_mask, x, torch.zeros_like(x))
     n = int(response_mask.sum())
-    return {"val/first_ratio_mean_dev": float(dev.sum() / max(n, 1)),
-            "val/first_ratio_max_dev": float(dev.max()) if n else 0.0}
+    return {f"{name}_mean{suffix}": float(x.sum() / max(n, 1)), f"{name}_max{suffix}": float(x.max()) if n else 0.0}

@@ -39,6 +39,7 @@ import contextlib
 import fnmatch
 import getpass
 import hashlib
+import json
 import logging
 import numbers
 import os
@@ -147,7 +148,6 @@ def join_tags() -> dict[str, str]:
 def yaml_value(value: Any) -> str:
     """A param value as params.yaml writes it (`null`, `false`, `[4, 16, 64]`), not Python's repr,
     so a filter like `params.ppo.target_kl = 'null'` reads as the file does."""
-    import json
     if value is None or isinstance(value, (bool, list, tuple, dict)):
         return json.dumps(value)      # JSON's null/true/false, lists and maps are YAML flow style too
     return str(value)
@@ -191,20 +191,27 @@ def execution_key() -> str | None:
     return None
 
 
-def deps_hash(stage: str, inputs: Sequence[Path]) -> tuple[str, str]:
+def deps_hash(stage: str, inputs: Sequence[Path], dvc_deps: list[tuple[str, str]] | None = None) -> tuple[str, str]:
     """(hash, source) of what the stage reads. When DVC runs this stage (env DVC_STAGE names it):
     sha256 over the stage's `deps` paths and their hashes as DVC computes them for this run, i.e.
     the value `lock_deps_hash` gives for the dvc.lock DVC writes when the stage ends. dvc.lock
     can't be read instead: DVC rewrites a stage's entry only after its command exits, so during the
     run it still describes the previous run. Otherwise (a stage run by hand, tests): sha256 over
-    the contents of the caller's input paths."""
+    the contents of the caller's input paths. `dvc_deps`: `dvc_deps_of(stage)` when the caller has it."""
+    deps = dvc_deps_of(stage) if dvc_deps is None else dvc_deps
+    return (_digest(deps), "dvc") if deps else (inputs_hash(inputs), "inputs")
+
+
+def dvc_deps_of(stage: str) -> list[tuple[str, str]]:
+    """`_dvc_deps` of `stage` when DVC is running it (env DVC_STAGE names it), else []."""
     addressing = os.environ.get("DVC_STAGE", "")
-    if addressing.rpartition(":")[2] == stage:
-        try:
-            return _digest(_dvc_deps(addressing)), "dvc"
-        except Exception as err:      # noqa: BLE001 -- DVC internals; the source tag says we fell back
-            log.info("deps_hash: DVC could not hash the deps of %s (%s); hashing the inputs", addressing, err)
-    return inputs_hash(inputs), "inputs"
+    if addressing.rpartition(":")[2] != stage:
+        return []
+    try:
+        return _dvc_deps(addressing)
+    except Exception as err:           # noqa: BLE001 -- DVC internals; the callers fall back to sha256
+        log.info("DVC could not hash the deps of %s (%s); hashing the inputs", addressing, err)
+        return []
 
 
 def _dvc_deps(addressing: str) -> list[tuple[str, str]]:
@@ -306,12 +313,13 @@ class MlflowTracker(Tracker):
     def start(self, stage: str, config: Mapping[str, Any], inputs: Sequence[Path], fingerprint: str = "") -> None:
         self.stage, self.config = stage, config
         tags = self._guard("reading git and DVC state", lambda: {**join_tags(), "stage": stage})
-        digest = self._guard("hashing the stage's inputs", lambda: deps_hash(stage, inputs))
+        dvc = self._guard("reading DVC's hashes of the stage's deps", lambda: dvc_deps_of(stage)) or []
+        digest = self._guard("hashing the stage's inputs", lambda: deps_hash(stage, inputs, dvc))
         self._guard("starting the stage's run", lambda: self._start(stage, config, {
             **tags, "deps_hash": digest[0], "deps_hash_source": digest[1], PROCESS_TAG: process_key(),
             **({FINGERPRINT_TAG: fingerprint} if fingerprint else {})}))
         self._soft("recording the parent's params", lambda: self._log_parent_params(config))
-        self._soft("logging the input datasets", lambda: self._log_datasets(stage, inputs))
+        self._soft("logging the input datasets", lambda: self._log_datasets(stage, inputs, dict(dvc)))
 
     def _start(self, stage: str, config: Mapping[str, Any], tags: dict[str, str]) -> None:
         for key, value in HTTP_DEFAULTS.items():
@@ -403,12 +411,11 @@ class MlflowTracker(Tracker):
             if params:
                 self.client.log_batch(self.parent_id, params=params)
 
-    def _log_datasets(self, stage: str, inputs: Sequence[Path]) -> None:
+    def _log_datasets(self, stage: str, inputs: Sequence[Path], dvc: dict[str, str]) -> None:
         """Each data input (a folder or file that holds no model weights) as a dataset input of the
         run: name, source path, digest = DVC's md5 of it when DVC runs the stage (what dvc.lock
         records), else a sha256 prefix of its files (tag `digest_source` says which)."""
         from mlflow.entities import Dataset, DatasetInput, InputTag
-        dvc = dict(_dvc_deps_or_none(stage))
         datasets = []
         for path in map(Path, inputs):
             if path.is_dir() and any((path / f).exists() for f in ("model.safetensors", "adapter_model.safetensors",
@@ -489,21 +496,13 @@ class MlflowTracker(Tracker):
             self.run_id, figure, name, save_kwargs=FIGURE_SAVE))
         self._figures.add(name)
 
-    def log_image(self, path: Path) -> None:
-        """A PNG the stage wrote that it didn't log as a figure, as an MLflow image."""
-        def call() -> None:
-            from PIL import Image
-            with Image.open(path) as img:
-                self.client.log_image(self.run_id, img.copy(), artifact_file=path.name)
-        self._guard(f"logging the figure {path}", call)
-
     def log_table(self, rows: Mapping[str, Sequence[Any]], name: str) -> None:
         """Columns of equal length as an MLflow table (`name`.json; the UI's table viewer)."""
         self._guard(f"logging the table {name}", lambda: self.client.log_table(self.run_id, dict(rows), name))
 
     def log_outputs(self, out: Path) -> None:
-        """The stage's model as a registered MLflow model (policies and RM), its figures as images,
-        its other top-level files as artifacts."""
+        """The stage's model as a registered MLflow model (policies and RM), then its top-level files
+        as artifacts, except the figures already logged with `log_figure`."""
         from . import mlflow_models
         if (out / "model").is_dir() and self.stage in mlflow_models.REGISTERED and mlflow_models.enabled():
             tags = {k: v for k, v in join_tags().items() if not k.startswith("mlflow.")}
@@ -517,10 +516,7 @@ class MlflowTracker(Tracker):
                 log.info("MLflow: registered %s version %s (model %s)", mlflow_models.REGISTERED[self.stage],
                          version, model_id)
         for path in sorted(out.iterdir()):
-            if path.is_file() and path.suffix == ".png":
-                if path.name not in self._figures:
-                    self.log_image(path)
-            elif path.is_file() and path.suffix in (".tsv", ".json", ".md"):
+            if path.is_file() and path.suffix in (".png", ".tsv", ".json", ".md") and path.name not in self._figures:
                 self.log_artifact(path)
 
     def mark_resumed(self, step: int) -> None:
@@ -578,18 +574,7 @@ def _relative(path: Path) -> str:
 
 
 def json_source(path: Path) -> str:
-    import json
     return json.dumps({"uri": Path(path).resolve().as_uri()})
-
-
-def _dvc_deps_or_none(stage: str) -> list[tuple[str, str]]:
-    addressing = os.environ.get("DVC_STAGE", "")
-    if addressing.rpartition(":")[2] != stage:
-        return []
-    try:
-        return _dvc_deps(addressing)
-    except Exception:                  # noqa: BLE001 -- DVC internals; the digest falls back to sha256
-        return []
 
 
 @contextlib.contextmanager
