@@ -8,7 +8,7 @@ BIN := $(CURDIR)/$(VENV)/bin
 export PATH := $(BIN):$(PATH)
 export TORCH_EXTENSIONS_DIR ?= $(CURDIR)/.cache/torch_extensions
 
-.PHONY: install pipeline test lock bench snakemake slurm commit register remote push offline-page
+.PHONY: install pipeline compare test lock bench snakemake slurm commit register remote push offline-page
 
 $(VENV)/.installed: pyproject.toml requirements.lock
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -27,6 +27,15 @@ pipeline: install
 	@echo "  Metrics:     .venv/bin/dvc metrics show   (files: outputs/*/metrics.json; step logs outputs/*/*.tsv)"
 	@echo "  Checkpoints: outputs/{sft,reward,ppo}/model (Hugging Face format)"
 	@echo "  MLflow UI:   .venv/bin/mlflow ui --backend-store-uri sqlite:///$(CURDIR)/mlflow.db"
+
+# The alignment methods side by side (compare/dvc.yaml): the default pipeline if needed, then DPO,
+# GRPO, rejection-sampling fine-tuning and their comparison with PPO, SFT and best-of-n.
+compare: install
+	$(BIN)/python -m pipeline recover-lock
+	$(BIN)/python -m pipeline recover-lock --lock compare/dvc.lock
+	dvc repro compare/dvc.yaml
+	@echo
+	@echo "Done. Comparison: outputs/compare/report.md (with gold_vs_kl.png)"
 
 # The same stages under Snakemake: on this machine, or as SLURM jobs (see profiles/).
 snakemake: install

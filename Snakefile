@@ -1,7 +1,7 @@
 # The pipeline under Snakemake (a workstation or a SLURM cluster), for
 #     snakemake --profile profiles/local     |     snakemake --profile profiles/slurm
 #
-# One rule per stage of dvc.yaml, built from it (pipeline/workflow/stage_graph.py): the same command,
+# One rule per stage of dvc.yaml and compare/dvc.yaml, built from them (pipeline/workflow/stage_graph.py): the same command,
 # inputs (deps), outputs (outs, metrics, plots) and params, so the two engines cannot drift.
 # params.yaml is Snakemake's config; its `cluster` section gives each job its SLURM resources
 # (pipeline/workflow/cluster.py). A stage's output log goes to logs/<stage>.log; under SLURM the job's own
@@ -27,7 +27,7 @@ try:
     stage_graph.check_no_overrides(workflow.config_settings.overwrite_config)
     PARAMS = load_params("params.yaml")      # validated before any job is submitted
     cluster.check_shape(PARAMS)
-    STAGES = stage_graph.load("dvc.yaml")
+    STAGES = stage_graph.load_all()          # dvc.yaml, then compare/dvc.yaml (the methods side by side)
     if workflow.is_main_process:             # not again inside each job (a SLURM job parses this file too)
         stage_graph.write_param_files(STAGES, "params.yaml")
         stage_graph.drop_stale_benchmarks(STAGES)
@@ -58,10 +58,15 @@ def _outputs(stage):
     return out
 
 
+# The default target is the default pipeline (dvc.yaml); `snakemake ... compare` also builds every
+# method of compare/dvc.yaml and their comparison (its rule reads all of them).
+DEFAULT = {s.name for s in stage_graph.load("dvc.yaml")}
+
+
 rule all:
     default_target: True
     input:
-        [o for s in STAGES for o in s.outs],
+        [o for s in STAGES if s.name in DEFAULT for o in s.outs],
 
 
 for _stage in STAGES:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 import shlex
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -24,7 +25,8 @@ from pipeline.workflow import stage_graph  # noqa: E402
 
 def main() -> int:
     files = subprocess.run(["git", "ls-files", "-z"], cwd=ROOT, capture_output=True, text=True, check=True).stdout
-    env = {**os.environ, "PIPELINE_TRACKING": "off", "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}"}
+    env = {**os.environ, "PIPELINE_TRACKING": "off", "PIPELINE_PYTHON": sys.executable,
+           "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}"}
     total = 0.0
     print(f"default pipeline, stage wall times ({os.cpu_count()} CPUs)")
     with tempfile.TemporaryDirectory() as tmp:
@@ -32,7 +34,7 @@ def main() -> int:
             if rel.startswith("outputs/") or rel == "dvc.lock":
                 continue
             (Path(tmp) / rel).parent.mkdir(parents=True, exist_ok=True)
-            (Path(tmp) / rel).write_bytes((ROOT / rel).read_bytes())
+            shutil.copy2(ROOT / rel, Path(tmp) / rel)     # keeps bin/pipeline executable
         for stage in stage_graph.load(Path(tmp) / "dvc.yaml"):
             cmd = shlex.split(stage.cmd) + ["--no-progress"]
             t0 = time.perf_counter()

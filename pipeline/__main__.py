@@ -28,8 +28,16 @@ STAGES: dict[str, tuple[str, dict[str, str]]] = {
     "sft": ("supervised fine-tuning on demonstrations", {"data": DATA, "out": "outputs/sft"}),
     "reward": ("reward model on preference pairs", {"data": DATA, "sft": SFT, "out": "outputs/reward"}),
     "ppo": ("PPO against the reward model", {"data": DATA, "sft": SFT, "reward": RM, "out": "outputs/ppo"}),
+    "dpo": ("offline preference optimisation of the SFT policy on the pairs (DPO, IPO or SimPO)",
+            {"data": DATA, "sft": SFT, "out": "outputs/dpo"}),
+    "grpo": ("critic-free online RL against the reward model (GRPO, RLOO, REINFORCE++; the grpo section)",
+             {"data": DATA, "sft": SFT, "reward": RM, "out": "outputs/grpo"}),
+    "rs": ("rejection-sampling fine-tuning: best-of-n SFT samples by the reward model, then SFT on them",
+           {"data": DATA, "sft": SFT, "reward": RM, "out": "outputs/rs"}),
     "evaluate": ("SFT, best-of-n and PPO on the held-out prompts",
                  {"data": DATA, "sft": SFT, "reward": RM, "ppo": PPO, "out": "outputs/evaluate"}),
+    "compare": ("every alignment method (--policy NAME=FOLDER each), SFT and best-of-n on the held-out prompts",
+                {"data": DATA, "sft": SFT, "reward": RM, "out": "outputs/compare"}),
     "frontier": ("plot gold and RM score against KL across DVC experiments", {"out": "outputs/frontier.png"}),
     "check": ("validate the params file (and with --data the inputs every stage reads) and exit", {}),
     "recipe": ("merge recipes/<name>.yaml into the params file (validated first)", {}),
@@ -54,13 +62,17 @@ def check_inputs(params, data_dir: Path) -> None:
     """Read every input the stages read, through the same loaders and checks they run before their
     first step (records, schemas, leakage, pairs, stats.json), without building a model."""
     from .data import inputs
-    from .stages import reward
+    from .stages import dpo, reward
 
     for split in ("train", "eval"):
         inputs.demonstrations(params, data_dir, split)
         inputs.prompt_records(params, data_dir, split)
     _, held = reward.pair_sources(params, data_dir)
     reward.held_out(params, data_dir, held)
+    dpo.pair_sources(params, data_dir)      # its own `dpo.dataset` (the same pairs by default)
+
+
+TRAINING = ("sft", "reward", "ppo", "dpo", "rs", "grpo")   # stages that train, each in its own distributed session
 
 
 # What each path option names; its default is the path dvc.yaml passes.
@@ -109,16 +121,20 @@ def _parser() -> argparse.ArgumentParser:
             p.add_argument("--params", type=Path, default=Path("params.yaml"),
                            help="the params file, validated in full before anything runs")
             p.add_argument("--no-progress", action="store_true",
-                           help="no progress bar on a terminal, no progress lines in a log (sft, reward and ppo "
-                                "show them; default: shown)")
+                           help="no progress bar on a terminal, no progress lines in a log (sft, reward, ppo, "
+                                "dpo and rs show them; default: shown)")
         if stage == "check":
             p.add_argument("--data", type=Path, default=None,
                            help="also read and validate every input the stages read from this prepared folder "
                                 "(and the datasets params name), as they do before training (default: the params "
                                 "file only)")
         if stage == "plan":
-            p.add_argument("--stage", dest="plan_stage", choices=("sft", "reward", "ppo", "evaluate"), default=None,
+            p.add_argument("--stage", dest="plan_stage", choices=("sft", "reward", "ppo", "dpo", "rs", "grpo", "evaluate"), default=None,
                            help="only this stage (default: all)")
+        if stage == "compare":
+            p.add_argument("--policy", action="append", default=[], metavar="NAME=FOLDER",
+                           help="a method's policy checkpoint, e.g. dpo=outputs/dpo/model (repeat for each; "
+                                "default: none, only SFT and best-of-n)")
         if stage == "recover-lock":
             p.add_argument("--lock", type=Path, default=Path("dvc.lock"), help="the lock file to check")
         if stage == "detect":
@@ -127,7 +143,7 @@ def _parser() -> argparse.ArgumentParser:
             p.add_argument("name", nargs="?", default=None, help="a file of recipes/ without .yaml")
             p.add_argument("--list", action="store_true", help="list the recipes with their first comment line and exit")
             p.add_argument("--out", type=Path, default=None, help="where to write (default: the params file)")
-        if stage in ("sft", "reward", "ppo"):
+        if stage in TRAINING:
             # Per node on a cluster (the params file is shared): e.g. --node-rank $SLURM_NODEID.
             p.add_argument("--node-rank", type=int, default=None,
                            help="override distributed.node_rank (default: params', or SLURM_NODEID in a "
@@ -153,7 +169,7 @@ def quiet_libraries() -> None:
 
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
-    if args.stage in ("prepare", "sft", "reward", "ppo", "evaluate"):
+    if args.stage in ("prepare", *TRAINING, "evaluate", "compare"):
         quiet_libraries()
     if args.stage == "frontier":
         from .measurement import frontier
@@ -186,7 +202,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.stage == "plan":
             from .training import memory_plan
             return memory_plan.main(params, args.data, args.plan_stage)
-        if args.stage in ("sft", "reward", "ppo"):
+        if args.stage in TRAINING:
             node_rank, master_addr = args.node_rank, args.master_addr
             if node_rank is None and getattr(params, args.stage).distributed.num_nodes > 1:
                 # One copy per node of a SLURM job (see pipeline/workflow/cluster.py): rank and master from SLURM.
@@ -201,7 +217,7 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"{args.stage}: launching {dist.world_size} processes: {' '.join(cmd)}", flush=True)
                 return subprocess.call(cmd)
         out = getattr(args, "out", None)
-        if args.stage in ("prepare", "sft", "reward", "ppo", "evaluate") and out is not None \
+        if args.stage in ("prepare", *TRAINING, "evaluate", "compare") and out is not None \
                 and (out.exists() or out.is_symlink()) and not out.is_dir():
             raise DataError(f"{out}: --out names an existing file; the {args.stage} stage writes a folder there")
         if args.stage == "prepare":
@@ -209,7 +225,7 @@ def main(argv: list[str] | None = None) -> int:
             stats = prepare.run(params.data, args.out)
             print(f"prepare: wrote {args.out} (noise ceiling on held-out pairs "
                   f"{stats['noise_ceiling']['pairs_eval']:.3f})")
-        elif args.stage in ("sft", "reward", "ppo"):
+        elif args.stage in TRAINING:
             module = importlib.import_module(f".stages.{args.stage}", __package__)   # this stage's code only
             folders = [getattr(args, name) for name in module.SPEC.inputs]   # --data, --sft, ... as declared
             metrics = module.run(params, *folders, args.out, progress=not args.no_progress)
@@ -227,6 +243,11 @@ def main(argv: list[str] | None = None) -> int:
             if "win_rate/ppo_vs_sft_gold" in metrics:
                 print(f"  win_rate/ppo_vs_sft_gold = {metrics['win_rate/ppo_vs_sft_gold']:.3f}")
             print(evaluate.verdict(metrics, evaluate.detector_record(args.ppo)))
+        elif args.stage == "compare":
+            from .stages import compare
+            metrics = compare.run(params, args.data, args.sft, args.reward, args.policy, args.out)
+            print(f"compare: wrote {args.out}; report: {args.out / 'report.md'}")
+            print("\n".join(compare.console_lines(metrics)))
         else:
             if args.data is not None:
                 check_inputs(params, args.data)

@@ -229,6 +229,78 @@ class RewardConfig:
 
 
 @dataclass(frozen=True)
+class PreferenceOptConfig:
+    """`dpo`: offline preference optimisation of the SFT policy on preference pairs: DPO (with
+    conservative label smoothing), IPO, or the reference-free SimPO (pipeline/preference/losses.py).
+
+    One `beta` serves all three methods, each in its paper's role: DPO's KL strength, IPO's tau
+    (target 1 / (2 beta)), SimPO's reward scale. The papers' values differ: DPO and IPO use about
+    0.1, SimPO about 2 to 2.5 with simpo_gamma / beta near 0.5 (Meng et al. 2024's search), so a
+    SimPO run sets `beta` itself; nothing is rescaled behind its back."""
+    seed: int = num(0, ge=0)
+    method: Literal["dpo", "ipo", "simpo"] = "dpo"
+    # 2.0, not DPO's usual 0.1: on the default task (noisy labels, a 4-layer model) beta 0.1 moves the
+    # policy 11.8 nats from SFT with no gold gain, 0.5 reaches gold 1.19 at 3.0 nats, 2.0 gold 1.24 at
+    # 0.3 nats (one run each, 2026-12-01; README, "Alignment methods compared").
+    beta: float = num(2.0, gt=0.0, doc="DPO's KL strength, IPO's tau, SimPO's reward scale")
+    label_smoothing: float = num(0.0, ge=0.0, lt=0.5, doc="DPO only: assumed probability of a flipped label (cDPO)")
+    simpo_gamma: float = num(0.5, ge=0.0, doc="SimPO only: target margin between the two rewards")
+    # 20x below sft.lr and equal to ppo.lr: the same tiny model, starting from the same SFT weights,
+    # should move a little from them, as PPO's actor does, not re-learn the task (DPO's 5e-7 is for
+    # 7B models; a 4-layer model of width 96 needs steps as large as PPO's to move at all).
+    lr: float = num(1e-4, gt=0.0)
+    weight_decay: float = num(0.0, ge=0.0)
+    batch_size: int = num(32, ge=1, doc="pairs per optimizer step")
+    epochs: float = num(1.0, gt=0.0, doc="passes over the pairs; DPO overfits deterministic-looking pairs fast (Azar et al. 2023)")
+    warmup_ratio: float = num(0.1, ge=0.0, lt=1.0)
+    max_grad_norm: float = num(1.0, gt=0.0)
+    max_length: int = num(96, ge=8, doc="prompt + longer response tokens; longer pairs follow `overlong`")
+    eval_every: int = num(100, ge=1)
+    save_every: int = num(100, ge=1, doc="steps between resumable checkpoints")
+    n_eval_prompts: int = num(200, ge=2, doc="held-out prompts the trained policy is measured on (as ppo.sampling)")
+    dataset: PreferenceDataConfig = field(default_factory=PreferenceDataConfig)   # the RM's pairs by default
+    overlong: Literal["truncate", "drop", "error"] = "truncate"   # truncate: the prompt loses its left end
+    lora: LoraConfig = field(default_factory=LoraConfig)
+    distributed: DistributedConfig = field(default_factory=DistributedConfig)  # merged over the top level
+
+    def __post_init__(self) -> None:
+        if self.dataset.margin_column is not None:
+            # The RM's loss takes a per-pair margin; none of these losses has a place for one.
+            raise ConfigError(f"dpo.dataset.margin_column: DPO, IPO and SimPO use no per-pair margin; set it to "
+                              f"null (got {self.dataset.margin_column!r})")
+
+
+@dataclass(frozen=True)
+class RejectionSamplingConfig:
+    """`rs`: rejection-sampling fine-tuning (best-of-n, then SFT on the winners; Touvron et al. 2023,
+    sec. 3.2.3; Dong et al. 2023, RAFT): `n` samples of the SFT policy per training prompt (the PPO
+    prompts), the reward model's favourite kept, and a fresh copy of the SFT policy fine-tuned on
+    the kept ones with SFT's loss (response tokens only)."""
+    seed: int = num(0, ge=0)
+    n: int = num(8, ge=2, doc="samples per prompt, the RM keeping the best; 1 would be SFT on its own samples")
+    n_prompts: Optional[int] = num(None, ge=1, doc="the first this many PPO train prompts are sampled; None: all")
+    sampling: SamplingConfig = field(default_factory=SamplingConfig)   # how the SFT policy samples candidates
+    min_score: Optional[float] = num(None, doc="a winner with an RM score below this is not kept; None: every winner")
+    # Half of sft.lr: training continues from the SFT weights on the SFT policy's own samples. On the
+    # default task (one seed, 1000 prompts) 2e-4 barely moved it (gold 1.17 at KL 0.37 to SFT), 1e-3
+    # reached 1.72 at KL 0.86, and 2e-3 or 4 epochs added under 0.2 gold for more KL; all 2000
+    # prompts: 1.91 at KL 0.89.
+    lr: float = num(1e-3, gt=0.0)
+    weight_decay: float = num(0.01, ge=0.0)
+    batch_size: int = num(32, ge=1)
+    epochs: float = num(2.0, gt=0.0, doc="passes over the winners")
+    warmup_ratio: float = num(0.05, ge=0.0, lt=1.0)
+    max_grad_norm: float = num(1.0, gt=0.0)
+    max_length: int = num(96, ge=8, doc="prompt + response tokens; longer winners follow `overlong`")
+    eval_every: int = num(20, ge=1)
+    save_every: int = num(20, ge=1, doc="steps between resumable checkpoints")
+    n_eval_prompts: int = num(200, ge=2, doc="held-out prompts the trained policy is measured on (as ppo.sampling)")
+    overlong: Literal["truncate", "drop", "error"] = "truncate"   # truncate: the prompt loses its left end
+    lora: LoraConfig = field(default_factory=LoraConfig)
+    distributed: DistributedConfig = field(default_factory=DistributedConfig)  # merged over the top level
+
+
+@dataclass(frozen=True)
 class DetectorConfig:
     """`ppo.detector`: signs of reward over-optimisation that need no gold annotator (pipeline/ppo/detector.py).
 
@@ -256,10 +328,33 @@ class DetectorConfig:
 
 @dataclass(frozen=True)
 class PPOConfig:
-    """`ppo`: PPO against the reward model (InstructGPT step 3). Names follow TRL where they can."""
+    """`ppo`: PPO against the reward model (InstructGPT step 3). Names follow TRL where they can.
+
+    `advantage` picks the estimator (pipeline/ppo/group_advantages.py for the critic-free ones):
+    - gae: PPO with a critic (four models: actor, critic, reference, reward);
+    - grpo (`grpo_scale: false` is Dr. GRPO), rloo, reinforce_baseline: a baseline from the other
+      responses to the same prompt, no critic (three models). They need `samples_per_prompt` k >= 2.
+    The critic's keys (critic_lr, critic_init, critic_lora, clip_eps_value, vf_coef, shared_backbone)
+    and GAE's (gamma, lam) are unused by a critic-free estimator: accepted, ignored, not an error, so
+    one params file can switch estimators with one key.
+
+    `rollout_batch_size` counts responses (rows), not prompts: an iteration samples
+    rollout_batch_size / k prompts, each k times, its k rows consecutive. So minibatch and micro-batch
+    sizes keep meaning rows, and the same rollout_batch_size generates the same number of responses
+    (the cost of an iteration) whatever k is.
+
+    `loss_aggregation` reduces the per-token policy loss (and the k3 KL loss and the entropy bonus,
+    as verl's `agg_loss` does) to a scalar: token_mean is PPO as trained here and DAPO; seq_mean is
+    GRPO as published (each response's token mean, then the mean over responses); seq_sum_norm is
+    Dr. GRPO (token sum / (responses * sampling.max_new_tokens), no length normalisation)."""
+    _section: typing.ClassVar[str] = "ppo"   # the params section, for error messages (grpo reuses this class)
     seed: int = num(0, ge=0)
     iterations: int = num(100, ge=1, doc="rollout + update rounds")
-    rollout_batch_size: int = num(64, ge=2, doc="prompts sampled per iteration")
+    rollout_batch_size: int = num(64, ge=2, doc="responses sampled per iteration (prompts x samples_per_prompt)")
+    advantage: Literal["gae", "grpo", "rloo", "reinforce_baseline"] = "gae"
+    samples_per_prompt: int = num(1, ge=1, doc="k responses per prompt, consecutive rows; >= 2 for group estimators")
+    grpo_scale: bool = True               # grpo: divide by the group's std; false: Dr. GRPO (Liu et al. 2025)
+    loss_aggregation: Literal["token_mean", "seq_mean", "seq_sum_norm"] = "token_mean"
     minibatch_size: int = num(32, ge=1, doc="rollouts per optimizer step")
     micro_batch_size: int = num(16, ge=1, doc="rollouts per forward/backward (gradient accumulation)")
     ppo_epochs: int = num(4, ge=1)
@@ -305,36 +400,82 @@ class PPOConfig:
     detector: DetectorConfig = field(default_factory=DetectorConfig)
     distributed: DistributedConfig = field(default_factory=DistributedConfig)  # merged over the top level
 
+    @property
+    def uses_critic(self) -> bool:
+        """GAE needs a critic; the group estimators take their baseline from the other responses."""
+        return self.advantage == "gae"
+
     def __post_init__(self) -> None:
-        dist = self.distributed
+        dist, s = self.distributed, self._section
         if self.rollout_batch_size % (self.minibatch_size) or self.minibatch_size % dist.world_size:
-            raise ConfigError(f"ppo.minibatch_size: {self.minibatch_size} must divide ppo.rollout_batch_size="
+            raise ConfigError(f"{s}.minibatch_size: {self.minibatch_size} must divide {s}.rollout_batch_size="
                               f"{self.rollout_batch_size} and be divisible by the {dist.world_size} processes")
         if (self.minibatch_size // dist.world_size) % self.micro_batch_size:
-            raise ConfigError(f"ppo.micro_batch_size: {self.micro_batch_size} must divide the per-process "
-                              f"minibatch ppo.minibatch_size / processes = {self.minibatch_size // dist.world_size}")
+            raise ConfigError(f"{s}.micro_batch_size: {self.micro_batch_size} must divide the per-process "
+                              f"minibatch {s}.minibatch_size / processes = {self.minibatch_size // dist.world_size}")
+        if not self.uses_critic and self.samples_per_prompt < 2:
+            raise ConfigError(f"{s}.samples_per_prompt: advantage: {self.advantage} takes each response's baseline "
+                              f"from the other responses to its prompt, so it needs >= 2, got {self.samples_per_prompt}")
+        if self.rollout_batch_size % (self.samples_per_prompt * dist.world_size):
+            # Each process computes its groups' baselines alone: a group must not straddle two processes.
+            raise ConfigError(f"{s}.rollout_batch_size: {self.rollout_batch_size} responses must be divisible by "
+                              f"{s}.samples_per_prompt x processes = {self.samples_per_prompt * dist.world_size}")
+        if not self.uses_critic and self.whiten_rewards:
+            raise ConfigError(f"{s}.whiten_rewards: whitens GAE's per-token rewards; advantage: {self.advantage} "
+                              "normalises the sequence scores itself; set it to false")
         if self.shared_backbone and (dist.backend != "none" or self.critic_lora.enabled):
-            raise ConfigError("ppo.shared_backbone: runs with distributed.backend: none and without critic_lora "
+            raise ConfigError(f"{s}.shared_backbone: runs with distributed.backend: none and without critic_lora "
                               "(the shared trunk is trained by the actor's optimizer)")
         if self.kl_coef > 0 and self.kl_loss_coef > 0:
-            raise ConfigError("ppo.kl_loss_coef: the KL penalty is already in the reward (ppo.kl_coef="
+            raise ConfigError(f"{s}.kl_loss_coef: the KL penalty is already in the reward ({s}.kl_coef="
                               f"{self.kl_coef}); set one of them to 0, never both (double penalty)")
         if self.adaptive_kl and self.kl_coef == 0:
-            raise ConfigError("ppo.adaptive_kl: needs ppo.kl_coef > 0 as its initial value")
+            raise ConfigError(f"{s}.adaptive_kl: needs {s}.kl_coef > 0 as its initial value")
         if type(self.recompute_logprobs) is not bool and self.recompute_logprobs != "auto":
             # Literal's check lets 1 and 0.0 through (1 == True); only YAML's true/false are booleans.
-            raise ConfigError(f"ppo.recompute_logprobs: expected auto, true or false, got {self.recompute_logprobs!r}")
+            raise ConfigError(f"{s}.recompute_logprobs: expected auto, true or false, got {self.recompute_logprobs!r}")
         if self.tis_cap is not None and self.recompute_logprobs is False:
-            raise ConfigError(f"ppo.tis_cap: {self.tis_cap} weights tokens by pi_old / pi_sampler, which is 1 when "
-                              "pi_old is the sampler's; set ppo.recompute_logprobs: auto or true, or tis_cap: null")
+            raise ConfigError(f"{s}.tis_cap: {self.tis_cap} weights tokens by pi_old / pi_sampler, which is 1 when "
+                              f"pi_old is the sampler's; set {s}.recompute_logprobs: auto or true, or tis_cap: null")
         if self.reward_source != "reward_model":
             reward_function(self.reward_source)   # importable, a Python function of (prompts, responses)
         det = self.detector
         if det.enabled and det.action == "stop" and self.save_every >= det.first_check:
             # The weights kept on an alarm are those of the last checkpoint before it: one must exist.
-            raise ConfigError(f"ppo.detector.action: stop keeps the last checkpoint before the alarm, but the "
+            raise ConfigError(f"{s}.detector.action: stop keeps the last checkpoint before the alarm, but the "
                               f"first checkpoint (ppo.save_every={self.save_every}) comes no earlier than the "
                               f"first possible alarm (warmup + 2 * window = {det.first_check}); lower save_every")
+
+
+@dataclass(frozen=True)
+class GRPOConfig(PPOConfig):
+    """`grpo`: the PPO trainer with a critic-free estimator, as its own stage (pipeline/stages/grpo.py),
+    so PPO and GRPO (or RLOO, REINFORCE++, Dr. GRPO) sit side by side in one comparison. The keys are
+    `ppo`'s; only these defaults differ, so a partial `grpo` section still means GRPO.
+
+    GRPO as published (Shao et al. 2024): k = 4 responses per prompt, the group-std-scaled advantage,
+    the per-response token mean (seq_mean), and the KL to the reference in the loss (k3 estimator)
+    instead of in the reward, coefficient 0.05 (DeepSeekMath used 0.04; at the top of the usual
+    range because this small policy drifts fast). Everything else equals `ppo`'s defaults:
+    rollout_batch_size counts responses, so 100 iterations of 64 responses generate the same 6400
+    responses, with the same optimizer steps (4 epochs of 2 minibatches) and learning rate, as PPO's
+    default: the two runs differ in the estimator and the KL's place only.
+
+    The prompts are `ppo.dataset`'s (training and held-out): every method is trained and measured
+    on the same prompts, so `grpo.dataset` must stay unset."""
+    _section: typing.ClassVar[str] = "grpo"
+    advantage: Literal["gae", "grpo", "rloo", "reinforce_baseline"] = "grpo"
+    samples_per_prompt: int = num(4, ge=1, doc="k responses per prompt, consecutive rows; >= 2 for group estimators")
+    loss_aggregation: Literal["token_mean", "seq_mean", "seq_sum_norm"] = "seq_mean"
+    kl_coef: float = num(0.0, ge=0.0, doc="KL penalty in the reward (initial value when adaptive)")
+    kl_loss_coef: float = num(0.05, ge=0.0, doc="KL term in the loss instead (GRPO style)")
+    kl_estimator: Literal["k1", "k2", "k3"] = "k3"
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.dataset != PromptDatasetConfig():
+            raise ConfigError("grpo.dataset: the grpo stage trains on and is measured on ppo.dataset's prompts "
+                              "(the same for every method); set the dataset there and remove grpo.dataset")
 
 
 @dataclass(frozen=True)
@@ -352,6 +493,21 @@ class EvaluateConfig:
         if not ns or any(a >= b for a, b in zip(ns, ns[1:])):
             raise ConfigError(f"evaluate.best_of_n: expected a non-empty, strictly increasing list of sample "
                               f"counts, got {list(ns)}")
+
+
+@dataclass(frozen=True)
+class CompareConfig:
+    """`compare`: every alignment method of compare/dvc.yaml, SFT and best-of-n on the same held-out
+    prompts (sampled as in `ppo.sampling`), judged by the same reward model and gold annotator."""
+    seed: int = num(0, ge=0)
+    n_prompts: int = num(200, ge=2)
+    best_of_n: tuple[int, ...] = num((4, 16, 64), ge=2, doc="best-of-n baselines from SFT; empty: none")
+    bootstrap: int = num(1000, ge=100, doc="bootstrap resamples for win-rate intervals")
+
+    def __post_init__(self) -> None:
+        ns = self.best_of_n
+        if any(a >= b for a, b in zip(ns, ns[1:])):
+            raise ConfigError(f"compare.best_of_n: expected a strictly increasing list of sample counts, got {list(ns)}")
 
 
 @dataclass(frozen=True)
@@ -375,9 +531,14 @@ class ClusterConfig:
     reward: StageResources = field(default_factory=StageResources)
     ppo: StageResources = field(default_factory=lambda: StageResources(runtime=120))
     evaluate: StageResources = field(default_factory=lambda: StageResources(mem_mb=4000, runtime=30))
+    # compare/dvc.yaml's stages (snakemake ... compare)
+    dpo: StageResources = field(default_factory=StageResources)
+    grpo: StageResources = field(default_factory=lambda: StageResources(runtime=120))
+    rs: StageResources = field(default_factory=StageResources)
+    compare: StageResources = field(default_factory=lambda: StageResources(mem_mb=4000, runtime=30))
 
     def __post_init__(self) -> None:
-        for stage in ("prepare", "evaluate"):
+        for stage in ("prepare", "evaluate", "compare"):
             if getattr(self, stage).gpus or getattr(self, stage).nodes > 1:
                 raise ConfigError(f"cluster.{stage}: a CPU stage on one node: set gpus: 0 and nodes: 1")
 
@@ -390,12 +551,16 @@ class Params:
     sft: SFTConfig = field(default_factory=SFTConfig)
     reward: RewardConfig = field(default_factory=RewardConfig)
     ppo: PPOConfig = field(default_factory=PPOConfig)
+    dpo: PreferenceOptConfig = field(default_factory=PreferenceOptConfig)
+    rs: RejectionSamplingConfig = field(default_factory=RejectionSamplingConfig)
+    grpo: GRPOConfig = field(default_factory=GRPOConfig)   # a subclass, so a partial section keeps GRPO's defaults
     evaluate: EvaluateConfig = field(default_factory=EvaluateConfig)
+    compare: CompareConfig = field(default_factory=CompareConfig)
     distributed: DistributedConfig = field(default_factory=DistributedConfig)
     cluster: ClusterConfig = field(default_factory=ClusterConfig)
 
 
-TRAINING_STAGES = ("sft", "reward", "ppo")
+TRAINING_STAGES = ("sft", "reward", "ppo", "dpo", "rs", "grpo")
 
 
 def reward_function(spec: str) -> typing.Callable:
@@ -591,7 +756,7 @@ def load_params(path: str | Path) -> Params:
         raise ConfigError(f"{path}: the params file is empty (write {{}} for every default, or start from the "
                           "repository's params.yaml)")
     params = from_dict(Params, merge_distributed(data, where), where)
-    for stage in ("sft", "reward"):
+    for stage in ("sft", "reward", "dpo", "rs"):
         cfg = getattr(params, stage)
         try:
             check_batch_split(stage, cfg.batch_size, cfg.distributed)

@@ -4,8 +4,9 @@
 # and the prepared data are in DVC's cache, and dvc.lock holds their hashes, so committing the lock
 # is what records them (`make push` uploads them to the DVC remote).
 #
-# Stages (git add) dvc.lock, params.yaml and everything git reports changed under outputs/, after
-# checking that the workspace is the run dvc.lock describes (`dvc status` clean). Commits only when
+# Stages (git add) dvc.lock, params.yaml and everything git reports changed under outputs/ (and
+# compare/dvc.lock after `make compare`), after checking that the workspace is the run the lock
+# files describe (`dvc status` clean). Commits only when
 # asked: MSG="<message>", or COMMIT=1 for "pipeline run <UTC date and time>".
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -13,14 +14,22 @@ cd "$(dirname "$0")/.."
 dvc=.venv/bin/dvc
 [ -x "$dvc" ] || dvc=dvc
 
-if ! "$dvc" status --quiet; then
-    echo "make commit: the workspace is not the run in dvc.lock (a stage is out of date or was" \
-         "interrupted); finish it with 'make pipeline' first. dvc status:" >&2
-    "$dvc" status >&2 || true
+# The default pipeline must be clean; the methods of compare/dvc.yaml only once they have been run
+# here (compare/dvc.lock differs from HEAD's, or is new): a plain `make pipeline` does not run them.
+pipelines=(dvc.yaml)
+if [ -f compare/dvc.lock ] && { ! git ls-files --error-unmatch compare/dvc.lock >/dev/null 2>&1 \
+                                || ! git diff --quiet HEAD -- compare/dvc.lock; }; then
+    pipelines+=(compare/dvc.yaml)
+fi
+if ! "$dvc" status --quiet "${pipelines[@]}"; then
+    echo "make commit: the workspace is not the run in the lock files (a stage is out of date or was" \
+         "interrupted); finish it with 'make pipeline' (or 'make compare') first. dvc status:" >&2
+    "$dvc" status "${pipelines[@]}" >&2 || true
     exit 1
 fi
 
 git add -A -- dvc.lock params.yaml outputs
+[ "${#pipelines[@]}" -gt 1 ] && git add -A -- compare/dvc.lock
 if git diff --cached --quiet; then
     echo "make commit: nothing to commit: dvc.lock, params.yaml and outputs/ are as committed."
     exit 0

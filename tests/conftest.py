@@ -29,6 +29,13 @@ TINY = {
     "ppo": {"iterations": 3, "rollout_batch_size": 8, "minibatch_size": 4, "micro_batch_size": 2, "ppo_epochs": 2,
             "save_every": 2, "n_eval_prompts": 8, "sampling": {"max_new_tokens": 12}},
     "evaluate": {"n_prompts": 8, "best_of_n": [2, 3], "bootstrap": 200, "n_samples_shown": 3},
+    # compare/dvc.yaml's methods
+    "dpo": {"batch_size": 16, "epochs": 1.0, "eval_every": 2, "save_every": 2, "n_eval_prompts": 8},
+    "grpo": {"iterations": 3, "rollout_batch_size": 8, "minibatch_size": 4, "micro_batch_size": 2, "ppo_epochs": 2,
+             "save_every": 2, "n_eval_prompts": 8, "sampling": {"max_new_tokens": 12}},
+    "rs": {"n": 2, "n_prompts": 8, "batch_size": 8, "epochs": 1.0, "eval_every": 2, "save_every": 2,
+           "n_eval_prompts": 8, "sampling": {"max_new_tokens": 12}},
+    "compare": {"n_prompts": 8, "best_of_n": [2], "bootstrap": 200},
 }
 
 
@@ -86,7 +93,7 @@ def copy_repo(dest: Path) -> Path:
                            cwd=REPO, capture_output=True, text=True, check=True).stdout.split("\0")
     for rel in filter(None, files):
         src = REPO / rel
-        if src.is_file() and not rel.startswith(("outputs/", "dvc.lock")):
+        if src.is_file() and not rel.startswith(("outputs/", "dvc.lock", "compare/dvc.lock")):
             (dest / rel).parent.mkdir(parents=True, exist_ok=True)
             shutil.copy2(src, dest / rel)
     run(["git", "init", "-q", "-b", "main"], dest)

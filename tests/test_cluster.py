@@ -67,6 +67,26 @@ def test_snakemake_dag_is_the_dvc_dag(tmp_path):
     assert one.outs == ("a",) and one.persistent == ("b",)
 
 
+def test_compare_pipeline_is_a_target_of_its_own_in_both_engines(tmp_path):
+    """compare/dvc.yaml's methods run only when asked for: `dvc repro` (dvc.yaml) and Snakemake's
+    default target plan the five default stages; `dvc repro compare/dvc.yaml` and `snakemake
+    compare` plan those and every method, with the same edges in both engines."""
+    repo = _repo(tmp_path, "compare")
+    dvc = str(BIN / "dvc")
+    default = re.findall(r"Running stage '([^']+)'", run([dvc, "repro", "--dry"], repo).stdout)
+    assert default == list(STAGES)
+    full = re.findall(r"Running stage '([^']+)'", run([dvc, "repro", "--dry", "compare/dvc.yaml"], repo).stdout)
+    methods = {"compare/dvc.yaml:" + s for s in ("dpo", "grpo", "rs", "compare")}
+    assert set(full) == set(STAGES) | methods and full[-1] == "compare/dvc.yaml:compare"
+    rulegraph = run([str(BIN / "snakemake"), "-n", "--rulegraph", "--quiet", "compare"], repo).stdout
+    labels = dict(re.findall(r'^\s*(\d+)\[label = "(\w+)"', rulegraph, flags=re.M))
+    snake = _dot_edges(rulegraph, labels)
+    graph = stage_graph.edges(stage_graph.load_all(repo))
+    assert snake == graph and {"ppo", "dpo", "grpo", "rs"} == {a for a, b in graph if b == "compare"} - {"prepare", "sft", "reward"}
+    planned = run([str(BIN / "snakemake"), "-n", "--quiet", "rules"], repo).stdout
+    assert not re.search(r"\b(dpo|grpo|rs|compare)\b", planned), planned    # the default target: dvc.yaml's
+
+
 def test_snakemake_lint_is_clean(tmp_path):
     repo = _repo(tmp_path, "lint")
     proc = run([str(BIN / "snakemake"), "--lint"], repo)
@@ -100,7 +120,7 @@ def test_either_engine_then_snakemake_reruns_exactly_what_a_param_change_reaches
 
     # Snakemake's first look, after a params edit: what DVC flags and what follows it.
     _set(repo, "ppo", "kl_coef", 0.123)
-    assert set(json.loads(run([str(BIN / "dvc"), "status", "--json"], repo).stdout)) == {"ppo"}
+    assert set(json.loads(run([str(BIN / "dvc"), "status", "--json", "dvc.yaml"], repo).stdout)) == {"ppo"}
     assert _planned(repo) == {"ppo", "evaluate"}
     assert sorted(p.name for p in (repo / ".snakemake/params").iterdir()) == sorted(f"{s}.json" for s in STAGES)
     # `--config` would reach neither the jobs nor DVC: refused in one line.

@@ -276,5 +276,5 @@ def test_a_clone_gets_the_policy_from_the_dvc_remote(finished, tmp_path):
     # And the whole run: `dvc pull` restores every cached output, so DVC finds nothing to re-run.
     run([str(BIN / "dvc"), "pull"], clone, env=bare_env(clone))
     assert tree_hashes(clone / ARTIFACTS["rlhf-reward-model"]) == tree_hashes(repo / ARTIFACTS["rlhf-reward-model"])
-    status = run([str(BIN / "dvc"), "status"], clone, env=bare_env(clone)).stdout
+    status = run([str(BIN / "dvc"), "status", "dvc.yaml"], clone, env=bare_env(clone)).stdout
     assert "up to date" in status

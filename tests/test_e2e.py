@@ -107,6 +107,26 @@ def test_dvc_repro_tiny_pipeline(tiny_repo):
     # for these conditions was written.
     assert check_run(tiny_repo / "outputs") == ([], [])
 
+    # The methods side by side: compare/dvc.yaml on the finished default pipeline runs only its own
+    # stages (the plain `dvc repro` above ran none of them), then its comparison of every policy.
+    assert not (tiny_repo / "outputs/dpo").exists()
+    proc = run([str(BIN / "dvc"), "repro", "compare/dvc.yaml"], tiny_repo, env=bare_env(tiny_repo))
+    ran = re.findall(r"Running stage '([^']+)'", proc.stdout)
+    assert sorted(ran) == sorted(f"compare/dvc.yaml:{s}" for s in ("dpo", "grpo", "rs", "compare")), ran
+    compared = json.loads((tiny_repo / "outputs/compare/metrics.json").read_text())
+    for policy in ("sft", "best_of_2", "ppo", "dpo", "grpo", "rs"):
+        assert math.isfinite(compared[policy]["gold"]) and math.isfinite(compared[policy]["kl"]), policy
+    for policy in ("ppo", "dpo", "grpo", "rs"):
+        assert 0.0 <= compared["win_rate"][f"{policy}_vs_sft_gold"] <= 1.0
+        assert compared[policy]["stage_wall_seconds"] > 0 and compared[policy]["stage_peak_rss_gib"] > 0
+    # The PPO policy is measured on the same prompts with the same seed as evaluate: same numbers.
+    evaluated = json.loads((tiny_repo / "outputs/evaluate/metrics.json").read_text())
+    assert compared["ppo"]["gold"] == evaluated["ppo"]["gold"] and compared["sft"]["rm"] == evaluated["sft"]["rm"]
+    assert (tiny_repo / "outputs/grpo/checkpoint/actor.safetensors").is_file()   # no critic: three models, not four
+    assert not list((tiny_repo / "outputs/grpo").rglob("critic*"))
+    assert (tiny_repo / "outputs/compare/gold_vs_kl.png").read_bytes()[:4] == b"\x89PNG"
+    assert check_run(tiny_repo / "outputs", {"compare"}) == ([], [])
+
     # The README's `dvc repro -f`: SFT re-runs from its final checkpoint and writes every output again.
     logs = {n: (tiny_repo / "outputs/sft" / n).read_bytes() for n in ("train.tsv", "eval.tsv")}
     run([str(BIN / "dvc"), "repro", "-f", "-s", "sft"], tiny_repo)

@@ -12,12 +12,14 @@ from ruamel.yaml import YAML
 from conftest import REPO
 from pipeline.config import Params
 from pipeline.data import inputs
-from pipeline.stages import evaluate, ppo, prepare, reward, sft
+from pipeline.stages import compare, dpo, evaluate, grpo, ppo, prepare, reward, rs, sft
 from pipeline.stages.spec import StageSpec, UndeclaredParam, declared, resolve
-from pipeline.workflow import code_deps
+from pipeline.workflow import code_deps, stage_graph
 
-SPECS = {m.SPEC.name: m.SPEC for m in (prepare, sft, reward, ppo, evaluate)}
-DVC = YAML(typ="safe").load((REPO / "dvc.yaml").read_text())["stages"]
+SPECS = {m.SPEC.name: m.SPEC for m in (prepare, sft, reward, ppo, evaluate, dpo, grpo, rs, compare)}
+# Every pipeline file's stages: the default pipeline and the methods compared on its outputs.
+DVC = {name: spec for f in stage_graph.PIPELINE_FILES
+       for name, spec in YAML(typ="safe").load((REPO / f).read_text())["stages"].items()}
 
 
 def code(deps: list) -> list[str]:

@@ -4,7 +4,7 @@ Contents of the checkpoint folder:
 - `actor` / `critic` state, written by their engines: plain engines write `<name>.safetensors`
   (weights) and `<name>_optim.pt` (optimizer and schedule: tensors and numbers only, loaded with
   weights_only=True); DeepSpeed engines write their own sharded checkpoint under `<name>/`, every
-  rank its shard
+  rank its shard; no `critic` state for a critic-free estimator (there is no critic)
 - `rng_rank<r>.pt`: each rank's sampling, shuffling and prompt-order generators and torch's RNG
 - `state.json`: iteration, KL controller, the prompt sampler's pending order, the step log so far
   (columns in order, and rows), the number of processes, and the fingerprint of the run
@@ -33,7 +33,8 @@ def save(trainer: PPOTrainer, step_log: StepLog, path: Path, fp: str) -> None:
 
     def write(staging: Path) -> None:
         trainer.m.actor.save(staging, "actor")
-        trainer.m.critic.save(staging, "critic")
+        if trainer.m.critic is not None:
+            trainer.m.critic.save(staging, "critic")
         torch.save({"sample": trainer.sample_gen.get_state(), "shuffle": trainer.shuffle_gen.get_state(),
                     "prompts": prompts_gen, "torch": torch.get_rng_state()}, staging / f"rng_rank{ctx.rank}.pt")
 
@@ -49,7 +50,8 @@ def load(trainer: PPOTrainer, path: Path, fp: str) -> dict | None:
     if state is None:
         return None  # nothing saved, or another config / other input models: start afresh
     load_engine(trainer.m.actor, path, "actor")
-    load_engine(trainer.m.critic, path, "critic")
+    if trainer.m.critic is not None:
+        load_engine(trainer.m.critic, path, "critic")
     rng = load_rng(path, trainer.ctx.rank)
     with restoring(path):   # a state.json of this run whose contents do not fit
         trainer.sample_gen.set_state(rng["sample"])

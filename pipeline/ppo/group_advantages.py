@@ -170,3 +170,34 @@ def loss_aggregation(
                              f"got {max_len}")
         return masked.sum() / (response_mask.shape[0] * max_len)
     raise ValueError(f"loss aggregation must be one of 'token_mean', 'seq_mean', 'seq_sum_norm', got {mode!r}")
+
+
+def sequence_rewards(
+    rewards: torch.Tensor,  # (B, R) per-token rewards from advantages.assemble_rewards
+    response_mask: torch.Tensor,  # (B, R) bool
+) -> torch.Tensor:  # (B,) each response's total reward
+    """The sequence score with the KL-in-reward penalty summed over the response:
+    score - kl_coef * sum_t KL_t, the quantity the group baseline is taken of. verl does the same
+    for GRPO/RLOO with `use_kl_in_reward` (token-level rewards summed, then grouped); OpenRLHF instead
+    takes the baseline of the bare score and adds the KL per token as a return-to-go."""
+    _check_mask(response_mask, rewards)
+    return torch.where(response_mask, rewards, torch.zeros_like(rewards)).sum(dim=1)
+
+
+Estimator = Literal["grpo", "rloo", "reinforce_baseline"]
+
+
+def group_advantages(
+    estimator: Estimator,
+    scores: torch.Tensor,  # (B,) per-sequence rewards, B = n_prompts * k
+    k: int,
+    scale: bool = True,
+) -> tuple[torch.Tensor, dict[str, float]]:  # (B,) per-sequence advantages, stats
+    """The named estimator's advantages (`scale` is GRPO's std division; off: Dr. GRPO)."""
+    if estimator == "grpo":
+        return grpo_advantages(scores, k, scale)
+    if estimator == "rloo":
+        return rloo_advantages(scores, k)
+    if estimator == "reinforce_baseline":
+        return reinforce_baseline_advantages(scores, k)
+    raise ValueError(f"group estimator must be one of 'grpo', 'rloo', 'reinforce_baseline', got {estimator!r}")

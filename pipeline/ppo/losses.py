@@ -18,6 +18,7 @@ import torch
 
 
 from .advantages import _check_mask, masked_mean
+from .group_advantages import AggregationMode, loss_aggregation
 
 
 def _token_mean(
@@ -33,6 +34,29 @@ def _token_mean(
     return torch.where(response_mask, per_token, torch.zeros_like(per_token)).sum() / loss_denominator
 
 
+def aggregate(
+    per_token: torch.Tensor,  # (B, R) per-token loss of a micro-batch
+    response_mask: torch.Tensor,  # (B, R) bool
+    mode: AggregationMode = "token_mean",
+    loss_denominator: float | None = None,
+    max_len: int | None = None,
+) -> torch.Tensor:  # scalar
+    """A per-token loss reduced as ``mode`` says (group_advantages.loss_aggregation), such that the
+    micro-batch losses of a minibatch add up to the minibatch's loss. ``loss_denominator`` counts
+    what the mode averages over in the whole minibatch: real tokens for token_mean (the token sum
+    over it, as ``_token_mean``), responses for seq_mean and seq_sum_norm (this micro-batch's
+    aggregate weighted by its share of the minibatch's responses, B / loss_denominator). None: this
+    batch is the whole minibatch."""
+    if mode == "token_mean":
+        return _token_mean(per_token, response_mask, loss_denominator)
+    loss = loss_aggregation(per_token, response_mask, mode, max_len)
+    if loss_denominator is None:
+        return loss
+    if loss_denominator <= 0:
+        raise ValueError(f"loss_denominator must be > 0 (responses in the minibatch), got {loss_denominator}")
+    return loss * (response_mask.shape[0] / loss_denominator)
+
+
 def _masked_float(x: torch.Tensor, mask: torch.Tensor) -> float:
     return masked_mean(x.detach().to(torch.float64), mask).item()
 
@@ -46,6 +70,8 @@ def policy_loss(
     dual_clip: float | None = None,
     loss_denominator: float | None = None,
     tis_weights: torch.Tensor | None = None,  # (B, R) detached, from `truncated_is_weights`; None: off
+    aggregation: AggregationMode = "token_mean",
+    max_len: int | None = None,   # the generation budget, for aggregation="seq_sum_norm"
 ) -> tuple[torch.Tensor, dict[str, float]]:
     """PPO-clip surrogate loss (Schulman et al. 2017, eq. 7), as a loss to minimise.
 
@@ -61,6 +87,9 @@ def policy_loss(
 
     Truncated importance sampling: with ``tis_weights`` each token's objective
     (after both clips) is multiplied by its weight, a constant (see ``truncated_is_weights``).
+
+    The per-token objective is reduced by ``aggregate(..., aggregation, loss_denominator, max_len)``:
+    the token mean by default, or a per-response reduction (GRPO, Dr. GRPO).
 
     Stats: policy/clipfrac counts tokens where the PPO-clip branch is taken
     (zero gradient); policy/dual_clipfrac the tokens held at the dual-clip floor.
@@ -84,7 +113,7 @@ def policy_loss(
     if tis_weights is not None:
         _check_mask(response_mask, tis_weights)
         objective = objective * tis_weights.detach()
-    loss = _token_mean(-objective, response_mask, loss_denominator)
+    loss = aggregate(-objective, response_mask, aggregation, loss_denominator, max_len)
 
     with torch.no_grad():
         clipped = surrogate_clipped < surrogate  # min picked the clipped branch

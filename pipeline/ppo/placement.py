@@ -4,7 +4,9 @@
              the SFT checkpoint; with `ppo.lora` only its adapter trains
 - critic:    trained, a sequence-classification backbone whose `score` head is read at every position,
              initialised from the reward model (default) or from SFT with a fresh head; with
-             `ppo.shared_backbone` a value head on the actor's own trunk instead (one trunk, two heads)
+             `ppo.shared_backbone` a value head on the actor's own trunk instead (one trunk, two heads);
+             none at all with a critic-free `ppo.advantage` (grpo, rloo, reinforce_baseline):
+             three models, not four
 - reference: the SFT policy, frozen: under LoRA the actor with its adapter switched off (no second
              copy of the weights), otherwise a frozen copy, partitioned with ZeRO-3 when training is
              stage 3, replicated otherwise (`offload_frozen` keeps it on the CPU)
@@ -26,7 +28,7 @@ from transformers import PreTrainedTokenizerBase
 
 from ..models import lora
 from ..models import reward_model as rm
-from ..config import Params
+from ..config import Params, PPOConfig
 from ..training.distributed import SINGLE, Context
 from ..training.engines import FrozenModel, TrainEngine, make_engine
 from ..errors import CheckpointError
@@ -37,7 +39,7 @@ from ..models.reward_source import RewardModelSource, RewardSource, make_reward_
 @dataclass
 class PPOModels:
     actor: TrainEngine
-    critic: TrainEngine
+    critic: TrainEngine | None   # None: a critic-free estimator (cfg.uses_critic False)
     ref: torch.nn.Module
     reward: RewardSource
     tok: PreTrainedTokenizerBase
@@ -110,20 +112,10 @@ def place_models(params: Params, sft_dir: Path, reward_dir: Path, ctx: Context =
     actor = make_engine(actor_model, lr=cfg.lr, **engine_settings)
     memory.mark("actor")
 
-    if cfg.shared_backbone:
-        critic_model: torch.nn.Module = SharedValueHead(actor.model)
-    else:
-        if cfg.critic_init == "reward":
-            critic_model, _ = rm.load_reward_model(reward_dir, trust)
-        else:
-            critic_model, _ = rm.init_reward_model(sft_dir, cfg.seed, None, trust)
-        if critic_model.config.vocab_size != actor_model.config.vocab_size:
-            raise CheckpointError(f"ppo.critic_init: the critic ({reward_dir}) and the actor ({sft_dir}) have "
-                                  "different vocabularies; use critic_init: sft")
-        critic_model = lora.wrap(critic_model, cfg.critic_lora, "SEQ_CLS")
-    critic_model.eval()
-    critic = make_engine(critic_model, lr=cfg.critic_lr, **engine_settings)
-    memory.mark("critic")
+    critic = (_critic(cfg, actor, actor_model.config.vocab_size, sft_dir, reward_dir, trust, engine_settings)
+              if cfg.uses_critic else None)
+    if critic is not None:
+        memory.mark("critic")
 
     placed: list[FrozenModel] = []
 
@@ -144,6 +136,24 @@ def place_models(params: Params, sft_dir: Path, reward_dir: Path, ctx: Context =
         memory.mark("auditor")
     return PPOModels(actor=actor, critic=critic, ref=ref, reward=reward, tok=tok, ctx=ctx,
                      frozen=placed[0] if placed else None, memory=memory.used or None, auditor=auditor)
+
+
+def _critic(cfg: PPOConfig, actor: TrainEngine, vocab_size: int, sft_dir: Path, reward_dir: Path, trust: bool,
+            engine_settings: dict[str, Any]) -> TrainEngine:
+    """The critic's engine: a value head on the actor's trunk (shared_backbone), or its own model."""
+    if cfg.shared_backbone:
+        critic_model: torch.nn.Module = SharedValueHead(actor.model)
+    else:
+        if cfg.critic_init == "reward":
+            critic_model, _ = rm.load_reward_model(reward_dir, trust)
+        else:
+            critic_model, _ = rm.init_reward_model(sft_dir, cfg.seed, None, trust)
+        if critic_model.config.vocab_size != vocab_size:
+            raise CheckpointError(f"ppo.critic_init: the critic ({reward_dir}) and the actor ({sft_dir}) have "
+                                  "different vocabularies; use critic_init: sft")
+        critic_model = lora.wrap(critic_model, cfg.critic_lora, "SEQ_CLS")
+    critic_model.eval()
+    return make_engine(critic_model, lr=cfg.critic_lr, **engine_settings)
 
 
 class _MemoryMeter:

@@ -1,7 +1,7 @@
 """Step 2 of a PPO iteration: one forward pass per model over the rollout.
 
 Actor log-probs (the `old_logprobs` every ratio is taken against), reference log-probs, critic
-values and sequence scores. Log-probs use the sampling temperature (logits / T), exactly as the
+values (none without a critic) and sequence scores. Log-probs use the sampling temperature (logits / T), exactly as the
 update does, so the ratio is 1 at the first minibatch.
 """
 
@@ -63,7 +63,7 @@ class Scored:
     """What step 2 adds to a rollout."""
     old_logprobs: torch.Tensor   # (B, R) log pi_old(a_t|s_t), the actor at sampling time
     ref_logprobs: torch.Tensor   # (B, R) log pi_ref(a_t|s_t)
-    values: torch.Tensor         # (B, R) V_old(s_t), the critic at sampling time
+    values: torch.Tensor | None  # (B, R) V_old(s_t), the critic at sampling time; None: no critic
     scores: torch.Tensor         # (B,) sequence scores after the missing-eos rule and clipping
     raw_scores: torch.Tensor     # (B,) scores as the reward source gave them
     mismatch: dict[str, float]   # val/logprob_diff_{mean,max}: sampler vs training forward (mismatch.py)
@@ -72,7 +72,7 @@ class Scored:
 # no_grad, not inference_mode: under ZeRO-3 these forwards gather parameters into buffers that
 # training forwards reuse, and inference tensors must never reach autograd.
 @torch.no_grad()
-def score_rollout(actor: PreTrainedModel, ref: PreTrainedModel, critic: PreTrainedModel, reward: RewardSource,
+def score_rollout(actor: PreTrainedModel, ref: PreTrainedModel, critic: PreTrainedModel | None, reward: RewardSource,
                   ro: Rollout, temperature: float, micro_batch_size: int,
                   missing_eos_score: float | None, score_clip: float | None,
                   recompute_logprobs: bool = False, check_rows: int = 0) -> Scored:
@@ -87,17 +87,20 @@ def score_rollout(actor: PreTrainedModel, ref: PreTrainedModel, critic: PreTrain
     B, R = ro.response_mask.shape
     mask = ro.response_mask
     recompute = recompute_logprobs or ro.logprobs is None
-    out = {k: torch.zeros(B, R, device=mask.device) for k in ("old", "ref", "values")}
+    names = ("old", "ref", "values") if critic is not None else ("old", "ref")
+    out = {k: torch.zeros(B, R, device=mask.device) for k in names}
     for idx in length_sorted_chunks(mask, torch.arange(B), micro_batch_size):
         mb = ro.select(idx, trim=True)
         r = mb.response_mask.size(1)
         if recompute:
             out["old"][idx, :r] = policy_logprobs(actor, mb, temperature)[0]
         out["ref"][idx, :r] = policy_logprobs(ref, mb, temperature)[0]
-        out["values"][idx, :r] = critic_values(critic, mb)
+        if critic is not None:
+            out["values"][idx, :r] = critic_values(critic, mb)
     if not recompute:
         out["old"] = ro.logprobs.float()
-    old, refp, values = (out[k].masked_fill(~mask, 0.0) for k in ("old", "ref", "values"))
+    old, refp = (out[k].masked_fill(~mask, 0.0) for k in ("old", "ref"))
+    values = out["values"].masked_fill(~mask, 0.0) if critic is not None else None
     mismatch = {}
     if ro.logprobs is not None and recompute:
         mismatch = logprob_diff(ro.logprobs.float(), old, mask)

@@ -1,13 +1,17 @@
 """The PPO loop. It only orchestrates; the math lives in advantages.py and losses.py.
 
 One iteration (numbered as in the code):
-  1. rollout     sample responses to a batch of prompts from the actor (KV cache, stop at eos)
-  2. score       old/ref log-probs, critic values, reward-source scores (one forward per model);
-                 the sampler's vs a training forward's log-probs measured (mismatch.py)
+  1. rollout     sample responses to a batch of prompts from the actor (KV cache, stop at eos);
+                 each prompt k = samples_per_prompt times, its k rows consecutive
+  2. score       old/ref log-probs, critic values (with a critic), reward-source scores (one forward
+                 per model); the sampler's vs a training forward's log-probs measured (mismatch.py)
   3. rewards     per-token -kl_coef * KL_t plus the score on the last real token
-  4. advantages  GAE over response tokens, returns = advantages + values, whitened advantages
+  4. advantages  gae: GAE over response tokens, returns = advantages + values, whitened advantages;
+                 grpo/rloo/reinforce_baseline: each response's summed reward against its group's
+                 baseline (group_advantages.py), the same advantage on every token, no critic
   5. update      ppo_epochs of shuffled minibatches, micro-batch gradient accumulation,
-                 clipped policy and value losses, early stop above target_kl
+                 clipped policy loss (aggregated as ppo.loss_aggregation), value loss (with a
+                 critic), early stop above target_kl
   6. log         metrics of the iteration, health warnings, checkpoint every save_every
 """
 
@@ -26,7 +30,8 @@ from ..errors import check_finite
 from ..measurement.stats import distinct_n
 from ..training.batches import BatchSampler
 from . import advantages as adv
-from .losses import policy_loss, truncated_is_weights, value_loss
+from . import group_advantages as group
+from .losses import aggregate, policy_loss, truncated_is_weights, value_loss
 from .mismatch import TOLERANCE, ratio_deviation, resolve_recompute
 from .placement import PPOModels
 from .rollout import Rollout, rollout
@@ -44,8 +49,8 @@ class Batch:
     """A rollout with everything the update needs."""
     ro: Rollout
     sc: Scored
-    advantages: torch.Tensor   # (B, R) whitened GAE advantages, zero on pads
-    returns: torch.Tensor      # (B, R) value targets, zero on pads
+    advantages: torch.Tensor   # (B, R) whitened GAE advantages, or group advantages broadcast; zero on pads
+    returns: torch.Tensor | None   # (B, R) value targets, zero on pads; None without a critic
     tis_weights: torch.Tensor | None = None   # (B, R) truncated IS weights (ppo.tis_cap), None when off
 
 
@@ -67,7 +72,8 @@ class PPOTrainer:
         self.ctx = models.ctx
         self.kl_ctl = (adv.AdaptiveKLController(cfg.kl_coef, cfg.kl_target, cfg.kl_horizon) if cfg.adaptive_kl
                        else adv.FixedKLController(cfg.kl_coef))
-        self.prompt_sampler = BatchSampler(len(prompts), cfg.rollout_batch_size, cfg.seed)
+        # rollout_batch_size counts responses: rollout_batch_size / k prompts per iteration, each k times.
+        self.prompt_sampler = BatchSampler(len(prompts), cfg.rollout_batch_size // cfg.samples_per_prompt, cfg.seed)
         # Each rank its own sampling stream (rank 0's is the single-process one).
         self.sample_gen = torch.Generator().manual_seed(cfg.seed + 1 + 7919 * self.ctx.rank)
         self.shuffle_gen = torch.Generator().manual_seed(cfg.seed + 2)
@@ -88,61 +94,92 @@ class PPOTrainer:
         rewards, stats = adv.assemble_rewards(sc.scores, kl, mask, kl_coef)                 # (B, R)
         if cfg.kl_loss_coef > 0:  # the penalty lives in the loss; still report the KL itself
             stats["objective/kl"] = adv.masked_mean(kl, mask, dim=1).mul(mask.sum(1)).mean().item()
-        reduce = self.ctx.sum if self.ctx.world_size > 1 else adv.local
-        if cfg.whiten_rewards:
-            rewards = adv.masked_whiten(rewards, mask, shift_mean=False, reduce=reduce)
-        advantages, returns = adv.gae(rewards, sc.values, mask, cfg.gamma, cfg.lam)
-        advantages = adv.masked_whiten(advantages, mask, reduce=reduce)   # over the global batch
-        stats["val/explained_variance"] = adv.explained_variance(sc.values, returns, mask)
+        if cfg.uses_critic:
+            advantages, returns = self.gae_advantages(rewards, sc.values, mask, stats)
+        else:
+            # The KL penalty (kl_coef > 0) is in `rewards`: summed over each response and subtracted
+            # from its score before the group baseline (group_advantages.sequence_rewards). A rank holds
+            # whole groups (config.py) and computes their baselines alone; reinforce_baseline's batch
+            # std is then the rank's share of the batch, not the global batch's.
+            seq_adv, group_stats = group.group_advantages(cfg.advantage, group.sequence_rewards(rewards, mask),
+                                                          cfg.samples_per_prompt, cfg.grpo_scale)
+            advantages, returns = group.broadcast_to_tokens(seq_adv, mask), None
+            stats.update(group_stats)
         weights = None
         if cfg.tis_cap is not None:   # the tokens came from the sampler, the loss is under pi_old
             weights, tis_stats = truncated_is_weights(sc.old_logprobs, ro.logprobs.float(), mask, cfg.tis_cap)
             stats.update(tis_stats)
         return Batch(ro, sc, advantages, returns, weights), stats
 
+    def gae_advantages(self, rewards: torch.Tensor, values: torch.Tensor, mask: torch.Tensor,
+                       stats: dict[str, float]) -> tuple[torch.Tensor, torch.Tensor]:
+        """Step 4 with a critic: GAE, advantages whitened over the global batch; (advantages, returns)."""
+        cfg = self.cfg
+        reduce = self.ctx.sum if self.ctx.world_size > 1 else adv.local
+        if cfg.whiten_rewards:
+            rewards = adv.masked_whiten(rewards, mask, shift_mean=False, reduce=reduce)
+        advantages, returns = adv.gae(rewards, values, mask, cfg.gamma, cfg.lam)
+        advantages = adv.masked_whiten(advantages, mask, reduce=reduce)   # over the global batch
+        stats["val/explained_variance"] = adv.explained_variance(values, returns, mask)
+        return advantages, returns
+
     # ---- step 5 ------------------------------------------------------------------------------
-    def micro_step(self, b: Batch, idx: torch.Tensor, n_tokens: float, first: bool = False) -> dict[str, float]:
-        """Forward/backward of one micro-batch; losses are sums over tokens / minibatch tokens.
+    def micro_step(self, b: Batch, idx: torch.Tensor, n_tokens: float, first: bool = False,
+                   n_rows: float | None = None) -> dict[str, float]:
+        """Forward/backward of one micro-batch; its losses add up over the minibatch's micro-batches
+        to the minibatch's loss (n_tokens, n_rows: real tokens and responses of the whole minibatch).
         `first`: a micro-batch of the first minibatch, whose ratio (before any update) is logged."""
         cfg, ro = self.cfg, b.ro.select(idx, trim=True)   # only this micro-batch's own padding
         mask, r = ro.response_mask, ro.response_mask.size(1)
+        mode = cfg.loss_aggregation
+        agg = dict(mode=mode, loss_denominator=n_tokens if mode == "token_mean" else n_rows,
+                   max_len=cfg.sampling.max_new_tokens)
         logprobs, entropy = policy_logprobs(self.m.actor.forward, ro, cfg.sampling.temperature, with_entropy=True,
                                             entropy_grad=cfg.entropy_coef > 0)
         weights = b.tis_weights[idx, :r] if b.tis_weights is not None else None
         pg_loss, stats = policy_loss(logprobs, b.sc.old_logprobs[idx, :r], b.advantages[idx, :r], mask,
-                                     cfg.clip_eps, cfg.dual_clip, loss_denominator=n_tokens, tis_weights=weights)
+                                     cfg.clip_eps, cfg.dual_clip, loss_denominator=agg["loss_denominator"],
+                                     tis_weights=weights, aggregation=mode, max_len=agg["max_len"])
         if first:
             stats.update(ratio_deviation(logprobs, b.sc.old_logprobs[idx, :r], mask))
-        ent_sum = torch.where(mask, entropy, 0.0).sum() / n_tokens
-        loss = pg_loss - cfg.entropy_coef * ent_sum
+        ent_loss = aggregate(entropy, mask, **agg)
+        ent_sum = ent_loss if mode == "token_mean" else aggregate(entropy.detach(), mask, "token_mean", n_tokens)
+        loss = pg_loss - cfg.entropy_coef * ent_loss
         if cfg.kl_loss_coef > 0:
             kl = adv.kl_penalty(logprobs, b.sc.ref_logprobs[idx, :r], cfg.kl_estimator)
-            loss = loss + cfg.kl_loss_coef * torch.where(mask, kl, 0.0).sum() / n_tokens
-        values = critic_values(self.m.critic.model, ro)
-        v_loss, vstats = value_loss(values, b.sc.values[idx, :r], b.returns[idx, :r], mask, cfg.clip_eps_value,
-                                    loss_denominator=n_tokens)
+            loss = loss + cfg.kl_loss_coef * aggregate(kl, mask, **agg)
         _check_finite("loss/policy", pg_loss.detach(), self.iteration + 1)
-        _check_finite("loss/value", v_loss.detach(), self.iteration + 1)
+        vstats: dict[str, float] = {}
+        if self.m.critic is not None:
+            values = critic_values(self.m.critic.model, ro)
+            v_loss, vstats = value_loss(values, b.sc.values[idx, :r], b.returns[idx, :r], mask, cfg.clip_eps_value,
+                                        loss_denominator=n_tokens)
+            _check_finite("loss/value", v_loss.detach(), self.iteration + 1)
+            vstats["loss/value"] = v_loss.item()
         # Two graphs (a shared trunk is run twice), so two backward passes, one per engine.
         self.m.actor.backward(loss)
-        self.m.critic.backward(cfg.vf_coef * v_loss)
+        if self.m.critic is not None:
+            self.m.critic.backward(cfg.vf_coef * v_loss)
         weight = float(mask.sum()) / n_tokens
-        out = {k: v * weight for k, v in {**stats, **vstats}.items() if k not in MAX_STATS}
-        out.update({"loss/policy": pg_loss.item(), "loss/value": v_loss.item(),
+        out = {k: v * weight for k, v in {**stats, **vstats}.items() if k not in MAX_STATS and k != "loss/value"}
+        out.update({"loss/policy": pg_loss.item(), **({"loss/value": vstats["loss/value"]} if vstats else {}),
                     "objective/entropy": ent_sum.item(), **{k: stats[k] for k in MAX_STATS if k in stats}})
         return out
 
-    def optimizer_step(self) -> tuple[float, float]:
-        """Both engines' updates; returns their gradient norms. The actor's learning rate is kept
-        for the iteration's log (the rate its last update used, as SFT and the RM log it)."""
-        norms = []
-        for engine in (self.m.actor, self.m.critic):
+    def optimizer_step(self) -> dict[str, float]:
+        """Every trained engine's update (the actor's, and the critic's when there is one); returns
+        their gradient norms as stats. The actor's learning rate is kept for the iteration's log (the
+        rate its last update used, as SFT and the RM log it)."""
+        norms = {}
+        for name, engine in (("policy/grad_norm", self.m.actor), ("val/grad_norm", self.m.critic)):
+            if engine is None:
+                continue
             result = engine.step()   # skipped (and reported below) when the norm is not finite
             _check_finite("gradient norm", result.grad_norm, self.iteration + 1)
-            norms.append(result.grad_norm)
+            norms[name] = result.grad_norm
             if engine is self.m.actor:
                 self.actor_lr = result.lr
-        return norms[0], norms[1]
+        return norms
 
     def update(self, b: Batch) -> dict[str, float]:
         cfg, B = self.cfg, len(b.ro.prompts)
@@ -155,14 +192,15 @@ class PPOTrainer:
             for mb in perm.split(cfg.minibatch_size // self.ctx.world_size):
                 # Losses are token sums over the global minibatch divided by its token count.
                 n_tokens = float(self.ctx.sum(b.ro.response_mask[mb].sum().double()).clamp(min=1))
+                n_rows = float(len(mb) * self.ctx.world_size)   # equal slices on every rank
                 mb_stats: dict[str, float] = {}
                 for micro in length_sorted_chunks(b.ro.response_mask, mb, cfg.micro_batch_size):
-                    for k, v in self.micro_step(b, micro, n_tokens, first=n_minibatches == 0).items():
+                    for k, v in self.micro_step(b, micro, n_tokens, first=n_minibatches == 0, n_rows=n_rows).items():
                         mb_stats[k] = max(mb_stats.get(k, v), v) if k in MAX_STATS else mb_stats.get(k, 0.0) + v
                 # Each rank holds token-weighted parts of the global minibatch: they add up.
                 mb_stats = self.ctx.reduce_stats(mb_stats, sum_keys=set(mb_stats) - set(MAX_STATS), max_keys=MAX_STATS)
                 first.update({k: mb_stats.pop(k) for k in FIRST_STATS if k in mb_stats})
-                mb_stats["policy/grad_norm"], mb_stats["val/grad_norm"] = self.optimizer_step()
+                mb_stats.update(self.optimizer_step())
                 for k, v in mb_stats.items():
                     totals[k] = max(totals.get(k, v), v) if k == "val/ratio_max" else totals.get(k, 0.0) + v
                 epoch_kl.append(mb_stats["policy/approxkl"])
@@ -182,11 +220,14 @@ class PPOTrainer:
         self.m.actor.eval()   # dropout off everywhere; gradients still flow in the update
         t0 = time.perf_counter()
         # The same global batch on every rank (same seed); each keeps its slice.
-        prompts = self.ctx.shard([self.prompts[i] for i in next(self.prompt_sampler)])
+        # Each prompt k times, consecutive; a rank's slice holds whole groups (checked in config.py).
+        k = cfg.samples_per_prompt
+        prompts = self.ctx.shard([self.prompts[i] for i in next(self.prompt_sampler) for _ in range(k)])
         with self.m.actor.gathered() as policy:   # ZeRO-3: parameters gathered once per rollout
             ro = rollout(policy, self.m.tok, prompts, cfg.sampling, self.sample_gen, cfg.max_prompt_length)   # 1
         t1 = time.perf_counter()
-        sc = score_rollout(self.m.actor.forward, self.m.ref, self.m.critic.model, self.m.reward, ro,   # 2
+        critic = self.m.critic.model if self.m.critic is not None else None
+        sc = score_rollout(self.m.actor.forward, self.m.ref, critic, self.m.reward, ro,                # 2
                            cfg.sampling.temperature, cfg.micro_batch_size, cfg.missing_eos_score, cfg.score_clip,
                            self.recompute, cfg.logprob_check_rows)
         _check_finite("rewards (scores)", sc.raw_scores, it)

@@ -13,11 +13,12 @@ the latest weights whose rollouts had not yet tripped it.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from pathlib import Path
 from typing import Any, Callable, Optional
 
-from ..config import Params
+from ..config import Params, PPOConfig
 from ..data import inputs
 from ..measurement.policy import measure, summary
 from ..measurement.stats import mean_ci
@@ -44,14 +45,14 @@ log = logging.getLogger(__name__)
 
 
 def compare_policies(actor, ref, tok, params: Params, prompts: list[str], judge: Optional[Callable],
-                     reward: RewardSource) -> dict[str, Any]:
-    """PPO policy vs the SFT (reference) policy on the same held-out prompts, sampled as in PPO:
-    `eval/<rm|kl|gold>_<policy>` with their 95% half-widths, `eval/eos_rate_<policy>`, and the
-    per-prompt gold gain of PPO over SFT."""
+                     reward: RewardSource, policy_name: str = "ppo") -> dict[str, Any]:
+    """The trained policy vs the SFT (reference) policy on the same held-out prompts, sampled as in
+    training: `eval/<rm|kl|gold>_<policy>` with their 95% half-widths, `eval/eos_rate_<policy>`, and
+    the per-prompt gold gain over SFT. `policy_name`: the stage (ppo, grpo)."""
     cfg = params.ppo
     m: dict[str, Any] = {}
     per = {}
-    for name, policy in (("sft", ref), ("ppo", actor)):
+    for name, policy in (("sft", ref), (policy_name, actor)):
         per[name] = measure(policy, tok, prompts, cfg.sampling, cfg.seed + 7, reward=reward.score, ref=ref,
                             judge=judge, max_prompt_length=cfg.max_prompt_length)
         stats = summary(per[name], lambda key: key)
@@ -59,7 +60,7 @@ def compare_policies(actor, ref, tok, params: Params, prompts: list[str], judge:
         for key in per[name].values:
             m[f"eval/{key}_{name}"], m[f"eval/{key}_{name}_ci95"] = stats[key], stats[f"{key}_ci95"]
     if judge is not None:
-        diff = [a - b for a, b in zip(per["ppo"].values["gold"], per["sft"].values["gold"])]
+        diff = [a - b for a, b in zip(per[policy_name].values["gold"], per["sft"].values["gold"])]
         m["eval/gold_gain"], m["eval/gold_gain_ci95"] = mean_ci(diff)
     return m
 
@@ -80,11 +81,11 @@ def progress_fields(stats: dict[str, float], detector: Optional[Detector]) -> di
 
 
 def train(trainer: PPOTrainer, detector: Optional[Detector], step_log: StepLog, ckpt: Path, fp: str,
-          progress: bool) -> int:
+          progress: bool, name: str = "ppo") -> int:
     """The numbered loop (trainer.py) from the trainer's iteration on, fed to the detector, logged,
     checkpointed every save_every. Returns the iteration the detector stopped it at (0: it didn't)."""
     cfg, ctx = trainer.cfg, trainer.ctx
-    bar = Progress(cfg.iterations, "ppo", unit="iterations", initial=trainer.iteration, enabled=progress)
+    bar = Progress(cfg.iterations, name, unit="iterations", initial=trainer.iteration, enabled=progress)
     stopped_at = 0
     while trainer.iteration < cfg.iterations:
         stats = trainer.step()
@@ -106,19 +107,42 @@ def train(trainer: PPOTrainer, detector: Optional[Detector], step_log: StepLog, 
     return stopped_at
 
 
+class SectionAsPPO:
+    """The params of a stage that runs this stage's code with its own section (`grpo`): `ppo` reads
+    as that section, whose prompts are `ppo.dataset`'s, so every method trains and is measured on
+    the same prompts. Everything else reads through to `params` (a declared view stays one)."""
+
+    def __init__(self, params: Params, section: str):
+        own = getattr(params, section)
+        fields = {f.name: getattr(own, f.name) for f in dataclasses.fields(own)}
+        self._params = params
+        # A plain PPOConfig: the section was validated when read, and its `dataset` is left unset.
+        self.ppo = PPOConfig(**{**fields, "dataset": params.ppo.dataset})
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._params, name)
+
+
+def as_ppo(params: Params, section: str) -> Params:
+    """`params` as this stage's code reads them when run as `section`."""
+    return params if section == "ppo" else SectionAsPPO(params, section)  # type: ignore[return-value]
+
+
 def run(params: Params, data_dir: Path, sft_dir: Path, reward_dir: Path, out: Path,
-        progress: bool = True) -> dict[str, Any]:
+        progress: bool = True, spec: StageSpec = SPEC) -> dict[str, Any]:
     """The stage: place the models, run (or resume) the loop, compare with SFT, write the outputs.
-    The auditor's weights are an input of the run like the SFT model and the RM."""
-    inputs_ = [data_dir, sft_dir, reward_dir, *auditor_dirs(params), params.ppo.dataset.path]
-    with stage_run(SPEC, params, out, inputs_) as run:
+    The auditor's weights are an input of the run like the SFT model and the RM. `spec`: the stage
+    that runs this code with its own params section (grpo.SPEC), in place of `ppo`."""
+    own = as_ppo(params, spec.name)
+    inputs_ = [data_dir, sft_dir, reward_dir, *auditor_dirs(own), own.ppo.dataset.path]
+    with stage_run(spec, params, out, inputs_) as run:
         model, tok, metrics = _run(run, data_dir, sft_dir, reward_dir, progress)
         run.finish(metrics, model, tok)
     return metrics
 
 
 def _run(run: StageRun, data_dir: Path, sft_dir: Path, reward_dir: Path, progress: bool):
-    params, ctx, out, fp = run.params, run.ctx, run.out, run.fingerprint
+    params, ctx, out, fp = as_ppo(run.params, run.spec.name), run.ctx, run.out, run.fingerprint
     cfg = params.ppo
     prompts = inputs.prompt_records(params, data_dir, "train")
     eval_prompts = inputs.prompt_records(params, data_dir, "eval")[:cfg.n_eval_prompts]
@@ -129,8 +153,8 @@ def _run(run: StageRun, data_dir: Path, sft_dir: Path, reward_dir: Path, progres
     prompts, n_trunc, n_drop = inputs.fit_prompts(prompts, models.tok, cfg.max_prompt_length, cfg.overlong)
     eval_prompts, _, _ = inputs.fit_prompts(eval_prompts, models.tok, cfg.max_prompt_length, cfg.overlong)
     if ctx.is_main:
-        write_deepspeed_config(out / "deepspeed_config.json", actor=models.actor, critic=models.critic,
-                               frozen=models.frozen)
+        critic = {"critic": models.critic} if models.critic is not None else {}
+        write_deepspeed_config(out / "deepspeed_config.json", actor=models.actor, **critic, frozen=models.frozen)
     trainer = PPOTrainer(cfg, models, prompts, judge)
     step_log = StepLog(out / "train.tsv", tracker=run.tracker, series="train", write=ctx.is_main)
     detector = Detector(cfg.detector) if cfg.detector.enabled else None
@@ -140,9 +164,9 @@ def _run(run: StageRun, data_dir: Path, sft_dir: Path, reward_dir: Path, progres
         if detector is not None:   # its state is the history it was fed: replaying it is exact
             for row in saved_log["rows"]:
                 detector.update(row)
-        log.warning("ppo: resuming from %s at iteration %d", out / "checkpoint", trainer.iteration)
+        log.warning("%s: resuming from %s at iteration %d", run.spec.name, out / "checkpoint", trainer.iteration)
         run.tracker.mark_resumed(trainer.iteration)
-    stopped_at = train(trainer, detector, step_log, out / "checkpoint", fp, progress and ctx.is_main)
+    stopped_at = train(trainer, detector, step_log, out / "checkpoint", fp, progress and ctx.is_main, run.spec.name)
     kept = checkpoint.restore_actor(trainer, out / "checkpoint", fp) if stopped_at else trainer.iteration
 
     adapter_dir = out / "adapter" if cfg.lora.enabled else None
@@ -156,5 +180,5 @@ def _run(run: StageRun, data_dir: Path, sft_dir: Path, reward_dir: Path, progres
     if detector is not None:
         metrics.update({"detector/first_fire": detector.first_fire, "detector/fired": int(bool(detector.first_fire)),
                         "detector/stopped_at": stopped_at, "detector/kept_iteration": kept})
-    metrics.update(compare_policies(actor, ref, models.tok, params, eval_prompts, judge, reward))
+    metrics.update(compare_policies(actor, ref, models.tok, params, eval_prompts, judge, reward, run.spec.name))
     return actor, models.tok, metrics

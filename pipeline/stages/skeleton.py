@@ -18,14 +18,21 @@ atomic writing of what it produces.
   the old code's model. A re-run of unchanged code (a kill before DVC recorded the stage,
   `dvc repro -f`) resumes, at the final step if training had finished.
 - `finish` (rank 0): `model/` (safetensors and tokenizer) swapped in atomically, config.json
-  (keys sorted), metrics.json, then the files to the tracker. Nothing is written before the stage's
+  (keys sorted), metrics.json, then the files to the tracker. metrics.json gains the stage's cost:
+  `resources/wall_seconds` (this process, from the skeleton's start to finish: a resumed stage's
+  last process only) and `resources/peak_rss_gib` (its peak resident memory; with CUDA also
+  `resources/peak_device_gib`, the peak memory torch allocated on this rank's GPU), so methods
+  can be compared on what they cost (the compare stage's table). Nothing is written before the stage's
   work is done, so a failed run leaves the previous outputs in place.
 """
 
 from __future__ import annotations
 
 import contextlib
-from dataclasses import dataclass
+import resource
+import sys
+import time
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterator, Sequence
 
@@ -52,6 +59,7 @@ class StageRun:
     ctx: Context
     tracker: Tracker
     fingerprint: str
+    started: float = field(default_factory=time.perf_counter)
 
     def finish(self, metrics: dict[str, Any], model: Any = None, tok: Any = None) -> None:
         """Write the stage's outputs (rank 0 only; other ranks return at once)."""
@@ -61,8 +69,20 @@ class StageRun:
             with atomic_dir(self.out / "model") as tmp:
                 save_checkpoint(model, tok, tmp)
         atomic_write_json(self.out / "config.json", self.resolved)
-        write_metrics(self.out / "metrics.json", metrics, self.tracker)
+        write_metrics(self.out / "metrics.json", {**metrics, **self.resources()}, self.tracker)
         self.tracker.log_outputs(self.out)
+
+
+    def resources(self) -> dict[str, float]:
+        """What this process has cost so far (see the module doc)."""
+        out = {"resources/wall_seconds": time.perf_counter() - self.started,
+               # ru_maxrss is in KiB on Linux, bytes on macOS
+               "resources/peak_rss_gib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+               / (2 ** 30 if sys.platform == "darwin" else 2 ** 20)}
+        torch = sys.modules.get("torch")
+        if torch is not None and torch.cuda.is_available() and torch.cuda.is_initialized():
+            out["resources/peak_device_gib"] = torch.cuda.max_memory_allocated() / 2 ** 30
+        return out
 
 
 @contextlib.contextmanager
@@ -70,6 +90,7 @@ def stage_run(spec: StageSpec, params: Params, out: Path, inputs: Sequence[str |
     """The stage's prologue around its body (see the module doc). `inputs`: its input folders and
     the user's dataset paths (None and hub ids are left out of the fingerprint: their params are in
     the config)."""
+    started = time.perf_counter()
     resolved = resolve(params, spec)
     local = input_paths(*inputs)
     section = getattr(params, spec.name)
@@ -87,4 +108,4 @@ def stage_run(spec: StageSpec, params: Params, out: Path, inputs: Sequence[str |
         fp = fingerprint(resolved, [*local, *code])
         # The fingerprint tags the MLflow run too: a resumed run finds the killed run it continues by it.
         with stage_tracking(spec.name, resolved, local, enabled=ctx.is_main, fingerprint=fp) as tracker:
-            yield StageRun(spec, declared(params, spec), resolved, out, ctx, tracker, fp)
+            yield StageRun(spec, declared(params, spec), resolved, out, ctx, tracker, fp, started)

@@ -24,7 +24,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import AbstractSet, Iterable, Optional
 
-STAGES = ("sft", "reward", "ppo", "evaluate")
+STAGES = ("sft", "reward", "ppo", "evaluate", "dpo", "grpo", "rs", "compare")
+# The stages of compare/dvc.yaml: a run's check expects their names only with the `compare` condition.
+COMPARE_STAGES = ("dpo", "grpo", "rs", "compare")
 METRICS_JSON = "metrics.json"
 REGENERATE = "python -m pipeline.tracking.metric_names > docs/metrics.md"
 
@@ -75,7 +77,9 @@ CONDITIONS = {
     "no_detector": "`ppo.detector.enabled: false`",
     "auditor": "`ppo.detector.auditor` is set and the detector is enabled",
     "dual_clip": "`ppo.dual_clip` is set",
-    "cuda": "the ppo stage's process sees a CUDA device (`torch.cuda.is_available()`)",
+    "cuda": "the stage's process sees a CUDA device (`torch.cuda.is_available()`)",
+    "method_lora": "`lora.r > 0` in the section of a compare/dvc.yaml method (`dpo`, `rs`)",
+    "compare": "the alignment methods of compare/dvc.yaml ran (`dvc repro compare/dvc.yaml`, `make compare`)",
     "tis": "`ppo.tis_cap` is set (truncated importance sampling)",
 }
 IMPLIES = {"custom_pairs": ("no_judge",)}
@@ -246,13 +250,33 @@ _PPO_TRAIN = (
 )
 
 
-def _ppo() -> list[Metric]:
-    def m(file: str, name: str, meaning: str, condition: Optional[str] = None, copy_of: Optional[str] = None):
-        return Metric("ppo", file, name, meaning, condition, copy_of)
+# The critic's columns, which the critic-free estimators (the grpo stage by default) do not write.
+_CRITIC_COLUMNS = ("val/grad_norm", "loss/value", "val/clipfrac", "val/vpred", "val/error", "val/explained_variance")
+# What the group estimators add: (name, meaning, the `grpo.advantage` that writes it).
+_GROUP_TRAIN = (
+    ("objective/group_std", "mean within-group standard deviation of the sequence rewards (k responses to one "
+                            "prompt)", "grpo"),
+    ("objective/zero_std_frac", "fraction of groups whose k rewards are all equal (zero advantage, no gradient)",
+     "grpo"),
+    ("objective/baseline", "mean leave-one-out baseline (the other k - 1 responses' mean reward)", "rloo"),
+    ("objective/batch_std", "standard deviation of the baselined rewards over the batch", "reinforce_baseline"),
+)
 
-    out = [m("train.tsv", name, meaning, condition) for name, meaning, condition in _PPO_TRAIN]
+
+def _ppo(stage: str = "ppo") -> list[Metric]:
+    """The PPO stage's names; `stage="grpo"`: the same trainer without a critic (compare/dvc.yaml)."""
+    def m(file: str, name: str, meaning: str, condition: Optional[str] = None, copy_of: Optional[str] = None):
+        if stage != "ppo":
+            meaning = meaning.replace("`ppo.", f"`{stage}.").replace("PPO policy", f"{stage.upper()} policy")
+            condition = {None: "compare", "grpo": None}.get(condition, condition)
+        return Metric(stage, file, name, meaning, condition, copy_of)
+
+    train = [row for row in _PPO_TRAIN if stage == "ppo" or row[0] not in _CRITIC_COLUMNS]
+    if stage != "ppo":   # the default estimator's columns (grpo.advantage: grpo)
+        train += [row for row in _GROUP_TRAIN if row[2] == "grpo"]
+    out = [m("train.tsv", name, meaning, condition) for name, meaning, condition in train]
     out += [m(METRICS_JSON, f"train/{name.replace('/', '_')}", f"the last iteration's `{name}`", condition, name)
-            for name, _, condition in _PPO_TRAIN if name != "step"]
+            for name, _, condition in train if name != "step"]
     out += [
         m(METRICS_JSON, "data/prompts_truncated", "training prompts longer than `ppo.max_prompt_length` kept with "
                                                   "their left end cut (`ppo.overlong: truncate`)"),
@@ -267,7 +291,7 @@ def _ppo() -> list[Metric]:
                                                    "checkpoint before the alarm after a stop, else the last "
                                                    "iteration", "!no_detector"),
     ]
-    for policy, who in (("sft", "the SFT (reference) policy"), ("ppo", "the PPO policy")):
+    for policy, who in (("sft", "the SFT (reference) policy"), (stage, "the PPO policy")):
         out += [
             m(METRICS_JSON, f"eval/rm_{policy}", f"mean score by PPO's reward source (`ppo.reward_source`) of "
                                                  f"responses sampled from {who} to the first `ppo.n_eval_prompts` "
@@ -282,8 +306,8 @@ def _ppo() -> list[Metric]:
                                                        "token"),
         ]
     out += [
-        m(METRICS_JSON, "eval/gold_gain", "mean paired gold-score difference PPO - SFT on the same prompts",
-          "!no_judge"),
+        m(METRICS_JSON, "eval/gold_gain", f"mean paired gold-score difference {stage.upper()} - SFT on the same "
+                                          "prompts", "!no_judge"),
         m(METRICS_JSON, "eval/gold_gain_ci95", "half-width of its 95% interval", "!no_judge"),
     ]
     return out
@@ -333,7 +357,117 @@ def _evaluate() -> list[Metric]:
     return out
 
 
-METRICS: tuple[Metric, ...] = (*_sft(), *_reward(), *_ppo(), *_evaluate())
+def _resources(stage: str, condition: Optional[str] = None) -> list[Metric]:
+    """What the stage skeleton adds to every stage's metrics.json: what its process cost."""
+    def m(name: str, meaning: str, cond: Optional[str] = condition) -> Metric:
+        return Metric(stage, METRICS_JSON, name, meaning, cond)
+
+    gpu = "cuda" if condition is None else None
+    out = [m("resources/wall_seconds", "seconds of the stage's process from its start to its outputs (a resumed "
+                                       "stage: its last process only)"),
+           m("resources/peak_rss_gib", "peak resident memory of the stage's process (rank 0), GiB")]
+    if gpu is not None:
+        out.append(m("resources/peak_device_gib", "peak GPU memory torch allocated in the stage's process (rank 0), "
+                                                  "GiB", gpu))
+    return out
+
+
+def _dpo() -> list[Metric]:
+    def m(file: str, name: str, meaning: str) -> Metric:
+        return Metric("dpo", file, name, meaning, "compare")
+
+    out = _supervised("dpo", "pairs", "the method's loss (`dpo.method`) over the step's pairs",
+                      "the method's loss on the held-out pairs", "adapters")
+    out = [Metric("dpo", x.file, x.name, x.meaning, "compare" if x.condition is None else "method_lora") for x in out]
+    columns = {"accuracy": "rate of pairs whose implicit reward (beta x log-ratio to the reference; SimPO: beta x "
+                           "mean log-prob) is higher for the chosen response",
+               "margin": "mean implicit reward of chosen minus rejected",
+               "chosen_logp": "mean summed log-prob of the chosen responses under the policy",
+               "rejected_logp": "mean summed log-prob of the rejected responses under the policy",
+               "chosen_reward": "mean implicit reward of the chosen responses",
+               "rejected_reward": "mean implicit reward of the rejected responses"}
+    for file in ("train.tsv", "eval.tsv"):
+        out += [m(file, k, v) for k, v in columns.items()]
+    out += [m("eval.tsv", "chosen_logp_drift", "held-out chosen log-prob, policy minus reference: both drifts "
+                                               "falling while the margin grows is DPO's known failure"),
+            m("eval.tsv", "rejected_logp_drift", "held-out rejected log-prob, policy minus reference")]
+    out += [m(METRICS_JSON, f"eval/{k}", f"`eval.tsv`'s last `{k}`") for k in (*columns, "chosen_logp_drift",
+                                                                              "rejected_logp_drift")]
+    out += [m(METRICS_JSON, "train/accuracy", "`train.tsv`'s last `accuracy`"),
+            m(METRICS_JSON, "train/margin", "`train.tsv`'s last `margin`"),
+            m(METRICS_JSON, "data/eval_truncated", "held-out pairs kept with their prompt's left end cut"),
+            m(METRICS_JSON, "data/eval_dropped", "held-out pairs left out (`dpo.overlong: drop`)")]
+    for key, meaning in (("gold", "mean gold score"), ("kl", "mean sequence-level sampled KL to SFT")):
+        out += [m(METRICS_JSON, f"eval/{key}_sampled", f"{meaning} of the trained policy's responses to the first "
+                                                       "`dpo.n_eval_prompts` held-out prompts (`ppo.sampling`)"),
+                m(METRICS_JSON, f"eval/{key}_sampled_ci95", "half-width of its 95% interval")]
+    out += [m(METRICS_JSON, "eval/eos_rate_sampled", "rate of those responses that ended with eos or the stop token"),
+            m(METRICS_JSON, "eval/length_sampled", "their mean length, words"),
+            m(METRICS_JSON, "eval/distinct_2_sampled", "distinct bigrams / bigrams over them")]
+    return out + _resources("dpo", "compare")
+
+
+def _rs() -> list[Metric]:
+    def m(file: str, name: str, meaning: str, condition: str = "compare") -> Metric:
+        return Metric("rs", file, name, meaning, condition)
+
+    out = [Metric("rs", x.file, x.name, x.meaning, "compare" if x.condition is None else "method_lora")
+           for x in _supervised("rs", "winners", "cross-entropy per response token of the step's winners",
+                                "cross-entropy per response token on SFT's held-out demonstrations", "adapters")]
+    out += [m(METRICS_JSON, "data/prompts_truncated", "PPO training prompts longer than `ppo.max_prompt_length` "
+                                                      "kept with their left end cut"),
+            m(METRICS_JSON, "data/prompts_dropped", "such prompts left out (`ppo.overlong: drop`)"),
+            m(METRICS_JSON, "rs/prompts", "prompts sampled (`rs.n_prompts` of the PPO training prompts)"),
+            m(METRICS_JSON, "rs/winners_kept", "winners trained on (those at or above `rs.min_score`)"),
+            m(METRICS_JSON, "rs/rm_candidates", "mean RM score of all `rs.n` candidates of every prompt"),
+            m(METRICS_JSON, "rs/rm_winners", "mean RM score of the winners (each prompt's best candidate)"),
+            m(METRICS_JSON, "rs/rm_winners_ci95", "half-width of its 95% interval"),
+            m(METRICS_JSON, "rs/eos_rate_candidates", "rate of candidates that ended with eos or the stop token"),
+            m(METRICS_JSON, "rs/eos_rate_winners", "the same rate among the winners"),
+            m(METRICS_JSON, "rs/gold_candidates", "mean gold score of all candidates"),
+            m(METRICS_JSON, "rs/gold_winners", "mean gold score of the winners"),
+            m(METRICS_JSON, "rs/gold_winners_ci95", "half-width of its 95% interval")]
+    for key, meaning in (("rm", "mean RM score"), ("gold", "mean gold score"),
+                         ("kl", "mean sequence-level sampled KL to SFT")):
+        out += [m(METRICS_JSON, f"eval/{key}_sampled", f"{meaning} of the trained policy's responses to the first "
+                                                       "`rs.n_eval_prompts` held-out prompts (`ppo.sampling`)"),
+                m(METRICS_JSON, f"eval/{key}_sampled_ci95", "half-width of its 95% interval")]
+    out += [m(METRICS_JSON, "eval/eos_rate_sampled", "rate of those responses that ended with eos or the stop token"),
+            m(METRICS_JSON, "eval/length_sampled", "their mean length, words"),
+            m(METRICS_JSON, "eval/distinct_2_sampled", "distinct bigrams / bigrams over them")]
+    return out + _resources("rs", "compare")
+
+
+def _compare() -> list[Metric]:
+    def m(file: str, name: str, meaning: str) -> Metric:
+        return Metric("compare", file, name, meaning, "compare")
+
+    out = [m("methods.tsv", "step", "position of the policy in the report's order"),
+           m("methods.tsv", "policy", "the policy's name: `sft`, `best_of_<n>`, or a method (`ppo`, `dpo`, ...)"),
+           m("methods.tsv", "rm", "its mean RM score"), m("methods.tsv", "gold", "its mean gold score"),
+           m("methods.tsv", "kl", "its KL to SFT"),
+           m(METRICS_JSON, "n_prompts", "held-out prompts every policy answered (`compare.n_prompts`)")]
+    for key, meaning in (("rm", "mean reward-model score"), ("gold", "mean gold score"),
+                         ("kl", "mean KL to SFT (best-of-n: the analytic `log n - (n-1)/n`)")):
+        out += [m(METRICS_JSON, f"{{policy}}/{key}", f"{meaning} of the policy's responses"),
+                m(METRICS_JSON, f"{{policy}}/{key}_ci95", "half-width of its 95% interval")]
+    out += [m(METRICS_JSON, "{policy}/length", "mean response length, words"),
+            m(METRICS_JSON, "{policy}/eos_rate", "rate of responses that ended with eos or the stop token"),
+            m(METRICS_JSON, "{policy}/distinct_2", "distinct bigrams / bigrams over its responses"),
+            m(METRICS_JSON, "{policy}/stage_wall_seconds", "the method stage's `resources/wall_seconds`"),
+            m(METRICS_JSON, "{policy}/stage_peak_rss_gib", "the method stage's `resources/peak_rss_gib`")]
+    for judge in ("rm", "gold"):
+        who = "reward model" if judge == "rm" else "gold annotator"
+        out += [m(METRICS_JSON, f"win_rate/{{policy}}_vs_sft_{judge}", f"rate at which the {who} scores the policy's "
+                                                                       "response above SFT's (ties count 1/2)"),
+                m(METRICS_JSON, f"win_rate/{{policy}}_vs_sft_{judge}_low", "lower end of its bootstrap 95% interval"),
+                m(METRICS_JSON, f"win_rate/{{policy}}_vs_sft_{judge}_high", "upper end of that interval")]
+    return out + _resources("compare", "compare")
+
+
+METRICS: tuple[Metric, ...] = (*_sft(), *_resources("sft"), *_reward(), *_resources("reward"), *_ppo(),
+                               *_resources("ppo"), *_evaluate(), *_resources("evaluate"), *_dpo(), *_ppo("grpo"),
+                               *_resources("grpo", "compare"), *_rs(), *_compare())
 
 
 # ---- docs/metrics.md ------------------------------------------------------------------------------
@@ -378,6 +512,21 @@ FILE_NOTES = {
                            "`eval/` the held-out comparison of the PPO policy with the SFT policy, sampled as in "
                            "PPO",
     ("evaluate", "policies.tsv"): "one row per policy, in report order",
+    ("dpo", "train.tsv"): "one row per optimizer step",
+    ("dpo", "eval.tsv"): "held-out pairs during training, with the log-prob drift from the reference",
+    ("dpo", METRICS_JSON): "after training, then the trained policy sampled on the held-out prompts",
+    ("grpo", "train.tsv"): "one row per iteration, as ppo's without the critic's columns (`grpo.advantage: rloo` "
+                           "writes `objective/baseline`, `reinforce_baseline` `objective/batch_std` instead of the "
+                           "group columns)",
+    ("grpo", METRICS_JSON): "as ppo's: the last row of `train.tsv` under `train/`, the detector's record, and the "
+                            "held-out comparison with SFT under `eval/` (`*_grpo`)",
+    ("rs", "train.tsv"): "one row per optimizer step of the fine-tuning on the winners",
+    ("rs", "eval.tsv"): "held-out loss (SFT's held-out demonstrations) during the fine-tuning",
+    ("rs", METRICS_JSON): "the sampling's statistics under `rs/`, the fine-tuning's, then the trained policy sampled "
+                          "on the held-out prompts",
+    ("compare", "methods.tsv"): "one row per policy, in report order",
+    ("compare", METRICS_JSON): "per policy (`sft`, `best_of_<n>` for each n of `compare.best_of_n`, each method "
+                               "given by `--policy`) on the held-out prompts, then each one's win rates over SFT",
     ("evaluate", METRICS_JSON): "per policy (`sft`, `best_of_<n>` for each n of `evaluate.best_of_n`, `ppo`) on "
                                 "the held-out prompts, then the win rates",
 }
@@ -405,7 +554,9 @@ their KLs, and shows `scores.png` and `kl_frontier.png` (best-of-n points joined
 }
 
 STAGE_TITLES = {"sft": "sft (`outputs/sft/`)", "reward": "reward (`outputs/reward/`)",
-                "ppo": "ppo (`outputs/ppo/`)", "evaluate": "evaluate (`outputs/evaluate/`)"}
+                "ppo": "ppo (`outputs/ppo/`)", "evaluate": "evaluate (`outputs/evaluate/`)",
+                "dpo": "dpo (`outputs/dpo/`, compare/dvc.yaml)", "grpo": "grpo (`outputs/grpo/`, compare/dvc.yaml)",
+                "rs": "rs (`outputs/rs/`, compare/dvc.yaml)", "compare": "compare (`outputs/compare/`, compare/dvc.yaml)"}
 
 
 def _when(condition: Optional[str]) -> str:
@@ -507,7 +658,7 @@ def check_run(outputs_dir: Path, conditions: AbstractSet[str] = frozenset()) -> 
             if not any(m.regex().fullmatch(name) for m in entries):
                 undefined.append(f"{stage}/{file}: {name}")
     for m in METRICS:
-        if not m.satisfied(conditions):
+        if not m.satisfied(conditions) or (m.stage in COMPARE_STAGES and "compare" not in conditions):
             continue
         names = written.get((m.stage, m.file), [])
         holes = m.placeholders

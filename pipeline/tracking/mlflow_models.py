@@ -32,7 +32,9 @@ from ..errors import ConfigError
 
 log = logging.getLogger(__name__)
 
-REGISTERED = {"sft": "rlhf-sft-policy", "ppo": "rlhf-policy", "reward": "rlhf-reward-model"}
+REGISTERED = {"sft": "rlhf-sft-policy", "ppo": "rlhf-policy", "reward": "rlhf-reward-model",
+              # the alignment methods of compare/dvc.yaml, each policy under its method's name
+              "dpo": "rlhf-dpo-policy", "grpo": "rlhf-grpo-policy", "rs": "rlhf-rs-policy"}
 # What a loader needs: the registry stores no environment, and inferring one would load the model
 # in a subprocess (mlflow's requirement inference), seconds to minutes per stage for nothing.
 REQUIREMENTS = ["torch", "transformers", "pandas"]
@@ -142,4 +144,10 @@ DESCRIPTIONS = {
     "ppo": "The PPO policy of the RLHF pipeline (transformers text-generation, with its tokenizer).",
     "reward": "The reward model of the RLHF pipeline: pyfunc, DataFrame[prompt, response] -> scores "
               "normalised so held-out demonstrations average 0.",
+    "dpo": "The SFT policy tuned offline on the preference pairs by DPO, IPO or SimPO (dpo.method; "
+           "transformers text-generation).",
+    "grpo": "The SFT policy tuned online by a critic-free estimator (GRPO, RLOO, REINFORCE++; grpo.advantage) "
+            "against the reward model (transformers text-generation).",
+    "rs": "The SFT policy fine-tuned on its own best-of-n samples picked by the reward model (rejection "
+          "sampling; transformers text-generation).",
 }

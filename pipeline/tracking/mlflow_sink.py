@@ -80,6 +80,10 @@ HEADLINE = {
     "reward": ("eval/accuracy", "eval/accuracy_of_ceiling", "eval/spearman_gold_sft_samples"),
     "ppo": ("eval/gold_ppo", "eval/rm_ppo", "eval/kl_ppo", "detector/fired"),
     "evaluate": ("*/gold", "*/rm", "*/kl", "win_rate/ppo_vs_sft_gold", "win_rate/ppo_vs_sft_rm"),
+    "dpo": ("eval/accuracy", "eval/margin", "eval/gold_sampled", "eval/kl_sampled"),
+    "grpo": ("eval/gold_ppo", "eval/rm_ppo", "eval/kl_ppo", "detector/fired"),
+    "rs": ("eval/gold_sampled", "eval/rm_sampled", "eval/kl_sampled"),
+    "compare": ("*/gold", "*/rm", "*/kl", "win_rate/*_vs_sft_gold", "win_rate/*_vs_sft_rm"),
 }
 # Per-request limits of log_batch (mlflow/utils/validation.py).
 METRICS_PER_BATCH, PARAMS_PER_BATCH = 1000, 100

@@ -325,7 +325,7 @@ def table(plan: Plan, available: float, source: str) -> str:
 
 # ---- Plans of the pipeline's stages ----------------------------------------------------------------
 
-STAGES = ("sft", "reward", "ppo", "evaluate")
+STAGES = ("sft", "reward", "ppo", "dpo", "rs", "grpo", "evaluate")
 GENERATION_BATCH = 64   # prompts per sampling call of evaluation (pipeline/models/generation.py's default)
 
 
@@ -373,13 +373,43 @@ def reward_plan(params: Params, rm: ModelShape) -> Plan:
     return supervised_plan("reward", rm, dist, 2 * micro, cfg.max_length, cfg.lora)
 
 
+def dpo_plan(params: Params, policy: ModelShape) -> Plan:
+    """The policy trained on pairs (chosen and rejected of each pair in one forward), then sampled on
+    the held-out prompts as in ppo.sampling. The reference log-probs are computed by the same model
+    before training, so no second model is resident."""
+    cfg = params.dpo
+    dist = cfg.distributed
+    micro = cfg.batch_size // (dist.world_size * dist.gradient_accumulation_steps)
+    plan = supervised_plan("dpo", policy, dist, 2 * micro, cfg.max_length, cfg.lora)
+    tokens = params.ppo.max_prompt_length + params.ppo.sampling.max_new_tokens
+    plan.add("kv_cache", kv_cache_bytes(policy, GENERATION_BATCH, tokens, working_bytes(dist, policy.saved_bytes)))
+    return plan
+
+
+def rs_plan(params: Params, policy: ModelShape) -> Plan:
+    """The policy fine-tuned on the winners as SFT trains, and sampled before (the candidates, as
+    rs.sampling) and after (the held-out prompts, as ppo.sampling). The reward model that scores
+    the candidates is freed before the first training step; its weights next to the sampler's are
+    below the trained policy's weights, gradients and AdamW states."""
+    cfg = params.rs
+    dist = cfg.distributed
+    micro = cfg.batch_size // (dist.world_size * dist.gradient_accumulation_steps)
+    plan = supervised_plan("rs", policy, dist, micro, cfg.max_length, cfg.lora)
+    tokens = params.ppo.max_prompt_length + max(cfg.sampling.max_new_tokens, params.ppo.sampling.max_new_tokens)
+    plan.add("kv_cache", kv_cache_bytes(policy, GENERATION_BATCH, tokens, working_bytes(dist, policy.saved_bytes)))
+    return plan
+
+
 def ppo_plan(params: Params, actor: ModelShape, critic: Optional[ModelShape], reward: Optional[ModelShape],
-             extra_frozen: tuple[ModelShape, ...] = ()) -> Plan:
-    cfg = params.ppo
-    return rl_plan("ppo", actor, cfg.distributed, micro_batch=cfg.micro_batch_size,
-                   rollout_batch=cfg.rollout_batch_size, prompt_length=cfg.max_prompt_length,
-                   response_length=cfg.sampling.max_new_tokens,
-                   critic=None if cfg.shared_backbone else critic,
+             extra_frozen: tuple[ModelShape, ...] = (), section: str = "ppo") -> Plan:
+    """The PPO trainer as `section` (ppo, or grpo) configures it: no critic with a critic-free
+    estimator or a shared backbone; rollout_batch_size counts responses, k per prompt."""
+    cfg = getattr(params, section)
+    k = cfg.samples_per_prompt
+    return rl_plan(section, actor, cfg.distributed, micro_batch=cfg.micro_batch_size,
+                   rollout_batch=cfg.rollout_batch_size // k, samples_per_prompt=k,
+                   prompt_length=cfg.max_prompt_length, response_length=cfg.sampling.max_new_tokens,
+                   critic=None if cfg.shared_backbone or not cfg.uses_critic else critic,
                    reward=reward if cfg.reward_source == "reward_model" else None, extra_frozen=extra_frozen,
                    lora=cfg.lora, critic_lora=cfg.critic_lora)
 
@@ -404,6 +434,11 @@ def planned(params: Params, data_dir: Optional[Path], stages: tuple[str, ...] = 
     auditors = (rm,) if det.enabled and det.auditor is not None else ()   # a second reward model, same size assumed
     build = {"sft": lambda: sft_plan(params, policy), "reward": lambda: reward_plan(params, rm),
              "ppo": lambda: ppo_plan(params, policy, critic, rm, auditors),
+             "dpo": lambda: dpo_plan(params, policy),
+             "rs": lambda: rs_plan(params, policy),
+             "grpo": lambda: ppo_plan(params, policy, rm if params.grpo.critic_init == "reward" else scalar, rm,
+                                      (rm,) if params.grpo.detector.enabled and params.grpo.detector.auditor else (),
+                                      section="grpo"),
              "evaluate": lambda: evaluate_plan(params, policy, rm)}
     return [build[s]() for s in stages]
 
@@ -415,7 +450,7 @@ def stage_plan(stage: str, params: Params, folders: dict[str, Any]) -> Optional[
     if stage == "reward":
         needed: tuple[str, ...] = ("sft",) if params.reward.name_or_path is None else ()
     else:
-        needed = {"sft": ("data",), "ppo": ("sft", "reward")}[stage]
+        needed = {"sft": ("data",), "ppo": ("sft", "reward"), "dpo": ("sft",), "rs": ("sft", "reward"), "grpo": ("sft", "reward")}[stage]
     if not all(Path(folders[k], "tokenizer" if k == "data" else "config.json").exists() for k in needed):
         return None   # a missing input: the stage's own loading reports it, with its own message
     if stage == "sft":
@@ -426,14 +461,19 @@ def stage_plan(stage: str, params: Params, folders: dict[str, Any]) -> Optional[
         rm = checkpoint_shape(name if name is not None else folders["sft"], True, trust)
         mc = params.model
         return reward_plan(params, _with_dtype(rm, mc.dtype, mc.attn_implementation) if name is not None else rm)
-    cfg = params.ppo
+    if stage == "dpo":
+        return dpo_plan(params, checkpoint_shape(folders["sft"], False, trust))
+    if stage == "rs":
+        return rs_plan(params, checkpoint_shape(folders["sft"], False, trust))
+    cfg = getattr(params, stage)   # ppo, or grpo (the same trainer)
     actor = checkpoint_shape(folders["sft"], False, trust)
     rm = checkpoint_shape(folders["reward"], True, trust) if cfg.reward_source == "reward_model" else None
-    critic = checkpoint_shape(folders["reward"] if cfg.critic_init == "reward" else folders["sft"], True, trust)
+    critic = (checkpoint_shape(folders["reward"] if cfg.critic_init == "reward" else folders["sft"], True, trust)
+              if cfg.uses_critic else None)
     det = cfg.detector
     auditors = (checkpoint_shape(det.auditor, True, trust),) \
         if det.enabled and det.auditor is not None and Path(det.auditor, "config.json").exists() else ()
-    return ppo_plan(params, actor, critic, rm, auditors)
+    return ppo_plan(params, actor, critic, rm, auditors, section=stage)
 
 
 def check_stage(stage: str, params: Params, folders: dict[str, Any], is_main: bool = True) -> Optional[Plan]:

@@ -20,7 +20,7 @@ from typing import Any, Mapping
 from ..config import Params
 from ..errors import ConfigError
 
-GPU_STAGES = ("sft", "reward", "ppo")
+GPU_STAGES = ("sft", "reward", "ppo", "dpo", "grpo", "rs")
 
 
 def check_shape(params: Params, where: str = "params.yaml") -> None:

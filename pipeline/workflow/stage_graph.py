@@ -63,11 +63,31 @@ def _entries(items: Any) -> list[tuple[str, Mapping[str, Any]]]:
     return out
 
 
-def load(path: str | Path = "dvc.yaml") -> list[Stage]:
-    """The stages of `dvc.yaml` in file order (which is a topological order here)."""
+# The pipeline files: the default pipeline, then the alignment methods compared on its outputs
+# (stages there run from the root, `wdir: ..`). Snakemake reads both; its default target is the first.
+PIPELINE_FILES = ("dvc.yaml", "compare/dvc.yaml")
+
+
+def load_all(root: str | Path = ".") -> list[Stage]:
+    """Every stage of every pipeline file under `root` that exists, paths relative to `root`."""
+    return [s for f in PIPELINE_FILES if (Path(root) / f).is_file() for s in load(Path(root) / f, root)]
+
+
+def load(path: str | Path = "dvc.yaml", root: str | Path | None = None) -> list[Stage]:
+    """The stages of a dvc.yaml in file order (which is a topological order here). Paths are made
+    relative to `root` (default: the file's folder) through each stage's `wdir`, where its command
+    runs; a stage whose wdir is not `root` cannot be run by the Snakefile (its command would run in
+    the wrong folder) and is refused."""
     raw = read_yaml(path)
+    here = Path(path).parent
+    root = here if root is None else Path(root)
     stages = []
     for name, spec in (raw.get("stages") or {}).items():
+        base = here / str(spec.get("wdir", "."))
+        if os.path.normpath(base) != os.path.normpath(root):
+            raise ConfigError(f"{path}: stage {name}: its wdir must be the repository root ({root}), "
+                              f"got {spec.get('wdir', '.')!r}")
+
         outs, persistent = [], []
         for section in ("outs", "metrics", "plots"):
             for out, opts in _entries(spec.get(section)):
@@ -123,7 +143,7 @@ def _canonical(values: Any) -> str:
 
 
 def write_param_files(stages: list[Stage], params_path: str | Path = "params.yaml", root: str | Path = ".",
-                      lock: str | Path = "dvc.lock") -> list[Path]:
+                      lock: str | Path | None = None) -> list[Path]:
     """Write each stage's declared param values to its param file when they differ from what the
     file holds; return the files that changed.
 
@@ -150,7 +170,9 @@ def write_param_files(stages: list[Stage], params_path: str | Path = "params.yam
             before = None
         atomic_write_text(path, text)
         if before is None:
-            locked = locked_params(lock) if locked is None else locked
+            if locked is None:   # every pipeline file's lock (dvc.lock, compare/dvc.lock) unless one is given
+                locks = [lock] if lock is not None else [Path(root) / Path(f).with_suffix(".lock") for f in PIPELINE_FILES]
+                locked = {k: v for f in locks for k, v in locked_params(f).items()}
             built_with = stage.name in locked and _canonical(locked[stage.name]) == _canonical(values)
             stamp = 0.0 if built_with else edited
         else:

@@ -1,0 +1,173 @@
+"""The alignment methods side by side over seeds, and the DPO beta / PPO kl_coef sweeps (issue #20).
+
+    .venv/bin/python benchmarks/compare_methods.py                  # 3 seeds x every method, then the sweeps
+    .venv/bin/python benchmarks/compare_methods.py --seeds 0 --methods dpo --sweep none
+
+Every method starts from the workspace's SFT policy and reward model (outputs/sft/model,
+outputs/reward/model: run `make pipeline` first), as compare/dvc.yaml's stages do; each method's
+own seed (`ppo.seed`, `dpo.seed`, `grpo.seed`, `rs.seed`) is set to the run's seed. Each seed's
+policies are then measured together by the compare stage (best-of-n only for seed 0). The stage
+commands run in a copy of the tracked files with MLflow off, one at a time.
+
+Prints and writes (`--out`, default /tmp/compare_methods.tsv) one row per (method, seed, sweep
+value): gold with its 95% half-width, gold and RM win rates over SFT, RM score, KL to SFT, the
+method stage's wall time and peak memory; then per method the median and range over seeds; and
+`--plot` (default /tmp/compare_methods.png): gold against KL, a point per run, best-of-n as a curve.
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import json
+import statistics
+import sys
+import tempfile
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "benchmarks"))
+
+from seed_grid import copy_tree, stage, write_params   # noqa: E402
+
+# method -> the model folders its stage reads (after --data)
+METHODS = {"ppo": ("sft", "reward"), "dpo": ("sft",), "grpo": ("sft", "reward"), "rs": ("sft", "reward")}
+SWEEPS = {"dpo": ("dpo.beta", (0.05, 0.1, 0.3)), "ppo": ("ppo.kl_coef", (0.05, 0.1, 0.2))}
+COLUMNS = ["method", "seed", "sweep", "gold", "gold_ci95", "gold_win", "gold_win_low", "gold_win_high", "rm",
+           "rm_win", "kl", "length", "wall_seconds", "peak_rss_gib"]
+
+
+def default_value(params: Path, key: str):
+    from ruamel.yaml import YAML
+    node = YAML(typ="safe").load(params.read_text())
+    for part in key.split("."):
+        node = node[part]
+    return node
+
+
+def run_method(work: Path, method: str, params: Path, out: Path, log: Path) -> None:
+    models = {"sft": ROOT / "outputs/sft/model", "reward": ROOT / "outputs/reward/model"}
+    args = [method, "--params", str(params), "--data", "data/prepared"]
+    for name in METHODS[method]:
+        args += [f"--{name}", str(models[name])]
+    stage([*args, "--out", str(out)], work, 2, log)
+
+
+def rows_of(compare_dir: Path, runs: dict[str, tuple[str, int, str]]) -> list[dict]:
+    m = json.loads((compare_dir / "metrics.json").read_text())
+    rows = []
+    for name, (method, seed, sweep) in runs.items():
+        p, w = m[name], m["win_rate"]
+        rows.append({"method": method, "seed": seed, "sweep": sweep, "gold": p["gold"], "gold_ci95": p["gold_ci95"],
+                     "gold_win": w[f"{name}_vs_sft_gold"], "gold_win_low": w[f"{name}_vs_sft_gold_low"],
+                     "gold_win_high": w[f"{name}_vs_sft_gold_high"], "rm": p["rm"], "rm_win": w[f"{name}_vs_sft_rm"],
+                     "kl": p["kl"], "length": p["length"], "wall_seconds": p.get("stage_wall_seconds", float("nan")),
+                     "peak_rss_gib": p.get("stage_peak_rss_gib", float("nan"))})
+    return rows
+
+
+def plot(rows: list[dict], compare0: Path, path: Path) -> None:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    m = json.loads((compare0 / "metrics.json").read_text())
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    bon = sorted((int(k.split("_")[-1]), v) for k, v in m.items() if k.startswith("best_of_"))
+    if bon:
+        ax.plot([0] + [v["kl"] for _, v in bon], [m["sft"]["gold"]] + [v["gold"] for _, v in bon], "--o", color="grey",
+                label="best-of-n (4, 16, 64) from SFT")
+    ax.errorbar([0], [m["sft"]["gold"]], yerr=[m["sft"]["gold_ci95"]], fmt="ks", capsize=3, label="SFT")
+    for method in dict.fromkeys(r["method"] for r in rows):
+        mine = [r for r in rows if r["method"] == method]
+        ax.errorbar([r["kl"] for r in mine], [r["gold"] for r in mine], yerr=[r["gold_ci95"] for r in mine],
+                    fmt="o", capsize=3, label=method)
+        for r in mine:
+            if r["sweep"]:
+                ax.annotate(r["sweep"].split(".")[-1], (r["kl"], r["gold"]), textcoords="offset points",
+                            xytext=(4, 4), fontsize=7)
+    ax.set_xlabel("KL to the SFT policy (nats per response)")
+    ax.set_ylabel("mean gold score, 200 held-out prompts")
+    ax.set_title("Gold against KL: every method, seed and sweep value")
+    ax.legend(fontsize=8)
+    fig.savefig(path, dpi=110, bbox_inches="tight")
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
+    ap.add_argument("--methods", nargs="+", default=list(METHODS), choices=list(METHODS))
+    ap.add_argument("--sweep", nargs="+", default=list(SWEEPS), help="methods to sweep on seed 0 (or 'none')")
+    ap.add_argument("--out", type=Path, default=Path("/tmp/compare_methods.tsv"))
+    ap.add_argument("--plot", type=Path, default=Path("/tmp/compare_methods.png"))
+    ap.add_argument("--keep", type=Path, default=None, help="work folder to keep (default: a temporary one)")
+    ap.add_argument("--reuse", action="store_true",
+                    help="seed 0 with the default params: use the workspace's outputs/<method> (make pipeline; make "
+                         "compare) instead of training again")
+    args = ap.parse_args()
+    for what in ("sft", "reward"):
+        if not (ROOT / "outputs" / what / "model").is_dir():
+            sys.exit(f"outputs/{what}/model is missing: run `make pipeline` first")
+    work = args.keep or Path(tempfile.mkdtemp(prefix="compare_methods."))
+    copy_tree(work)
+    log = work / "runs.log"
+    stage(["prepare", "--params", "params.yaml", "--out", "data/prepared"], work, 2, log)
+    rows: list[dict] = []
+    compare0 = None
+    runs_s0: dict[str, Path] = {}
+    plan = [(seed, None, None) for seed in args.seeds]
+    plan += [(0, method, value) for method in args.sweep if method in SWEEPS and method in args.methods
+             for value in SWEEPS[method][1]]
+    for seed, swept, value in plan:
+        overrides = {f"{m}.seed": seed for m in args.methods}
+        overrides["compare.best_of_n"] = [4, 16, 64] if (seed == 0 and swept is None) else []
+        methods = args.methods if swept is None else [swept]
+        if swept is not None:
+            overrides[SWEEPS[swept][0]] = value
+        tag = f"s{seed}" + (f"_{swept}{value}" if swept else "")
+        params = work / f"params_{tag}.yaml"
+        write_params(work / "params.yaml", params, overrides)
+        runs, policies = {}, []
+        for method in methods:
+            out = work / tag / method
+            if args.reuse and swept is None and seed == 0 and (ROOT / "outputs" / method / "model").is_dir():
+                out = ROOT / "outputs" / method      # the workspace's default run is seed 0's
+            if swept is not None and value == default_value(work / "params.yaml", SWEEPS[swept][0]):
+                out = runs_s0.get(method, out)       # the sweep's default point is seed 0's run
+            if not (out / "model").is_dir():
+                run_method(work, method, params, out, log)
+            name = method if swept is None else f"{method}_{value}"
+            runs[name] = (method, seed, f"{SWEEPS[swept][0]}={value}" if swept else "")
+            policies += ["--policy", f"{name}={out / 'model'}"]
+        if seed == 0 and swept is None:
+            runs_s0 = {method: Path(p.split("=", 1)[1]).parent for p in policies[1::2] for method in [p.split("=")[0]]}
+        cmp_dir = work / tag / "compare"
+        stage(["compare", "--params", str(params), "--data", "data/prepared", "--sft", str(ROOT / "outputs/sft/model"),
+               "--reward", str(ROOT / "outputs/reward/model"), *policies, "--out", str(cmp_dir)], work, 2, log)
+        compare0 = compare0 or (cmp_dir if swept is None else None)
+        new = rows_of(cmp_dir, runs)
+        rows += new
+        for r in new:
+            print("\t".join(f"{r[c]:.3f}" if isinstance(r[c], float) else str(r[c]) for c in COLUMNS), flush=True)
+    with args.out.open("w") as f:
+        w = csv.DictWriter(f, COLUMNS, delimiter="\t")
+        w.writeheader()
+        w.writerows(rows)
+    print("\nper method over seeds (default params): median (min .. max)")
+    for method in args.methods:
+        mine = [r for r in rows if r["method"] == method and not r["sweep"]]
+        if not mine:
+            continue
+        cells = []
+        for col in ("gold", "gold_win", "rm", "kl", "wall_seconds", "peak_rss_gib"):
+            xs = [r[col] for r in mine]
+            cells.append(f"{col} {statistics.median(xs):.3f} ({min(xs):.3f} .. {max(xs):.3f})")
+        print(f"  {method:5s} n={len(mine)}  " + "  ".join(cells))
+    if compare0 is not None:
+        plot(rows, compare0, args.plot)
+    print(f"work folder: {work}; table: {args.out}; plot: {args.plot}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,235 @@
+"""The `compare` stage: every alignment method built from the same SFT policy and reward model,
+measured on the same held-out prompts by the same judges (issue #20).
+
+Policies arrive as `--policy name=folder` (ppo, dpo, grpo, rs, ...: whichever stages of
+compare/dvc.yaml ran), next to the SFT policy and best-of-n from it (`compare.best_of_n`, the
+KL-efficient baseline of Gao et al. 2023). Each is sampled on the first `compare.n_prompts`
+held-out prompts with `ppo.sampling` (as PPO's rollouts and the evaluate stage sample) and
+measured once by `measurement.policy.measure`: reward-model score, KL to the SFT policy, gold score
+where the task has an annotator, length, end-of-response rate, distinct-2. Win rates over SFT come
+per prompt (ties count half) with bootstrap intervals, by gold and by the RM.
+
+Each method stage's own cost comes from its metrics.json: `resources/wall_seconds` (that stage's
+process, start to finish) and `resources/peak_rss_gib` (its peak resident memory; on a GPU the peak
+allocated device memory, `resources/peak_device_gib`, too).
+
+Writes metrics.json (`<policy>/<measure>`, `win_rate/<policy>_vs_sft_<judge>[_low|_high]`),
+methods.tsv (one row per policy, for `dvc plots`), report.md (one table and the plot) and
+gold_vs_kl.png (score against KL to SFT: a point per method, best-of-n as a curve).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any, Optional
+
+from ..config import Params
+from ..data import inputs
+from ..data.io import atomic_write_text
+from ..errors import ConfigError
+from ..measurement.plots import close_figure, plt, save_figure
+from ..measurement.policy import Measured, measure, summary
+from ..measurement.stats import best_of_n_choices, best_of_n_kl, win_rate
+from ..models.checkpoints import load_policy
+from ..models.reward_source import RewardModelSource
+from ..tracking.sinks import StepLog
+from .skeleton import stage_run
+from .spec import StageSpec
+
+SPEC = StageSpec("compare", inputs=("data", "sft", "reward"), training=False, reads=(
+    "data.task", "model.trust_remote_code",
+    "reward.max_length",         # the reward model scores as it was trained
+    "ppo.sampling",              # every policy samples as PPO's rollouts did
+    "ppo.dataset",               # held-out prompts
+    "sft.dataset.path",          # the gold judge applies only to the default task's own data
+    "reward.dataset.path",
+    "compare",
+))
+
+# Per-policy measures, in table order; `resources` come from the method stage's metrics.json.
+MEASURES = ("rm", "gold", "kl", "length", "eos_rate", "distinct_2")
+RESOURCES = ("wall_seconds", "peak_rss_gib")
+
+
+def parse_policies(specs: list[str]) -> dict[str, Path]:
+    """`name=folder` pairs, in order; a name is a method (not sft or best_of_<n>) and appears once."""
+    out: dict[str, Path] = {}
+    for spec in specs:
+        name, sep, folder = spec.partition("=")
+        if not sep or not name or not folder:
+            raise ConfigError(f"--policy {spec!r}: expected NAME=FOLDER, e.g. dpo=outputs/dpo/model")
+        if name == "sft" or name.startswith("best_of_") or "/" in name:
+            raise ConfigError(f"--policy {spec!r}: '{name}' is reserved or not a plain name")
+        if name in out:
+            raise ConfigError(f"--policy {spec!r}: '{name}' given twice")
+        out[name] = Path(folder)
+    return out
+
+
+def stage_resources(policy_dir: Path) -> dict[str, float]:
+    """The method stage's `resources/*` (its metrics.json sits next to its model folder); {} when
+    the stage did not record them."""
+    path = Path(policy_dir).parent / "metrics.json"
+    if not path.is_file():
+        return {}
+    res = json.loads(path.read_text(encoding="utf-8")).get("resources") or {}
+    return {k: float(res[k]) for k in RESOURCES if isinstance(res.get(k), (int, float))}
+
+
+def measure_all(params: Params, sft_dir: Path, methods: dict[str, Path], reward: RewardModelSource,
+                prompts: list, judge) -> tuple[dict[str, Measured], tuple[str, ...]]:
+    """Every policy's responses and per-response measures; returns them and the policy names in
+    report order (sft, best-of-n by n, the methods as given)."""
+    cfg, sampling = params.compare, params.ppo.sampling
+    sft, tok = load_policy(sft_dir, params.model.trust_remote_code)
+    per = {"sft": measure(sft, tok, prompts, sampling, cfg.seed, reward=reward.score, ref=sft, judge=judge)}
+    if cfg.best_of_n:
+        # max(n) SFT samples per prompt, scored once; each n keeps the RM's favourite of the first n.
+        cands = [measure(sft, tok, prompts, sampling, cfg.seed + 1 + k, reward=reward.score)
+                 for k in range(max(cfg.best_of_n))]
+        scores = [c.values["rm"] for c in cands]
+        for n, best in best_of_n_choices(scores, cfg.best_of_n).items():
+            texts = [cands[k].texts[i] for i, k in enumerate(best)]
+            per[f"best_of_{n}"] = Measured(texts, [cands[k].ended[i] for i, k in enumerate(best)],
+                                           {"rm": [scores[k][i] for i, k in enumerate(best)],
+                                            "kl": [best_of_n_kl(n)] * len(prompts)})
+            if judge is not None:
+                per[f"best_of_{n}"].values["gold"] = [judge(p, r) for p, r in zip(prompts, texts)]
+    for name, folder in methods.items():
+        policy, _ = load_policy(folder, params.model.trust_remote_code)
+        per[name] = measure(policy, tok, prompts, sampling, cfg.seed, reward=reward.score, ref=sft, judge=judge)
+        del policy
+    return per, tuple(per)
+
+
+def summarise(per: dict[str, Measured], n_boot: int, seed: int) -> dict[str, Any]:
+    """Means with 95% half-widths per policy, and each policy's win rate over SFT per judge."""
+    m: dict[str, Any] = {}
+    for name, measured in per.items():
+        m.update(summary(measured, lambda key: f"{name}/{key}"))
+    judges = ("rm", "gold") if "gold" in per["sft"].values else ("rm",)
+    for name in per:
+        if name == "sft":
+            continue
+        for key in judges:
+            rate, low, high = win_rate(per[name].values[key], per["sft"].values[key], n_boot, seed)
+            base = f"win_rate/{name}_vs_sft_{key}"
+            m[base], m[f"{base}_low"], m[f"{base}_high"] = rate, low, high
+    return m
+
+
+def _fmt(m: dict[str, Any], key: str, digits: int = 3) -> str:
+    if key not in m:
+        return "n/a"
+    ci = m.get(f"{key}_ci95")
+    return f"{m[key]:.{digits}f}" + (f" ± {ci:.{digits}f}" if ci is not None else "")
+
+
+def _rate(m: dict[str, Any], base: str) -> str:
+    if base not in m:
+        return "-"
+    return f"{m[base]:.1%} ({m[f'{base}_low']:.1%}-{m[f'{base}_high']:.1%})"
+
+
+def report_markdown(m: dict[str, Any], names: tuple[str, ...], resources: dict[str, dict[str, float]],
+                    has_gold: bool) -> str:
+    rows = ["| policy | gold (95% CI) | gold win rate vs SFT (95% CI) | RM score | RM win rate vs SFT | "
+            "KL to SFT (nats) | length | distinct-2 | eos rate | stage wall time (s) | peak memory (GiB) |",
+            "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+    for name in names:
+        res = resources.get(name, {})
+        wall = f"{res['wall_seconds']:.0f}" if "wall_seconds" in res else "-"
+        mem = f"{res['peak_rss_gib']:.2f}" if "peak_rss_gib" in res else "-"
+        rows.append(" | ".join([
+            f"| {name}", _fmt(m, f"{name}/gold") if has_gold else "n/a",
+            _rate(m, f"win_rate/{name}_vs_sft_gold") if has_gold else "n/a",
+            _fmt(m, f"{name}/rm"), _rate(m, f"win_rate/{name}_vs_sft_rm"), f"{m[f'{name}/kl']:.2f}",
+            f"{m[f'{name}/length']:.1f}", f"{m[f'{name}/distinct_2']:.3f}", f"{m[f'{name}/eos_rate']:.2f}",
+            wall, mem]) + " |")
+    judge = "gold annotator" if has_gold else "reward model (no gold annotator for this task)"
+    best = max((n for n in names if n != "sft"), key=lambda n: m[f"{n}/{'gold' if has_gold else 'rm'}"], default=None)
+    lines = ["# Alignment methods compared", "",
+             f"Every policy answers the same {m['n_prompts']} held-out prompts (films never seen in training), "
+             f"sampled as PPO samples; judged by the {judge}. ± is a 95% interval of the mean; win rates count "
+             "ties as half, with bootstrap 95% intervals. Best-of-n's KL is the analytic log n - (n-1)/n. "
+             "Stage wall time and peak memory are the method stage's own process (resources/* in its metrics.json).",
+             "", *rows, ""]
+    if best is not None:
+        lines += [f"Highest mean {'gold' if has_gold else 'RM'} score: **{best}**. One run per method; the spread "
+                  "over seeds is in the README.", ""]
+    lines += ["![gold against KL](gold_vs_kl.png)", ""]
+    return "\n".join(lines)
+
+
+def gold_vs_kl_plot(m: dict[str, Any], names: tuple[str, ...], has_gold: bool, path: Path):
+    """Score (gold where there is an annotator, else RM) against KL to SFT: a point per method with
+    its 95% interval, best-of-n joined in order of n. Returns the open figure (see save_figure)."""
+    key = "gold" if has_gold else "rm"
+    fig, ax = plt.subplots(figsize=(6.4, 4.2))
+    bon = [n for n in names if n.startswith("best_of_")]
+    if bon:
+        ax.plot([0.0] + [m[f"{n}/kl"] for n in bon], [m[f"sft/{key}"]] + [m[f"{n}/{key}"] for n in bon],
+                "--o", color="grey", label="best-of-n from SFT")
+        for n in bon:
+            ax.annotate(n.replace("best_of_", "n="), (m[f"{n}/kl"], m[f"{n}/{key}"]), textcoords="offset points",
+                        xytext=(4, -10), fontsize=8, color="grey")
+    for name in names:
+        if name.startswith("best_of_"):
+            continue
+        ax.errorbar(m[f"{name}/kl"], m[f"{name}/{key}"], yerr=m[f"{name}/{key}_ci95"], fmt="s", capsize=4,
+                    label=name)
+    ax.set_xlabel("KL to the SFT policy (nats per response)")
+    ax.set_ylabel(f"mean {'gold' if has_gold else 'reward-model'} score (held-out prompts)")
+    ax.set_title("Quality for distance moved, per method")
+    ax.legend(fontsize=8)
+    return save_figure(fig, path, close=False)
+
+
+def run(params: Params, data_dir: Path, sft_dir: Path, reward_dir: Path, policies: list[str],
+        out: Path) -> dict[str, Any]:
+    """The stage: measure every policy, write the table, the plot and the metrics."""
+    methods = parse_policies(policies)
+    for name, folder in methods.items():
+        if not folder.is_dir():
+            raise ConfigError(f"--policy {name}={folder}: no such folder (has that method's stage run?)")
+    with stage_run(SPEC, params, out, [data_dir, sft_dir, reward_dir, *methods.values(), params.ppo.dataset.path]) as run:
+        p = run.params
+        judge = inputs.judge(p)
+        prompts = inputs.prompts(p, data_dir, "eval")[:p.compare.n_prompts]
+        reward = RewardModelSource(reward_dir, p.reward.max_length, p.model.trust_remote_code)
+        per, names = measure_all(p, sft_dir, methods, reward, prompts, judge)
+        m = summarise(per, p.compare.bootstrap, p.compare.seed)
+        m["n_prompts"] = len(prompts)
+        resources = {name: stage_resources(folder) for name, folder in methods.items()}
+        for name, res in resources.items():
+            m.update({f"{name}/stage_{k}": v for k, v in res.items()})
+        scores = ["rm", "gold", "kl"] if judge else ["rm", "kl"]
+        table = StepLog(out / "methods.tsv", ["policy", *scores])
+        for i, name in enumerate(names):
+            table.log(i, {"policy": name, **{k: m[f"{name}/{k}"] for k in scores}})
+        table.flush()
+        figure = gold_vs_kl_plot(m, names, judge is not None, out / "gold_vs_kl.png")
+        run.tracker.log_figure(figure, "gold_vs_kl.png")
+        close_figure(figure)
+        atomic_write_text(out / "report.md", report_markdown(m, names, resources, judge is not None))
+        run.finish(m)
+    return m
+
+
+def methods_in(m: dict[str, Any]) -> list[str]:
+    """The policy names a compare metrics dict holds (for the console summary)."""
+    return list(dict.fromkeys(k.split("/")[0] for k in m if "/" in k and not k.startswith("win_rate")))
+
+
+def console_lines(m: dict[str, Any], names: Optional[list[str]] = None) -> list[str]:
+    has_gold = any(k.endswith("/gold") for k in m)
+    key = "gold" if has_gold else "rm"
+    lines = []
+    for name in names or methods_in(m):
+        if f"{name}/{key}" not in m:
+            continue
+        rate = m.get(f"win_rate/{name}_vs_sft_{key}")
+        lines.append(f"  {name:12s} {key} {m[f'{name}/{key}']:.3f}  KL {m[f'{name}/kl']:.2f}"
+                     + (f"  wins over SFT {rate:.1%}" if rate is not None else ""))
+    return lines

@@ -1,0 +1,37 @@
+"""The `grpo` stage: the PPO stage's code (pipeline/stages/ppo.py) with the `grpo` params section in
+place of `ppo`, so a critic-free run (GRPO by default; RLOO, REINFORCE++ with baseline or Dr. GRPO
+by its `advantage`, `grpo_scale` and `loss_aggregation`) sits next to PPO in one DAG, fed by the same
+SFT and reward models and judged on the same prompts.
+
+The prompts, training and held-out, are `ppo.dataset`'s (a `grpo.dataset` is refused): every method
+is trained and measured on the same prompts. Everything else is the section's own: sampling,
+lengths, seed, iterations, the detector.
+
+Outputs under `outputs/grpo/` as the PPO stage's: `model/`, `train.tsv`, `metrics.json` (its
+held-out metrics named `eval/<key>_grpo` next to `eval/<key>_sft`), `config.json`, `checkpoint/`
+(no critic in it: a critic-free estimator builds none).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from ..config import Params
+from . import ppo
+from .spec import StageSpec
+
+SPEC = StageSpec("grpo", inputs=("data", "sft", "reward"), training=True, reads=(
+    "data.task", "model.trust_remote_code",
+    "reward.max_length",         # the reward model scores as it was trained
+    "grpo", "distributed",
+    "ppo.dataset",               # the prompts every method shares
+    "sft.dataset.path",          # the gold judge applies only to the default task's own data
+    "reward.dataset.path",
+))
+
+
+def run(params: Params, data_dir: Path, sft_dir: Path, reward_dir: Path, out: Path,
+        progress: bool = True) -> dict[str, Any]:
+    """The PPO stage run as `grpo` (see the module doc)."""
+    return ppo.run(params, data_dir, sft_dir, reward_dir, out, progress, spec=SPEC)

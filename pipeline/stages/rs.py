@@ -1,0 +1,231 @@
+"""The `rs` stage: rejection-sampling fine-tuning, the simplest RL-free baseline (best-of-n from the
+SFT policy, picked by the reward model, then SFT on the winners: Touvron et al. 2023, sec. 3.2.3;
+Dong et al. 2023, RAFT).
+
+1. Read and validate every input before a model is built: the training prompts (the PPO train
+   split, fitted to `ppo.max_prompt_length` as PPO fits them; the first `rs.n_prompts`, or all),
+   the SFT held-out demonstrations (the held-out loss) and the held-out prompts of the final measurement.
+2. Sampling (rank 0; the others wait): `rs.n` candidates per prompt from the SFT policy, candidate
+   k with seed `rs.seed + k` (each candidate is one seeded `measure` call over every prompt, as the
+   evaluate stage's best-of-n draws them), scored by the reward model on their text as PPO and the
+   evaluate stage score (`reward.max_length`). Each prompt keeps its RM favourite (ties: the first
+   candidate), unless it scores below `rs.min_score`. `winners.jsonl`: a header line (the sampling
+   fingerprint and the sampling statistics), then one row per winner (prompt, response, rm, ended,
+   and gold with the task's judge), written atomically. A re-run whose sampling fingerprint matches
+   (the sampling params, the data, SFT and RM folders, the code) reuses the file and samples
+   nothing: after a kill during fine-tuning, or with only the fine-tuning params changed.
+3. Fine-tuning: a fresh copy of the SFT policy trained on the winners with SFT's loss (response
+   tokens only) in the shared supervised loop, held-out loss on SFT's held-out demonstrations; a
+   killed run resumes from the loop's checkpoint as SFT does.
+4. After training: the policy sampled on the held-out prompts as PPO and the evaluate stage sample
+   (`ppo.sampling`): RM score, KL to the SFT policy, end-of-response rate, length, distinct-2 and,
+   with the task's gold judge, the gold score (`eval/*_sampled`).
+
+The RM and SFT copies used for sampling live on the CPU, as every measurement does, and the RM is
+freed before the first training step (the memory plan counts the fine-tuning and the sampler's cache).
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+from typing import Any, Callable, Optional
+
+import torch
+
+from ..config import Params
+from ..data import inputs
+from ..data.io import parse_json, write_jsonl
+from ..errors import DataError, check_finite
+from ..data.records import Example, collate_sft, tokenize_demonstrations
+from ..measurement.policy import Measured, measure, summary
+from ..measurement.stats import mean_ci
+from ..models import lora
+from ..models.checkpoints import load_policy
+from ..models.reward_source import RewardModelSource
+from ..training import supervised
+from ..training.batches import total_steps
+from ..training.distributed import to_device
+from ..training.engines import supervised_engine, write_deepspeed_config
+from ..training.resume import fingerprint, input_paths
+from ..training.supervised import SupervisedTask
+from ..workflow import code_deps
+from .sft import ce_sum, eval_loss, response_token_count
+from .skeleton import ROOT, StageRun, stage_run
+from .spec import StageSpec
+
+SPEC = StageSpec("rs", inputs=("data", "sft", "reward"), training=True, reads=(
+    "data.task", "model.trust_remote_code",
+    "rs", "distributed",
+    "reward.max_length",         # the reward model scores as it was trained
+    "ppo.dataset",               # training prompts (train split) and held-out prompts (eval split)
+    "ppo.max_prompt_length",
+    "ppo.overlong",
+    "ppo.sampling",              # the final measurement samples as PPO and the evaluate stage sample
+    "sft.dataset",               # held-out demonstrations (held-out loss); the gold judge's condition
+    "reward.dataset.path",
+))
+
+# The `rs` keys the sampling phase depends on; every other declared section is part of its
+# fingerprint whole (the prompts, the RM's max_length, the judge's condition).
+SAMPLING_KEYS = ("seed", "n", "n_prompts", "sampling", "min_score")
+WINNERS = "winners.jsonl"
+log = logging.getLogger(__name__)
+
+
+def pick_winners(scores: list[list[float]]) -> list[int]:
+    """For each prompt i the candidate k with the highest `scores[k][i]`, the first on a tie.
+    scores: n lists (one per candidate) of one score per prompt."""
+    return [max(range(len(scores)), key=lambda k: scores[k][i]) for i in range(len(scores[0]))]
+
+
+def select(prompts: list, cands: list[Measured], min_score: Optional[float]) -> tuple[list[dict], dict[str, float]]:
+    """The winners' rows (prompts whose winner scores below `min_score` left out) and the sampling
+    statistics: mean RM score (and gold) of the winners against every candidate."""
+    scores = [c.values["rm"] for c in cands]
+    check_finite("rs sampling", "reward-model score of a candidate", torch.tensor(scores))
+    rows = []
+    for i, k in enumerate(pick_winners(scores)):
+        row = {"prompt": prompts[i], "response": cands[k].texts[i], "rm": scores[k][i], "ended": cands[k].ended[i]}
+        if "gold" in cands[k].values:
+            row["gold"] = cands[k].values["gold"][i]
+        rows.append(row)
+    kept = [r for r in rows if min_score is None or r["rm"] >= min_score]
+    if not kept:
+        raise DataError(f"rs.min_score: every winner scores below {min_score} (the best is "
+                        f"{max(r['rm'] for r in rows):.3f}); lower it, or set it to null")
+    ended = [e for c in cands for e in c.ended]
+    stats: dict[str, float] = {"rs/prompts": len(prompts), "rs/winners_kept": len(kept),
+                               "rs/eos_rate_candidates": sum(ended) / len(ended),
+                               "rs/eos_rate_winners": sum(r["ended"] for r in rows) / len(rows)}
+    for key in ("rm", "gold") if "gold" in cands[0].values else ("rm",):
+        stats[f"rs/{key}_candidates"] = mean_ci([v for c in cands for v in c.values[key]])[0]
+        stats[f"rs/{key}_winners"], stats[f"rs/{key}_winners_ci95"] = mean_ci([r[key] for r in rows])
+    return kept, stats
+
+
+def sample_candidates(policy, tok, prompts: list, params: Params, score: Callable, judge) -> list[Measured]:
+    """`rs.n` candidates per prompt: candidate k is one `measure` call over every prompt, seed rs.seed + k."""
+    cfg = params.rs
+    return [measure(policy, tok, prompts, cfg.sampling, cfg.seed + k, reward=score, judge=judge,
+                    max_prompt_length=params.ppo.max_prompt_length) for k in range(cfg.n)]
+
+
+def sampling_fingerprint(run: StageRun, local_inputs: list) -> str:
+    """What the winners depend on: the sampling params, the input folders and the stage's code (the
+    resume fingerprint without the fine-tuning params, so changing only those reuses the winners)."""
+    config = {k: v for k, v in run.resolved.items() if k != "rs"}
+    config["rs"] = {k: run.resolved["rs"][k] for k in SAMPLING_KEYS}
+    code = [ROOT / f for f in sorted(code_deps.closure(ROOT, SPEC.name))]
+    return fingerprint({"winners": config}, [*input_paths(*local_inputs), *code])
+
+
+def write_winners(path: Path, fp: str, rows: list[dict], stats: dict[str, float]) -> None:
+    write_jsonl(path, [{"fingerprint": fp, "stats": stats}, *rows])
+
+
+def read_winners(path: Path, fp: str) -> Optional[tuple[list[dict], dict[str, float]]]:
+    """(rows, stats) of a winners file written for fingerprint `fp`; None when there is none, or it
+    was written for other params, inputs or code (or cannot be read: it is then sampled again)."""
+    if not path.is_file():
+        return None
+    try:
+        header, *rows = [parse_json(line) for line in path.read_text(encoding="utf-8").splitlines() if line.strip()]
+        if header.get("fingerprint") != fp:
+            log.warning("rs: %s was sampled with other params, inputs or code; sampling again", path)
+            return None
+        if not rows or not all({"prompt", "response", "rm"} <= set(r) for r in rows):
+            raise ValueError("a row without prompt, response or rm")
+        return [{**r, "where": f"{path}:{i + 2}"} for i, r in enumerate(rows)], dict(header["stats"])
+    except (ValueError, AttributeError, KeyError, TypeError, UnicodeDecodeError) as err:
+        log.warning("rs: %s cannot be reused (%s); sampling again", path, err)
+        return None
+
+
+def winners(run: StageRun, sft_policy, tok, prompts: list, reward_dir: Path, fp: str) -> tuple[list[dict], dict]:
+    """Step 2 of the module doc: the winners and the sampling statistics, reused or sampled."""
+    params, path = run.params, run.out / WINNERS
+    if run.ctx.is_main and read_winners(path, fp) is None:
+        reward = RewardModelSource(reward_dir, params.reward.max_length, params.model.trust_remote_code)
+        cands = sample_candidates(sft_policy, tok, prompts, params, reward.score, inputs.judge(params))
+        del reward   # freed before the first training step
+        rows, stats = select(prompts, cands, params.rs.min_score)
+        write_winners(path, fp, rows, stats)
+    run.ctx.barrier()
+    found = read_winners(path, fp)
+    if found is None:
+        raise RuntimeError(f"{path}: the winners rank 0 wrote cannot be read here (is the output folder shared?)")
+    return found
+
+
+def measure_policy(model, tok, params: Params, sft_dir: Path, reward_dir: Path, prompts: list) -> dict[str, Any]:
+    """The trained policy sampled on the held-out `prompts` as in `ppo.sampling`, scored by the RM,
+    with its KL to the SFT policy and the gold score with a judge: `eval/<rm|kl|gold>_sampled` with
+    `_ci95` half-widths, `eval/<eos_rate|length|distinct_2>_sampled`."""
+    sft, _ = load_policy(sft_dir, params.model.trust_remote_code)
+    reward = RewardModelSource(reward_dir, params.reward.max_length, params.model.trust_remote_code)
+    measured = measure(model, tok, prompts, params.ppo.sampling, params.rs.seed, reward=reward.score,
+                       judge=inputs.judge(params), ref=sft.eval(), max_prompt_length=params.ppo.max_prompt_length)
+    stats = summary(measured, lambda key: key)
+    return {f"eval/{k[:-len('_ci95')]}_sampled_ci95" if k.endswith("_ci95") else f"eval/{k}_sampled": v
+            for k, v in stats.items()}
+
+
+def train(run: StageRun, data_dir: Path, sft_dir: Path, reward_dir: Path,
+          progress: bool = True) -> tuple[Any, Any, dict]:
+    """Steps 1-4 of the module doc; in a multi-process run rank 0 returns the whole model, the
+    other ranks (None, tokenizer, {})."""
+    params, ctx, out = run.params, run.ctx, run.out
+    cfg = params.rs
+    # 1. Every input, validated before the first model is built.
+    records = inputs.prompt_records(params, data_dir, "train")
+    eval_rows = inputs.demonstrations(params, data_dir, "eval")
+    eval_prompts = inputs.prompts(params, data_dir, "eval")[:cfg.n_eval_prompts]
+    model, tok = load_policy(sft_dir, params.model.trust_remote_code)
+    prompts, p_trunc, p_drop = inputs.fit_prompts(records, tok, params.ppo.max_prompt_length, params.ppo.overlong)
+    if cfg.n_prompts is not None and len(prompts) < cfg.n_prompts:
+        raise DataError(f"rs.n_prompts: {cfg.n_prompts} prompts asked for, the PPO train split has "
+                        f"{len(prompts)} (after ppo.overlong); lower it, or set it to null for all")
+    prompts = prompts[:cfg.n_prompts]
+    # 2. The winners (the SFT weights are untouched by sampling: the same model is trained next).
+    fp = sampling_fingerprint(run, [data_dir, sft_dir, reward_dir, params.ppo.dataset.path])
+    rows, sampling_stats = winners(run, model, tok, prompts, reward_dir, fp)
+    # 3. SFT on the winners, from the SFT weights.
+    source = out / WINNERS
+    train_ex, n_trunc, n_drop = tokenize_demonstrations(rows, tok, cfg.max_length, source, cfg.overlong)
+    eval_ex, _, _ = tokenize_demonstrations(eval_rows, tok, cfg.max_length, "sft held-out demonstrations", cfg.overlong)
+    model = lora.wrap(model, cfg.lora, "CAUSAL_LM")
+    torch.manual_seed(cfg.seed)
+    engine, micro = supervised_engine(model, cfg, total_steps(len(train_ex), cfg.batch_size, cfg.epochs), ctx)
+    write_deepspeed_config(out / "deepspeed_config.json", rs=engine) if ctx.is_main else None
+
+    def loss(part: list[Example], batch: list[Example]) -> tuple[torch.Tensor, list[float]]:
+        n_tokens = sum(map(response_token_count, batch))      # of the global batch
+        total, _ = ce_sum(engine.forward, to_device(collate_sft(part, tok.pad_token_id), engine.device))
+        value = total / n_tokens
+        return value, [value.item()]
+
+    task = SupervisedTask("rs", train_ex, ["loss"], loss, normaliser=lambda batch: 1.0, eval_columns=["loss"],
+                          evaluate=lambda: {"loss": eval_loss(engine.forward, eval_ex, tok.pad_token_id,
+                                                              2 * cfg.batch_size, ctx, engine.device)})
+    result = supervised.train(task, cfg, engine, micro, out, run.tracker, ctx, run.fingerprint, progress)
+    model, metrics = supervised.finish(engine, result, cfg.lora, out, {
+        "data/truncated": n_trunc, "data/dropped": n_drop,
+        "data/prompts_truncated": p_trunc, "data/prompts_dropped": p_drop})
+    if model is None:
+        return None, tok, {}
+    # 4. The sampling statistics and the trained policy's measurement.
+    metrics.update(sampling_stats)
+    metrics.update(measure_policy(model, tok, params, sft_dir, reward_dir, eval_prompts))
+    return model, tok, metrics
+
+
+def run(params: Params, data_dir: Path, sft_dir: Path, reward_dir: Path, out: Path,
+        progress: bool = True) -> dict[str, Any]:
+    """The stage: sample (or reuse) the winners, fine-tune, measure, then write model/,
+    metrics.json, config.json and the step logs atomically (rank 0 writes; other ranks of a
+    multi-process run return empty metrics)."""
+    with stage_run(SPEC, params, out, [data_dir, sft_dir, reward_dir, params.ppo.dataset.path]) as run:
+        model, tok, metrics = train(run, data_dir, sft_dir, reward_dir, progress)
+        run.finish(metrics, model, tok)
+    return metrics

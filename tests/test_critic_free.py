@@ -1,0 +1,198 @@
+"""Critic-free online RL in the PPO trainer (issue 20, item 2): GRPO, RLOO and REINFORCE++ with
+baseline build no critic (three models, in placement, checkpoints, outputs and the memory plan),
+use the group advantages of group_advantages.py on a real rollout, survive groups of equal scores,
+accumulate every loss aggregation exactly over micro-batches, refuse k = 1, and resume exactly."""
+
+import csv
+import dataclasses
+import json
+import math
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from conftest import tiny_policy_and_reward_model
+from pipeline.config import DataConfig, GRPOConfig, Params, PPOConfig, SamplingConfig, from_dict
+from pipeline.errors import ConfigError
+from pipeline.ppo import advantages as adv
+from pipeline.ppo import group_advantages as group
+from pipeline.ppo.placement import place_models
+from pipeline.ppo.trainer import PPOTrainer
+from pipeline.stages import grpo as stage
+from pipeline.stages.prepare import run as prepare_run
+from pipeline.training import memory_plan
+
+# 8 responses per iteration = 2 prompts x k = 4; minibatches of 4 rows, micro-batches of 2.
+TINY = dict(iterations=4, rollout_batch_size=8, samples_per_prompt=4, minibatch_size=4, micro_batch_size=2,
+            ppo_epochs=1, save_every=2, n_eval_prompts=4, lr=1e-3, sampling=SamplingConfig(max_new_tokens=8))
+PROMPTS = ["Review the film Silent River . Focus on the music .", "Review the film Lost Harbor . Focus on the plot ."]
+
+
+@pytest.fixture(scope="module")
+def dirs(tmp_path_factory):
+    root = tmp_path_factory.mktemp("critic_free")
+    prepare_run(DataConfig(n_sft=8, n_sft_eval=4, n_pairs=8, n_pairs_eval=4, n_ppo_prompts=16, n_eval_prompts=4),
+                root / "data")
+    tiny_policy_and_reward_model(root, root / "data", offset=0.5)
+    return root
+
+
+def _params(**grpo) -> Params:
+    return Params(grpo=GRPOConfig(**{**TINY, **grpo}))
+
+
+def _trainer(dirs, **grpo) -> PPOTrainer:
+    own = stage.ppo.as_ppo(_params(**grpo), "grpo")   # the params as the stage's code reads them
+    return PPOTrainer(own.ppo, place_models(own, dirs / "sft", dirs / "rm"), PROMPTS * 4)
+
+
+def _rows(path):
+    return [{k: v for k, v in r.items() if not k.startswith(("time/", "tokens_per_second/"))}
+            for r in csv.DictReader(open(path), delimiter="\t")]
+
+
+def test_group_advantages_on_a_real_rollout_equal_the_estimators_by_hand(dirs):
+    for estimator, kl_coef, kl_loss_coef in (("grpo", 0.0, 0.05), ("rloo", 0.1, 0.0), ("reinforce_baseline", 0.1, 0.0)):
+        trainer = _trainer(dirs, advantage=estimator, kl_coef=kl_coef, kl_loss_coef=kl_loss_coef)
+        assert trainer.m.critic is None   # three models: actor, reference, reward
+        torch.manual_seed(0)
+        with torch.no_grad():   # move the actor off the reference, so the KL (and its penalty) is not 0
+            for p in trainer.m.actor.model.parameters():
+                p.add_(0.2 * torch.randn_like(p))
+        prompts = [p for p in PROMPTS for _ in range(4)]
+        from pipeline.ppo.rollout import rollout
+        from pipeline.ppo.scoring import score_rollout
+        ro = rollout(trainer.m.actor.model, trainer.m.tok, prompts, trainer.cfg.sampling, trainer.sample_gen)
+        assert len(set(ro.responses[:4])) > 1   # one prompt's k rows are sampled independently
+        sc = score_rollout(trainer.m.actor.forward, trainer.m.ref, None, trainer.m.reward, ro, 1.0, 2, None, None)
+        assert sc.values is None
+        batch, stats = trainer.make_batch(ro, sc)
+        assert batch.returns is None and "val/explained_variance" not in stats
+        # By hand: the score minus kl_coef times the response's summed KL, then the group baseline.
+        kl = torch.where(ro.response_mask, adv.kl_penalty(sc.old_logprobs, sc.ref_logprobs, trainer.cfg.kl_estimator), 0.0).sum(1)
+        assert kl.abs().min() > 1e-3
+        seq = sc.scores - kl_coef * kl
+        fn = {"grpo": lambda s: group.grpo_advantages(s, 4), "rloo": lambda s: group.rloo_advantages(s, 4),
+              "reinforce_baseline": lambda s: group.reinforce_baseline_advantages(s, 4)}[estimator]
+        expected = fn(seq)[0]
+        assert torch.allclose(batch.advantages[:, 0], expected, atol=1e-5, rtol=1e-5)
+        assert torch.equal(batch.advantages, torch.where(ro.response_mask, batch.advantages[:, :1], 0.0))
+        if estimator == "rloo":   # the leave-one-out mean by a loop over each group
+            for i in range(8):
+                g = range(i // 4 * 4, i // 4 * 4 + 4)
+                other = sum(float(seq[j]) for j in g if j != i) / 3
+                assert math.isclose(float(batch.advantages[i, 0]), float(seq[i]) - other, abs_tol=1e-5)
+
+
+def test_all_equal_group_scores_give_zero_advantage_and_a_finite_step(dirs, monkeypatch):
+    trainer = _trainer(dirs)
+    monkeypatch.setattr(trainer.m.reward, "score", lambda prompts, responses: torch.full((len(prompts),), 1.5))
+    stats = trainer.step()
+    assert stats["objective/zero_std_frac"] == 1.0 and stats["objective/group_std"] == 0.0
+    assert all(math.isfinite(v) for v in stats.values())
+    assert stats["loss/policy"] == 0.0   # zero advantage: no policy gradient, only the KL term
+    assert not {"loss/value", "val/grad_norm", "val/explained_variance", "val/vpred"} & set(stats)
+    assert all(torch.isfinite(p).all() for p in trainer.m.actor.model.parameters())
+
+
+@pytest.mark.parametrize("mode", ["seq_mean", "seq_sum_norm"])
+def test_micro_batch_accumulation_equals_full_minibatch_for_every_aggregation(dirs, mode):
+    """Same update with micro-batches of 4, 2 and 1 rows: identical weights (float64)."""
+    results = []
+    for micro in (4, 2, 1):
+        trainer = _trainer(dirs, micro_batch_size=micro, loss_aggregation=mode, entropy_coef=0.01)
+        trainer.m.actor.model.double()
+        trainer.m.ref.double()
+        trainer.step()
+        results.append(torch.cat([p.detach().flatten() for p in trainer.m.actor.model.parameters()]))
+    assert not torch.equal(results[0], torch.cat([p.detach().flatten().double() for p in
+                                                  _trainer(dirs).m.actor.model.parameters()]))   # it moved
+    assert torch.allclose(results[0], results[1], atol=1e-10, rtol=0)
+    assert torch.allclose(results[0], results[2], atol=1e-10, rtol=0)
+
+
+def test_aggregations_add_up_over_micro_batches_and_differ():
+    """aggregate() of micro-batches (each with the minibatch's denominator) sums to the minibatch's
+    loss_aggregation; on responses of unequal length the three modes differ."""
+    from pipeline.ppo.losses import aggregate
+    torch.manual_seed(0)
+    per_token = torch.randn(6, 5, dtype=torch.float64)
+    mask = torch.arange(5)[None, :] < torch.tensor([5, 1, 3, 2, 5, 4])[:, None]
+    full = {}
+    for mode in ("token_mean", "seq_mean", "seq_sum_norm"):
+        full[mode] = group.loss_aggregation(per_token, mask, mode, max_len=8)
+        denom = float(mask.sum()) if mode == "token_mean" else 6.0
+        parts = sum(aggregate(per_token[i], mask[i], mode, denom, 8) for i in ([0, 1], [2, 3, 4], [5]))
+        assert torch.allclose(parts, full[mode], atol=1e-12, rtol=0)
+    assert len({round(float(v), 9) for v in full.values()}) == 3
+
+
+def test_group_estimator_config_is_checked():
+    def load(section, **keys):
+        return from_dict(Params, {section: keys}, "params.yaml: ")
+    with pytest.raises(ConfigError, match=r"params.yaml: ppo.samples_per_prompt: advantage: grpo .* >= 2, got 1"):
+        load("ppo", advantage="grpo")
+    with pytest.raises(ConfigError, match=r"params.yaml: grpo.samples_per_prompt: .* got 1"):
+        load("grpo", samples_per_prompt=1)
+    with pytest.raises(ConfigError, match=r"grpo.kl_loss_coef: .*never both"):
+        load("grpo", kl_coef=0.1)   # the grpo default has kl_loss_coef 0.05
+    with pytest.raises(ConfigError, match=r"grpo.rollout_batch_size: 10 responses must be divisible by .* = 4"):
+        load("grpo", rollout_batch_size=10, minibatch_size=5, micro_batch_size=5)
+    with pytest.raises(ConfigError, match=r"grpo.dataset: .*ppo.dataset"):
+        load("grpo", dataset={"path": "prompts.jsonl"})
+    with pytest.raises(ConfigError, match=r"grpo.whiten_rewards"):
+        load("grpo", whiten_rewards=True)
+    # A partial section keeps GRPO's defaults; critic keys are accepted and unused.
+    cfg = load("grpo", lr=3e-4, critic_lr=1.0, shared_backbone=True).grpo
+    assert (cfg.advantage, cfg.samples_per_prompt, cfg.kl_coef, cfg.kl_loss_coef, cfg.kl_estimator) == \
+           ("grpo", 4, 0.0, 0.05, "k3") and not cfg.uses_critic
+    assert PPOConfig().uses_critic and PPOConfig().samples_per_prompt == 1   # ppo is unchanged
+
+
+def test_memory_plan_counts_three_models(dirs):
+    shape = lambda d, head: memory_plan.checkpoint_shape(d, head, False)   # noqa: E731
+    actor, rm = shape(dirs / "sft", False), shape(dirs / "rm", True)
+    folders = {"data": dirs / "data", "sft": dirs / "sft", "reward": dirs / "rm"}
+    params = _params()
+    plan = memory_plan.stage_plan("grpo", params, folders)
+    assert plan.stage == "grpo"
+    assert plan.device["weights"] == 4 * actor.params                 # one trained model: the actor
+    assert plan.device["frozen"] == 4 * (actor.params + rm.params)    # reference and reward
+    gae = dataclasses.replace(params, grpo=dataclasses.replace(params.grpo, advantage="gae", kl_coef=0.2,
+                                                              kl_loss_coef=0.0))
+    four = memory_plan.stage_plan("grpo", gae, folders)
+    assert four.device["weights"] == 4 * (actor.params + rm.params)   # actor and critic (from the RM)
+    assert plan.total < four.total
+
+
+def test_grpo_stage_has_no_critic_and_resumes_exactly(dirs, tmp_path, monkeypatch):
+    params = _params()
+    folders = (dirs / "data", dirs / "sft", dirs / "rm")
+    full = stage.run(params, *folders, tmp_path / "full", progress=False)
+    files = {p.name for p in (tmp_path / "full").rglob("*")}
+    assert "actor.safetensors" in files and not any("critic" in f for f in files)
+    assert json.loads((tmp_path / "full/config.json").read_text())["grpo"]["advantage"] == "grpo"
+    assert "eval/gold_grpo" in full or "eval/rm_grpo" in full
+    columns = (tmp_path / "full/train.tsv").read_text().splitlines()[0].split("\t")
+    assert "objective/group_std" in columns and not {"loss/value", "val/grad_norm"} & set(columns)
+
+    real_step = PPOTrainer.step
+
+    def dying_step(self):
+        if self.iteration == 3:          # killed during iteration 4; the checkpoint of iteration 2 exists
+            raise KeyboardInterrupt
+        return real_step(self)
+    monkeypatch.setattr(PPOTrainer, "step", dying_step)
+    with pytest.raises(KeyboardInterrupt):
+        stage.run(params, *folders, tmp_path / "resumed", progress=False)
+    assert json.loads((tmp_path / "resumed/checkpoint/state.json").read_text())["iteration"] == 2
+    monkeypatch.setattr(PPOTrainer, "step", real_step)
+    resumed = stage.run(params, *folders, tmp_path / "resumed", progress=False)
+    a = AutoModelForCausalLM.from_pretrained(str(tmp_path / "full/model")).state_dict()
+    b = AutoModelForCausalLM.from_pretrained(str(tmp_path / "resumed/model")).state_dict()
+    assert all(torch.equal(a[k], b[k]) for k in a)
+    assert _rows(tmp_path / "full/train.tsv") == _rows(tmp_path / "resumed/train.tsv")
+    drop = ("time", "tokens_per_second", "resources/")
+    assert {k: v for k, v in full.items() if not any(d in k for d in drop)} == \
+           {k: v for k, v in resumed.items() if not any(d in k for d in drop)}

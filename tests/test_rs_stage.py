@@ -1,0 +1,201 @@
+"""The `rs` stage (pipeline/stages/rs.py): the winners are the reward model's favourites among the
+SFT policy's candidates, a short run's outputs, resume after a kill during fine-tuning (the winners
+reused, not sampled again), and its params' errors."""
+
+from __future__ import annotations
+
+import csv
+import json
+import math
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from conftest import TINY, merge, tiny_policy_and_reward_model
+from pipeline.config import DataConfig, Params, from_dict, load_params
+from pipeline.data import inputs
+from pipeline.errors import ConfigError, DataError
+from pipeline.models import reward_model as rm
+from pipeline.models.checkpoints import load_policy
+from pipeline.models.generation import generate_texts
+from pipeline.stages import rs
+from pipeline.stages.prepare import run as prepare_run
+from pipeline.training import supervised
+
+TIME_KEYS = ("seconds", "time", "tokens_per_second")
+RS = {"n": 4, "n_prompts": 12, "batch_size": 4, "epochs": 1.0, "eval_every": 2, "save_every": 2,
+      "n_eval_prompts": 4, "lr": 3e-3, "sampling": {"max_new_tokens": 8}}
+
+
+def _params(**override) -> Params:
+    d = merge({k: v for k, v in TINY.items() if k != "data"}, {"rs": merge(RS, override)})
+    return from_dict(Params, d, "params.yaml: ")
+
+
+@pytest.fixture(scope="module")
+def data(tmp_path_factory) -> Path:
+    root = tmp_path_factory.mktemp("rs_data")
+    prepare_run(from_dict(DataConfig, TINY["data"], "params.yaml: "), root / "data")
+    return root / "data"
+
+
+@pytest.fixture(scope="module")
+def models(data, tmp_path_factory) -> tuple[Path, Path]:
+    """An untrained tiny policy and a reward model built from it: their samples and scores differ
+    enough from candidate to candidate for the choice to matter."""
+    return tiny_policy_and_reward_model(tmp_path_factory.mktemp("rs_models"), data)
+
+
+@pytest.fixture(scope="module")
+def done(data, models, tmp_path_factory) -> tuple[Path, dict]:
+    out = tmp_path_factory.mktemp("rs_run") / "rs"
+    metrics = rs.run(_params(), data, *models, out, progress=False)
+    return out, metrics
+
+
+def _winners(out: Path) -> tuple[dict, list[dict]]:
+    header, *rows = [json.loads(line) for line in (out / rs.WINNERS).read_text().splitlines()]
+    return header, rows
+
+
+def _without_time(metrics: dict) -> dict:
+    return {k: v for k, v in metrics.items() if not any(t in k for t in TIME_KEYS)}
+
+
+def _rows(path: Path) -> list[dict]:
+    return [{k: v for k, v in r.items() if not any(t in k for t in TIME_KEYS)}
+            for r in csv.DictReader(open(path), delimiter="\t")]
+
+
+def test_pick_winners_takes_the_first_of_tied_best():
+    # scores[k][i]: candidate k of prompt i
+    assert rs.pick_winners([[1.0, 2.0, 0.5], [1.0, 3.0, 0.7], [0.9, 3.0, 0.6]]) == [0, 1, 1]
+
+
+def test_winners_are_the_rm_argmax_of_each_prompts_candidates(done, data, models):
+    """Candidates drawn again by hand (candidate k: seed rs.seed + k over the first rs.n_prompts PPO
+    prompts) and scored with score_texts: each winner is the first highest-scoring one."""
+    out, _ = done
+    params = _params()
+    cfg = params.rs
+    policy, tok = load_policy(models[0])
+    reward, rtok = rm.load_reward_model(models[1])
+    prompts, _, _ = inputs.fit_prompts(inputs.prompt_records(params, data, "train"), tok,
+                                       params.ppo.max_prompt_length, params.ppo.overlong)
+    prompts = prompts[:cfg.n_prompts]
+    texts = [generate_texts(policy, tok, prompts, cfg.sampling, cfg.seed + k, greedy=False,
+                            max_prompt_length=params.ppo.max_prompt_length)[0] for k in range(cfg.n)]
+    scores = torch.stack([rm.score_texts(reward, rtok, prompts, t, params.reward.max_length) for t in texts])  # (n, N)
+    best = [int(torch.nonzero(scores[:, i] == scores[:, i].max())[0]) for i in range(len(prompts))]
+
+    header, rows = _winners(out)
+    assert [r["prompt"] for r in rows] == prompts
+    assert [r["response"] for r in rows] == [texts[k][i] for i, k in enumerate(best)]
+    assert [r["rm"] for r in rows] == pytest.approx([float(scores[k, i]) for i, k in enumerate(best)], abs=1e-5)
+    assert any(k != 0 for k in best), "every winner is the first candidate: the test could not fail"
+    stats = header["stats"]
+    assert stats["rs/rm_candidates"] == pytest.approx(float(scores.mean()), abs=1e-5)
+    assert stats["rs/rm_winners"] == pytest.approx(float(scores.max(0).values.mean()), abs=1e-5)
+    assert stats["rs/winners_kept"] == len(rows) == cfg.n_prompts
+
+
+def test_a_short_run_writes_a_loadable_model_and_finite_metrics(done):
+    out, metrics = done
+    weights = load_file(out / "model/model.safetensors")
+    assert weights and all(torch.isfinite(w).all() for w in weights.values())
+    load_policy(out / "model")
+    numbers = {k: v for k, v in metrics.items() if isinstance(v, (int, float))}
+    assert numbers == metrics and all(math.isfinite(v) for v in numbers.values())
+    for key in ("train/loss", "eval/loss", "eval/rm_sampled", "eval/kl_sampled", "eval/gold_sampled",
+                "eval/eos_rate_sampled", "rs/rm_winners", "rs/rm_candidates", "rs/gold_winners", "rs/gold_candidates"):
+        assert key in metrics, key
+    assert metrics["rs/rm_winners"] >= metrics["rs/rm_candidates"]
+    assert metrics["train/steps"] == 3   # 12 winners in batches of 4, one epoch
+    assert json.loads((out / "metrics.json").read_text())
+    assert json.loads((out / "config.json").read_text())["rs"]["n"] == 4
+    assert len(_rows(out / "train.tsv")) == 3 and len(_rows(out / "eval.tsv")) == 2
+
+
+def _die_at(monkeypatch, where: str) -> None:
+    """Interrupt the supervised loop when it checks the first quantity of step `where`."""
+    real = supervised.check_finite
+
+    def dying(at, name, value):
+        if at == where:
+            raise KeyboardInterrupt
+        return real(at, name, value)
+    monkeypatch.setattr(supervised, "check_finite", dying)
+
+
+def test_killed_during_fine_tuning_resumes_with_the_same_winners_and_weights(data, models, tmp_path, monkeypatch):
+    params = _params(n_prompts=16)     # 4 steps: killed in step 4, the save of step 2 exists
+    full = rs.run(params, data, *models, tmp_path / "full", progress=False)
+
+    _die_at(monkeypatch, "rs step 4")
+    with pytest.raises(KeyboardInterrupt):
+        rs.run(params, data, *models, tmp_path / "resumed", progress=False)
+    assert json.loads((tmp_path / "resumed/checkpoint/state.json").read_text())["step"] == 2
+    assert not (tmp_path / "resumed/model").exists()
+    sampled = (tmp_path / "resumed" / rs.WINNERS).read_bytes()
+    monkeypatch.undo()
+
+    def no_sampling(*args, **kwargs):
+        raise AssertionError("the winners were sampled again")
+    monkeypatch.setattr(rs, "sample_candidates", no_sampling)
+    resumed = rs.run(params, data, *models, tmp_path / "resumed", progress=False)
+
+    assert (tmp_path / "resumed" / rs.WINNERS).read_bytes() == sampled == (tmp_path / "full" / rs.WINNERS).read_bytes()
+    assert _without_time(resumed) == _without_time(full)
+    a, b = (load_file(tmp_path / f"{d}/model/model.safetensors") for d in ("full", "resumed"))
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    for log in ("train.tsv", "eval.tsv"):
+        assert _rows(tmp_path / f"full/{log}") == _rows(tmp_path / f"resumed/{log}")
+
+    # Fine-tuning params alone changed: the winners are still reused; a sampling param resamples.
+    other = rs.run(_params(n_prompts=16, lr=1e-3), data, *models, tmp_path / "resumed", progress=False)
+    assert other["train/loss"] != resumed["train/loss"]
+    with pytest.raises(AssertionError, match="sampled again"):
+        rs.run(_params(n_prompts=16, n=3), data, *models, tmp_path / "resumed", progress=False)
+
+
+def test_min_score_leaves_low_winners_out(done, data, models, tmp_path):
+    _, rows = _winners(done[0])
+    cut = sorted(r["rm"] for r in rows)[len(rows) // 2]
+    params = _params(min_score=cut)
+    metrics = rs.run(params, data, *models, tmp_path, progress=False)
+    _, kept = _winners(tmp_path)
+    assert kept and all(r["rm"] >= cut for r in kept)
+    assert metrics["rs/winners_kept"] == len(kept) == sum(r["rm"] >= cut for r in rows)
+
+
+@pytest.mark.parametrize("section, message", [
+    ({"n": 1}, r"rs\.n: expected an integer >= 2, got 1"),
+    ({"bogus": 3}, r"rs\.bogus: unknown key"),
+    ({"n_prompts": 0}, r"rs\.n_prompts: expected an integer >= 1, got 0"),
+    ({"lr": "fast"}, r"rs\.lr: expected a positive float"),
+    ({"sampling": {"temprature": 1.0}}, r"rs\.sampling\.temprature: unknown key"),
+    ({"batch_size": 3, "distributed": {"gradient_accumulation_steps": 2}}, r"rs\.batch_size: 3 must be divisible"),
+])
+def test_config_errors_name_the_file_and_key(section, message, tmp_path):
+    path = tmp_path / "params.yaml"
+    path.write_text(json.dumps({"rs": section}))
+    with pytest.raises(ConfigError, match=rf"^params\.yaml: {message}"):
+        load_params(path)
+
+
+def test_defaults_load():
+    cfg = from_dict(Params, {}, "params.yaml: ").rs
+    assert cfg.n >= 2 and cfg.min_score is None and cfg.n_prompts is None and cfg.sampling.max_new_tokens > 0
+
+
+def test_a_min_score_above_every_winner_is_an_error_naming_it(data, models, tmp_path):
+    with pytest.raises(DataError, match=r"^rs\.min_score: every winner scores below 100\.0"):
+        rs.run(_params(min_score=100.0), data, *models, tmp_path, progress=False)
+    assert not (tmp_path / rs.WINNERS).exists() and not (tmp_path / "model").exists()
+
+
+def test_more_prompts_than_the_split_holds_is_an_error_naming_the_key(data, models, tmp_path):
+    with pytest.raises(DataError, match=r"^rs\.n_prompts: 17 prompts asked for, the PPO train split has 16"):
+        rs.run(_params(n_prompts=17), data, *models, tmp_path, progress=False)
