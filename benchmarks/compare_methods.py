@@ -33,7 +33,7 @@ from seed_grid import copy_tree, stage, write_params   # noqa: E402
 
 # method -> the model folders its stage reads (after --data)
 METHODS = {"ppo": ("sft", "reward"), "dpo": ("sft",), "grpo": ("sft", "reward"), "rs": ("sft", "reward")}
-SWEEPS = {"dpo": ("dpo.beta", (0.05, 0.1, 0.3)), "ppo": ("ppo.kl_coef", (0.05, 0.1, 0.2))}
+SWEEPS = {"dpo": ("dpo.beta", (0.05, 0.1, 0.3, 2.0)), "ppo": ("ppo.kl_coef", (0.05, 0.1, 0.2))}
 COLUMNS = ["method", "seed", "sweep", "gold", "gold_ci95", "gold_win", "gold_win_low", "gold_win_high", "rm",
            "rm_win", "kl", "length", "wall_seconds", "peak_rss_gib"]
 
@@ -84,8 +84,9 @@ def plot(rows: list[dict], compare0: Path, path: Path) -> None:
                     fmt="o", capsize=3, label=method)
         for r in mine:
             if r["sweep"]:
-                ax.annotate(r["sweep"].split(".")[-1], (r["kl"], r["gold"]), textcoords="offset points",
-                            xytext=(4, 4), fontsize=7)
+                key, value = r["sweep"].split("=")
+                ax.annotate(f"{'β' if key.endswith('beta') else 'kl_coef'} {value}", (r["kl"], r["gold"]),
+                            textcoords="offset points", xytext=(4, 4), fontsize=7)
     ax.set_xlabel("KL to the SFT policy (nats per response)")
     ax.set_ylabel("mean gold score, 200 held-out prompts")
     ax.set_title("Gold against KL: every method, seed and sweep value")

@@ -17,7 +17,7 @@ import sys
 from pathlib import Path
 
 from .training import distributed
-from .config import load_params
+from .config import DEFERRED_SHAPE, check_process_shape, load_params
 from .errors import ConfigError, DataError, UserError
 
 
@@ -210,6 +210,8 @@ def main(argv: list[str] | None = None) -> int:
                 node_rank, slurm_master = slurm_node()
                 master_addr = master_addr or slurm_master
             params = distributed.with_node(params, args.stage, node_rank, master_addr)
+            if args.stage in DEFERRED_SHAPE:   # before launching: the method's batches against its processes
+                check_process_shape(params, args.stage)
             dist = getattr(params, args.stage).distributed
             if distributed.needs_launch(dist):
                 # Re-run this very command under the launcher, one copy per process.

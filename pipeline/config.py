@@ -406,6 +406,16 @@ class PPOConfig:
         return self.advantage == "gae"
 
     def __post_init__(self) -> None:
+        if self._section not in DEFERRED_SHAPE:
+            self.check_shape()
+        s = self._section
+        if not self.uses_critic and self.samples_per_prompt < 2:
+            raise ConfigError(f"{s}.samples_per_prompt: advantage: {self.advantage} takes each response's baseline "
+                              f"from the other responses to its prompt, so it needs >= 2, got {self.samples_per_prompt}")
+        self._check_rest()
+
+    def check_shape(self) -> None:
+        """The batch sizes against the process count (each process a whole share of every batch)."""
         dist, s = self.distributed, self._section
         if self.rollout_batch_size % (self.minibatch_size) or self.minibatch_size % dist.world_size:
             raise ConfigError(f"{s}.minibatch_size: {self.minibatch_size} must divide {s}.rollout_batch_size="
@@ -413,13 +423,13 @@ class PPOConfig:
         if (self.minibatch_size // dist.world_size) % self.micro_batch_size:
             raise ConfigError(f"{s}.micro_batch_size: {self.micro_batch_size} must divide the per-process "
                               f"minibatch {s}.minibatch_size / processes = {self.minibatch_size // dist.world_size}")
-        if not self.uses_critic and self.samples_per_prompt < 2:
-            raise ConfigError(f"{s}.samples_per_prompt: advantage: {self.advantage} takes each response's baseline "
-                              f"from the other responses to its prompt, so it needs >= 2, got {self.samples_per_prompt}")
         if self.rollout_batch_size % (self.samples_per_prompt * dist.world_size):
             # Each process computes its groups' baselines alone: a group must not straddle two processes.
             raise ConfigError(f"{s}.rollout_batch_size: {self.rollout_batch_size} responses must be divisible by "
                               f"{s}.samples_per_prompt x processes = {self.samples_per_prompt * dist.world_size}")
+
+    def _check_rest(self) -> None:
+        dist, s = self.distributed, self._section
         if not self.uses_critic and self.whiten_rewards:
             raise ConfigError(f"{s}.whiten_rewards: whitens GAE's per-token rewards; advantage: {self.advantage} "
                               "normalises the sequence scores itself; set it to false")
@@ -594,6 +604,22 @@ def reward_function(spec: str) -> typing.Callable:
     return fn
 
 
+# compare/dvc.yaml's methods: their batch sizes are checked against the process count when their
+# stage starts (before it builds a model), not when params.yaml is loaded, so a distributed setup
+# for the default pipeline is not refused over the sizes of stages it does not run.
+DEFERRED_SHAPE = ("dpo", "grpo", "rs")
+
+
+def check_process_shape(params: "Params", stage: str) -> None:
+    """A stage's batch sizes against its process count (at load for the default pipeline's
+    stages, at stage start for DEFERRED_SHAPE's)."""
+    section = getattr(params, stage)
+    if isinstance(section, PPOConfig):
+        section.check_shape()
+    else:
+        check_batch_split(stage, section.batch_size, section.distributed)
+
+
 def check_batch_split(section: str, batch_size: int, dist: DistributedConfig) -> None:
     """A global batch must split evenly into processes x micro-batches (same maths as one process)."""
     parts = dist.world_size * dist.gradient_accumulation_steps
@@ -756,10 +782,9 @@ def load_params(path: str | Path) -> Params:
         raise ConfigError(f"{path}: the params file is empty (write {{}} for every default, or start from the "
                           "repository's params.yaml)")
     params = from_dict(Params, merge_distributed(data, where), where)
-    for stage in ("sft", "reward", "dpo", "rs"):
-        cfg = getattr(params, stage)
+    for stage in ("sft", "reward"):
         try:
-            check_batch_split(stage, cfg.batch_size, cfg.distributed)
+            check_process_shape(params, stage)
         except ConfigError as err:
             raise ConfigError(f"{where}{err}") from None
     return params

@@ -22,7 +22,7 @@ if [ -f compare/dvc.lock ] && { ! git ls-files --error-unmatch compare/dvc.lock 
     pipelines+=(compare/dvc.yaml)
 fi
 if ! "$dvc" status --quiet "${pipelines[@]}"; then
-    echo "make commit: the workspace is not the run in the lock files (a stage is out of date or was" \
+    echo "make commit: the workspace is not the run in dvc.lock (or compare/dvc.lock; a stage is out of date or was" \
          "interrupted); finish it with 'make pipeline' (or 'make compare') first. dvc status:" >&2
     "$dvc" status "${pipelines[@]}" >&2 || true
     exit 1

@@ -13,7 +13,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from conftest import tiny_policy_and_reward_model
-from pipeline.config import DataConfig, GRPOConfig, Params, PPOConfig, SamplingConfig, from_dict
+from pipeline.config import DataConfig, GRPOConfig, Params, PPOConfig, SamplingConfig, check_process_shape, from_dict
 from pipeline.errors import ConfigError
 from pipeline.ppo import advantages as adv
 from pipeline.ppo import group_advantages as group
@@ -137,8 +137,13 @@ def test_group_estimator_config_is_checked():
         load("grpo", samples_per_prompt=1)
     with pytest.raises(ConfigError, match=r"grpo.kl_loss_coef: .*never both"):
         load("grpo", kl_coef=0.1)   # the grpo default has kl_loss_coef 0.05
+    # Batch sizes against processes: checked when the grpo stage starts (config.DEFERRED_SHAPE), so a
+    # distributed setup for the default pipeline loads whatever the comparison's sizes; ppo's at load.
+    split = load("grpo", rollout_batch_size=10, minibatch_size=5, micro_batch_size=5)
     with pytest.raises(ConfigError, match=r"grpo.rollout_batch_size: 10 responses must be divisible by .* = 4"):
-        load("grpo", rollout_batch_size=10, minibatch_size=5, micro_batch_size=5)
+        check_process_shape(split, "grpo")
+    with pytest.raises(ConfigError, match=r"params.yaml: ppo.minibatch_size: 48 must divide ppo.rollout_batch_size"):
+        load("ppo", minibatch_size=48)
     with pytest.raises(ConfigError, match=r"grpo.dataset: .*ppo.dataset"):
         load("grpo", dataset={"path": "prompts.jsonl"})
     with pytest.raises(ConfigError, match=r"grpo.whiten_rewards"):

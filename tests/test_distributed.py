@@ -38,8 +38,9 @@ PROMPT = "Review the film Silent River . Focus on the music ."
 
 
 def stage(name: str, params: Path, root: Path, out: str, *extra: str, check: bool = True) -> subprocess.CompletedProcess:
-    paths = {"sft": ["--data", "data"], "reward": ["--data", "data", "--sft", "sft/model"],
-             "ppo": ["--data", "data", "--sft", "sft/model", "--reward", "rm/model"]}[name]
+    with_rm = ["--data", "data", "--sft", "sft/model", "--reward", "rm/model"]
+    paths = {"sft": ["--data", "data"], "reward": ["--data", "data", "--sft", "sft/model"], "ppo": with_rm,
+             "dpo": ["--data", "data", "--sft", "sft/model"], "grpo": with_rm, "rs": with_rm}[name]
     cmd = [sys.executable, "-m", "pipeline", name, "--params", str(params), *paths, "--out", out, "--no-progress", *extra]
     env = {**run_env(), "PYTHONPATH": str(REPO)}
     env.setdefault("TORCH_EXTENSIONS_DIR", str(REPO / ".cache" / "torch_extensions"))
@@ -102,6 +103,28 @@ def test_two_process_zero2_sft_and_rm_match_one_process(root):
     # Only rank 0 wrote, and what it wrote loads as a plain HF model.
     AutoModelForCausalLM.from_pretrained(str(root / "sft2" / "model"))
     assert not (root / "sft" / "deepspeed_config.json").exists()
+
+
+def test_compare_methods_under_two_process_zero2(root):
+    """The methods of compare/dvc.yaml scale out as the default stages do: DPO's steps in 2
+    processes match 1 process (its cached reference log-probs included); GRPO runs without a critic
+    (no critic in the DeepSpeed config); rejection sampling samples on rank 0 and fine-tunes on both."""
+    plain, zero2 = params_file(root, "plain_methods", {}), params_file(root, "zero2_methods", ZERO2_2PROC)
+    stage("dpo", plain, root, "dpo1")
+    assert "launching 2 processes" in stage("dpo", zero2, root, "dpo2").stdout
+    a, b = tsv(root / "dpo1" / "train.tsv"), tsv(root / "dpo2" / "train.tsv")
+    assert len(a) == len(b) == 3                                   # 48 pairs / global batch 16
+    for ra, rb in zip(a, b):
+        for k in ("loss", "margin", "chosen_logp", "rejected_logp", "grad_norm"):
+            assert abs(ra[k] - rb[k]) <= LOSS_TOL * max(1.0, abs(ra[k])), (k, ra, rb)
+    stage("grpo", zero2, root, "grpo2")
+    ds = json.loads((root / "grpo2" / "deepspeed_config.json").read_text())
+    assert "actor" in ds and "critic" not in ds
+    assert not list((root / "grpo2").rglob("critic*"))
+    stage("rs", zero2, root, "rs2")
+    winners = (root / "rs2" / "winners.jsonl").read_text().splitlines()
+    assert len(winners) == 1 + TINY["rs"]["n_prompts"]              # the header, then one winner per prompt
+    AutoModelForCausalLM.from_pretrained(str(root / "rs2" / "model"))
 
 
 def test_zero3_offload_under_the_deepspeed_launcher_and_bf16(root):

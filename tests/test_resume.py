@@ -28,7 +28,7 @@ from pipeline.config import DataConfig, Params, from_dict
 from pipeline.errors import ConfigError, NumericalError
 from pipeline.stages.prepare import run as prepare_run
 
-TIME_KEYS = ("seconds", "time", "tokens_per_second")
+TIME_KEYS = ("seconds", "time", "tokens_per_second", "peak_rss")
 
 
 def _params(**override) -> Params:

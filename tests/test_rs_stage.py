@@ -14,7 +14,7 @@ import torch
 from safetensors.torch import load_file
 
 from conftest import TINY, merge, tiny_policy_and_reward_model
-from pipeline.config import DataConfig, Params, from_dict, load_params
+from pipeline.config import DataConfig, Params, check_process_shape, from_dict, load_params
 from pipeline.data import inputs
 from pipeline.errors import ConfigError, DataError
 from pipeline.models import reward_model as rm
@@ -176,13 +176,22 @@ def test_min_score_leaves_low_winners_out(done, data, models, tmp_path):
     ({"n_prompts": 0}, r"rs\.n_prompts: expected an integer >= 1, got 0"),
     ({"lr": "fast"}, r"rs\.lr: expected a positive float"),
     ({"sampling": {"temprature": 1.0}}, r"rs\.sampling\.temprature: unknown key"),
-    ({"batch_size": 3, "distributed": {"gradient_accumulation_steps": 2}}, r"rs\.batch_size: 3 must be divisible"),
 ])
 def test_config_errors_name_the_file_and_key(section, message, tmp_path):
     path = tmp_path / "params.yaml"
     path.write_text(json.dumps({"rs": section}))
     with pytest.raises(ConfigError, match=rf"^params\.yaml: {message}"):
         load_params(path)
+
+
+def test_batch_split_is_checked_when_the_stage_starts(tmp_path):
+    # Not at load (config.DEFERRED_SHAPE): a distributed setup for the default pipeline must not be
+    # refused over the sizes of a comparison stage it does not run.
+    path = tmp_path / "params.yaml"
+    path.write_text(json.dumps({"rs": {"batch_size": 3, "distributed": {"gradient_accumulation_steps": 2}}}))
+    params = load_params(path)
+    with pytest.raises(ConfigError, match=r"^rs\.batch_size: 3 must be divisible by processes x gradient_accumulation"):
+        check_process_shape(params, "rs")
 
 
 def test_defaults_load():

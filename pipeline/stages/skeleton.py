@@ -36,7 +36,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterator, Sequence
 
-from ..config import Params
+from ..config import DEFERRED_SHAPE, Params, check_process_shape
 from ..data.io import atomic_dir, atomic_write_json, stale_extras
 from ..models.checkpoints import save_checkpoint
 from ..tracking.mlflow_sink import stage_tracking
@@ -69,7 +69,8 @@ class StageRun:
             with atomic_dir(self.out / "model") as tmp:
                 save_checkpoint(model, tok, tmp)
         atomic_write_json(self.out / "config.json", self.resolved)
-        write_metrics(self.out / "metrics.json", {**metrics, **self.resources()}, self.tracker)
+        metrics.update(self.resources())   # in place: the stage returns what metrics.json holds
+        write_metrics(self.out / "metrics.json", metrics, self.tracker)
         self.tracker.log_outputs(self.out)
 
 
@@ -102,6 +103,8 @@ def stage_run(spec: StageSpec, params: Params, out: Path, inputs: Sequence[str |
                 stale_extras(out, section.lora.enabled,
                              ctx.world_size > 1 or section.distributed.backend != "none")
         ctx.barrier()
+        if spec.name in DEFERRED_SHAPE:   # a compare method's batch sizes against its processes (config.py)
+            check_process_shape(params, spec.name)
         if spec.training:   # before any model is built: refuse a plan that cannot fit this rank's device
             memory_plan.check_stage(spec.name, declared(params, spec), dict(zip(spec.inputs, inputs)), ctx.is_main)
         code = [ROOT / f for f in sorted(code_deps.closure(ROOT, spec.name))]
