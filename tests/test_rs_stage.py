@@ -24,7 +24,7 @@ from pipeline.stages import rs
 from pipeline.stages.prepare import run as prepare_run
 from pipeline.training import supervised
 
-TIME_KEYS = ("seconds", "time", "tokens_per_second")
+TIME_KEYS = ("seconds", "time", "tokens_per_second", "resources")
 RS = {"n": 4, "n_prompts": 12, "batch_size": 4, "epochs": 1.0, "eval_every": 2, "save_every": 2,
       "n_eval_prompts": 4, "lr": 3e-3, "sampling": {"max_new_tokens": 8}}
 

@@ -22,11 +22,11 @@ import logging
 from pathlib import Path
 from typing import Any, Callable, Hashable, TypeVar, Union
 
-from ..config import Params, PromptDatasetConfig, SFTDatasetConfig
+from ..config import Params, PreferenceDataConfig, PromptDatasetConfig, SFTDatasetConfig
 from .records import load_demonstrations, load_prompts
 from ..errors import DataError
 from .io import nonempty_text
-from .preferences import ASSISTANT_TURN, _rows
+from .preferences import ASSISTANT_TURN, Pair, _rows, load_pairs
 
 Prompt = Union[str, list[dict[str, str]]]
 T = TypeVar("T")
@@ -212,3 +212,23 @@ def held_out(train: list[tuple[str, Hashable]], records: list[T], keys: list[tup
     if not kept:
         raise DataError(f"{param}: every held-out {what} is also a training record")
     return kept
+
+
+PREPARED_PAIR_FIELDS = ("prompt", "chosen", "rejected", "id")
+
+
+def preference_pairs(ds: PreferenceDataConfig, data_dir: Path, section: str) -> tuple[list[Pair], list[Pair]]:
+    """Training and held-out pairs of a `<section>.dataset` (reward, dpo): the prepared pairs when
+    its path is null; a held-out pair that is also a training pair is leakage
+    (`<section>.dataset.leakage`)."""
+    if ds.path is None:
+        fields = PREPARED_PAIR_FIELDS + ((ds.margin_column,) if ds.margin_column else ())
+        train, held = (load_pairs(data_dir / name, layout=ds.layout, margin_column=ds.margin_column, allowed=fields)
+                       for name in ("pairs_train.jsonl", "pairs_eval.jsonl"))
+    else:
+        train = load_pairs(ds.path, ds.train_split, ds.revision, ds.layout, ds.margin_column)
+        held = load_pairs(ds.path, ds.eval_split, ds.revision, ds.layout, ds.margin_column)
+    key = lambda p: (prompt_key(p.prompt), p.chosen, p.rejected)   # noqa: E731
+    held = held_out([(p.where, key(p)) for p in train], held, [(p.where, key(p)) for p in held],
+                    ds.leakage, f"{section}.dataset.leakage", "pair")
+    return train, held

@@ -21,7 +21,7 @@ from ..data.padding import left_pad, positions, right_pad
 from ..data.tokenizer import encode_prompt, encode_response
 from ..models.generation import generate_texts
 from ..models.logprobs import logprobs_from_logits, response_logits
-from .stats import distinct_n, mean_ci
+from .stats import best_of_n_choices, best_of_n_kl, distinct_n, mean_ci
 
 Judge = Callable[[object, str], float]
 Scorer = Callable[[list, list[str]], torch.Tensor]
@@ -82,4 +82,22 @@ def summary(m: Measured, name: Callable[[str], str]) -> dict[str, float]:
     out[name("length")] = sum(len(t.split()) for t in m.texts) / len(m.texts)
     out[name("eos_rate")] = sum(m.ended) / len(m.ended)
     out[name("distinct_2")] = distinct_n(m.texts, 2)
+    return out
+
+
+def best_of_n(policy, tok, prompts: list, sampling: SamplingConfig, seed: int, ns: tuple[int, ...],
+              reward: Scorer, judge: Optional[Judge] = None) -> dict[str, Measured]:
+    """Best-of-n from `policy` for each n of `ns`: max(ns) samples per prompt (sample k with seed
+    `seed + k`), scored once by `reward`; each n keeps the reward's favourite among the first n
+    (nested: one draw serves every n). KL is the analytic log n - (n-1)/n. {"best_of_<n>": ...}."""
+    cands = [measure(policy, tok, prompts, sampling, seed + k, reward=reward) for k in range(max(ns))]
+    scores = [c.values["rm"] for c in cands]
+    out = {}
+    for n, best in best_of_n_choices(scores, ns).items():
+        texts = [cands[k].texts[i] for i, k in enumerate(best)]
+        out[f"best_of_{n}"] = Measured(texts, [cands[k].ended[i] for i, k in enumerate(best)],
+                                       {"rm": [scores[k][i] for i, k in enumerate(best)],
+                                        "kl": [best_of_n_kl(n)] * len(prompts)})
+        if judge is not None:
+            out[f"best_of_{n}"].values["gold"] = [judge(p, r) for p, r in zip(prompts, texts)]
     return out

@@ -29,8 +29,8 @@ from ..data import inputs
 from ..data.io import atomic_write_text
 from ..errors import ConfigError
 from ..measurement.plots import close_figure, plt, save_figure
-from ..measurement.policy import Measured, measure, summary
-from ..measurement.stats import best_of_n_choices, best_of_n_kl, win_rate
+from ..measurement.policy import Measured, best_of_n, measure, summary
+from ..measurement.stats import win_rate
 from ..models.checkpoints import load_policy
 from ..models.reward_source import RewardModelSource
 from ..tracking.sinks import StepLog
@@ -84,18 +84,8 @@ def measure_all(params: Params, sft_dir: Path, methods: dict[str, Path], reward:
     cfg, sampling = params.compare, params.ppo.sampling
     sft, tok = load_policy(sft_dir, params.model.trust_remote_code)
     per = {"sft": measure(sft, tok, prompts, sampling, cfg.seed, reward=reward.score, ref=sft, judge=judge)}
-    if cfg.best_of_n:
-        # max(n) SFT samples per prompt, scored once; each n keeps the RM's favourite of the first n.
-        cands = [measure(sft, tok, prompts, sampling, cfg.seed + 1 + k, reward=reward.score)
-                 for k in range(max(cfg.best_of_n))]
-        scores = [c.values["rm"] for c in cands]
-        for n, best in best_of_n_choices(scores, cfg.best_of_n).items():
-            texts = [cands[k].texts[i] for i, k in enumerate(best)]
-            per[f"best_of_{n}"] = Measured(texts, [cands[k].ended[i] for i, k in enumerate(best)],
-                                           {"rm": [scores[k][i] for i, k in enumerate(best)],
-                                            "kl": [best_of_n_kl(n)] * len(prompts)})
-            if judge is not None:
-                per[f"best_of_{n}"].values["gold"] = [judge(p, r) for p, r in zip(prompts, texts)]
+    if cfg.best_of_n:   # nested best-of-n from SFT, drawn as the evaluate stage draws it
+        per.update(best_of_n(sft, tok, prompts, sampling, cfg.seed + 1, cfg.best_of_n, reward.score, judge))
     for name, folder in methods.items():
         policy, _ = load_policy(folder, params.model.trust_remote_code)
         per[name] = measure(policy, tok, prompts, sampling, cfg.seed, reward=reward.score, ref=sft, judge=judge)

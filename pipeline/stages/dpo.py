@@ -32,7 +32,7 @@ import torch
 
 from ..config import Params, PreferenceOptConfig
 from ..data import inputs
-from ..data.preferences import Pair, load_pairs
+from ..data.preferences import Pair
 from ..data.tokenizer import encode_prompt, encode_response
 from ..errors import DataError, check_finite
 from ..measurement.policy import measure, summary
@@ -58,7 +58,6 @@ SPEC = StageSpec("dpo", inputs=("data", "sft"), training=True, reads=(
     "reward.dataset.path",
 ))
 
-PREPARED_PAIR_FIELDS = ("prompt", "chosen", "rejected", "id")
 # train.tsv / eval.tsv column -> the losses' stat of the same meaning (pipeline/preference/losses.py)
 COLUMNS = {"loss": "loss", "accuracy": "rewards/accuracy", "margin": "rewards/margin",
            "chosen_logp": "logps/chosen", "rejected_logp": "logps/rejected",
@@ -76,20 +75,8 @@ class ScoredPair:
 
 
 def pair_sources(params: Params, data_dir: Path) -> tuple[list[Pair], list[Pair]]:
-    """Training and held-out pairs (`dpo.dataset`: the prepared pairs by default); a held-out pair
-    that is also a training pair is leakage (`dpo.dataset.leakage`)."""
-    ds = params.dpo.dataset
-    if ds.path is None:
-        fields = PREPARED_PAIR_FIELDS + ((ds.margin_column,) if ds.margin_column else ())
-        train, held = (load_pairs(data_dir / name, layout=ds.layout, margin_column=ds.margin_column, allowed=fields)
-                       for name in ("pairs_train.jsonl", "pairs_eval.jsonl"))
-    else:
-        train = load_pairs(ds.path, ds.train_split, ds.revision, ds.layout, ds.margin_column)
-        held = load_pairs(ds.path, ds.eval_split, ds.revision, ds.layout, ds.margin_column)
-    key = lambda p: (inputs.prompt_key(p.prompt), p.chosen, p.rejected)   # noqa: E731
-    held = inputs.held_out([(p.where, key(p)) for p in train], held, [(p.where, key(p)) for p in held],
-                           ds.leakage, "dpo.dataset.leakage", "pair")
-    return train, held
+    """Training and held-out pairs (`dpo.dataset`: the RM's prepared pairs by default)."""
+    return inputs.preference_pairs(params.dpo.dataset, data_dir, "dpo")
 
 
 def tokenize_pairs(pairs: list[Pair], tok, max_length: int, overlong: str) -> tuple[list[TokenPair], int, int]:

@@ -27,8 +27,8 @@ from ..data import inputs
 from ..data.io import atomic_write_text
 from ..measurement.comparison_plots import evaluation_plots
 from ..measurement.plots import close_figure
-from ..measurement.policy import Measured, measure, summary
-from ..measurement.stats import best_of_n_choices, best_of_n_kl, win_rate
+from ..measurement.policy import Measured, best_of_n, measure, summary
+from ..measurement.stats import win_rate
 from ..models.checkpoints import load_policy
 from ..models.reward_source import RewardModelSource
 from ..tracking.sinks import StepLog
@@ -64,16 +64,7 @@ def sample_policies(params: Params, sft_dir: Path, ppo_dir: Path, reward: Reward
            for name, policy in (("sft", sft), ("ppo", ppo))}
     # Best-of-n from SFT: max(n) samples per prompt (seed per sample), scored once; each n keeps
     # the RM's favourite among the first n.
-    cands = [measure(sft, tok, prompts, sampling, cfg.seed + 1 + k, reward=reward.score)
-             for k in range(max(cfg.best_of_n))]
-    scores = [c.values["rm"] for c in cands]
-    for n, best in best_of_n_choices(scores, cfg.best_of_n).items():
-        texts = [cands[k].texts[i] for i, k in enumerate(best)]
-        out[f"best_of_{n}"] = Measured(texts, [cands[k].ended[i] for i, k in enumerate(best)],
-                                       {"rm": [scores[k][i] for i, k in enumerate(best)],
-                                        "kl": [best_of_n_kl(n)] * len(prompts)})
-        if judge is not None:
-            out[f"best_of_{n}"].values["gold"] = [judge(p, r) for p, r in zip(prompts, texts)]
+    out.update(best_of_n(sft, tok, prompts, sampling, cfg.seed + 1, cfg.best_of_n, reward.score, judge))
     return out
 
 

@@ -21,7 +21,7 @@ from ..config import Params
 from ..data import inputs
 from ..data.io import read_json_object
 from ..errors import DataError, shown
-from ..data.preferences import Pair, load_pairs
+from ..data.preferences import Pair
 from ..data.tokenizer import encode_prompt, encode_response
 from ..measurement.plots import calibration_plot, close_figure
 from ..measurement.policy import measure
@@ -46,26 +46,9 @@ SPEC = StageSpec("reward", inputs=("data", "sft"), training=True, reads=(
 ))
 
 
-PREPARED_PAIR_FIELDS = ("prompt", "chosen", "rejected", "id")
-
-
 def pair_sources(params: Params, data_dir: Path) -> tuple[list[Pair], list[Pair]]:
-    """Training and held-out pairs; a held-out pair that is also a training pair is leakage
-    (`reward.dataset.leakage`)."""
-    ds = params.reward.dataset
-    if ds.path is None:
-        fields = PREPARED_PAIR_FIELDS + ((ds.margin_column,) if ds.margin_column else ())
-        train = load_pairs(data_dir / "pairs_train.jsonl", layout=ds.layout, margin_column=ds.margin_column,
-                           allowed=fields)
-        held = load_pairs(data_dir / "pairs_eval.jsonl", layout=ds.layout, margin_column=ds.margin_column,
-                          allowed=fields)
-    else:
-        train = load_pairs(ds.path, ds.train_split, ds.revision, ds.layout, ds.margin_column)
-        held = load_pairs(ds.path, ds.eval_split, ds.revision, ds.layout, ds.margin_column)
-    key = lambda p: (inputs.prompt_key(p.prompt), p.chosen, p.rejected)   # noqa: E731
-    held = inputs.held_out([(p.where, key(p)) for p in train], held, [(p.where, key(p)) for p in held],
-                           ds.leakage, "reward.dataset.leakage", "pair")
-    return train, held
+    """Training and held-out pairs (`reward.dataset`: the prepared pairs by default)."""
+    return inputs.preference_pairs(params.reward.dataset, data_dir, "reward")
 
 
 def fit_pairs(pairs: list[Pair], tok, max_length: int, overlong: str) -> tuple[list[Pair], int, int]:
