@@ -222,6 +222,9 @@ class RewardConfig:
     normalize: bool = True
     n_sft_samples: int = num(200, ge=2)
     calibration_bins: int = num(10, ge=2)
+    # One row [prompt, chosen, rejected] per pair under a block attention mask instead of two rows:
+    # the same scores with the prompt run once (reward_model.branch_scores).
+    shared_prompt: bool = True
     dataset: PreferenceDataConfig = field(default_factory=PreferenceDataConfig)
     overlong: Literal["truncate", "drop", "error"] = "truncate"
     lora: LoraConfig = field(default_factory=LoraConfig)
@@ -787,6 +790,9 @@ def load_params(path: str | Path) -> Params:
             check_process_shape(params, stage)
         except ConfigError as err:
             raise ConfigError(f"{where}{err}") from None
+    if params.reward.shared_prompt and params.model.attn_implementation == "flash_attention_2":
+        raise ConfigError(f"{where}reward.shared_prompt: needs an attention that takes a custom mask (eager or "
+                          "sdpa); flash_attention_2 does not. Set reward.shared_prompt: false")
     return params
 
 

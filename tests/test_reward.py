@@ -250,3 +250,59 @@ def test_overlong_pairs_truncated_or_dropped_and_counted():
     assert fit_pairs([short, long], tok, 20, "drop") == ([short], 0, 1)
     with pytest.raises(DataError, match=r"every record is longer than reward.max_length=10"):
         fit_pairs([short, long], tok, 10, "drop")
+
+
+@pytest.mark.parametrize("arch", ["llama", "gpt2"])
+def test_shared_prompt_rows_equal_separate_sequences_in_scores_and_gradients(arch):
+    """One row [prompt, chosen, rejected] under the block mask gives each response the score and the
+    gradient of prompt + response run as its own sequence; a pair whose prompt was cut to fit
+    max_length differently for its two responses falls back to two rows."""
+    from pipeline.data.tokenizer import build_word_tokenizer
+    from pipeline.tasks import reviews
+    tok = build_word_tokenizer(reviews.vocabulary())
+    if arch == "llama":
+        cfg = LlamaConfig(vocab_size=len(tok), hidden_size=16, intermediate_size=32, num_hidden_layers=2,
+                          num_attention_heads=2, num_key_value_heads=2, pad_token_id=tok.pad_token_id, num_labels=1)
+    else:
+        cfg = GPT2Config(vocab_size=len(tok), n_embd=16, n_layer=2, n_head=2, n_positions=64,
+                         pad_token_id=tok.pad_token_id, num_labels=1, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
+    model = AutoModelForSequenceClassification.from_config(cfg).double().eval()
+    triples = [("Review the film Lost River . Focus on the plot .", "the plot was good . overall , see it .",
+                "the music was bad ."),
+               ("Review the film Iron Summer . Focus on the cast .", "the cast was great .",
+                "the cast was not very dull . also the plot is fine . in short , skip it ."),
+               # the long chosen answer cuts the prompt at max_length 34, the short rejected does not
+               ("What did you think of Wild Garden ? Talk about the music .", "the music was good . " * 4,
+                "the music was bad ."),
+               ("Review the film Lost River . Focus on the acting .", "I loved the acting .", "I loved the acting .")]
+    max_length = 34
+    rows = [rm.shared_prefix_rows(tok, *t, max_length) for t in triples]
+    assert [len(r) for r in rows] == [1, 1, 2, 1]
+    whole = [rm.encode_pair_text(tok, p, x, max_length) for p, c, r in triples for x in (c, r)]
+    assert [len(s) <= max_length for s in whole] == [True] * 8
+    shared_c, shared_r = rm.pair_scores(model, tok, triples, max_length, shared_prompt=True)
+    sep_c, sep_r = rm.pair_scores(model, tok, triples, max_length, shared_prompt=False)
+    alone = torch.stack([rm.raw_scores(model, torch.tensor([s]), torch.ones(1, len(s), dtype=torch.long))[0]
+                         for s in whole]).view(-1, 2)                       # (B, 2)
+    # scores come out in float32 (raw_scores), so they agree to its rounding, not float64's
+    assert torch.allclose(shared_c, alone[:, 0], atol=1e-7) and torch.allclose(shared_r, alone[:, 1], atol=1e-7)
+    assert torch.allclose(sep_c, alone[:, 0], atol=1e-7) and torch.allclose(sep_r, alone[:, 1], atol=1e-7)
+    assert abs(float(shared_c[3]) - float(shared_r[3])) < 1e-7     # same response, same score
+    loss = lambda c, r: rm.pairwise_loss_sum(c, r)[0]
+    g_shared = torch.autograd.grad(loss(shared_c, shared_r), list(model.parameters()))
+    g_sep = torch.autograd.grad(loss(sep_c, sep_r), list(model.parameters()))
+    for a, b in zip(g_shared, g_sep):
+        assert torch.allclose(a, b, rtol=1e-5, atol=1e-7)
+    assert max(float(g.abs().max()) for g in g_sep) > 1e-3          # a real gradient, not two zeros
+    # fewer tokens is the point: one prompt per pair instead of two
+    tokens = sum(len(p) + sum(map(len, bs)) for rs in rows for p, bs in rs)
+    assert tokens < sum(map(len, whole))
+
+
+def test_branch_mask_blocks_other_branches():
+    ids, mask, pos, last_row, last_col = rm.branch_batch([([5, 6], [[7, 8], [9]]), ([5], [[7]])], 0, torch.float32)
+    assert ids.tolist() == [[5, 6, 7, 8, 9], [5, 7, 0, 0, 0]]
+    assert pos.tolist() == [[0, 1, 2, 3, 2], [0, 1, 0, 0, 0]]
+    assert (last_row.tolist(), last_col.tolist()) == ([0, 0, 1], [3, 4, 1])
+    seen = (mask[0, 0] == 0).int().tolist()                      # what each token of row 0 attends to
+    assert seen == [[1, 0, 0, 0, 0], [1, 1, 0, 0, 0], [1, 1, 1, 0, 0], [1, 1, 1, 1, 0], [1, 1, 0, 0, 1]]

@@ -84,10 +84,13 @@ def last_token_index(attention_mask: torch.Tensor) -> torch.Tensor:
     return T - 1 - attention_mask.flip(-1).long().argmax(-1)
 
 
-def hidden_states(model: PreTrainedModel, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
-    """(B, T, H) last hidden states of the backbone, positions counted from each row's first real token."""
-    out = unwrap(model).base_model(input_ids=input_ids, attention_mask=attention_mask,
-                                   position_ids=positions(attention_mask))
+def hidden_states(model: PreTrainedModel, input_ids: torch.Tensor, attention_mask: torch.Tensor,
+                  position_ids: torch.Tensor | None = None) -> torch.Tensor:
+    """(B, T, H) last hidden states of the backbone. attention_mask: (B, T) padding mask, positions
+    counted from each row's first real token; or a (B, 1, T, T) additive mask with its position_ids."""
+    if position_ids is None:
+        position_ids = positions(attention_mask)
+    out = unwrap(model).base_model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids)
     return out.last_hidden_state
 
 
@@ -127,12 +130,105 @@ def offset(model: PreTrainedModel) -> float:
     return float(getattr(model.config, OFFSET_KEY, 0.0) or 0.0)
 
 
-def encode_pair_text(tok: PreTrainedTokenizerBase, prompt: str, response: str, max_length: int) -> list[int]:
-    """prompt + response + eos, the prompt losing its left end when the whole is too long."""
+def encode_pair_parts(tok: PreTrainedTokenizerBase, prompt: str, response: str, max_length: int) -> tuple[list[int], list[int]]:
+    """(prompt ids, response ids + eos), the prompt losing its left end when the whole is too long."""
     p, r = encode_prompt(tok, prompt), encode_response(tok, response)
     if len(r) >= max_length:
         r = r[:max_length - 1]  # keep one prompt token; an over-long response is scored on its start
-    return p[max(0, len(p) + len(r) - max_length):] + r
+    return p[max(0, len(p) + len(r) - max_length):], r
+
+
+def encode_pair_text(tok: PreTrainedTokenizerBase, prompt: str, response: str, max_length: int) -> list[int]:
+    """prompt + response + eos, the prompt losing its left end when the whole is too long."""
+    p, r = encode_pair_parts(tok, prompt, response, max_length)
+    return p + r
+
+
+Row = tuple[list[int], list[list[int]]]   # (prefix ids, branches: each scored at its own last token)
+
+
+def shared_prefix_rows(tok: PreTrainedTokenizerBase, prompt: str, chosen: str, rejected: str,
+                       max_length: int) -> list[Row]:
+    """The sequences of one pair as rows for `branch_scores`: one row [prompt, chosen, rejected]
+    when both keep the same prompt tokens (always, unless one of them cut the prompt to fit
+    `max_length`), else one row per response."""
+    (pc, c), (pr, r) = (encode_pair_parts(tok, prompt, x, max_length) for x in (chosen, rejected))
+    return [(pc, [c, r])] if pc == pr else [(pc, [c]), (pr, [r])]
+
+
+def branch_batch(rows: list[Row], pad_id: int, dtype: torch.dtype) -> tuple[torch.Tensor, ...]:
+    """Right-padded ids (R, T), an additive attention mask (R, 1, T, T), position ids (R, T) and the
+    (row, column) of every branch's last token, (N,) each, in row-major branch order.
+
+    A branch token sees the prefix and the earlier tokens of its own branch, never another branch,
+    and its positions continue from the prefix: each branch's hidden states are those of
+    prefix + branch run alone. The prefix is computed once for all its branches, which is the point:
+    a preference pair's prompt is shared by chosen and rejected."""
+    width = max(len(p) + sum(map(len, bs)) for p, bs in rows)
+    ids = torch.full((len(rows), width), pad_id, dtype=torch.long)
+    segment = torch.full((len(rows), width), -1, dtype=torch.long)       # 0 prefix, k>0 branch k, -1 pad
+    pos = torch.zeros((len(rows), width), dtype=torch.long)
+    last_row, last_col = [], []
+    for i, (prefix, branches) in enumerate(rows):
+        ids[i, :len(prefix)] = torch.tensor(prefix, dtype=torch.long)
+        segment[i, :len(prefix)] = 0
+        pos[i, :len(prefix)] = torch.arange(len(prefix))
+        at = len(prefix)
+        for k, branch in enumerate(branches, start=1):
+            ids[i, at:at + len(branch)] = torch.tensor(branch, dtype=torch.long)
+            segment[i, at:at + len(branch)] = k
+            pos[i, at:at + len(branch)] = torch.arange(len(prefix), len(prefix) + len(branch))
+            at += len(branch)
+            last_row.append(i)
+            last_col.append(at - 1)
+    causal = torch.ones(width, width, dtype=torch.bool).tril()                          # (T, T)
+    key_seg, query_seg = segment[:, None, :], segment[:, :, None]                        # (R, 1, T), (R, T, 1)
+    allowed = causal & ((key_seg == 0) | (key_seg == query_seg))                         # (R, T, T)
+    mask = torch.zeros(allowed.shape, dtype=dtype).masked_fill(~allowed, torch.finfo(dtype).min)
+    return ids, mask[:, None], pos, torch.tensor(last_row), torch.tensor(last_col)
+
+
+def branch_scores(model: PreTrainedModel, rows: list[Row], pad_id: int, device: torch.device | None = None,
+                  max_rows: int = 16) -> torch.Tensor:
+    """(N,) raw scores at the end of every branch of `rows`, in row-major order: for each branch the
+    score `raw_scores` gives prefix + branch as one sequence (up to floating-point rounding).
+    Computed in length-sorted parts of at most `max_rows` rows, as `length_sorted_scores`."""
+    device = device if device is not None else next(model.parameters()).device
+    dtype = next(model.parameters()).dtype
+    dtype = dtype if dtype.is_floating_point else torch.float32
+    order = sorted(range(len(rows)), key=lambda i: len(rows[i][0]) + sum(map(len, rows[i][1])))
+    first = [0]                                       # flat index of each row's first branch
+    for _, branches in rows:
+        first.append(first[-1] + len(branches))
+    n_parts = -(-len(rows) // max_rows)
+    bounds = [round(k * len(rows) / n_parts) for k in range(n_parts + 1)]
+    parts, flat = [], []
+    for lo, hi in zip(bounds, bounds[1:]):
+        part = [rows[i] for i in order[lo:hi]]
+        ids, mask, pos, last_row, last_col = (t.to(device) for t in branch_batch(part, pad_id, dtype))
+        hidden = hidden_states(model, ids, mask, pos)                      # (R, T, H)
+        parts.append(head(model)(hidden[last_row, last_col]).squeeze(-1).float())
+        flat += [j for i in order[lo:hi] for j in range(first[i], first[i + 1])]
+    scores = torch.cat(parts)                                              # (N,) in part order
+    return scores[torch.argsort(torch.tensor(flat, device=scores.device))]
+
+
+def pair_scores(model: PreTrainedModel, tok: PreTrainedTokenizerBase, triples: list[tuple[str, str, str]],
+                max_length: int, device: torch.device | None = None,
+                shared_prompt: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+    """Raw (B,) scores of chosen and rejected of (prompt, chosen, rejected) triples.
+
+    shared_prompt: each pair is one row [prompt, chosen, rejected] (`branch_scores`), so the prompt
+    is run once instead of twice; else 2B length-sorted sequences (`length_sorted_scores`). Both
+    give the same scores up to floating-point rounding (tests/test_reward_model.py)."""
+    if not shared_prompt:
+        seqs = [encode_pair_text(tok, p, c, max_length) for p, c, _ in triples]
+        seqs += [encode_pair_text(tok, p, r, max_length) for p, _, r in triples]
+        scores = length_sorted_scores(model, seqs, tok.pad_token_id, device)
+        return scores[:len(triples)], scores[len(triples):]
+    rows = [row for p, c, r in triples for row in shared_prefix_rows(tok, p, c, r, max_length)]
+    scores = branch_scores(model, rows, tok.pad_token_id, device).view(-1, 2)   # (B, 2): chosen, rejected
+    return scores[:, 0], scores[:, 1]
 
 
 @torch.inference_mode()

@@ -61,19 +61,18 @@ def fit_pairs(pairs: list[Pair], tok, max_length: int, overlong: str) -> tuple[l
     return inputs.fit_lengths(pairs, length, max_length, overlong, "reward.max_length", where=lambda p: p.where)
 
 
-def batch_scores(model, tok, pairs: list[Pair], max_length: int,
-                 device: torch.device | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """Raw (B,) scores of chosen and rejected, from length-sorted forwards over the 2B sequences."""
-    seqs = [rm.encode_pair_text(tok, p.prompt, p.chosen, max_length) for p in pairs]
-    seqs += [rm.encode_pair_text(tok, p.prompt, p.rejected, max_length) for p in pairs]
-    scores = rm.length_sorted_scores(model, seqs, tok.pad_token_id, device)
-    return scores[:len(pairs)], scores[len(pairs):]
+def batch_scores(model, tok, pairs: list[Pair], max_length: int, device: torch.device | None = None,
+                 shared_prompt: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+    """Raw (B,) scores of chosen and rejected (`reward_model.pair_scores`)."""
+    return rm.pair_scores(model, tok, [(p.prompt, p.chosen, p.rejected) for p in pairs], max_length, device,
+                          shared_prompt)
 
 
 @torch.inference_mode()
-def score_pairs(model, tok, pairs: list[Pair], max_length: int, batch_size: int = 64) -> tuple[torch.Tensor, torch.Tensor]:
+def score_pairs(model, tok, pairs: list[Pair], max_length: int, batch_size: int = 64,
+                shared_prompt: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
     model.eval()
-    chosen, rejected = zip(*(batch_scores(model, tok, pairs[i:i + batch_size], max_length)
+    chosen, rejected = zip(*(batch_scores(model, tok, pairs[i:i + batch_size], max_length, shared_prompt=shared_prompt)
                              for i in range(0, len(pairs), batch_size)))
     model.train()
     return torch.cat(chosen), torch.cat(rejected)
@@ -141,7 +140,7 @@ def evaluate(model, tok, params: Params, sft_dir: Path, held: HeldOut, out_dir: 
              tracker: Tracker = NO_TRACKER) -> dict[str, Any]:
     """Metrics of the trained (and normalised) reward model; writes calibration.tsv/png."""
     cfg, judge, eval_pairs = params.reward, inputs.judge(params), held.pairs
-    rc, rr = score_pairs(model, tok, eval_pairs, cfg.max_length)
+    rc, rr = score_pairs(model, tok, eval_pairs, cfg.max_length, shared_prompt=cfg.shared_prompt)
     rc, rr = rc - rm.offset(model), rr - rm.offset(model)
     bins, ece = calibration(rc - rr, cfg.calibration_bins)
     m: dict[str, Any] = {
@@ -202,14 +201,14 @@ def train(run: StageRun, data_dir: Path, sft_dir: Path, progress: bool = True):
     write_deepspeed_config(out_dir / "deepspeed_config.json", reward=engine) if ctx.is_main else None
 
     def loss(part: list[Pair], batch: list[Pair]) -> tuple[torch.Tensor, list[float]]:
-        rc, rr = batch_scores(engine.model, tok, part, cfg.max_length, engine.device)
+        rc, rr = batch_scores(engine.model, tok, part, cfg.max_length, engine.device, cfg.shared_prompt)
         total, correct = rm.pairwise_loss_sum(rc, rr, torch.tensor([p.margin for p in part], device=rc.device))
         return total / cfg.batch_size, [total.item(), correct]
 
     task = SupervisedTask("reward", train_pairs, ["loss", "accuracy"], loss, normaliser=lambda batch: cfg.batch_size,
                           eval_columns=["loss", "accuracy"],
                           evaluate=lambda: eval_pairs_loss(engine.model, tok, eval_pairs, cfg.max_length, ctx,
-                                                           engine.device))
+                                                           engine.device, shared_prompt=cfg.shared_prompt))
     result = supervised.train(task, cfg, engine, micro, out_dir, run.tracker, ctx, run.fingerprint, progress)
     model, metrics = supervised.finish(engine, result, cfg.lora, out_dir, {"data/truncated": n_trunc,
                                                                            "data/dropped": n_drop})
@@ -223,12 +222,13 @@ def train(run: StageRun, data_dir: Path, sft_dir: Path, progress: bool = True):
 
 @torch.inference_mode()
 def eval_pairs_loss(model, tok, pairs: list[Pair], max_length: int, ctx: Context = SINGLE,
-                    device: torch.device | None = None, batch_size: int = 64) -> dict[str, float]:
+                    device: torch.device | None = None, batch_size: int = 64,
+                    shared_prompt: bool = True) -> dict[str, float]:
     """Held-out loss and accuracy, every rank scoring its share (same number of forwards per rank)."""
     model.eval()
     sums = torch.zeros(3, dtype=torch.float64)                          # loss, correct, count
     for part in ctx.eval_parts(pairs, batch_size):
-        rc, rr = batch_scores(model, tok, part or pairs[:1], max_length, device)
+        rc, rr = batch_scores(model, tok, part or pairs[:1], max_length, device, shared_prompt)
         if part:
             loss, correct = rm.pairwise_loss_sum(rc, rr, torch.tensor([p.margin for p in part], device=rc.device))
             sums += torch.tensor([float(loss), correct, len(part)], dtype=torch.float64)
