@@ -287,7 +287,7 @@ def test_shared_prompt_rows_equal_separate_sequences_in_scores_and_gradients(arc
     # scores come out in float32 (raw_scores), so they agree to its rounding, not float64's
     assert torch.allclose(shared_c, alone[:, 0], atol=1e-7) and torch.allclose(shared_r, alone[:, 1], atol=1e-7)
     assert torch.allclose(sep_c, alone[:, 0], atol=1e-7) and torch.allclose(sep_r, alone[:, 1], atol=1e-7)
-    assert abs(float(shared_c[3]) - float(shared_r[3])) < 1e-7     # same response, same score
+    assert abs(float(shared_c[3].detach()) - float(shared_r[3].detach())) < 1e-7     # same response, same score
     loss = lambda c, r: rm.pairwise_loss_sum(c, r)[0]
     g_shared = torch.autograd.grad(loss(shared_c, shared_r), list(model.parameters()))
     g_sep = torch.autograd.grad(loss(sep_c, sep_r), list(model.parameters()))
