@@ -30,10 +30,7 @@ from pipeline.models import reward_model as rm  # noqa: E402
 def padded_tokens(lengths: list[int], max_rows: int) -> int:
     """Tokens a batch carries when its rows are length-sorted into parts of at most max_rows rows,
     each padded to its own longest row (as length_sorted_scores and branch_scores do)."""
-    lengths = sorted(lengths)
-    n_parts = -(-len(lengths) // max_rows)
-    bounds = [round(k * len(lengths) / n_parts) for k in range(n_parts + 1)]
-    return sum((hi - lo) * lengths[hi - 1] for lo, hi in zip(bounds, bounds[1:]))
+    return sum(len(part) * max(lengths[i] for i in part) for part in rm.length_sorted_parts(lengths, max_rows))
 
 
 def main() -> None:

@@ -103,6 +103,22 @@ def raw_scores(model: PreTrainedModel, input_ids: torch.Tensor, attention_mask: 
     return head(model)(last).squeeze(-1).float()
 
 
+def length_sorted_parts(lengths: list[int], max_rows: int) -> list[list[int]]:
+    """Indices of rows with these lengths, sorted by length (stable) and cut into the fewest
+    equal-sized parts of at most `max_rows`: each part is padded only to its own longest row."""
+    order = sorted(range(len(lengths)), key=lambda i: lengths[i])
+    n_parts = -(-len(lengths) // max_rows)
+    bounds = [round(k * len(lengths) / n_parts) for k in range(n_parts + 1)]
+    return [order[lo:hi] for lo, hi in zip(bounds, bounds[1:])]
+
+
+def in_input_order(part_scores: list[torch.Tensor], parts: list[list[int]]) -> torch.Tensor:
+    """(N,) the concatenated scores of `parts` (each (len(part),)) put back in the input order."""
+    scores = torch.cat(part_scores)
+    order = torch.tensor([i for part in parts for i in part], device=scores.device)
+    return scores[torch.argsort(order)]
+
+
 def length_sorted_scores(model: PreTrainedModel, seqs: list[list[int]], pad_id: int,
                          device: torch.device | None = None, max_rows: int = 32) -> torch.Tensor:
     """(N,) raw scores of `seqs`, as `raw_scores` of the whole padded batch would give, computed in
@@ -112,18 +128,15 @@ def length_sorted_scores(model: PreTrainedModel, seqs: list[list[int]], pad_id: 
     19% (measured on the prepared pairs), so the forward and backward do that much less work. The
     scores are per row, so the split changes nothing but floating-point rounding; gradients flow
     through every part."""
-    order = sorted(range(len(seqs)), key=lambda i: len(seqs[i]))
-    n_parts = -(-len(seqs) // max_rows)
-    bounds = [round(k * len(seqs) / n_parts) for k in range(n_parts + 1)]   # equal-sized parts
-    parts = []
-    for lo, hi in zip(bounds, bounds[1:]):
-        ids, mask = right_pad([seqs[i] for i in order[lo:hi]], pad_id)
+    parts = length_sorted_parts([len(s) for s in seqs], max_rows)
+    scores = []
+    for part in parts:
+        ids, mask = right_pad([seqs[i] for i in part], pad_id)
         mask = mask.long()
         if device is not None:
             ids, mask = ids.to(device), mask.to(device)
-        parts.append(raw_scores(model, ids, mask))
-    sorted_scores = torch.cat(parts)                                   # (N,) in length order
-    return sorted_scores[torch.argsort(torch.tensor(order, device=sorted_scores.device))]
+        scores.append(raw_scores(model, ids, mask))
+    return in_input_order(scores, parts)
 
 
 def offset(model: PreTrainedModel) -> float:
@@ -195,22 +208,18 @@ def branch_scores(model: PreTrainedModel, rows: list[Row], pad_id: int, device: 
     Computed in length-sorted parts of at most `max_rows` rows, as `length_sorted_scores`."""
     device = device if device is not None else next(model.parameters()).device
     dtype = next(model.parameters()).dtype
-    dtype = dtype if dtype.is_floating_point else torch.float32
-    order = sorted(range(len(rows)), key=lambda i: len(rows[i][0]) + sum(map(len, rows[i][1])))
     first = [0]                                       # flat index of each row's first branch
-    for _, branches in rows:
-        first.append(first[-1] + len(branches))
-    n_parts = -(-len(rows) // max_rows)
-    bounds = [round(k * len(rows) / n_parts) for k in range(n_parts + 1)]
-    parts, flat = [], []
-    for lo, hi in zip(bounds, bounds[1:]):
-        part = [rows[i] for i in order[lo:hi]]
-        ids, mask, pos, last_row, last_col = (t.to(device) for t in branch_batch(part, pad_id, dtype))
+    for _, bs in rows:
+        first.append(first[-1] + len(bs))
+    parts = length_sorted_parts([len(p) + sum(map(len, bs)) for p, bs in rows], max_rows)
+    scores = []
+    for part in parts:
+        ids, mask, pos, last_row, last_col = (t.to(device) for t in branch_batch([rows[i] for i in part], pad_id, dtype))
         hidden = hidden_states(model, ids, mask, pos)                      # (R, T, H)
-        parts.append(head(model)(hidden[last_row, last_col]).squeeze(-1).float())
-        flat += [j for i in order[lo:hi] for j in range(first[i], first[i + 1])]
-    scores = torch.cat(parts)                                              # (N,) in part order
-    return scores[torch.argsort(torch.tensor(flat, device=scores.device))]
+        scores.append(head(model)(hidden[last_row, last_col]).squeeze(-1).float())
+    # a part's scores run over its rows' branches; put them back in row-major branch order
+    flat_parts = [[j for i in part for j in range(first[i], first[i + 1])] for part in parts]
+    return in_input_order(scores, flat_parts)
 
 
 def pair_scores(model: PreTrainedModel, tok: PreTrainedTokenizerBase, triples: list[tuple[str, str, str]],
@@ -220,7 +229,7 @@ def pair_scores(model: PreTrainedModel, tok: PreTrainedTokenizerBase, triples: l
 
     shared_prompt: each pair is one row [prompt, chosen, rejected] (`branch_scores`), so the prompt
     is run once instead of twice; else 2B length-sorted sequences (`length_sorted_scores`). Both
-    give the same scores up to floating-point rounding (tests/test_reward_model.py)."""
+    give the same scores up to floating-point rounding (tests/test_reward.py)."""
     if not shared_prompt:
         seqs = [encode_pair_text(tok, p, c, max_length) for p, c, _ in triples]
         seqs += [encode_pair_text(tok, p, r, max_length) for p, _, r in triples]
