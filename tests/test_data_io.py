@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import os
 import random
+import stat
 from pathlib import Path
 
 import pytest
@@ -160,6 +162,28 @@ def test_atomic_write_text_failure_keeps_old_file(tmp_path):
         atomic_write_text(path, "bad \ud800")  # a lone surrogate cannot be encoded as UTF-8
     assert path.read_text() == "old"
     assert [p.name for p in tmp_path.iterdir()] == ["f.txt"]
+
+
+@pytest.mark.parametrize("umask", [0o022, 0o077])
+def test_atomic_outputs_take_the_umask_mode_not_the_temporary_files(tmp_path, umask):
+    """mkstemp/mkdtemp create private temporaries (0o600/0o700); what is renamed into place gets the
+    mode open()/mkdir() would give, so a shared cache or run folder stays readable."""
+    import matplotlib.pyplot as plt
+    from pipeline.measurement.plots import save_figure
+    old = os.umask(umask)
+    try:
+        atomic_write_text(tmp_path / "f.txt", "x\n")
+        with atomic_dir(tmp_path / "folder") as d:
+            (d / "inside.txt").write_text("y")
+        save_figure(plt.figure(), tmp_path / "p.png")
+        plain = tmp_path / "plain.txt"
+        plain.write_text("z")
+    finally:
+        os.umask(old)
+    mode = lambda p: stat.S_IMODE(p.stat().st_mode)
+    assert mode(tmp_path / "f.txt") == mode(plain) == 0o666 & ~umask
+    assert mode(tmp_path / "p.png") == 0o666 & ~umask
+    assert mode(tmp_path / "folder") == 0o777 & ~umask
 
 
 # ---- Tokenizer ----------------------------------------------------------------------------------

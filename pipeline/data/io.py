@@ -105,11 +105,21 @@ def parse_json(text: str | bytes) -> Any:
         raise ValueError("nested too deeply") from None
 
 
+def umask_mode(base: int) -> int:
+    """`base` (0o666 for a file, 0o777 for a folder) less the process umask: the mode open() or
+    mkdir() would give. mkstemp and mkdtemp create 0o600 / 0o700 (private temporaries); an output
+    renamed into place must not stay private to its writer (a shared DVC cache, a team's run folder)."""
+    mask = os.umask(0)
+    os.umask(mask)
+    return base & ~mask
+
+
 def atomic_write_text(path: str | Path, text: str) -> None:
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
     try:
+        os.fchmod(fd, umask_mode(0o666))
         with os.fdopen(fd, "w", encoding="utf-8") as f:
             f.write(text)
             f.flush()
@@ -139,6 +149,7 @@ def atomic_dir(target: str | Path) -> Iterator[Path]:
     target.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(dir=target.parent, prefix=f".{target.name}.", suffix=".tmp"))
     try:
+        tmp.chmod(umask_mode(0o777))
         yield tmp
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)

@@ -10,6 +10,8 @@ from pathlib import Path
 
 import matplotlib
 
+from ..data.io import umask_mode
+
 matplotlib.use("Agg")  # no display, no network: DVC's own renderer loads its JS from the web
 import matplotlib.pyplot as plt  # noqa: E402
 
@@ -19,6 +21,7 @@ def save_figure(fig, path: Path, close: bool = True):
     returns it, for a stage to hand to its tracker (MLflow's log_figure) before `close_figure`."""
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".png")
+    os.fchmod(fd, umask_mode(0o666))   # savefig rewrites the file in place, keeping this mode
     os.close(fd)
     try:
         fig.savefig(tmp, dpi=110, bbox_inches="tight")
