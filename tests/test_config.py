@@ -84,6 +84,9 @@ def test_shipped_values_spot_check():
      "params.yaml: model.name_or_path: expected a non-empty string, got ''"),
     ("sft: 3\n",
      "params.yaml: sft: expected a mapping of keys, got 3 (int)"),
+    ("data:\n  aspect_contrast: 0.75\n  corrupt_contrast: 0.5\n",
+     "params.yaml: data.corrupt_contrast: 0.5 + data.aspect_contrast=0.75 exceeds 1 (both are fractions of the "
+     "same training pairs)"),
     ("model:\n  attn_implementation: flash_attention_2\n",
      "params.yaml: reward.shared_prompt: needs an attention that takes a custom mask (eager or sdpa); "
      "flash_attention_2 does not. Set reward.shared_prompt: false"),

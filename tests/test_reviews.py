@@ -339,6 +339,61 @@ def test_aspect_contrast_pairs_leave_other_splits_byte_identical():
     assert [r["prompt"] for r in contrast["pairs_train"]] == [r["prompt"] for r in plain["pairs_train"]]
 
 
+def test_corrupt_makes_one_local_fault_of_each_kind():
+    review = "the music was good . I liked the plot . overall , I recommend it ."
+    words = review.split()
+    for seed in range(20):
+        rng = lambda: random.Random(seed)  # noqa: E731
+        dropped = R.corrupt(rng(), review, "drop_word").split()
+        assert len(dropped) == len(words) - 1 and dropped.count(".") == 3
+        assert any(words[:i] + words[i + 1:] == dropped for i in range(len(words)))
+        merged = R.corrupt(rng(), review, "merge_sentences").split()
+        assert merged.count(".") == 2 and [w for w in merged if w != "."] == [w for w in words if w != "."]
+        inserted = R.corrupt(rng(), review, "insert_word").split()
+        assert len(inserted) == len(words) + 1 and any(inserted[:i] + inserted[i + 1:] == words for i in range(len(inserted)))
+        replaced = R.corrupt(rng(), review, "replace_word")
+        if replaced is not None:                       # None only when the word drawn was the same one
+            changed = [i for i, (a, b) in enumerate(zip(words, replaced.split())) if a != b]
+            assert len(replaced.split()) == len(words) and len(changed) == 1 and words[changed[0]] != "."
+        cut = R.corrupt(rng(), review, "cut_end").split()
+        assert 2 <= len(cut) < len(words) and words[:len(cut)] == cut
+    # Sentences run together: one broken sentence where there were two good ones (-1 broken, and the
+    # on-aspect body sentence is gone: +1 -> -0.5, its polarity term too).
+    assert gold("the music was good overall , I recommend it .") < gold("the music was good . " + CLOSE) - 1
+    assert R.corrupt(random.Random(0), "the music was good .", "merge_sentences") is None   # one sentence
+    with pytest.raises(ValueError, match="unknown corruption 'typo'"):
+        R.corrupt(random.Random(0), review, "typo")
+
+
+def test_corrupt_contrast_pairs_leave_other_splits_byte_identical():
+    base = {**SMALL.__dict__, "n_pairs": 400, "aspect_contrast": 0.25}
+    plain, _ = build_splits(DataConfig(**base))
+    off, _ = build_splits(DataConfig(**{**base, "corrupt_contrast": 0.0}))
+    faulty, _ = build_splits(DataConfig(**{**base, "corrupt_contrast": 0.4}))
+    assert off == plain                                # the default (0) changes no byte
+    for name in SPLITS:
+        if name != "pairs_train":
+            assert faulty[name] == plain[name]
+    assert [r["prompt"] for r in faulty["pairs_train"]] == [r["prompt"] for r in plain["pairs_train"]]
+
+    def one_fault_apart(r):
+        a, b = sorted((r["chosen"].split(), r["rejected"].split()), key=len)
+        if len(b) - len(a) == 1:                        # a word dropped or inserted, sentences run together
+            return any(b[:i] + b[i + 1:] == a for i in range(len(b)))
+        if len(a) == len(b):                            # a word replaced (an aspect swap is the other contrast)
+            diff = [(x, y) for x, y in zip(a, b) if x != y]
+            return len(diff) == 1 and not (diff[0][0] in R.ASPECTS and diff[0][1] in R.ASPECTS)
+        return b[:len(a)] == a                          # the end cut off
+
+    share = sum(map(one_fault_apart, faulty["pairs_train"])) / 400
+    assert 0.3 < share < 0.5 and sum(map(one_fault_apart, plain["pairs_train"])) / 400 < 0.05
+    # The faults cost gold: the corrupted side is the annotator's worse one in most of those pairs.
+    worse = [min(gold(r["chosen"], r["prompt"]), gold(r["rejected"], r["prompt"])) <
+             max(gold(r["chosen"], r["prompt"]), gold(r["rejected"], r["prompt"]))
+             for r in faulty["pairs_train"] if one_fault_apart(r)]
+    assert sum(worse) / len(worse) > 0.8
+
+
 def test_audit_pairs_are_fresh_and_disjoint_from_the_training_pairs():
     from pipeline.stages.prepare import pair_key
     plain, _ = build_splits(DataConfig(**{**SMALL.__dict__, "n_pairs": 300}))

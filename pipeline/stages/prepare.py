@@ -46,23 +46,31 @@ def bradley_terry_label(rng: random.Random, gold_a: float, gold_b: float, temper
 
 
 def make_pairs(rng: random.Random, prompts: list[str], temperature: float, contrast: float = 0.0,
-               contrast_rng: random.Random | None = None) -> tuple[list[dict], float]:
+               contrast_rng: random.Random | None = None, corrupt: float = 0.0) -> tuple[list[dict], float]:
     """Preference pairs with noisy labels, and the noise ceiling (gold ordering vs the labels).
 
     With `contrast` > 0 that fraction of pairs compares a review with itself turned to or away from
     the asked aspect (reviews.swap_aspect), so the pair differs in nothing else. Two independent
     reviews differ in many ways at once, and a reward model learns the prompt-aspect match, the
     hardest part of the annotator's judgement, slowly from them (contrast sets, Gardner et al. 2020).
-    The choice and the swap draw from `contrast_rng`, so `rng` is consumed as without contrast and
-    every other split keeps its bytes."""
+    With `corrupt` > 0 a further fraction compares a review with a copy of itself with one local
+    fault (reviews.corrupt: a word dropped or inserted, sentences run together, the end cut), the
+    faults a policy's samples have and the sampler's reviews lack. One draw per pair from
+    `contrast_rng` picks aspect contrast (below `contrast`), corruption (below `contrast + corrupt`)
+    or neither; the swap and the fault draw from it too, so `rng` is consumed as without contrast
+    and every other split keeps its bytes (and `corrupt: 0` keeps these)."""
     rows, agree = [], 0.0
     for prompt in prompts:
         a = reviews.sample_review(rng, prompt, _random_style(rng))
         b = reviews.sample_review(rng, prompt, _random_style(rng))
         while b == a:
             b = reviews.sample_review(rng, prompt, _random_style(rng))
-        if contrast > 0 and contrast_rng is not None and contrast_rng.random() < contrast:
-            b = reviews.swap_aspect(contrast_rng, prompt, a) or b
+        if (contrast > 0 or corrupt > 0) and contrast_rng is not None:
+            u = contrast_rng.random()
+            if u < contrast:
+                b = reviews.swap_aspect(contrast_rng, prompt, a) or b
+            elif u < contrast + corrupt:
+                b = reviews.corrupt(contrast_rng, a) or b
         ga, gb = reviews.gold_score(prompt, a), reviews.gold_score(prompt, b)
         a_wins = bradley_terry_label(rng, ga, gb, temperature)
         chosen, rejected, gc, gr = (a, b, ga, gb) if a_wins else (b, a, gb, ga)
@@ -113,7 +121,8 @@ def build_splits(cfg: DataConfig) -> tuple[dict[str, list[dict]], dict[str, Any]
                                      "sft_eval": demo(eval_titles, cfg.n_sft_eval)}
     splits["pairs_train"], ceiling_train = make_pairs(rng, _prompts(rng, train_titles, cfg.n_pairs),
                                                       cfg.label_temperature, cfg.aspect_contrast,
-                                                      random.Random(f"{cfg.seed}-aspect-contrast"))
+                                                      random.Random(f"{cfg.seed}-aspect-contrast"),
+                                                      cfg.corrupt_contrast)
     splits["pairs_eval"], ceiling_eval = make_pairs(rng, _prompts(rng, eval_titles, cfg.n_pairs_eval),
                                                     cfg.label_temperature)
     splits["ppo_prompts"] = [{"prompt": p} for p in _prompts(rng, train_titles, cfg.n_ppo_prompts)]

@@ -288,6 +288,47 @@ def swap_aspect(rng: random.Random, prompt: str, response: str) -> str | None:
     return " ".join(new if w == old else w for w in words)
 
 
+CORRUPTIONS = ("drop_word", "merge_sentences", "insert_word", "replace_word", "cut_end")
+
+
+def corrupt(rng: random.Random, response: str, kind: str | None = None) -> str | None:
+    """The response with one local fault of the kind a sampling policy makes: a word dropped, two
+    sentences run together (an inner '.' dropped), a vocabulary word inserted or put in place of
+    one, or the end cut off (`kind`, else drawn from CORRUPTIONS). The annotator usually scores the
+    result lower (a broken sentence: -1; a lost closing: -1.5); a few faults keep the grammar (one
+    positive adjective for another). None when the kind does not apply or changes nothing.
+
+    Reviews of the task's sampler break in one way only (a sentence losing its last two words), so
+    a reward model trained on them has no evidence that other faults are bad, and PPO finds them:
+    `the soundtrack is good in short , a fine film .` (two sentences run together) is what an
+    earlier default's policy collapsed to."""
+    words = response.split()
+    kind = kind if kind is not None else rng.choice(CORRUPTIONS)
+    inner = [i for i, w in enumerate(words[:-1]) if w != "."]       # words that are not a full stop
+    if kind == "drop_word" and len(inner) > 1:
+        del words[rng.choice(inner)]
+    elif kind == "merge_sentences":
+        stops = [i for i, w in enumerate(words[:-1]) if w == "."]
+        if not stops:
+            return None
+        del words[rng.choice(stops)]
+    elif kind == "insert_word":
+        words.insert(rng.randrange(len(words)), rng.choice(_CORRUPTION_WORDS))
+    elif kind == "replace_word" and inner:
+        words[rng.choice(inner)] = rng.choice(_CORRUPTION_WORDS)
+    elif kind == "cut_end" and len(words) > 2:
+        words = words[:rng.randrange(2, len(words))]
+    elif kind not in CORRUPTIONS:
+        raise ValueError(f"unknown corruption {kind!r}; expected one of {CORRUPTIONS}")
+    else:
+        return None
+    out = " ".join(words)
+    return None if out == response else out
+
+
+_CORRUPTION_WORDS = tuple(w for w in vocabulary() if w != ".")
+
+
 def gold_scores(prompts: list[str], responses: list[str]) -> list[float]:
     """Batch form of `gold_score`, usable as PPO's `reward_source` for an oracle run."""
     return [gold_score(p, r) for p, r in zip(prompts, responses)]
