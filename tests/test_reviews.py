@@ -495,3 +495,19 @@ def test_run_writes_every_split(tmp_path, small_splits):
     assert (out / "stats.json").is_file() and (out / "config.json").is_file()
     assert (out / "tokenizer").is_dir()
     assert sorted(p.name for p in tmp_path.iterdir()) == ["prepared"]  # no temp folders left
+
+
+def test_rm_faults_benchmark_pairs_are_intact_against_worse_copies():
+    import importlib.util
+    from pathlib import Path
+    path = Path(__file__).resolve().parents[1] / "benchmarks" / "rm_faults.py"
+    spec = importlib.util.spec_from_file_location("rm_faults", path)
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    pairs = bench.fault_pairs(0, 0.2)
+    assert set(pairs) == set(R.CORRUPTIONS)
+    _, eval_titles = R.split_titles(random.Random(0), 0.2)
+    for kind, (prompts, intact, broken) in pairs.items():
+        assert 0.8 * bench.N_REVIEWS < len(prompts) <= bench.N_REVIEWS   # most faults cost the annotator points
+        assert all(R.gold_score(p, c) < R.gold_score(p, r) for p, r, c in zip(prompts, intact, broken))
+        assert all(any(f" {t} " in f" {p} " for t in eval_titles) for p in prompts[:50])
