@@ -302,15 +302,15 @@ def corrupt(rng: random.Random, response: str, kind: str | None = None) -> str |
     a reward model trained on them has no evidence that other faults are bad, and PPO finds them:
     `the soundtrack is good in short , a fine film .` (two sentences run together) is what an
     earlier default's policy collapsed to."""
-    words = response.split()
     kind = kind if kind is not None else rng.choice(CORRUPTIONS)
+    if kind not in CORRUPTIONS:
+        raise ValueError(f"unknown corruption {kind!r}; expected one of {CORRUPTIONS}")
+    words = response.split()
     inner = [i for i, w in enumerate(words[:-1]) if w != "."]       # words that are not a full stop
+    stops = [i for i, w in enumerate(words[:-1]) if w == "."]       # full stops between sentences
     if kind == "drop_word" and len(inner) > 1:
         del words[rng.choice(inner)]
-    elif kind == "merge_sentences":
-        stops = [i for i, w in enumerate(words[:-1]) if w == "."]
-        if not stops:
-            return None
+    elif kind == "merge_sentences" and stops:
         del words[rng.choice(stops)]
     elif kind == "insert_word":
         words.insert(rng.randrange(len(words)), rng.choice(_CORRUPTION_WORDS))
@@ -318,10 +318,8 @@ def corrupt(rng: random.Random, response: str, kind: str | None = None) -> str |
         words[rng.choice(inner)] = rng.choice(_CORRUPTION_WORDS)
     elif kind == "cut_end" and len(words) > 2:
         words = words[:rng.randrange(2, len(words))]
-    elif kind not in CORRUPTIONS:
-        raise ValueError(f"unknown corruption {kind!r}; expected one of {CORRUPTIONS}")
     else:
-        return None
+        return None                                                 # this kind does not apply
     out = " ".join(words)
     return None if out == response else out
 
