@@ -1,4 +1,5 @@
-"""Does a reward model notice a broken sentence? Original review against the same review with one fault.
+"""Does a reward model notice a broken sentence, or a review on the wrong aspect? A review against
+a copy of itself with one fault.
 
     .venv/bin/python benchmarks/rm_faults.py outputs/reward/model [OTHER_RM ...]
 
@@ -9,6 +10,10 @@ point or more off. For each kind of fault of `reviews.corrupt`, this draws revie
 evaluation titles (the task's sampler, seed 778), corrupts each once, keeps the pairs where the
 annotator scores the corrupted copy lower, and prints per model the fraction where the reward model
 prefers the intact review (0.5: blind to that fault; 1: always sees it) and the mean score gap.
+The last column, `aspect`, does the same for `reviews.swap_aspect`: a review against itself turned
+to or away from the asked aspect, the one the annotator prefers counted as the intact one. PPO's
+residual losses are mostly reviews that praise another aspect, so a reward model that trades this
+column for the fault columns trades one exploit for another.
 Defaults follow params.yaml's `data` section and `reward.max_length`.
 """
 
@@ -32,7 +37,8 @@ N_REVIEWS, SEED = 1000, 778
 
 
 def fault_pairs(seed: int, eval_fraction: float) -> dict[str, tuple[list[str], list[str], list[str]]]:
-    """Per fault kind: (prompts, intact reviews, corrupted copies), only where gold dropped."""
+    """Per fault kind and "aspect": (prompts, intact reviews, worse copies), only where gold differs;
+    for "aspect" the review the annotator prefers (on the asked aspect) comes first."""
     _, eval_titles = reviews.split_titles(random.Random(seed), eval_fraction)   # prepare's title split
     rng = random.Random(SEED)
     prompts = prepare._prompts(rng, eval_titles, N_REVIEWS)
@@ -42,6 +48,12 @@ def fault_pairs(seed: int, eval_fraction: float) -> dict[str, tuple[list[str], l
         rows = [(p, r, reviews.corrupt(rng, r, kind)) for p, r in zip(prompts, intact)]
         rows = [(p, r, c) for p, r, c in rows if c is not None and reviews.gold_score(p, c) < reviews.gold_score(p, r)]
         out[kind] = tuple(map(list, zip(*rows)))
+    rows = []
+    for p, r in zip(prompts, intact):
+        s = reviews.swap_aspect(rng, p, r)
+        if s is not None and reviews.gold_score(p, s) != reviews.gold_score(p, r):
+            rows.append((p, *sorted((r, s), key=lambda x: -reviews.gold_score(p, x))))
+    out["aspect"] = tuple(map(list, zip(*rows)))
     return out
 
 

@@ -505,9 +505,14 @@ def test_rm_faults_benchmark_pairs_are_intact_against_worse_copies():
     bench = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(bench)
     pairs = bench.fault_pairs(0, 0.2)
-    assert set(pairs) == set(R.CORRUPTIONS)
+    assert set(pairs) == set(R.CORRUPTIONS) | {"aspect"}
     _, eval_titles = R.split_titles(random.Random(0), 0.2)
     for kind, (prompts, intact, broken) in pairs.items():
         assert 0.8 * bench.N_REVIEWS < len(prompts) <= bench.N_REVIEWS   # most faults cost the annotator points
         assert all(R.gold_score(p, c) < R.gold_score(p, r) for p, r, c in zip(prompts, intact, broken))
         assert all(any(f" {t} " in f" {p} " for t in eval_titles) for p in prompts[:50])
+    # The aspect pairs differ in aspect words only, and the first review is the one on the asked aspect.
+    for p, good, bad in zip(*pairs["aspect"]):
+        asked = R.requested_aspect(p)
+        assert [w for w in good.split() if w not in R.ASPECTS] == [w for w in bad.split() if w not in R.ASPECTS]
+        assert asked in good.split() and asked not in bad.split()
