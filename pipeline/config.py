@@ -19,6 +19,7 @@ from typing import Any, Literal, Optional
 
 from ruamel.yaml import YAML
 from ruamel.yaml.error import YAMLError
+from ruamel.yaml.events import CollectionEndEvent, CollectionStartEvent
 
 
 from .errors import ConfigError, shown
@@ -26,6 +27,9 @@ from .errors import ConfigError, shown
 # Limits of a params file: its size, and the length of one string value (paths, module names and
 # comma lists are far shorter; a megabyte string is a mistake, and would make a megabyte message).
 MAX_PARAMS_BYTES = 1 << 20
+# The shipped params nest 4 levels; ruamel's pure scanner is quadratic in the nesting depth (5,000
+# levels of `[` took 20 s to scan here), so depth is refused while scanning, not after loading.
+MAX_PARAMS_DEPTH = 32
 MAX_STRING = 4096
 
 
@@ -741,11 +745,18 @@ def read_yaml(path: str | Path) -> Any:
     try:
         # Anchors and aliases let a few lines expand into billions of values ("billion laughs");
         # params never need them, so they are refused before anything is built.
+        depth = 0
         for event in yaml.parse(text):
             if getattr(event, "anchor", None) is not None:
                 raise ConfigError(f"{path}:{event.start_mark.line + 1}: YAML anchors and aliases (&{shown(event.anchor, 40)} "
                                   "/ *...) are not allowed in a params file; write the values out")
+            depth += isinstance(event, CollectionStartEvent) - isinstance(event, CollectionEndEvent)
+            if depth > MAX_PARAMS_DEPTH:
+                raise ConfigError(f"{path}:{event.start_mark.line + 1}: not valid YAML: nested deeper than "
+                                  f"{MAX_PARAMS_DEPTH} levels")
         return yaml.load(text)
+    except ConfigError:
+        raise
     except YAMLError as err:
         mark = getattr(err, "problem_mark", None)
         line = f":{mark.line + 1}" if mark is not None else ""

@@ -235,7 +235,9 @@ def test_real_process_exit_status_and_single_line(work, tmp_path):
 #
 # A child per family runs its cases one after another through `pipeline.__main__.main` (in-process
 # there, so a case costs no interpreter start) and reports each case's status and stderr; the
-# child's own peak memory, exit and wall time show an abort, a runaway allocation or a hang.
+# child's own peak memory and exit show an abort or a runaway allocation; its timeout, a hang. The
+# timeout is a hang guard only, several times the slowest case here: how fast a bad input is refused
+# is not a contract the tests time (these machines are shared and noisy).
 
 DRIVER = r"""
 import contextlib, io, json, resource, sys, time
@@ -251,17 +253,17 @@ for case in json.loads(sys.argv[1]):
           flush=True)
 print("PEAK_KB", resource.getrusage(resource.RUSAGE_SELF).ru_maxrss, flush=True)
 """
-MAX_LINE, MAX_SECONDS, MAX_KB = 500, 30.0, 1 << 20
+MAX_LINE, HANG_SECONDS, MAX_KB = 500, 120.0, 1 << 20
 
 
 def _family(cases: list[tuple[list[str], str]], work: Path) -> list[str]:
     """Run (argv, expected regex of the error line) cases in one child; assert the contract for
     each: exit status 2, exactly one `error:` line of at most MAX_LINE characters matching, no
-    traceback, under MAX_SECONDS each and MAX_KB of peak memory, earlier outputs byte-identical."""
+    traceback, no hang, under MAX_KB of peak memory, earlier outputs byte-identical."""
     import re
     before = _snapshot(work)
     proc = subprocess.run([sys.executable, "-c", DRIVER, json.dumps([argv for argv, _ in cases])], cwd=REPO,
-                          env=run_env(), capture_output=True, text=True, timeout=MAX_SECONDS * len(cases) + 60)
+                          env=run_env(), capture_output=True, text=True, timeout=HANG_SECONDS * len(cases))
     results = [json.loads(line[4:]) for line in proc.stdout.splitlines() if line.startswith("CASE")]
     assert proc.returncode == 0 and len(results) == len(cases), proc.stderr[-3000:]
     lines = []
@@ -269,7 +271,6 @@ def _family(cases: list[tuple[list[str], str]], work: Path) -> list[str]:
         errors = [line for line in r["stderr"].splitlines() if line.startswith("error: ")]
         assert r["rc"] == 2 and len(errors) == 1 and "Traceback" not in r["stderr"], (argv, r)
         assert len(errors[0]) <= MAX_LINE and re.search(expected, errors[0]), (argv, errors[0])
-        assert r["seconds"] < MAX_SECONDS, (argv, r["seconds"])
         lines.append(errors[0])
     peak = int(proc.stdout.split("PEAK_KB")[1])
     assert peak < MAX_KB, peak
@@ -345,7 +346,8 @@ def test_hostile_json_and_yaml_beyond_parser_limits(work, tmp_path):
         (_argv("sft", huge_string, work / "data/prepared", work / "outputs"),
          r"sft\.dataset\.path: a string of 200000 characters; at most 4096$"),
         (_argv("sft", huge_int, work / "data/prepared", work / "outputs"), r"huge_int\.yaml: not valid YAML: "),
-        (_argv("sft", nested, work / "data/prepared", work / "outputs"), r"nested\.yaml: "),
+        (_argv("sft", nested, work / "data/prepared", work / "outputs"),
+             r"nested\.yaml:1: not valid YAML: nested deeper than 32 levels$"),
     ], work)
     assert all(len(line) < 300 for line in lines)
 
@@ -496,12 +498,12 @@ def test_fuzzed_inputs_keep_the_contract(work, tmp_path):
     shutil.copytree(work / "data/prepared", tmp_path / "data")
     proc = subprocess.run([sys.executable, str(Path(__file__).parent / "fuzz_inputs.py"), str(work / "params.yaml"),
                            str(tmp_path / "data"), str(seed), "300"], cwd=REPO, env=run_env(), capture_output=True,
-                          text=True, timeout=180)
+                          text=True, timeout=900)   # a hang guard only
     results = [json.loads(line[4:]) for line in proc.stdout.splitlines() if line.startswith("CASE")]
     assert proc.returncode == 0 and len(results) == 300, (seed, proc.stderr[-3000:])
     for r in results:
         errors = [line for line in r["stderr"].splitlines() if line.startswith("error: ")]
         ok = r["rc"] == 0 or (r["rc"] == 2 and len(errors) == 1 and len(errors[0]) <= MAX_LINE)
-        assert ok and "Traceback" not in r["stderr"] and r["seconds"] < MAX_SECONDS, (seed, r)
+        assert ok and "Traceback" not in r["stderr"], (seed, r)
     assert int(proc.stdout.split("PEAK_KB")[1]) < MAX_KB
     assert sum(r["rc"] == 2 for r in results) > 100          # the mutations do break inputs

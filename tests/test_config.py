@@ -145,6 +145,24 @@ def test_not_yaml(tmp_path):
     assert isinstance(err.value, UserError)
 
 
+def test_nesting_depth_is_refused_while_scanning(tmp_path):
+    """Block-style nesting one level past MAX_PARAMS_DEPTH is refused at the line that goes too
+    deep; at the limit, the file is read (deep nesting is only refused, never truncated)."""
+    from pipeline.config import MAX_PARAMS_DEPTH
+
+    def nested(levels: int) -> str:
+        return "".join(f"{'  ' * i}k{i}:\n" for i in range(levels - 1)) + f"{'  ' * (levels - 1)}k: 1\n"
+    at_limit = write_params(tmp_path, nested(MAX_PARAMS_DEPTH), name="ok.yaml")
+    value = read_yaml(at_limit)
+    for i in range(MAX_PARAMS_DEPTH - 1):
+        value = value[f"k{i}"]
+    assert value == {"k": 1}
+    with pytest.raises(ConfigError) as err:
+        read_yaml(write_params(tmp_path, nested(MAX_PARAMS_DEPTH + 1), name="deep.yaml"))
+    assert str(err.value) == (f"{tmp_path / 'deep.yaml'}:{MAX_PARAMS_DEPTH + 1}: not valid YAML: nested deeper than "
+                              f"{MAX_PARAMS_DEPTH} levels")
+
+
 def test_missing_file(tmp_path):
     path = tmp_path / "nope.yaml"
     with pytest.raises(ConfigError) as err:
