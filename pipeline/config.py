@@ -744,7 +744,8 @@ def read_yaml(path: str | Path) -> Any:
     yaml = YAML(typ="safe", pure=True)
     try:
         # Anchors and aliases let a few lines expand into billions of values ("billion laughs");
-        # params never need them, so they are refused before anything is built.
+        # params never need them, so they are refused before anything is built. Depth is refused in
+        # the same pass (MAX_PARAMS_DEPTH), so loading never recurses deeply.
         depth = 0
         for event in yaml.parse(text):
             if getattr(event, "anchor", None) is not None:
@@ -761,8 +762,6 @@ def read_yaml(path: str | Path) -> Any:
         mark = getattr(err, "problem_mark", None)
         line = f":{mark.line + 1}" if mark is not None else ""
         raise ConfigError(f"{path}{line}: not valid YAML: {shown(getattr(err, 'problem', None) or err, 200)}") from None
-    except RecursionError:
-        raise ConfigError(f"{path}: not valid YAML: nested too deeply") from None
     except ValueError as err:   # e.g. an integer with more digits than Python converts
         raise ConfigError(f"{path}: not valid YAML: {shown(str(err), 200)}") from None
 
