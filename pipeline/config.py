@@ -50,14 +50,14 @@ class DataConfig:
     seed: int = num(0, ge=0)
     n_sft: int = num(4000, ge=8)
     n_sft_eval: int = num(400, ge=4)
-    n_pairs: int = num(20000, ge=8)
+    n_pairs: int = num(32000, ge=8)
     n_pairs_eval: int = num(1000, ge=4)
     n_ppo_prompts: int = num(2000, ge=4)
     n_eval_prompts: int = num(200, ge=4)
     label_temperature: float = num(0.5, gt=0.0)
     eval_title_fraction: float = num(0.2, gt=0.0, lt=1.0)
-    aspect_contrast: float = num(0.25, ge=0.0, le=1.0, doc="fraction of training pairs contrasting one review with its aspect swapped")
-    corrupt_contrast: float = num(0.0, ge=0.0, le=1.0, doc="fraction of training pairs contrasting one review with a copy with one local fault (aspect_contrast + this <= 1)")
+    aspect_contrast: float = num(0.3, ge=0.0, le=1.0, doc="fraction of training pairs contrasting one review with its aspect swapped")
+    corrupt_contrast: float = num(0.15, ge=0.0, le=1.0, doc="fraction of training pairs contrasting one review with a copy with one local fault (aspect_contrast + this <= 1)")
     n_audit_pairs: int = num(0, ge=0, doc="fresh pairs for an auditor reward model (pairs_audit.jsonl; 0: none)")
 
     def __post_init__(self) -> None:
