@@ -45,14 +45,17 @@ def build(out: Path, sft_epochs: float = 1.0) -> None:
     from pipeline.models import reward_model as rm
     from pipeline.stages import sft
     from pipeline.config import DataConfig, ModelConfig, Params, SFTConfig
-    from pipeline.models.checkpoints import init_policy, save_checkpoint
+    from pipeline.models.checkpoints import init_policy, load_policy, save_checkpoint
     from pipeline.stages.prepare import run as prepare
 
     prepare(DataConfig(n_sft=2000, n_sft_eval=16, n_pairs=8, n_pairs_eval=4, n_ppo_prompts=1024, n_eval_prompts=8),
             out / "data")
     if sft_epochs > 0:
         params = Params(sft=SFTConfig(epochs=sft_epochs, eval_every=10 ** 6, n_eval_generations=8, seed=SEED))
-        policy, tok, _ = sft.train(params, out / "data", out / "sft_logs", progress=False)
+        # The stage itself (its model/ is the policy); MLflow off: a benchmark is not a tracked run.
+        os.environ.setdefault("PIPELINE_TRACKING", "off")
+        sft.run(params, out / "data", out / "sft", progress=False)
+        policy, tok = load_policy(out / "sft" / "model")
     else:
         policy, tok = init_policy(ModelConfig(), out / "data" / "tokenizer", seed=SEED)
     save_checkpoint(policy, tok, out / "policy")
