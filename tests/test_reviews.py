@@ -367,13 +367,13 @@ def test_corrupt_makes_one_local_fault_of_each_kind():
 
 def test_corrupt_contrast_pairs_leave_other_splits_byte_identical():
     base = {**SMALL.__dict__, "n_pairs": 400, "aspect_contrast": 0.25}
-    plain, _ = build_splits(DataConfig(**base))
-    off, _ = build_splits(DataConfig(**{**base, "corrupt_contrast": 0.0}))
+    plain, _ = build_splits(DataConfig(**{**base, "corrupt_contrast": 0.0}))
+    default, _ = build_splits(DataConfig(**{**base, "corrupt_contrast": DataConfig().corrupt_contrast}))
     faulty, _ = build_splits(DataConfig(**{**base, "corrupt_contrast": 0.4}))
-    assert off == plain                                # the default (0) changes no byte
-    for name in SPLITS:
+    assert DataConfig().corrupt_contrast == 0.15 and default["pairs_train"] != plain["pairs_train"]
+    for name in SPLITS:                                # the fault draws come from the contrast stream
         if name != "pairs_train":
-            assert faulty[name] == plain[name]
+            assert faulty[name] == default[name] == plain[name]
     assert [r["prompt"] for r in faulty["pairs_train"]] == [r["prompt"] for r in plain["pairs_train"]]
 
     def one_fault_apart(r):
