@@ -12,8 +12,9 @@ machine takes another path. Runs that share upstream seed and threads share one 
 Each run executes the stage commands of dvc.yaml in a copy of the tracked files (MLflow off), and
 the grid prints and writes (`--out`, default /tmp/seed_grid.tsv) per run: the evaluate stage's gold
 and RM win rates of PPO over SFT, gold, RM score and KL to SFT, the detector's first alarm, the
-collapse iteration (the first of 3 PPO iterations in a row whose rollouts' mean gold is below the SFT
-policy's held-out gold, after it had risen 1 above it), and the PPO stage's wall time. Then the
+collapse iteration (pipeline/measurement/collapse.py: the first PPO iteration, from the one where
+the rollouts' mean gold peaked, whose mean gold is below the SFT policy's held-out gold; 0 for
+none), and the PPO stage's wall time. Then the
 median and range.
 """
 
@@ -31,6 +32,10 @@ import time
 from pathlib import Path
 
 from ruamel.yaml import YAML
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from pipeline.measurement.collapse import collapse_iteration, gold_per_iteration  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 DEFAULT_RUNS = [f"{u}:{p}" for u in (0, 1) for p in range(5)] + ["0:0:1", "0:1:1"]
@@ -75,22 +80,6 @@ def stage(cmd: list[str], cwd: Path, threads: int, log: Path) -> float:
     return time.perf_counter() - t0
 
 
-def collapse_iteration(train_tsv: Path, sft_gold: float, rise: float = 1.0, sustain: int = 3) -> int:
-    """The first of `sustain` consecutive iterations whose rollouts' mean gold is below `sft_gold`,
-    after it had risen more than `rise` above it; 0 if none. The first iterations sample from the
-    SFT policy itself and hover around its gold by chance, and a single bad update can dip one
-    iteration's gold below it and recover at the next (seen in the grid): neither is a collapse."""
-    golds, risen = [], False
-    with train_tsv.open() as f:
-        for row in csv.DictReader(f, delimiter="\t"):
-            golds.append(float(row["objective/gold_scores"]))
-    for i, gold in enumerate(golds):
-        risen = risen or gold > sft_gold + rise
-        if risen and all(g < sft_gold for g in golds[i:i + sustain]) and i + sustain <= len(golds):
-            return i + 1
-    return 0
-
-
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--runs", nargs="+", default=DEFAULT_RUNS, help="UPSTREAM:PPO[:THREADS] per run")
@@ -131,7 +120,7 @@ def main() -> int:
                "rm_win": get(ev, "win_rate/ppo_vs_sft_rm"), "ppo_gold": get(ev, "ppo/gold"),
                "sft_gold": get(ev, "sft/gold"), "ppo_rm": get(ev, "ppo/rm"), "ppo_kl": get(ev, "ppo/kl"),
                "detector_first_fire": ppo.get("detector", {}).get("first_fire", ""),
-               "collapse_iteration": collapse_iteration(out / "ppo/train.tsv", get(ev, "sft/gold")),
+               "collapse_iteration": collapse_iteration(gold_per_iteration(out / "ppo/train.tsv"), get(ev, "sft/gold")),
                "ppo_seconds": round(seconds, 1)}
         rows.append(row)
         print("\t".join(f"{row[c]:.3f}" if isinstance(row[c], float) else str(row[c]) for c in COLUMNS), flush=True)

@@ -1,6 +1,8 @@
 """The over-optimisation detector on synthetic metric streams: the iteration it fires at, quiet on
 noise, warmup, the auditor rule, offline replay equal to the online run, its config, the CLI."""
 
+import csv
+import dataclasses
 import random
 import subprocess
 import sys
@@ -8,11 +10,9 @@ from pathlib import Path
 
 import pytest
 
-import csv
-import dataclasses
-
 from pipeline.config import DetectorConfig, Params, from_dict
 from pipeline.errors import ConfigError
+from pipeline.measurement.collapse import collapse_iteration, gold_per_iteration
 from pipeline.ppo.detector import Detector, replay, replay_signals, summary, window_signals
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -145,7 +145,8 @@ def test_config_validation():
     # stop keeps the last checkpoint before the alarm: one must be written before the first check.
     with pytest.raises(ConfigError, match=r"ppo.detector.action: stop .*ppo.save_every=11\) .* = 11\)"):
         from_dict(Params, {"ppo": {"save_every": 11, "detector": {"action": "stop"}}}, "params.yaml: ")
-    p = from_dict(Params, {"ppo": {"save_every": 10, "detector": {"action": "stop", "auditor": "rm2"}}}, "params.yaml: ")
+    p = from_dict(Params, {"ppo": {"save_every": 10, "detector": {"action": "stop", "auditor": "rm2"}}},
+                  "params.yaml: ")
     assert p.ppo.detector.auditor == "rm2" and p.ppo.detector.first_check == 11
 
 
@@ -168,13 +169,6 @@ def _log(name: str) -> list[dict]:
         return list(csv.DictReader(f, delimiter="\t"))
 
 
-def collapse_iteration(gold: list[float], sft_gold: float) -> int:
-    """Issue #16's collapse: the first iteration, after the rollouts' mean gold peaked, whose gold is
-    below the SFT policy's (iterations count from 1)."""
-    peak = max(range(len(gold)), key=gold.__getitem__)
-    return next(i + 1 for i in range(peak, len(gold)) if gold[i] < sft_gold)
-
-
 # Logged kl_coef=0 runs (benchmarks/seed_grid.py): (log, SFT policy's held-out gold, collapse, first
 # alarm). The first two are the 20,000-pair default of 2026-11-30; the d32 ones today's 32,000-pair
 # default (2026-12-02, one thread, AMD machine), whose reward model takes longer to exploit.
@@ -189,7 +183,11 @@ def test_default_thresholds_fire_at_or_before_a_real_collapse(name, sft_gold, co
     rows = _log(name)
     gold = [float(r["objective/gold_scores"]) for r in rows]
     assert collapse_iteration(gold, sft_gold) == collapse
-    assert max(gold[:collapse - 1]) > sft_gold + 0.5 and sum(g < sft_gold for g in gold[collapse - 1:]) > 0.8 * (len(gold) - collapse + 1)
+    assert gold_per_iteration(LOGS / name) == gold
+    # A real collapse: gold had risen well above SFT's, and stays below it for most of the rest.
+    after = gold[collapse - 1:]
+    assert max(gold[:collapse - 1]) > sft_gold + 0.5
+    assert sum(g < sft_gold for g in after) > 0.8 * len(after)
     first = replay(rows, DetectorConfig())
     assert first == first_fire and first <= collapse
 
@@ -197,6 +195,15 @@ def test_default_thresholds_fire_at_or_before_a_real_collapse(name, sft_gold, co
 def test_collapse_iteration_by_hand():
     assert collapse_iteration([0.3, 1.0, 2.0, 1.5, 0.2, 0.5, 0.1], 0.4) == 5
     assert collapse_iteration([0.3, 0.2, 2.0, 0.5, 0.1], 0.4) == 5      # a dip before the peak does not count
+    assert collapse_iteration([0.3, 0.2, 1.0, 2.0, 2.5], 0.4) == 0      # healthy: never below after the peak
+    assert collapse_iteration([], 0.4) == 0
+
+
+def test_gold_per_iteration_needs_a_judge(tmp_path):
+    log = tmp_path / "train.tsv"
+    log.write_text("iteration\tobjective/scores\n1\t0.5\n")
+    with pytest.raises(ValueError, match="train.tsv: no objective/gold_scores"):
+        gold_per_iteration(log)
 
 
 # (log, margin): the largest value of each rule must stay below threshold / margin. The d32 seed-2
