@@ -225,10 +225,24 @@ class DeepSpeedEngine(TrainEngine):
             raise RuntimeError("TrainEngine.step() before the last micro-batch of the global batch")
         self._complete = False
         lr, skipped_before = self.lr, self.engine.skipped_steps
+        # ZeRO-0 in fp32 clips with torch's clip_grad_norm_ and keeps no norm (get_global_grad_norm
+        # stays None), so measure it here: the gradients are already all-reduced at the boundary,
+        # the same on every rank, and this is the norm DeepSpeed clips with.
+        own = self._unreported_norm()
         self.engine.step()
         norm = self.engine.get_global_grad_norm()
-        norm = float(norm) if norm is not None else float("nan")
+        norm = float(norm) if norm is not None else own
         return StepResult(lr, norm, self.engine.skipped_steps > skipped_before or not math.isfinite(norm))
+
+    def _unreported_norm(self) -> float:
+        """The gradients' global L2 norm where DeepSpeed will not report it (ZeRO-0 without fp16/bf16
+        optimizer wrappers); NaN elsewhere, where the engine's own norm is used."""
+        if self.engine.zero_optimization_stage() != 0 or self.engine.fp16_enabled() or self.engine.bfloat16_enabled():
+            return float("nan")
+        grads = [p.grad for p in self.params if p.grad is not None]
+        if not grads:
+            return float("nan")
+        return float(torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g.detach().float()) for g in grads])))
 
     @property
     def zero3(self) -> bool:
