@@ -299,6 +299,35 @@ def test_shared_prompt_rows_equal_separate_sequences_in_scores_and_gradients(arc
     assert tokens < sum(map(len, whole))
 
 
+@pytest.mark.parametrize("shared", [True, False])
+def test_kept_token_ids_give_the_same_scores_and_are_encoded_once(shared, monkeypatch):
+    """The reward stage keeps every pair's ids (`EncodedPairs`): scores equal tokenising afresh bit
+    for bit, a second pass tokenises nothing, and ids of another max_length are refused."""
+    from pipeline.data.tokenizer import build_word_tokenizer
+    from pipeline.tasks import reviews
+    tok = build_word_tokenizer(reviews.vocabulary())
+    cfg = LlamaConfig(vocab_size=len(tok), hidden_size=16, intermediate_size=32, num_hidden_layers=2,
+                      num_attention_heads=2, num_key_value_heads=2, pad_token_id=tok.pad_token_id, num_labels=1)
+    torch.manual_seed(0)
+    model = AutoModelForSequenceClassification.from_config(cfg).eval()
+    triples = [("Review the film Lost River . Focus on the plot .", "the plot was good .", "the music was bad ."),
+               ("What did you think of Wild Garden ? Talk about the music .", "the music was good . " * 4,
+                "the music was bad .")]
+    afresh = rm.pair_scores(model, tok, triples, 34, shared_prompt=shared)
+    kept = rm.EncodedPairs(tok, 34)
+    first = rm.pair_scores(model, tok, triples, 34, shared_prompt=shared, encoded=kept)
+
+    def no_tokenising(*args, **kwargs):
+        raise AssertionError("tokenised again")
+    monkeypatch.setattr(rm, "encode_pair_parts", no_tokenising)
+    second = rm.pair_scores(model, tok, triples, 34, shared_prompt=shared, encoded=kept)
+    for a, b, c in zip(afresh, first, second):
+        assert torch.equal(a, b) and torch.equal(a, c)
+    assert float((afresh[0] - afresh[1]).abs().max()) > 0          # real, distinct scores
+    with pytest.raises(ValueError, match="encoded pairs of max_length 34, asked 40"):
+        rm.pair_scores(model, tok, triples, 40, shared_prompt=shared, encoded=kept)
+
+
 def test_branch_mask_blocks_other_branches():
     ids, mask, pos, last_row, last_col = rm.branch_batch([([5, 6], [[7, 8], [9]]), ([5], [[7]])], 0, torch.float32)
     assert ids.tolist() == [[5, 6, 7, 8, 9], [5, 7, 0, 0, 0]]

@@ -62,10 +62,10 @@ def fit_pairs(pairs: list[Pair], tok, max_length: int, overlong: str) -> tuple[l
 
 
 def batch_scores(model, tok, pairs: list[Pair], max_length: int, device: torch.device | None = None,
-                 shared_prompt: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+                 shared_prompt: bool = True, encoded: rm.EncodedPairs | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Raw (B,) scores of chosen and rejected (`reward_model.pair_scores`)."""
     return rm.pair_scores(model, tok, [(p.prompt, p.chosen, p.rejected) for p in pairs], max_length, device,
-                          shared_prompt)
+                          shared_prompt, encoded)
 
 
 @torch.inference_mode()
@@ -200,15 +200,18 @@ def train(run: StageRun, data_dir: Path, sft_dir: Path, progress: bool = True):
     engine, micro = supervised_engine(model, cfg, total_steps(len(train_pairs), cfg.batch_size, cfg.epochs), ctx)
     write_deepspeed_config(out_dir / "deepspeed_config.json", reward=engine) if ctx.is_main else None
 
+    encoded = rm.EncodedPairs(tok, cfg.max_length)      # every pair tokenised once, not once per epoch
+
     def loss(part: list[Pair], batch: list[Pair]) -> tuple[torch.Tensor, list[float]]:
-        rc, rr = batch_scores(engine.model, tok, part, cfg.max_length, engine.device, cfg.shared_prompt)
+        rc, rr = batch_scores(engine.model, tok, part, cfg.max_length, engine.device, cfg.shared_prompt, encoded)
         total, correct = rm.pairwise_loss_sum(rc, rr, torch.tensor([p.margin for p in part], device=rc.device))
         return total / cfg.batch_size, [total.item(), correct]
 
     task = SupervisedTask("reward", train_pairs, ["loss", "accuracy"], loss, normaliser=lambda batch: cfg.batch_size,
                           eval_columns=["loss", "accuracy"],
                           evaluate=lambda: eval_pairs_loss(engine.model, tok, eval_pairs, cfg.max_length, ctx,
-                                                           engine.device, shared_prompt=cfg.shared_prompt))
+                                                           engine.device, shared_prompt=cfg.shared_prompt,
+                                                           encoded=encoded))
     result = supervised.train(task, cfg, engine, micro, out_dir, run.tracker, ctx, run.fingerprint, progress)
     model, metrics = supervised.finish(engine, result, cfg.lora, out_dir, {"data/truncated": n_trunc,
                                                                            "data/dropped": n_drop})
@@ -223,12 +226,12 @@ def train(run: StageRun, data_dir: Path, sft_dir: Path, progress: bool = True):
 @torch.inference_mode()
 def eval_pairs_loss(model, tok, pairs: list[Pair], max_length: int, ctx: Context = SINGLE,
                     device: torch.device | None = None, batch_size: int = 64,
-                    shared_prompt: bool = True) -> dict[str, float]:
+                    shared_prompt: bool = True, encoded: rm.EncodedPairs | None = None) -> dict[str, float]:
     """Held-out loss and accuracy, every rank scoring its share (same number of forwards per rank)."""
     model.eval()
     sums = torch.zeros(3, dtype=torch.float64)                          # loss, correct, count
     for part in ctx.eval_parts(pairs, batch_size):
-        rc, rr = batch_scores(model, tok, part or pairs[:1], max_length, device, shared_prompt)
+        rc, rr = batch_scores(model, tok, part or pairs[:1], max_length, device, shared_prompt, encoded)
         if part:
             loss, correct = rm.pairwise_loss_sum(rc, rr, torch.tensor([p.margin for p in part], device=rc.device))
             sums += torch.tensor([float(loss), correct, len(part)], dtype=torch.float64)
