@@ -33,8 +33,11 @@ def padded_tokens(lengths: list[int], max_rows: int) -> int:
     return sum(len(part) * max(lengths[i] for i in part) for part in rm.length_sorted_parts(lengths, max_rows))
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def reward_model_setup(description: str):
+    """The command line (--steps, --data, --sft) and, as the reward stage builds them, the default's
+    reward config, the training pairs and the reward model from the SFT checkpoint in train mode.
+    Shared by the reward-model step benchmarks."""
+    ap = argparse.ArgumentParser(description=description)
     ap.add_argument("--steps", type=int, default=40)
     ap.add_argument("--data", default=str(ROOT / "data/prepared"))
     ap.add_argument("--sft", default=str(ROOT / "outputs/sft/model"))
@@ -43,6 +46,11 @@ def main() -> None:
     pairs = load_pairs(Path(args.data) / "pairs_train.jsonl")
     model, tok = rm.init_reward_model(args.sft, cfg.seed, cfg.head_init_std)
     model.train()
+    return args, cfg, pairs, model, tok
+
+
+def main() -> None:
+    args, cfg, pairs, model, tok = reward_model_setup(__doc__.splitlines()[0])
     gen = torch.Generator().manual_seed(0)
     times: dict[bool, list[float]] = {True: [], False: []}
     tokens = {True: 0, False: 0}

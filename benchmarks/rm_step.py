@@ -12,7 +12,6 @@ step each way and their ratio, and asserts the two ways give the same scores bit
 
 from __future__ import annotations
 
-import argparse
 import statistics
 import sys
 import time
@@ -23,21 +22,12 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from pipeline.config import load_params  # noqa: E402
-from pipeline.data.preferences import load_pairs  # noqa: E402
+from benchmarks.rm_shared_prompt import reward_model_setup  # noqa: E402
 from pipeline.models import reward_model as rm  # noqa: E402
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--steps", type=int, default=40)
-    ap.add_argument("--data", default=str(ROOT / "data/prepared"))
-    ap.add_argument("--sft", default=str(ROOT / "outputs/sft/model"))
-    args = ap.parse_args()
-    cfg = load_params(ROOT / "params.yaml").reward
-    pairs = load_pairs(Path(args.data) / "pairs_train.jsonl")
-    model, tok = rm.init_reward_model(args.sft, cfg.seed, cfg.head_init_std)
-    model.train()
+    args, cfg, pairs, model, tok = reward_model_setup(__doc__.splitlines()[0])
     opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr)
     gen = torch.Generator().manual_seed(0)
     batches = [[(p.prompt, p.chosen, p.rejected) for p in

@@ -17,7 +17,7 @@ def load(name: str):
     return module
 
 
-def test_ppo_vs_trl_builds_the_shared_models_and_times_our_trainer(tmp_path, monkeypatch):
+def test_ppo_vs_trl_builds_the_shared_models_and_times_our_trainer(tmp_path, monkeypatch, capsys):
     monkeypatch.setenv("PIPELINE_TRACKING", "off")
     bench = load("ppo_vs_trl")
     bench.build(tmp_path, sft_epochs=0.1)
@@ -33,3 +33,16 @@ def test_ppo_vs_trl_builds_the_shared_models_and_times_our_trainer(tmp_path, mon
     assert set(result) == {"episodes_per_s", "tokens_per_s", "seconds", "peak_rss_mb"}
     assert result["seconds"] > 0 and math.isclose(result["episodes_per_s"], bench.BATCH / result["seconds"])
     assert 0 < result["tokens_per_s"] <= bench.RESPONSE * result["episodes_per_s"]
+
+    # The reward-model step benchmarks, on the same SFT model and the (eight) prepared pairs.
+    for name, ways in (("rm_step", ("tokenised afresh", "ids kept")),
+                       ("rm_shared_prompt", ("two rows per pair", "shared prompt"))):
+        monkeypatch.setattr("sys.argv", [name, "--steps", "2", "--data", str(tmp_path / "data"),
+                                         "--sft", str(tmp_path / "sft" / "model")])
+        load(name).main()
+        out = capsys.readouterr().out
+        for way in ways:
+            ms = float(out.split(f"{way}:", 1)[1].split("ms/step", 1)[0].split()[-1])
+            assert ms > 0, (name, way, out)
+        ratio = out.strip().splitlines()[-1]                     # "ratio ...: 1.14x ..."
+        assert ratio.startswith("ratio") and float(ratio.split(": ", 1)[1].split("x", 1)[0]) > 0, out
