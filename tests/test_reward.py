@@ -326,6 +326,11 @@ def test_kept_token_ids_give_the_same_scores_and_are_encoded_once(shared, monkey
     assert float((afresh[0] - afresh[1]).abs().max()) > 0          # real, distinct scores
     with pytest.raises(ValueError, match="encoded pairs of max_length 34, asked 40"):
         rm.pair_scores(model, tok, triples, 40, shared_prompt=shared, encoded=kept)
+    # A chat prompt (list of messages, unhashable) is kept under its JSON, apart from any text prompt.
+    chat = ([{"role": "user", "content": "Review the film Lost River ."}], "the plot was good .", "the plot was bad .")
+    as_text = (json.dumps(chat[0], sort_keys=True), chat[1], chat[2])
+    assert rm.EncodedPairs.key(chat) != rm.EncodedPairs.key(as_text)
+    assert hash(rm.EncodedPairs.key(chat)) == hash(rm.EncodedPairs.key(([dict(chat[0][0])], *chat[1:])))
 
 
 def test_branch_mask_blocks_other_branches():

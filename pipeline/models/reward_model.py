@@ -13,6 +13,8 @@ config as `reward_offset`; `score` subtracts it, so every consumer (PPO, evaluat
 
 from __future__ import annotations
 
+import json
+
 import math
 from pathlib import Path
 
@@ -177,22 +179,32 @@ class EncodedPairs:
 
     def __init__(self, tok: PreTrainedTokenizerBase, max_length: int):
         self.tok, self.max_length = tok, max_length
-        self._rows: dict[tuple[str, str, str], list[Row]] = {}
-        self._seqs: dict[tuple[str, str, str], tuple[list[int], list[int]]] = {}
+        self._rows: dict[tuple, list[Row]] = {}
+        self._seqs: dict[tuple, tuple[list[int], list[int]]] = {}
 
-    def rows(self, triple: tuple[str, str, str]) -> list[Row]:
-        """`shared_prefix_rows` of the triple."""
-        if triple not in self._rows:
-            self._rows[triple] = shared_prefix_rows(self.tok, *triple, self.max_length)
-        return self._rows[triple]
+    @staticmethod
+    def key(triple: tuple) -> tuple:
+        """A hashable key: a prompt may be a list of {role, content} messages (the `messages`
+        layout), kept as its JSON, tagged so that no text prompt can equal it."""
+        prompt, chosen, rejected = triple
+        tagged = ("text", prompt) if isinstance(prompt, str) else ("messages", json.dumps(prompt, sort_keys=True))
+        return tagged, chosen, rejected
 
-    def seqs(self, triple: tuple[str, str, str]) -> tuple[list[int], list[int]]:
+    def rows(self, triple: tuple) -> list[Row]:
+        """`shared_prefix_rows` of the (prompt, chosen, rejected) triple."""
+        key = self.key(triple)
+        if key not in self._rows:
+            self._rows[key] = shared_prefix_rows(self.tok, *triple, self.max_length)
+        return self._rows[key]
+
+    def seqs(self, triple: tuple) -> tuple[list[int], list[int]]:
         """prompt + chosen and prompt + rejected, each as `encode_pair_text`."""
-        if triple not in self._seqs:
+        key = self.key(triple)
+        if key not in self._seqs:
             p, c, r = triple
-            self._seqs[triple] = (encode_pair_text(self.tok, p, c, self.max_length),
-                                  encode_pair_text(self.tok, p, r, self.max_length))
-        return self._seqs[triple]
+            self._seqs[key] = (encode_pair_text(self.tok, p, c, self.max_length),
+                               encode_pair_text(self.tok, p, r, self.max_length))
+        return self._seqs[key]
 
 
 def branch_batch(rows: list[Row], pad_id: int, dtype: torch.dtype) -> tuple[torch.Tensor, ...]:
