@@ -3,9 +3,9 @@ against tokenising every batch afresh.
 
     .venv/bin/python benchmarks/rm_step.py [--steps 40] [--data data/prepared] [--sft outputs/sft/model]
 
-Builds the reward model as the reward stage does (from the SFT checkpoint) and times whole training
-steps (encode, forward, backward, clip, AdamW) on the same batches of `reward.batch_size` training
-pairs, both ways, interleaved so that drift of a shared machine hits both alike. The kept ids are
+Builds the reward model as the reward stage does (from the SFT checkpoint) and times training steps
+(encode, forward, backward, clip; no update, so both ways score the same weights) on the same
+batches of `reward.batch_size` training pairs, both ways, interleaved so that drift of a shared machine hits both alike. The kept ids are
 encoded before timing, as they are after the first epoch of a run. Prints the median seconds per
 step each way and their ratio, and asserts the two ways give the same scores bit for bit.
 """
@@ -28,7 +28,6 @@ from pipeline.models import reward_model as rm  # noqa: E402
 
 def main() -> None:
     args, cfg, pairs, model, tok = reward_model_setup(__doc__.splitlines()[0])
-    opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr)
     gen = torch.Generator().manual_seed(0)
     batches = [[(p.prompt, p.chosen, p.rejected) for p in
                 (pairs[i] for i in torch.randint(len(pairs), (cfg.batch_size,), generator=gen).tolist())]
@@ -43,7 +42,7 @@ def main() -> None:
         rc, rr = rm.pair_scores(model, tok, triples, cfg.max_length, shared_prompt=cfg.shared_prompt, encoded=encoded)
         rm.pairwise_loss_sum(rc, rr)[0].backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.max_grad_norm)
-        opt.zero_grad(set_to_none=True)      # no update: both ways must score the same weights
+        model.zero_grad(set_to_none=True)
         return time.perf_counter() - start, torch.stack([rc, rr]).detach()
 
     times: dict[str, list[float]] = {"afresh": [], "kept": []}

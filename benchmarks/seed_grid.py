@@ -33,11 +33,11 @@ from pathlib import Path
 
 from ruamel.yaml import YAML
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
 
 from pipeline.measurement.collapse import collapse_iteration, gold_per_iteration  # noqa: E402
 
-ROOT = Path(__file__).resolve().parents[1]
 DEFAULT_RUNS = [f"{u}:{p}" for u in (0, 1) for p in range(5)] + ["0:0:1", "0:1:1"]
 COLUMNS = ["run", "gold_win", "rm_win", "ppo_gold", "sft_gold", "ppo_rm", "ppo_kl", "detector_first_fire",
            "collapse_iteration", "ppo_seconds"]

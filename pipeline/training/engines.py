@@ -240,9 +240,7 @@ class DeepSpeedEngine(TrainEngine):
         if self.engine.zero_optimization_stage() != 0 or self.engine.fp16_enabled() or self.engine.bfloat16_enabled():
             return float("nan")
         grads = [p.grad for p in self.params if p.grad is not None]
-        if not grads:
-            return float("nan")
-        return float(torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g.detach().float()) for g in grads])))
+        return float(torch.nn.utils.get_total_norm(grads)) if grads else float("nan")
 
     @property
     def zero3(self) -> bool:
