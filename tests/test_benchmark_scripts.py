@@ -44,5 +44,10 @@ def test_ppo_vs_trl_builds_the_shared_models_and_times_our_trainer(tmp_path, mon
         for way in ways:
             ms = float(out.split(f"{way}:", 1)[1].split("ms/step", 1)[0].split()[-1])
             assert ms > 0, (name, way, out)
+        if name == "rm_step":                                  # the set-up line: both ways timed, same rows
+            setup = out.split("set-up, ", 1)[1].splitlines()[0]
+            assert setup.startswith("8 pairs") and setup.endswith("lengths and rows equal"), out
+            assert float(setup.split("once:", 1)[1].split(" ms", 1)[0]) >= 0, out
+            assert float(setup.split("(", 1)[1].split("x)", 1)[0]) > 0, out
         ratio = out.strip().splitlines()[-1]                     # "ratio ...: 1.14x ..."
         assert ratio.startswith("ratio") and float(ratio.split(": ", 1)[1].split("x", 1)[0]) > 0, out

@@ -246,10 +246,10 @@ def test_overlong_pairs_truncated_or_dropped_and_counted():
     short = Pair("Review the film Lost River .", "the plot was good .", "the plot was bad .")
     long = Pair("Review the film Lost River .", "the plot was good . " * 6, "the plot was bad .")
     # short: 9 prompt + 6 answer tokens = 15; long: 9 + 31 = 40
-    assert fit_pairs([short, long], tok, 20, "truncate") == ([short, long], 1, 0)
-    assert fit_pairs([short, long], tok, 20, "drop") == ([short], 0, 1)
+    assert fit_pairs([short, long], rm.EncodedPairs(tok, 20), "truncate") == ([short, long], 1, 0)
+    assert fit_pairs([short, long], rm.EncodedPairs(tok, 20), "drop") == ([short], 0, 1)
     with pytest.raises(DataError, match=r"every record is longer than reward.max_length=10"):
-        fit_pairs([short, long], tok, 10, "drop")
+        fit_pairs([short, long], rm.EncodedPairs(tok, 10), "drop")
 
 
 @pytest.mark.parametrize("arch", ["llama", "gpt2"])
@@ -315,11 +315,22 @@ def test_kept_token_ids_give_the_same_scores_and_are_encoded_once(shared, monkey
                 "the music was bad .")]
     afresh = rm.pair_scores(model, tok, triples, 34, shared_prompt=shared)
     kept = rm.EncodedPairs(tok, 34)
+    uncut = [len(rm.encode_pair_text(tok, p, c, 100)) for p, c, _ in triples]     # chosen is the longer
+    calls = []
+    for name in ("encode_prompt", "encode_response"):
+        monkeypatch.setattr(rm, name, lambda tok, text, f=getattr(rm, name): calls.append(text) or f(tok, text))
+    # The length check before training tokenises every text once, and the scores then reuse the ids.
+    assert [kept.length(t) for t in triples] == uncut
+    texts = {x for t in triples for x in t}
+    assert sorted(calls) == sorted(texts)                 # "the music was bad ." twice, tokenised once
     first = rm.pair_scores(model, tok, triples, 34, shared_prompt=shared, encoded=kept)
+    assert sorted(calls) == sorted(texts)
+    monkeypatch.undo()
 
     def no_tokenising(*args, **kwargs):
         raise AssertionError("tokenised again")
-    monkeypatch.setattr(rm, "encode_pair_parts", no_tokenising)
+    for name in ("encode_prompt", "encode_response", "encode_pair_parts"):
+        monkeypatch.setattr(rm, name, no_tokenising)
     second = rm.pair_scores(model, tok, triples, 34, shared_prompt=shared, encoded=kept)
     for a, b, c in zip(afresh, first, second):
         assert torch.equal(a, b) and torch.equal(a, c)

@@ -145,12 +145,16 @@ def offset(model: PreTrainedModel) -> float:
     return float(getattr(model.config, OFFSET_KEY, 0.0) or 0.0)
 
 
+def fit_pair_parts(p: list[int], r: list[int], max_length: int) -> tuple[list[int], list[int]]:
+    """Prompt ids `p` and response ids `r` (eos included) cut to `max_length` together: the prompt
+    loses its left end. New lists, never `p` or `r` themselves (they may be kept ids)."""
+    r = r[:max_length - 1] if len(r) >= max_length else list(r)  # keep one prompt token; an over-long response is scored on its start
+    return p[max(0, len(p) + len(r) - max_length):], r
+
+
 def encode_pair_parts(tok: PreTrainedTokenizerBase, prompt: str, response: str, max_length: int) -> tuple[list[int], list[int]]:
     """(prompt ids, response ids + eos), the prompt losing its left end when the whole is too long."""
-    p, r = encode_prompt(tok, prompt), encode_response(tok, response)
-    if len(r) >= max_length:
-        r = r[:max_length - 1]  # keep one prompt token; an over-long response is scored on its start
-    return p[max(0, len(p) + len(r) - max_length):], r
+    return fit_pair_parts(encode_prompt(tok, prompt), encode_response(tok, response), max_length)
 
 
 def encode_pair_text(tok: PreTrainedTokenizerBase, prompt: str, response: str, max_length: int) -> list[int]:
@@ -167,7 +171,13 @@ def shared_prefix_rows(tok: PreTrainedTokenizerBase, prompt: str, chosen: str, r
     """The sequences of one pair as rows for `branch_scores`: one row [prompt, chosen, rejected]
     when both keep the same prompt tokens (always, unless one of them cut the prompt to fit
     `max_length`), else one row per response."""
-    (pc, c), (pr, r) = (encode_pair_parts(tok, prompt, x, max_length) for x in (chosen, rejected))
+    return prefix_rows(*(encode_pair_parts(tok, prompt, x, max_length) for x in (chosen, rejected)))
+
+
+def prefix_rows(chosen: tuple[list[int], list[int]], rejected: tuple[list[int], list[int]]) -> list[Row]:
+    """Rows of a pair from its (prompt ids, response ids) parts: one shared-prefix row when both
+    kept the same prompt tokens, else one row per response."""
+    (pc, c), (pr, r) = chosen, rejected
     return [(pc, [c, r])] if pc == pr else [(pc, [c]), (pr, [r])]
 
 
@@ -175,26 +185,58 @@ class EncodedPairs:
     """Token ids of (prompt, chosen, rejected) triples, encoded on first use and kept. Training
     visits every pair once per epoch (and the held-out pairs at every evaluation); tokenising them
     again each time cost ~10% of a reward-model step on the default task (measured with
-    benchmarks/rm_step.py). The ids are the same either way, so are the scores, bit for bit."""
+    benchmarks/rm_step.py). Each distinct prompt and response text is tokenised once, for the
+    length check before training (`length`) and for the rows alike: the default's 32,000 pairs
+    hold a few thousand distinct prompts. The ids are the same either way, so are the scores, bit
+    for bit."""
 
     def __init__(self, tok: PreTrainedTokenizerBase, max_length: int):
         self.tok, self.max_length = tok, max_length
+        self._prompts: dict[tuple, list[int]] = {}
+        self._responses: dict[str, list[int]] = {}
         self._rows: dict[tuple, list[Row]] = {}
         self._seqs: dict[tuple, tuple[list[int], list[int]]] = {}
 
     @staticmethod
-    def key(triple: tuple) -> tuple:
+    def prompt_key(prompt) -> tuple:
         """A hashable key: a prompt may be a list of {role, content} messages (the `messages`
         layout), kept as its JSON, tagged so that no text prompt can equal it."""
+        return ("text", prompt) if isinstance(prompt, str) else ("messages", json.dumps(prompt, sort_keys=True))
+
+    @classmethod
+    def key(cls, triple: tuple) -> tuple:
+        """The triple's hashable key (`prompt_key` for its prompt)."""
         prompt, chosen, rejected = triple
-        tagged = ("text", prompt) if isinstance(prompt, str) else ("messages", json.dumps(prompt, sort_keys=True))
-        return tagged, chosen, rejected
+        return cls.prompt_key(prompt), chosen, rejected
+
+    def prompt_ids(self, prompt) -> list[int]:
+        """`encode_prompt` of the prompt, whole (callers cut copies, never this list)."""
+        key = self.prompt_key(prompt)
+        if key not in self._prompts:
+            self._prompts[key] = encode_prompt(self.tok, prompt)
+        return self._prompts[key]
+
+    def response_ids(self, response: str) -> list[int]:
+        """`encode_response` of the response (eos included), whole."""
+        if response not in self._responses:
+            self._responses[response] = encode_response(self.tok, response)
+        return self._responses[response]
+
+    def length(self, triple: tuple) -> int:
+        """Uncut prompt + longer response tokens: what `max_length` is checked against."""
+        prompt, chosen, rejected = triple
+        return len(self.prompt_ids(prompt)) + max(len(self.response_ids(chosen)), len(self.response_ids(rejected)))
+
+    def parts(self, prompt, response: str) -> tuple[list[int], list[int]]:
+        """`encode_pair_parts` from the kept ids."""
+        return fit_pair_parts(self.prompt_ids(prompt), self.response_ids(response), self.max_length)
 
     def rows(self, triple: tuple) -> list[Row]:
         """`shared_prefix_rows` of the (prompt, chosen, rejected) triple."""
         key = self.key(triple)
         if key not in self._rows:
-            self._rows[key] = shared_prefix_rows(self.tok, *triple, self.max_length)
+            prompt, chosen, rejected = triple
+            self._rows[key] = prefix_rows(self.parts(prompt, chosen), self.parts(prompt, rejected))
         return self._rows[key]
 
     def seqs(self, triple: tuple) -> tuple[list[int], list[int]]:
@@ -202,8 +244,7 @@ class EncodedPairs:
         key = self.key(triple)
         if key not in self._seqs:
             p, c, r = triple
-            self._seqs[key] = (encode_pair_text(self.tok, p, c, self.max_length),
-                               encode_pair_text(self.tok, p, r, self.max_length))
+            self._seqs[key] = tuple(sum(self.parts(p, x), []) for x in (c, r))
         return self._seqs[key]
 
 

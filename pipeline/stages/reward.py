@@ -22,7 +22,6 @@ from ..data import inputs
 from ..data.io import read_json_object
 from ..errors import DataError, shown
 from ..data.preferences import Pair
-from ..data.tokenizer import encode_prompt, encode_response
 from ..measurement.plots import calibration_plot, close_figure
 from ..measurement.policy import measure
 from ..models import lora
@@ -51,14 +50,13 @@ def pair_sources(params: Params, data_dir: Path) -> tuple[list[Pair], list[Pair]
     return inputs.preference_pairs(params.reward.dataset, data_dir, "reward")
 
 
-def fit_pairs(pairs: list[Pair], tok, max_length: int, overlong: str) -> tuple[list[Pair], int, int]:
-    """Pairs whose prompt + longer answer exceed `max_length` tokens: scored with the prompt's left
-    end cut (`truncate`, see reward_model.encode_pair_text) or left out (`drop`). Returns the pairs
-    and how many were truncated and dropped."""
-    def length(p: Pair) -> int:
-        return len(encode_prompt(tok, p.prompt)) + max(len(encode_response(tok, p.chosen)),
-                                                       len(encode_response(tok, p.rejected)))
-    return inputs.fit_lengths(pairs, length, max_length, overlong, "reward.max_length", where=lambda p: p.where)
+def fit_pairs(pairs: list[Pair], encoded: rm.EncodedPairs, overlong: str) -> tuple[list[Pair], int, int]:
+    """Pairs whose prompt + longer answer exceed `encoded.max_length` tokens: scored with the
+    prompt's left end cut (`truncate`, see reward_model.encode_pair_text) or left out (`drop`).
+    Returns the pairs and how many were truncated and dropped. The ids are tokenised into
+    `encoded`, which training then reuses."""
+    return inputs.fit_lengths(pairs, lambda p: encoded.length((p.prompt, p.chosen, p.rejected)), encoded.max_length,
+                              overlong, "reward.max_length", where=lambda p: p.where)
 
 
 def batch_scores(model, tok, pairs: list[Pair], max_length: int, device: torch.device | None = None,
@@ -194,13 +192,12 @@ def train(run: StageRun, data_dir: Path, sft_dir: Path, progress: bool = True):
     model, tok = rm.init_reward_model(init, cfg.seed, cfg.head_init_std, params.model.trust_remote_code,
                                       load_kwargs(params.model) if cfg.name_or_path is not None else None)
     model = lora.wrap(model, cfg.lora, "SEQ_CLS")
-    train_pairs, n_trunc, n_drop = fit_pairs(train_pairs, tok, cfg.max_length, cfg.overlong)
+    encoded = rm.EncodedPairs(tok, cfg.max_length)      # every prompt and response tokenised once, not once per epoch
+    train_pairs, n_trunc, n_drop = fit_pairs(train_pairs, encoded, cfg.overlong)
     held = held_out(params, data_dir, eval_pairs)
     torch.manual_seed(cfg.seed)
     engine, micro = supervised_engine(model, cfg, total_steps(len(train_pairs), cfg.batch_size, cfg.epochs), ctx)
     write_deepspeed_config(out_dir / "deepspeed_config.json", reward=engine) if ctx.is_main else None
-
-    encoded = rm.EncodedPairs(tok, cfg.max_length)      # every pair tokenised once, not once per epoch
 
     def loss(part: list[Pair], batch: list[Pair]) -> tuple[torch.Tensor, list[float]]:
         rc, rr = batch_scores(engine.model, tok, part, cfg.max_length, engine.device, cfg.shared_prompt, encoded)
