@@ -6,6 +6,8 @@ import os
 import shutil
 import subprocess
 import sys
+import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
@@ -109,6 +111,39 @@ def tiny_repo(tmp_path: Path) -> Path:
     write_params(repo / "params.yaml", TINY)
     run(["git", "-c", "user.name=t", "-c", "user.email=t@t", "commit", "-q", "-am", "tiny params"], repo)
     return repo
+
+
+@dataclass(frozen=True)
+class TinyRun:
+    repo: Path          # a finished `dvc repro` of TINY: read it, never change it (copy it: `tiny_run_copy`)
+    printed: str        # what `dvc repro` printed (stdout, then stderr)
+    seconds: float      # its wall time
+
+
+@pytest.fixture(scope="session")
+def tiny_run(tmp_path_factory) -> TinyRun:
+    """One whole `dvc repro` of the tiny params, as the README writes it (`.venv/bin/dvc repro` from
+    a shell without the venv on PATH), in a repository with those params committed. Shared by the
+    tests that need a finished run: each reads it or works on its own copy. Each of them used to
+    run the same pipeline itself (about a minute each)."""
+    repo = copy_repo(tmp_path_factory.mktemp("tiny_run") / "repo")
+    write_params(repo / "params.yaml", TINY)
+    run(["git", "-c", "user.name=t", "-c", "user.email=t@t", "commit", "-q", "-am", "tiny params"], repo)
+    start = time.monotonic()
+    proc = run([str(BIN / "dvc"), "repro"], repo, env=bare_env(repo))
+    return TinyRun(repo, proc.stdout + proc.stderr, time.monotonic() - start)
+
+
+def copy_run(run_: TinyRun, dest: Path) -> Path:
+    """A copy of the finished run's repository (git, DVC cache, outputs, the .venv link) at `dest`."""
+    shutil.copytree(run_.repo, dest, symlinks=True)
+    return dest
+
+
+@pytest.fixture
+def tiny_run_copy(tiny_run: TinyRun, tmp_path: Path) -> Path:
+    """The shared finished tiny run, copied for a test that changes it."""
+    return copy_run(tiny_run, tmp_path / "repo")
 
 
 def tiny_policy_and_reward_model(root: Path, data_dir: Path, offset: float = 0.0) -> tuple[Path, Path]:

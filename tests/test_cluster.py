@@ -105,16 +105,15 @@ def _set(repo: Path, section: str, key: str, value) -> None:
     write_params(repo / "params.yaml", {**TINY, section: {**TINY.get(section, {}), key: value}})
 
 
-def test_either_engine_then_snakemake_reruns_exactly_what_a_param_change_reaches(tmp_path):
+def test_either_engine_then_snakemake_reruns_exactly_what_a_param_change_reaches(tiny_run, tiny_run_copy):
     """`dvc repro` builds the tiny pipeline; Snakemake, which has no record of that run, plans exactly
     ppo and evaluate after `ppo.kl_coef` changes (what `dvc status` flags and what follows it), and
     nothing once it ran them, or once DVC rebuilt what a `reward.lr` change reached. The README's commands run as written (`.venv/bin/dvc repro`,
     `.venv/bin/snakemake --profile profiles/local`) from a shell whose PATH lacks the venv (the jobs'
     `bin/pipeline` finds the checkout's .venv). Then the report holds every stage's outputs."""
-    repo = _repo(tmp_path, "rerun")
-    dvc = run([str(BIN / "dvc"), "repro"], repo, env=bare_env(repo))
+    repo = tiny_run_copy                                          # the shared `dvc repro`, copied
     # A stage's progress is plain lines when its output is not a terminal (pipeline/progress.py).
-    assert re.search(r"^sft: (\d+)/\1 steps \(100%\)", dvc.stdout + dvc.stderr, re.M) and "\r" not in dvc.stdout + dvc.stderr
+    assert re.search(r"^sft: (\d+)/\1 steps \(100%\)", tiny_run.printed, re.M) and "\r" not in tiny_run.printed
 
     # Snakemake's first look, after a params edit: what DVC flags and what follows it.
     _set(repo, "ppo", "kl_coef", 0.123)
@@ -307,12 +306,11 @@ def _ensure_slurm() -> None:
         subprocess.run(["bash", str(REPO / "scripts/slurm-local.sh"), "start"], check=True, capture_output=True)
 
 
-def test_tiny_pipeline_on_slurm_equals_dvc_repro(tmp_path):
+def test_tiny_pipeline_on_slurm_equals_dvc_repro(tmp_path, tiny_run):
     _ensure_slurm()
-    snake, dvc = _repo(tmp_path, "snake"), _repo(tmp_path, "dvc")
+    snake, dvc = _repo(tmp_path, "snake"), tiny_run.repo        # dvc: the shared `dvc repro` of the same params
     run([str(BIN / "snakemake"), "--profile", "profiles/slurm", "--slurm-init-seconds-before-status-checks", "1",
          "--seconds-between-status-checks", "2"], snake, timeout=1800)
-    run([str(BIN / "dvc"), "repro"], dvc, timeout=1800)
     job_ids = {}
     for stage in STAGES:
         logs = list((snake / "logs/slurm" / f"rule_{stage}").glob("*.log"))

@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 from ruamel.yaml import YAML
 
-from conftest import BIN, REPO, TINY, bare_env, copy_repo, run, write_params
+from conftest import BIN, REPO, TINY, bare_env, copy_run, run, write_params
 
 ARTIFACTS = {"rlhf-policy": "outputs/ppo/model", "rlhf-sft-policy": "outputs/sft/model",
              "rlhf-reward-model": "outputs/reward/model"}
@@ -127,15 +127,11 @@ def test_offline_page_is_current_inlines_the_libraries_and_loads_nothing():
 
 
 @pytest.fixture(scope="module")
-def finished(tmp_path_factory) -> dict:
-    """A user's story on tiny params: `dvc repro`, `make commit` (stage only), `make commit COMMIT=1`,
-    `make register`, and `make commit` refused once params change. Returns the repo and what each
-    step showed."""
-    root = tmp_path_factory.mktemp("dvc_conventions")
-    repo = copy_repo(root / "repo")
-    write_params(repo / "params.yaml", TINY)
-    run([*GIT, "commit", "-q", "-am", "tiny params"], repo)
-    run([str(BIN / "dvc"), "repro"], repo, env=bare_env(repo))
+def finished(tmp_path_factory, tiny_run) -> dict:
+    """A user's story on tiny params: `dvc repro` (the shared run, copied), `make commit` (stage
+    only), `make commit COMMIT=1`, `make register`, and `make commit` refused once params change.
+    Returns the repo and what each step showed."""
+    repo = copy_run(tiny_run, tmp_path_factory.mktemp("dvc_conventions") / "repo")
     story: dict = {"repo": repo, "changed": porcelain(repo)}
     story["stage_only"] = make(repo, "commit")
     story["staged"] = set(run(["git", "diff", "--cached", "--name-only"], repo).stdout.split())

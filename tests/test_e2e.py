@@ -17,26 +17,27 @@ from pipeline.tracking.metric_names import check_run
 from pipeline.data.tokenizer import decode_response, encode_prompt
 
 
-def test_dvc_repro_tiny_pipeline(tiny_repo):
-    # As the README writes it, `.venv/bin/dvc repro`, from a shell without the venv on PATH.
-    proc = run([str(BIN / "dvc"), "repro"], tiny_repo, env=bare_env(tiny_repo))
-    assert "Running stage 'sft'" in proc.stdout
+def test_dvc_repro_tiny_pipeline(tiny_run, tiny_run_copy):
+    # The shared run is `.venv/bin/dvc repro` as the README writes it, from a shell without the venv
+    # on PATH; this test checks what it wrote, then works on in its own copy.
+    assert "Running stage 'sft'" in tiny_run.printed
+    repo = tiny_run_copy
 
-    stats = json.loads((tiny_repo / "data/prepared/stats.json").read_text())
+    stats = json.loads((repo / "data/prepared/stats.json").read_text())
     assert stats["sizes"]["sft_train"] == 64 and stats["sizes"]["eval_prompts"] == 8
     assert 0.5 < stats["noise_ceiling"]["pairs_eval"] <= 1.0
 
-    metrics = json.loads((tiny_repo / "outputs/sft/metrics.json").read_text())
+    metrics = json.loads((repo / "outputs/sft/metrics.json").read_text())
     assert metrics["train"]["steps"] == 4                       # 64 demos / batch 16, one epoch
     assert 0 < metrics["eval"]["loss"] < 10
     for tag in ("greedy", "sampled"):
         assert 0.0 <= metrics["eval"][f"eos_rate_{tag}"] <= 1.0
         assert -10 < metrics["eval"][f"gold_{tag}"] < 5
-    train_rows = (tiny_repo / "outputs/sft/train.tsv").read_text().splitlines()
+    train_rows = (repo / "outputs/sft/train.tsv").read_text().splitlines()
     assert train_rows[0].split("\t") == ["step", "loss", "lr", "grad_norm"] and len(train_rows) == 5
 
     # The checkpoint is a plain HF one: Auto classes load it (safetensors) and it generates.
-    path = tiny_repo / "outputs/sft/model"
+    path = repo / "outputs/sft/model"
     assert (path / "model.safetensors").is_file()
     model = AutoModelForCausalLM.from_pretrained(str(path)).eval()
     tok = AutoTokenizer.from_pretrained(str(path))
@@ -46,19 +47,19 @@ def test_dvc_repro_tiny_pipeline(tiny_repo):
     assert isinstance(decode_response(tok, out[0, ids.shape[1]:].tolist()), str)
 
     # The reward model: a sequence classifier with the normalisation offset in its config.
-    rm_metrics = json.loads((tiny_repo / "outputs/reward/metrics.json").read_text())["eval"]
+    rm_metrics = json.loads((repo / "outputs/reward/metrics.json").read_text())["eval"]
     assert 0.0 <= rm_metrics["accuracy"] <= 1.0 and 0.0 <= rm_metrics["calibration_error"] <= 1.0
     assert rm_metrics["noise_ceiling"] == stats["noise_ceiling"]["pairs_eval"]
     assert -1.0 <= rm_metrics["spearman_gold_heldout"] <= 1.0
     assert 0.0 <= rm_metrics["gold_order_agreement"] <= 1.0
     assert -1.0 <= rm_metrics["spearman_gold_sft_samples"] <= 1.0
-    reward = AutoModelForSequenceClassification.from_pretrained(str(tiny_repo / "outputs/reward/model"))
+    reward = AutoModelForSequenceClassification.from_pretrained(str(repo / "outputs/reward/model"))
     assert reward.config.num_labels == 1
     assert reward.config.reward_offset == rm_metrics["offset"]
-    assert (tiny_repo / "outputs/reward/calibration.png").read_bytes()[:4] == b"\x89PNG"
+    assert (repo / "outputs/reward/calibration.png").read_bytes()[:4] == b"\x89PNG"
 
     # PPO: three iterations logged, every metric present, the actor saved as a plain HF checkpoint.
-    ppo_rows = (tiny_repo / "outputs/ppo/train.tsv").read_text().splitlines()
+    ppo_rows = (repo / "outputs/ppo/train.tsv").read_text().splitlines()
     header = ppo_rows[0].split("\t")
     assert len(ppo_rows) == 4
     for name in ("objective/rlhf_reward", "objective/scores", "objective/kl", "objective/non_score_reward",
@@ -67,16 +68,16 @@ def test_dvc_repro_tiny_pipeline(tiny_repo):
                  "kl_coef", "lr", "time/rollout", "time/scoring", "time/update", "objective/gold_scores",
                  "objective/distinct_2", "detector/kl_rise", "detector/fired", "detector/first_fire"):
         assert name in header, name
-    ppo = json.loads((tiny_repo / "outputs/ppo/metrics.json").read_text())["eval"]
+    ppo = json.loads((repo / "outputs/ppo/metrics.json").read_text())["eval"]
     for name in ("gold_sft", "gold_ppo", "gold_gain", "kl_ppo", "rm_ppo", "rm_sft"):
         assert isinstance(ppo[name], float) and isinstance(ppo[name + "_ci95"], float)
     assert ppo["kl_sft"] == 0.0                               # the reference against itself
-    detector = json.loads((tiny_repo / "outputs/ppo/metrics.json").read_text())["detector"]
+    detector = json.loads((repo / "outputs/ppo/metrics.json").read_text())["detector"]
     assert detector == {"first_fire": 0, "fired": 0, "stopped_at": 0, "kept_iteration": 3}   # 3 < warmup
-    AutoModelForCausalLM.from_pretrained(str(tiny_repo / "outputs/ppo/model"))
+    AutoModelForCausalLM.from_pretrained(str(repo / "outputs/ppo/model"))
 
     # Evaluate: every policy measured, win rates with intervals, best-of-n KL by its formula.
-    ev = json.loads((tiny_repo / "outputs/evaluate/metrics.json").read_text())
+    ev = json.loads((repo / "outputs/evaluate/metrics.json").read_text())
     for policy in ("sft", "best_of_2", "best_of_3", "ppo"):
         assert -10 < ev[policy]["gold"] < 5 and 0 <= ev[policy]["eos_rate"] <= 1
         assert 0 <= ev[policy]["distinct_2"] <= 1 and ev[policy]["length"] > 0
@@ -89,70 +90,70 @@ def test_dvc_repro_tiny_pipeline(tiny_repo):
         w = ev["win_rate"]
         assert 0 <= w[f"ppo_vs_sft_{key}_low"] <= w[f"ppo_vs_sft_{key}"] <= w[f"ppo_vs_sft_{key}_high"] <= 1
     assert ev["overoptimisation"]["win_rate_gap"] == pytest.approx(w["ppo_vs_sft_rm"] - w["ppo_vs_sft_gold"])
-    report = (tiny_repo / "outputs/evaluate/report.md").read_text()
+    report = (repo / "outputs/evaluate/report.md").read_text()
     assert "![scores](scores.png)" in report and "| ppo |" in report and "| best_of_3 |" in report
     # The verdict is the report's first paragraph; the detector's record came from outputs/ppo.
     verdict = report.splitlines()[2]
     assert verdict.startswith("**") and "the over-optimisation detector stayed quiet" in verdict
     for png in ("scores.png", "kl_frontier.png"):
-        assert (tiny_repo / "outputs/evaluate" / png).read_bytes()[:4] == b"\x89PNG"
+        assert (repo / "outputs/evaluate" / png).read_bytes()[:4] == b"\x89PNG"
 
     # Each stage's config.json is its declaration resolved against the params (and nothing else).
-    params = load_params(tiny_repo / "params.yaml")
+    params = load_params(repo / "params.yaml")
     for module in (sft_stage, reward_stage, ppo_stage, evaluate_stage):
-        written = json.loads((tiny_repo / "outputs" / module.SPEC.name / "config.json").read_text())
+        written = json.loads((repo / "outputs" / module.SPEC.name / "config.json").read_text())
         assert written == resolve(params, module.SPEC), module.SPEC.name
 
     # Every name the run wrote is defined in docs/metrics.md's registry, and every name defined
     # for these conditions was written.
-    assert check_run(tiny_repo / "outputs") == ([], [])
+    assert check_run(repo / "outputs") == ([], [])
 
     # The methods side by side: compare/dvc.yaml on the finished default pipeline runs only its own
     # stages (the plain `dvc repro` above ran none of them), then its comparison of every policy.
-    assert not (tiny_repo / "outputs/dpo").exists()
-    proc = run([str(BIN / "dvc"), "repro", "compare/dvc.yaml"], tiny_repo, env=bare_env(tiny_repo))
+    assert not (repo / "outputs/dpo").exists()
+    proc = run([str(BIN / "dvc"), "repro", "compare/dvc.yaml"], repo, env=bare_env(repo))
     ran = re.findall(r"Running stage '([^']+)'", proc.stdout)
     assert sorted(ran) == sorted(f"compare/dvc.yaml:{s}" for s in ("dpo", "grpo", "rs", "compare")), ran
-    compared = json.loads((tiny_repo / "outputs/compare/metrics.json").read_text())
+    compared = json.loads((repo / "outputs/compare/metrics.json").read_text())
     for policy in ("sft", "best_of_2", "ppo", "dpo", "grpo", "rs"):
         assert math.isfinite(compared[policy]["gold"]) and math.isfinite(compared[policy]["kl"]), policy
     for policy in ("ppo", "dpo", "grpo", "rs"):
         assert 0.0 <= compared["win_rate"][f"{policy}_vs_sft_gold"] <= 1.0
         assert compared[policy]["stage_wall_seconds"] > 0 and compared[policy]["stage_peak_rss_gib"] > 0
     # The PPO policy is measured on the same prompts with the same seed as evaluate: same numbers.
-    evaluated = json.loads((tiny_repo / "outputs/evaluate/metrics.json").read_text())
+    evaluated = json.loads((repo / "outputs/evaluate/metrics.json").read_text())
     assert compared["ppo"]["gold"] == evaluated["ppo"]["gold"] and compared["sft"]["rm"] == evaluated["sft"]["rm"]
-    assert (tiny_repo / "outputs/grpo/checkpoint/actor.safetensors").is_file()   # no critic: three models, not four
-    assert not list((tiny_repo / "outputs/grpo").rglob("critic*"))
-    assert (tiny_repo / "outputs/compare/gold_vs_kl.png").read_bytes()[:4] == b"\x89PNG"
-    assert check_run(tiny_repo / "outputs", {"compare"}) == ([], [])
+    assert (repo / "outputs/grpo/checkpoint/actor.safetensors").is_file()   # no critic: three models, not four
+    assert not list((repo / "outputs/grpo").rglob("critic*"))
+    assert (repo / "outputs/compare/gold_vs_kl.png").read_bytes()[:4] == b"\x89PNG"
+    assert check_run(repo / "outputs", {"compare"}) == ([], [])
 
     # The README's `dvc repro -f`: SFT re-runs from its final checkpoint and writes every output again.
-    logs = {n: (tiny_repo / "outputs/sft" / n).read_bytes() for n in ("train.tsv", "eval.tsv")}
-    run([str(BIN / "dvc"), "repro", "-f", "-s", "sft"], tiny_repo)
-    assert {n: (tiny_repo / "outputs/sft" / n).read_bytes() for n in logs} == logs
+    logs = {n: (repo / "outputs/sft" / n).read_bytes() for n in ("train.tsv", "eval.tsv")}
+    run([str(BIN / "dvc"), "repro", "-f", "-s", "sft"], repo)
+    assert {n: (repo / "outputs/sft" / n).read_bytes() for n in logs} == logs
 
     # Nothing changed: a second repro runs no stage; a params change reruns only what reads it.
-    assert "didn't change" in run([str(BIN / "dvc"), "repro"], tiny_repo).stdout
-    params = (tiny_repo / "params.yaml").read_text()
-    (tiny_repo / "params.yaml").write_text(params.replace("calibration_bins: 10", "calibration_bins: 5"))
-    status = json.loads(run([str(BIN / "dvc"), "status", "--json"], tiny_repo).stdout)
+    assert "didn't change" in run([str(BIN / "dvc"), "repro"], repo).stdout
+    params = (repo / "params.yaml").read_text()
+    (repo / "params.yaml").write_text(params.replace("calibration_bins: 10", "calibration_bins: 5"))
+    status = json.loads(run([str(BIN / "dvc"), "status", "--json"], repo).stdout)
     assert set(status) == {"reward"}
-    (tiny_repo / "params.yaml").write_text(params.replace("lr: 0.002", "lr: 3e-05"))
-    status = json.loads(run([str(BIN / "dvc"), "status", "--json"], tiny_repo).stdout)
+    (repo / "params.yaml").write_text(params.replace("lr: 0.002", "lr: 3e-05"))
+    status = json.loads(run([str(BIN / "dvc"), "status", "--json"], repo).stdout)
     assert set(status) == {"sft"}             # reward reruns after, when the SFT model changes
 
 
-def test_dvc_exp_run_changes_param_and_reports_eval_metrics(tiny_repo):
+def test_dvc_exp_run_changes_param_and_reports_eval_metrics(tiny_run_copy):
     """`dvc exp run -S ppo.kl_coef=...` gives an experiment whose params and evaluate metrics
-    line up in `dvc exp show`, next to the baseline."""
-    run([str(BIN / "dvc"), "repro"], tiny_repo)
-    run(["git", "-c", "user.name=t", "-c", "user.email=t@t", "add", "-A"], tiny_repo)
-    run(["git", "-c", "user.name=t", "-c", "user.email=t@t", "commit", "-qm", "baseline"], tiny_repo)
-    bare = bare_env(tiny_repo)   # the README's `.venv/bin/dvc exp run`, no venv on PATH
-    run([str(BIN / "dvc"), "exp", "run", "-n", "kl-low", "-S", "ppo.kl_coef=0.05"], tiny_repo, env=bare)
+    line up in `dvc exp show`, next to the baseline (the shared finished run)."""
+    repo = tiny_run_copy
+    run(["git", "-c", "user.name=t", "-c", "user.email=t@t", "add", "-A"], repo)
+    run(["git", "-c", "user.name=t", "-c", "user.email=t@t", "commit", "-qm", "baseline"], repo)
+    bare = bare_env(repo)   # the README's `.venv/bin/dvc exp run`, no venv on PATH
+    run([str(BIN / "dvc"), "exp", "run", "-n", "kl-low", "-S", "ppo.kl_coef=0.05"], repo, env=bare)
     import dvc.api
-    rows = {row["Experiment"] or row["rev"]: row for row in dvc.api.exp_show(repo=str(tiny_repo))}
+    rows = {row["Experiment"] or row["rev"]: row for row in dvc.api.exp_show(repo=str(repo))}
     assert "kl-low" in rows
 
     def find(row, suffix):
@@ -171,12 +172,12 @@ def test_dvc_exp_run_changes_param_and_reports_eval_metrics(tiny_repo):
     # too re-runs only the stages its param reaches.
     dvc = str(BIN / "dvc")
     # `dvc queue start` starts its workers as `dvc` from PATH: queues need the venv activated (README).
-    run([dvc, "exp", "run", "--queue", "-n", "kl-queued", "-S", "ppo.kl_coef=0.1"], tiny_repo)
-    run([dvc, "queue", "start"], tiny_repo)
+    run([dvc, "exp", "run", "--queue", "-n", "kl-queued", "-S", "ppo.kl_coef=0.1"], repo)
+    run([dvc, "queue", "start"], repo)
     deadline = time.monotonic() + 600
-    while time.monotonic() < deadline and not re.search(r"Success|Failed", status := run([dvc, "queue", "status"], tiny_repo).stdout):
+    while time.monotonic() < deadline and not re.search(r"Success|Failed", status := run([dvc, "queue", "status"], repo).stdout):
         time.sleep(3)
-    log = run([dvc, "queue", "logs", "kl-queued"], tiny_repo, check=False).stdout
+    log = run([dvc, "queue", "logs", "kl-queued"], repo, check=False).stdout
     assert "Success" in status, status + log
     for stage in ("prepare", "sft", "reward"):
         assert f"Stage '{stage}' didn't change, skipping" in log, log

@@ -274,15 +274,12 @@ def _repro_killed_after(repo: Path, seconds: float | None, log: Path, when_exist
         return False
 
 
-def test_dvc_repro_killed_at_random_times_ends_identical(tmp_path):
+def test_dvc_repro_killed_at_random_times_ends_identical(tmp_path, tiny_run):
     """SIGKILLs of a real `dvc repro` of the whole pipeline at random moments (not only at
     checkpoints), and once in the window between a stage's last write and DVC's lock update: the
-    next `dvc repro` completes, with every model, metric and step log equal to an uninterrupted run."""
-    whole = copy_repo(tmp_path / "whole")
-    write_params(whole / "params.yaml", TINY)
-    t0 = time.monotonic()
-    run([str(BIN / "dvc"), "repro"], whole)
-    duration = time.monotonic() - t0
+    next `dvc repro` completes, with every model, metric and step log equal to an uninterrupted run
+    (the shared run of the same params)."""
+    whole, duration = tiny_run.repo, tiny_run.seconds
 
     killed = copy_repo(tmp_path / "killed")
     write_params(killed / "params.yaml", TINY)
