@@ -118,6 +118,15 @@ class TinyRun:
     repo: Path          # a finished `dvc repro` of TINY: read it, never change it (copy it: `tiny_run_copy`)
     printed: str        # what `dvc repro` printed (stdout, then stderr)
     seconds: float      # its wall time
+    threads: str | None  # OMP_NUM_THREADS it ran under: a test comparing bits with it must run the same
+                         # (thread count changes PPO's floating-point sums; see `same_threads`)
+
+    def same_threads(self) -> None:
+        """Fail clearly, instead of as a bit difference, when this process's OMP_NUM_THREADS (which
+        the comparing test's subprocesses inherit) is not the one the shared run had."""
+        now = os.environ.get("OMP_NUM_THREADS")
+        assert now == self.threads, f"OMP_NUM_THREADS is {now!r} here but the shared run had {self.threads!r}: " \
+                                    "a test leaked it into os.environ"
 
 
 @pytest.fixture(scope="session")
@@ -131,7 +140,7 @@ def tiny_run(tmp_path_factory) -> TinyRun:
     run(["git", "-c", "user.name=t", "-c", "user.email=t@t", "commit", "-q", "-am", "tiny params"], repo)
     start = time.monotonic()
     proc = run([str(BIN / "dvc"), "repro"], repo, env=bare_env(repo))
-    return TinyRun(repo, proc.stdout + proc.stderr, time.monotonic() - start)
+    return TinyRun(repo, proc.stdout + proc.stderr, time.monotonic() - start, os.environ.get("OMP_NUM_THREADS"))
 
 
 def copy_run(run_: TinyRun, dest: Path) -> Path:

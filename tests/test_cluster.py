@@ -308,6 +308,7 @@ def _ensure_slurm() -> None:
 
 def test_tiny_pipeline_on_slurm_equals_dvc_repro(tmp_path, tiny_run):
     _ensure_slurm()
+    tiny_run.same_threads()
     snake, dvc = _repo(tmp_path, "snake"), tiny_run.repo        # dvc: the shared `dvc repro` of the same params
     run([str(BIN / "snakemake"), "--profile", "profiles/slurm", "--slurm-init-seconds-before-status-checks", "1",
          "--seconds-between-status-checks", "2"], snake, timeout=1800)

