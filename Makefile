@@ -78,9 +78,12 @@ offline-page: install
 
 # The tests include a real SLURM run: scripts/slurm-local.sh starts a one-node cluster on this
 # machine (installing slurm-wlm with apt if needed; root), and does nothing if one is running.
+# TEST_WORKERS pytest-xdist processes, one test file each at a time (a file's module fixtures are
+# built once); 0 runs them in this one process.
+TEST_WORKERS ?= 2
 test: install
 	bash scripts/slurm-local.sh start
-	pytest -q
+	pytest -q -n $(TEST_WORKERS) --dist loadfile
 
 # Benchmarks (not part of the tests): PPO vs TRL on identical work, GAE vs the seed's loop, stage times.
 bench: install

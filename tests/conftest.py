@@ -17,6 +17,14 @@ from ruamel.yaml import YAML
 # in-process stage runs never write the workspace's mlflow.db.
 os.environ.setdefault("PIPELINE_TRACKING", "off")
 
+# Under pytest-xdist (make test runs two workers on this 2-core machine) each worker and the stage
+# processes it starts run torch at one thread: two processes at two OpenMP threads each on two cores
+# spin against each other and run many times slower. Set here, before any test module imports torch;
+# a test comparing bits with another run checks that both ran at the same count (TinyRun.threads).
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    for _name in ("OMP_NUM_THREADS", "MKL_NUM_THREADS"):
+        os.environ.setdefault(_name, "1")
+
 REPO = Path(__file__).resolve().parents[1]
 BIN = Path(sys.executable).parent
 

@@ -20,7 +20,7 @@ import pytest
 from snakemake_executor_plugin_slurm.submit_string import get_submit_command
 from snakemake_executor_plugin_slurm.utils import set_gres_string
 
-from conftest import BIN, REPO, TINY, bare_env, copy_repo, flat, run, write_params
+from conftest import BIN, REPO, TINY, bare_env, copy_repo, flat, merge, run, write_params
 from pipeline.workflow import stage_graph
 from pipeline.workflow.cluster import check_shape, expand_first, job_command, slurm_node, slurm_resources
 from pipeline.config import Params, from_dict, merge_distributed
@@ -30,9 +30,9 @@ STAGES = ("prepare", "sft", "reward", "ppo", "evaluate")
 TIMING = ("time", "seconds", "tokens_per_second", "peak_rss")   # what the process spent, not what it computed
 
 
-def _repo(tmp_path: Path, name: str) -> Path:
+def _repo(tmp_path: Path, name: str, override: dict | None = None) -> Path:
     repo = copy_repo(tmp_path / name)
-    write_params(repo / "params.yaml", TINY)
+    write_params(repo / "params.yaml", merge(TINY, override or {}))
     return repo
 
 
@@ -309,7 +309,12 @@ def _ensure_slurm() -> None:
 def test_tiny_pipeline_on_slurm_equals_dvc_repro(tmp_path, tiny_run):
     _ensure_slurm()
     tiny_run.same_threads()
-    snake, dvc = _repo(tmp_path, "snake"), tiny_run.repo        # dvc: the shared `dvc repro` of the same params
+    # Snakemake runs each job with OMP_NUM_THREADS set to its threads (cluster.<stage>.cpus_per_task),
+    # and the thread count changes PPO's floating-point sums: the jobs get the shared run's count
+    # where one was set (make test's workers run at one thread). The cluster section is Snakemake's
+    # alone; no DVC stage reads it.
+    cpus = {"cluster": {s: {"cpus_per_task": int(tiny_run.threads)} for s in STAGES}} if tiny_run.threads else None
+    snake, dvc = _repo(tmp_path, "snake", cpus), tiny_run.repo        # dvc: the shared `dvc repro` of the same params
     run([str(BIN / "snakemake"), "--profile", "profiles/slurm", "--slurm-init-seconds-before-status-checks", "1",
          "--seconds-between-status-checks", "2"], snake, timeout=1800)
     job_ids = {}
