@@ -58,7 +58,7 @@ def estimators():
     finally:
         if before is None:
             os.environ.pop("OMP_NUM_THREADS", None)
-    yield estimate_zero2_model_states_mem_needs, estimate_zero3_model_states_mem_needs
+    return estimate_zero2_model_states_mem_needs, estimate_zero3_model_states_mem_needs
 
 
 SIZES = [(10 ** 6, 10 ** 5), (125_000_000, 38_597_376)]   # (params, largest layer), plus the 1B model below
