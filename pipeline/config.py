@@ -120,15 +120,32 @@ class DistributedConfig:
     # Memory one rank may use, for the memory plan (pipeline/training/memory_plan.py) a training stage
     # checks before it builds a model; None: the CUDA device's free memory, else this machine's RAM.
     device_memory_gb: Optional[float] = num(None, gt=0.0, le=1e6, doc="GiB per rank; None: ask the device")
+    # Where the models live. auto: this process's GPU when torch sees one (cuda:<local rank>), else the
+    # CPU; cpu or cuda insist (cuda without a visible GPU is an error before any model is built).
+    device: Literal["auto", "cpu", "cuda"] = "auto"
+    # How long a collective (all-reduce, gather, barrier) may wait for the other ranks before the job
+    # fails; torch's default is 10 minutes under NCCL, 30 under gloo.
+    timeout_minutes: float = num(30.0, gt=0.0, le=1e5, doc="collective timeout, minutes")
+    # Recompute each layer's activations in the backward pass instead of storing them: about a third
+    # more compute for activations of one layer instead of all (Chen et al. 2016).
+    gradient_checkpointing: bool = False
 
     def __post_init__(self) -> None:
         if self.backend == "none" and (self.num_processes > 1 or self.num_nodes > 1):
             raise ConfigError("distributed.backend: several processes need backend: deepspeed")
-        if self.backend == "none" and (self.zero_stage or self.offload_optimizer or self.offload_param
-                                       or self.precision != "fp32"):
-            raise ConfigError("distributed.backend: zero_stage, offload and precision need backend: deepspeed")
+        if self.backend == "none" and (self.zero_stage or self.offload_optimizer or self.offload_param):
+            raise ConfigError("distributed.backend: zero_stage and offload need backend: deepspeed")
+        if self.backend == "none" and self.precision == "fp16":
+            # bf16 without DeepSpeed is autocast over fp32 weights; fp16 would also need loss scaling.
+            raise ConfigError("distributed.precision: fp16 needs backend: deepspeed (its loss scaling); "
+                              "use bf16, or backend: deepspeed")
         if self.offload_param and self.zero_stage != 3:
             raise ConfigError(f"distributed.offload_param: needs zero_stage 3, got {self.zero_stage}")
+        if self.offload_frozen and self.zero_stage != 3:
+            # Below stage 3 a frozen model on the CPU would meet the trained models' GPU tensors in
+            # every scoring forward; stage 3 offloads its partitions through DeepSpeed instead.
+            raise ConfigError(f"distributed.offload_frozen: needs zero_stage 3 (DeepSpeed moves the frozen "
+                              f"models' partitions between CPU and GPU), got {self.zero_stage}")
         if self.offload_optimizer and self.zero_stage == 0:
             raise ConfigError("distributed.offload_optimizer: needs zero_stage 1, 2 or 3")
         if self.node_rank >= self.num_nodes:
@@ -395,6 +412,8 @@ class PPOConfig:
     reward_source: str = "reward_model"
     save_every: int = num(10, ge=1)
     n_eval_prompts: int = num(200, ge=2)
+    score_micro_batch_size: Optional[int] = num(None, ge=1, doc="rollouts per scoring forward (reference, "
+                                                "critic, reward, recomputed log-probs); None: micro_batch_size")
     sampling: SamplingConfig = field(default_factory=SamplingConfig)
     dataset: PromptDatasetConfig = field(default_factory=PromptDatasetConfig)
     max_prompt_length: int = num(256, ge=4, doc="prompt tokens; longer ones follow `overlong`")
@@ -509,6 +528,7 @@ class EvaluateConfig:
     best_of_n: tuple[int, ...] = num((4, 16, 64), ge=2, doc="samples per prompt of each best-of-n baseline")
     bootstrap: int = num(1000, ge=100, doc="bootstrap resamples for win-rate intervals")
     n_samples_shown: int = num(12, ge=0, doc="rows of the sample table in the report")
+    distributed: DistributedConfig = field(default_factory=DistributedConfig)  # merged over the top level
 
     def __post_init__(self) -> None:
         # Nested subsets: best-of-n keeps the RM's favourite among the first n of max(n) samples.
@@ -526,6 +546,7 @@ class CompareConfig:
     n_prompts: int = num(200, ge=2)
     best_of_n: tuple[int, ...] = num((4, 16, 64), ge=2, doc="best-of-n baselines from SFT; empty: none")
     bootstrap: int = num(1000, ge=100, doc="bootstrap resamples for win-rate intervals")
+    distributed: DistributedConfig = field(default_factory=DistributedConfig)  # merged over the top level
 
     def __post_init__(self) -> None:
         ns = self.best_of_n
@@ -561,9 +582,8 @@ class ClusterConfig:
     compare: StageResources = field(default_factory=lambda: StageResources(mem_mb=4000, runtime=30))
 
     def __post_init__(self) -> None:
-        for stage in ("prepare", "evaluate", "compare"):
-            if getattr(self, stage).gpus or getattr(self, stage).nodes > 1:
-                raise ConfigError(f"cluster.{stage}: a CPU stage on one node: set gpus: 0 and nodes: 1")
+        if self.prepare.gpus or self.prepare.nodes > 1:
+            raise ConfigError("cluster.prepare: a CPU stage on one node: set gpus: 0 and nodes: 1")
 
 
 @dataclass(frozen=True)
@@ -584,6 +604,9 @@ class Params:
 
 
 TRAINING_STAGES = ("sft", "reward", "ppo", "dpo", "rs", "grpo")
+# Stages that run in a distributed session of their own section's `distributed` settings: the
+# training stages, and the two that measure policies (on the GPUs, prompts shared over the ranks).
+DISTRIBUTED_STAGES = (*TRAINING_STAGES, "evaluate", "compare")
 
 
 def reward_function(spec: str) -> typing.Callable:
@@ -779,7 +802,7 @@ def merge_distributed(data: Any, where: str) -> Any:
     top = data.get("distributed", {})
     from_dict(DistributedConfig, top, f"{where}distributed")
     merged = dict(data)
-    for stage in TRAINING_STAGES:
+    for stage in DISTRIBUTED_STAGES:
         section = merged.get(stage, {})
         if not isinstance(section, typing.Mapping):
             continue  # from_dict reports it

@@ -25,6 +25,12 @@ if os.environ.get("PYTEST_XDIST_WORKER"):
     for _name in ("OMP_NUM_THREADS", "MKL_NUM_THREADS"):
         os.environ.setdefault(_name, "1")
 
+# The fake accelerator of the device-discipline tests (tests/fake_device.py) must be registered
+# before the first backward pass of the process: autograd sizes its device queues once, at that pass.
+import fake_device  # noqa: E402
+
+fake_device.install()
+
 REPO = Path(__file__).resolve().parents[1]
 BIN = Path(sys.executable).parent
 

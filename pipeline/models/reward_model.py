@@ -101,7 +101,7 @@ def raw_scores(model: PreTrainedModel, input_ids: torch.Tensor, attention_mask: 
     device = next(model.parameters()).device
     input_ids, attention_mask = input_ids.to(device), attention_mask.to(device)
     hidden = hidden_states(model, input_ids, attention_mask)                       # (B, T, H)
-    last = hidden[torch.arange(hidden.size(0)), last_token_index(attention_mask)]  # (B, H)
+    last = hidden[torch.arange(hidden.size(0), device=hidden.device), last_token_index(attention_mask)]  # (B, H)
     return head(model)(last).squeeze(-1).float()
 
 

@@ -136,7 +136,7 @@ def broadcast_to_tokens(
         raise TypeError(f"response_mask must be torch.bool, got {response_mask.dtype}")
     if advantages.shape != response_mask.shape[:1]:
         raise ValueError(f"advantages must have shape ({response_mask.shape[0]},), got {tuple(advantages.shape)}")
-    return torch.where(response_mask, advantages[:, None], torch.zeros((), dtype=advantages.dtype))
+    return torch.where(response_mask, advantages[:, None], torch.zeros((), dtype=advantages.dtype, device=advantages.device))
 
 
 def loss_aggregation(

@@ -89,7 +89,7 @@ def score_rollout(actor: PreTrainedModel, ref: PreTrainedModel, critic: PreTrain
     recompute = recompute_logprobs or ro.logprobs is None
     names = ("old", "ref", "values") if critic is not None else ("old", "ref")
     out = {k: torch.zeros(B, R, device=mask.device) for k in names}
-    for idx in length_sorted_chunks(mask, torch.arange(B), micro_batch_size):
+    for idx in length_sorted_chunks(mask, torch.arange(B, device=mask.device), micro_batch_size):
         mb = ro.select(idx, trim=True)
         r = mb.response_mask.size(1)
         if recompute:
@@ -106,7 +106,8 @@ def score_rollout(actor: PreTrainedModel, ref: PreTrainedModel, critic: PreTrain
         mismatch = logprob_diff(ro.logprobs.float(), old, mask)
     elif ro.logprobs is not None and check_rows > 0:
         mismatch = sampler_trainer_diff(actor, ro, temperature, micro_batch_size, min(check_rows, B))
-    raw = reward.score(ro.prompts, ro.responses).float()
+    # A reward function scores on the CPU, a reward model where it lives: the scores join the rollout's device.
+    raw = reward.score(ro.prompts, ro.responses).float().to(mask.device)
     scores = raw.clone()
     if missing_eos_score is not None:
         # The "EOS trick" (Huang et al. 2024, N+ details): a response cut off by the length limit
@@ -122,7 +123,7 @@ def sampler_trainer_diff(actor: PreTrainedModel, ro: Rollout, temperature: float
                          n_rows: int) -> dict[str, float]:
     """val/logprob_diff_{mean,max} over the first `n_rows` rows of `ro`: the sampler's log-probs
     against a training forward's, in micro-batches laid out as scoring lays them out."""
-    rows = torch.arange(n_rows)
+    rows = torch.arange(n_rows, device=ro.response_mask.device)
     trainer = torch.zeros(n_rows, ro.response_mask.size(1), device=ro.response_mask.device)
     for idx in length_sorted_chunks(ro.response_mask, rows, micro_batch_size):
         mb = ro.select(idx, trim=True)

@@ -187,7 +187,8 @@ class PPOTrainer:
         first: dict[str, float] = {}
         n_minibatches, epochs_done = 0, 0
         for _ in range(cfg.ppo_epochs):
-            perm = torch.randperm(B, generator=self.shuffle_gen)
+            # The shuffle stream is the CPU's on every device (a resumed run restores it), the rows the rollout's.
+            perm = torch.randperm(B, generator=self.shuffle_gen, device="cpu").to(b.ro.response_mask.device)
             epoch_kl = []
             for mb in perm.split(cfg.minibatch_size // self.ctx.world_size):
                 # Losses are token sums over the global minibatch divided by its token count.

@@ -116,7 +116,7 @@ def score_reference(engine: TrainEngine, pairs: list[TokenPair], batch_size: int
     """The reference log-probs of `pairs`, from the engine's model before its first step with any
     adapter off (the SFT policy itself); zeros when not `needed` (SimPO's training pairs)."""
     if not needed:
-        zeros = torch.zeros(len(pairs))
+        zeros = torch.zeros(len(pairs), device="cpu")
         return attach_reference(pairs, zeros, zeros)
     model = engine.model
     adapter_off = model.disable_adapter() if lora.is_peft(model) else contextlib.nullcontext()
@@ -152,14 +152,14 @@ def eval_pairs(model, cfg: PreferenceOptConfig, items: list[ScoredPair], pad_id:
     """The COLUMNS and DRIFT over every held-out pair (pair-weighted means), every rank scoring its
     share; every rank runs the same number of forwards (ZeRO-3 gathers per forward)."""
     model.eval()
-    sums = torch.zeros(len(COLUMNS) + 3, dtype=torch.float64)   # the columns, reference chosen, rejected, count
+    sums = torch.zeros(len(COLUMNS) + 3, dtype=torch.float64, device="cpu")   # the columns, reference chosen, rejected, count
     for part in ctx.eval_parts(items, batch_size):
         _, stats = batch_loss(model, cfg, part or items[:1], pad_id)
         if part:
             n = len(part)
             sums += torch.tensor([stats[key] * n for key in COLUMNS.values()]
                                  + [sum(s.ref_chosen for s in part), sum(s.ref_rejected for s in part), n],
-                                 dtype=torch.float64)
+                                 dtype=torch.float64, device="cpu")
     model.train()
     sums = ctx.sum(sums)
     out = {column: float(sums[i] / sums[-1]) for i, column in enumerate(COLUMNS)}

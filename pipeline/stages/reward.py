@@ -162,14 +162,14 @@ def evaluate(model, tok, params: Params, sft_dir: Path, held: HeldOut, out_dir: 
         responses = [p.chosen for p in eval_pairs] + [p.rejected for p in eval_pairs]
         gold = [judge(p, r) for p, r in zip(prompts, responses)]
         m["eval/spearman_gold_heldout"] = _spearman(torch.cat([rc, rr]).tolist(), gold)
-        m["eval/gold_order_agreement"] = gold_order_agreement(rc, rr, torch.tensor(gold).view(2, -1))
+        m["eval/gold_order_agreement"] = gold_order_agreement(rc, rr, torch.tensor(gold, device=rc.device).view(2, -1))
         policy, ptok = load_policy(sft_dir)
         sft_prompts = held.prompts
         sft_prompts = (sft_prompts * (cfg.n_sft_samples // len(sft_prompts) + 1))[:cfg.n_sft_samples]
         sampled = measure(policy, ptok, sft_prompts, params.sft.sampling, cfg.seed, judge=judge,
                           reward=lambda prompts, texts: rm.score_texts(model, tok, prompts, texts, cfg.max_length))
         m["eval/spearman_gold_sft_samples"] = _spearman(sampled.values["rm"], sampled.values["gold"])
-        m["eval/sft_samples_score_mean"] = float(torch.tensor(sampled.values["rm"]).mean())
+        m["eval/sft_samples_score_mean"] = float(torch.tensor(sampled.values["rm"], device="cpu").mean())
     return m
 
 
@@ -226,12 +226,12 @@ def eval_pairs_loss(model, tok, pairs: list[Pair], max_length: int, ctx: Context
                     shared_prompt: bool = True, encoded: rm.EncodedPairs | None = None) -> dict[str, float]:
     """Held-out loss and accuracy, every rank scoring its share (same number of forwards per rank)."""
     model.eval()
-    sums = torch.zeros(3, dtype=torch.float64)                          # loss, correct, count
+    sums = torch.zeros(3, dtype=torch.float64, device="cpu")                          # loss, correct, count
     for part in ctx.eval_parts(pairs, batch_size):
         rc, rr = batch_scores(model, tok, part or pairs[:1], max_length, device, shared_prompt, encoded)
         if part:
             loss, correct = rm.pairwise_loss_sum(rc, rr, torch.tensor([p.margin for p in part], device=rc.device))
-            sums += torch.tensor([float(loss), correct, len(part)], dtype=torch.float64)
+            sums += torch.tensor([float(loss), correct, len(part)], dtype=torch.float64, device="cpu")
     model.train()
     sums = ctx.sum(sums)
     return {"loss": float(sums[0] / sums[2]), "accuracy": float(sums[1] / sums[2])}

@@ -83,7 +83,7 @@ def select(prompts: list, cands: list[Measured], min_score: Optional[float]) -> 
     """The winners' rows (prompts whose winner scores below `min_score` left out) and the sampling
     statistics: mean RM score (and gold) of the winners against every candidate."""
     scores = [c.values["rm"] for c in cands]
-    check_finite("rs sampling", "reward-model score of a candidate", torch.tensor(scores))
+    check_finite("rs sampling", "reward-model score of a candidate", torch.tensor(scores, device="cpu"))
     rows = []
     for i, k in enumerate(pick_winners(scores)):
         row = {"prompt": prompts[i], "response": cands[k].texts[i], "rm": scores[k][i], "ended": cands[k].ended[i]}

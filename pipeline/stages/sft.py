@@ -57,12 +57,12 @@ def eval_loss(model, examples: list[Example], pad_id: int, batch_size: int, ctx:
     """Cross-entropy per response token over all held-out examples (token-weighted), every rank
     scoring its share; every rank runs the same number of forwards (ZeRO-3 gathers per forward)."""
     model.eval()
-    total = torch.zeros(2, dtype=torch.float64)
+    total = torch.zeros(2, dtype=torch.float64, device="cpu")
     for part in ctx.eval_parts(examples, batch_size):
         batch = to_device(collate_sft(part or examples[:1], pad_id), device)
         loss, n = ce_sum(model, batch)
         if part:
-            total += torch.tensor([float(loss), n], dtype=torch.float64)
+            total += torch.tensor([float(loss), n], dtype=torch.float64, device="cpu")
     model.train()
     total = ctx.sum(total)
     return float(total[0] / total[1])

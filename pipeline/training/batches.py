@@ -27,7 +27,7 @@ class BatchSampler:
 
     def __next__(self) -> list[int]:
         while len(self.order) < self.batch_size:
-            self.order += torch.randperm(self.n, generator=self.gen).tolist()
+            self.order += torch.randperm(self.n, generator=self.gen, device="cpu").tolist()
         batch, self.order = self.order[:self.batch_size], self.order[self.batch_size:]
         return batch
 

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import datetime
 import logging
 import math
 import os
@@ -80,9 +81,33 @@ def needs_launch(cfg: DistributedConfig) -> bool:
     return cfg.world_size > 1 and LAUNCHED_ENV not in os.environ
 
 
+def resolve_device(cfg: DistributedConfig, local_rank: int = 0) -> torch.device:
+    """Where this process's models live (`distributed.device`): the GPU of its local rank when asked
+    for or, with auto, when torch sees one; else the CPU."""
+    if cfg.device == "cpu" or (cfg.device == "auto" and not torch.cuda.is_available()):
+        return torch.device("cpu")
+    if not torch.cuda.is_available():
+        raise ConfigError("distributed.device: cuda, but torch sees no GPU (torch.cuda.is_available() is False: "
+                          "a CPU build of torch, or no visible device); set device: auto or cpu")
+    if local_rank >= torch.cuda.device_count():
+        raise ConfigError(f"distributed.num_processes: local rank {local_rank} has no GPU of its own "
+                          f"({torch.cuda.device_count()} visible); one process per GPU")
+    return torch.device("cuda", local_rank)
+
+
+def generator(device: torch.device, seed: int) -> torch.Generator:
+    """A seeded random stream on `device` (CUDA), so sampling draws there; the CPU's elsewhere."""
+    gen = torch.Generator(device=device) if device.type == "cuda" else torch.Generator()
+    return gen.manual_seed(seed)
+
+
 @dataclass(frozen=True)
 class Context:
-    """Who this process is. A single plain process is rank 0 of 1 with no process group."""
+    """Who this process is. A single plain process is rank 0 of 1 with no process group.
+
+    `device` is where this rank's models live, and where its collectives run: NCCL (the backend of a
+    CUDA run) takes tensors on the GPU only, gloo on the CPU, so every reduction below moves its
+    operands to `device` and hands the result back on the caller's device and dtype."""
     rank: int = 0
     world_size: int = 1
     local_rank: int = 0
@@ -102,12 +127,12 @@ class Context:
         return list(items[self.rank * n:(self.rank + 1) * n])
 
     def sum(self, x: torch.Tensor) -> torch.Tensor:
-        """Sum of `x` over ranks (a new tensor; `x` itself is not modified)."""
+        """Sum of `x` over ranks (a new tensor on `x`'s device and dtype; `x` is not modified)."""
         if not self.active:
             return x.clone()
-        y = x.detach().to(torch.float64).clone()
+        y = x.detach().to(self.device, torch.float64, copy=True)
         dist.all_reduce(y, op=dist.ReduceOp.SUM)
-        return y.to(x.dtype)
+        return y.to(x.device, x.dtype)
 
     def reduce_stats(self, stats: dict[str, float], sum_keys: Container[str] = (),
                      max_keys: Container[str] = ()) -> dict[str, float]:
@@ -116,11 +141,12 @@ class Context:
         if not self.active:
             return dict(stats)
         keys = list(stats)  # the same insertion order on every rank
-        values = torch.tensor([stats[k] for k in keys], dtype=torch.float64)
+        values = torch.tensor([stats[k] for k in keys], dtype=torch.float64, device=self.device)
         total = values.clone()
         dist.all_reduce(total, op=dist.ReduceOp.SUM)
         peak = values.clone()
         dist.all_reduce(peak, op=dist.ReduceOp.MAX)
+        total, peak = total.cpu(), peak.cpu()
         return {k: float(peak[i] if k in max_keys else total[i] if k in sum_keys else total[i] / self.world_size)
                 for i, k in enumerate(keys)}
 
@@ -133,6 +159,14 @@ class Context:
             chunk = items[start:start + span]
             n = math.ceil(len(chunk) / self.world_size)
             yield list(chunk[self.rank * n:(self.rank + 1) * n])
+
+    def gather(self, part: list[T]) -> list[list[T]]:
+        """Every rank's `part` (picklable objects), in rank order, on every rank."""
+        if not self.active:
+            return [list(part)]
+        out: list[Any] = [None] * self.world_size
+        dist.all_gather_object(out, list(part))
+        return out
 
     def barrier(self) -> None:
         if self.active:
@@ -178,9 +212,14 @@ def silence_cpu_fallback_notice() -> None:
 
 
 def init(cfg: DistributedConfig) -> Context:
-    """Join the process group (DeepSpeed backend) or stay a single plain process."""
+    """Join the process group (DeepSpeed backend) or stay a single plain process, on the device
+    `distributed.device` resolves to: NCCL between GPUs, gloo between CPU processes."""
     if cfg.backend == "none":
-        return SINGLE
+        return Context(device=resolve_device(cfg))
+    local = int(os.environ.get("LOCAL_RANK", 0))
+    device = resolve_device(cfg, local)
+    if device.type == "cpu":   # DeepSpeed would otherwise pick a GPU it finds for its own buffers
+        os.environ.setdefault("DS_ACCELERATOR", "cpu")
     deepspeed = import_deepspeed()
 
     # DeepSpeed 0.19 calls torch collectives that torch 2.13 marks deprecated, once per step.
@@ -189,14 +228,11 @@ def init(cfg: DistributedConfig) -> Context:
     if LAUNCHED_ENV not in os.environ:  # one process without a launcher: a group of one
         os.environ.update({"RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0",
                            "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(_free_port())})
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
     if not dist.is_initialized():
-        deepspeed.init_distributed(dist_backend="nccl" if torch.cuda.is_available() else "gloo")
-    local = int(os.environ.get("LOCAL_RANK", 0))
-    if torch.cuda.is_available():
-        torch.cuda.set_device(local)
-        device = torch.device("cuda", local)
-    else:
-        device = torch.device("cpu")
+        deepspeed.init_distributed(dist_backend="nccl" if device.type == "cuda" else "gloo",
+                                   timeout=datetime.timedelta(minutes=cfg.timeout_minutes))
     world = dist.get_world_size()
     if world != cfg.world_size:
         raise ConfigError(f"distributed: params ask for {cfg.world_size} processes but {world} were started")

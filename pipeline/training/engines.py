@@ -116,16 +116,26 @@ class StepResult(NamedTuple):
 
 
 class TrainEngine:
-    """Plain PyTorch: AdamW, a schedule, gradient clipping, gradient accumulation by summation."""
+    """Plain PyTorch: AdamW, a schedule, gradient clipping, gradient accumulation by summation.
+    With `precision: bf16` the weights and AdamW stay fp32 and the forwards run under bf16 autocast
+    (`autocast`), the usual mixed precision without DeepSpeed."""
 
     def __init__(self, model: torch.nn.Module, lr: float, weight_decay: float,
-                 schedule: Callable[[int], float], max_grad_norm: float):
+                 schedule: Callable[[int], float], max_grad_norm: float, precision: str = "fp32"):
         self.model = model
         self.params = [p for p in model.parameters() if p.requires_grad]
         self._optimizer = torch.optim.AdamW(self.params, lr=lr, weight_decay=weight_decay)
         self._scheduler = torch.optim.lr_scheduler.LambdaLR(self._optimizer, schedule)
         self.max_grad_norm = max_grad_norm
+        self.precision = precision
         self.forward = model   # what training forwards call
+
+    def autocast(self) -> contextlib.AbstractContextManager:
+        """The forward's precision context: bf16 autocast over fp32 weights when asked for; nothing
+        otherwise (fp32, or DeepSpeed, whose engine holds the 16-bit weights itself)."""
+        if type(self) is TrainEngine and self.precision == "bf16":
+            return torch.autocast(self.device.type, dtype=torch.bfloat16)
+        return contextlib.nullcontext()
 
     def train(self) -> None:
         self.model.train()
@@ -133,6 +143,21 @@ class TrainEngine:
     def eval(self) -> None:
         """Dropout off; gradients still flow (PPO trains in eval mode so the first ratio is 1)."""
         self.model.eval()
+
+    @contextlib.contextmanager
+    def recomputing(self) -> Iterator[None]:
+        """Training forwards made in eval mode (PPO's update) with gradient checkpointing on: the
+        checkpointed layers alone are flagged as training, which is what Hugging Face's checkpointing
+        looks at, while every dropout stays off (their modules keep eval mode)."""
+        layers = [m for m in self.model.modules() if getattr(m, "gradient_checkpointing", False)]
+        flagged = [m for m in layers if not m.training]
+        for m in flagged:
+            m.training = True
+        try:
+            yield
+        finally:
+            for m in flagged:
+                m.training = False
 
     @property
     def lr(self) -> float:
@@ -164,6 +189,7 @@ class TrainEngine:
         yield self.model
 
     def full_model(self) -> torch.nn.Module | None:
+        """The whole model, in the dtype it trained in."""
         return self.model
 
     # Resumable state: weights (safetensors), optimizer and schedule (tensors and numbers only).
@@ -258,21 +284,24 @@ class DeepSpeedEngine(TrainEngine):
             yield self.model
 
     def full_model(self) -> torch.nn.Module | None:
-        """Collective: the whole model in float32 on rank 0 (None on the other ranks). Below ZeRO-3
-        every rank holds all weights already; under ZeRO-3 they are gathered into a fresh copy."""
+        """Collective: the whole model on rank 0 (None on the other ranks), in the dtype it trained
+        in (DeepSpeed's 16-bit weights under bf16/fp16, as its own 16-bit checkpoints hold them).
+        Below ZeRO-3 every rank holds all weights already; under ZeRO-3 they are gathered into a
+        fresh copy on the CPU."""
         deepspeed = import_deepspeed()
 
         if not self.zero3:
-            return self.model.float() if self.ctx.is_main else None
+            return self.model if self.ctx.is_main else None
         state = None
+        dtype = next(self.model.parameters()).dtype
         with deepspeed.zero.GatheredParameters(list(self.model.parameters()), modifier_rank=None):
             if self.ctx.is_main:
-                state = {k: v.detach().to("cpu", torch.float32).clone() for k, v in self.model.state_dict().items()}
+                state = {k: v.detach().to("cpu").clone() for k, v in self.model.state_dict().items()}
         if not self.ctx.is_main:
             return None
         plain = lora.fresh_copy(self.model)
         plain.load_state_dict(state)
-        return plain.float()
+        return plain.to(dtype)
 
     def save(self, folder: Path, name: str) -> None:
         # Every rank writes its own shard of weights, optimizer and schedule state.
@@ -286,7 +315,8 @@ class DeepSpeedEngine(TrainEngine):
 
 class FrozenModel:
     """Reference or reward model: inference only. Partitioned with ZeRO-3 when training is stage 3
-    (every rank holds a slice), otherwise replicated; `offload_frozen` keeps it on the CPU."""
+    (every rank holds a slice; `offload_frozen` keeps the slices on the CPU, DeepSpeed fetching
+    them per forward), otherwise replicated on this rank's device, 16-bit under mixed precision."""
 
     def __init__(self, model: torch.nn.Module, dist: DistributedConfig, ctx: Context, micro_batch_size: int):
         model.eval().requires_grad_(False)
@@ -299,18 +329,40 @@ class FrozenModel:
             self.engine, *_ = deepspeed.initialize(model=model, config=self.ds_config)
             self.model = self.engine.module
         else:
-            device = torch.device("cpu") if dist.offload_frozen else ctx.device
             dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(dist.precision)
-            self.model = model.to(device=device, dtype=dtype) if dtype else model.to(device)
+            self.model = model.to(device=ctx.device, dtype=dtype) if dtype else model.to(ctx.device)
+
+    @contextlib.contextmanager
+    def gathered(self) -> Iterator[torch.nn.Module]:
+        """The whole model on this rank (ZeRO-3: gathered once, its per-module hooks off), so that
+        forwards made by one rank alone (a measurement's share of prompts) are no collectives."""
+        if self.engine is None:
+            yield self.model
+            return
+        from deepspeed.runtime.zero.stage3 import unwrap_model_for_generation
+        with unwrap_model_for_generation(self.engine):
+            yield self.model
 
 
 def make_engine(model: torch.nn.Module, *, lr: float, weight_decay: float, schedule: Callable[[int], float],
                 max_grad_norm: float, dist: DistributedConfig, ctx: Context, micro_batch_size: int,
                 accumulation_steps: int) -> TrainEngine:
+    if dist.gradient_checkpointing:
+        enable_checkpointing(model)
     if dist.backend == "none":
-        return TrainEngine(model.to(ctx.device), lr, weight_decay, schedule, max_grad_norm)
+        return TrainEngine(model.to(ctx.device), lr, weight_decay, schedule, max_grad_norm, dist.precision)
     return DeepSpeedEngine(model, lr, weight_decay, schedule, max_grad_norm, dist, ctx, micro_batch_size,
                            accumulation_steps)
+
+
+def enable_checkpointing(model: torch.nn.Module) -> None:
+    """Hugging Face's gradient checkpointing on every layer of `model` (a PEFT wrapper passes it to
+    its base model). Non-reentrant: it needs no input that requires grad, so frozen embeddings
+    under LoRA are fine, and it keeps the RNG state (PyTorch's recommended variant)."""
+    hf = lora.unwrap(model)
+    if not getattr(hf, "supports_gradient_checkpointing", False):
+        raise ConfigError(f"distributed.gradient_checkpointing: {type(hf).__name__} does not support it; set it to false")
+    hf.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
 
 
 def supervised_engine(model: torch.nn.Module, cfg: Any, steps: int, ctx: Context) -> tuple[TrainEngine, int]:

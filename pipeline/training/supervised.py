@@ -86,12 +86,12 @@ def train(task: SupervisedTask, cfg: Any, engine: TrainEngine, micro: int, out: 
                       enabled=progress and ctx.is_main):
         batch = [task.items[i] for i in next(batches)]
         mine = ctx.shard(batch)
-        sums = torch.zeros(len(task.columns), dtype=torch.float64)
+        sums = torch.zeros(len(task.columns), dtype=torch.float64, device="cpu")
         for first in range(0, len(mine), micro):
             loss, stats = task.loss(mine[first:first + micro], batch)
             check_finite(f"{task.name} step {step}", "loss", loss.detach())
             engine.backward(loss)
-            sums += torch.tensor(stats, dtype=torch.float64)
+            sums += torch.tensor(stats, dtype=torch.float64, device="cpu")
         result = engine.step()
         check_finite(f"{task.name} step {step}", "gradient norm", result.grad_norm)
         sums = ctx.sum(sums) / task.normaliser(batch)

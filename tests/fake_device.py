@@ -1,0 +1,181 @@
+"""A device that is not the CPU, for machines without a GPU: where a GPU run would mix devices,
+code run on it fails the same way, while every value is still computed (on the CPU) and can be
+compared with a plain CPU run.
+
+The device is PyTorch's PrivateUse1 backend registered from Python under the name `fakegpu`
+(torch.utils.backend_registration: a device guard and hooks, so autograd's engine accepts it). Its
+tensors are wrapper subclasses: each holds a real CPU tensor and reports `fakegpu:0` as its
+device. Every ATen call on them unwraps, runs the CPU kernel and wraps the result again, after
+applying the rule a CUDA kernel applies to its operands:
+
+- tensors of one call must share a device; a 0-dim CPU tensor (a scalar) may join device tensors;
+- copies between devices (`.to`, `copy_`) are allowed, as are CPU index tensors into a device
+  tensor (CUDA's advanced indexing moves them); device indices into a CPU tensor are not;
+- factories given `device="fakegpu"` make device tensors (under `FakeGpu()`, which also catches
+  the calls that have no tensor operand).
+
+What it cannot see: `torch.cuda.*` calls (the code under test is handed this device instead of
+CUDA, see `use_fake_gpu`), NCCL (the collective double in test_devices.py), and random streams
+(a CPU generator is accepted for sampling on this device; CUDA would refuse it).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Any, Iterator
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_map
+
+NAME = "fakegpu"
+_installed = False
+_LIBRARIES: list = []   # kept alive: a Library deregisters its kernels when collected
+
+
+def install() -> torch.device:
+    """Register the device (once per process; PrivateUse1 can be renamed only once)."""
+    global _installed
+    if not _installed:
+        from torch.utils.backend_registration import _setup_privateuseone_for_python_backend
+        _setup_privateuseone_for_python_backend(NAME)
+        # Allocations that reach the backend itself (torch.tensor(..., device=...) builds on the CPU
+        # and copies over with the dispatch modes excluded): a CPU buffer in a device wrapper.
+        lib = torch.library.Library("aten", "IMPL")
+        lib.impl("empty_strided", lambda size, stride, dtype=None, layout=None, device=None, pin_memory=None:
+                 FakeGpuTensor(torch.empty_strided(size, stride, dtype=dtype)), "PrivateUse1")
+        lib.impl("empty.memory_format", lambda size, dtype=None, layout=None, device=None, pin_memory=None,
+                 memory_format=None: FakeGpuTensor(torch.empty(size, dtype=dtype)), "PrivateUse1")
+        lib.impl("_copy_from", _copy_from, "PrivateUse1")
+        lib.impl("_copy_from_and_resize", _copy_from_and_resize, "PrivateUse1")
+        _LIBRARIES.append(lib)
+        _installed = True
+    return torch.device(NAME, 0)
+
+
+def _copy_from(src: torch.Tensor, dst: torch.Tensor, non_blocking: bool = False) -> torch.Tensor:
+    (dst.elem if isinstance(dst, FakeGpuTensor) else dst).copy_(src.elem if isinstance(src, FakeGpuTensor) else src)
+    return dst
+
+
+def _copy_from_and_resize(src: torch.Tensor, dst: torch.Tensor) -> torch.Tensor:
+    target = dst.elem if isinstance(dst, FakeGpuTensor) else dst
+    target.resize_(src.shape)
+    return _copy_from(src, dst)
+
+
+class DeviceMixError(RuntimeError):
+    """What CUDA raises as "Expected all tensors to be on the same device"."""
+
+
+class FakeGpuTensor(torch.Tensor):
+    elem: torch.Tensor
+
+    @staticmethod
+    def __new__(cls, elem: torch.Tensor) -> "FakeGpuTensor":
+        out = torch.Tensor._make_wrapper_subclass(
+            cls, elem.size(), strides=elem.stride(), storage_offset=elem.storage_offset(), dtype=elem.dtype,
+            layout=elem.layout, device=torch.device(NAME, 0), requires_grad=elem.requires_grad)
+        out.elem = elem
+        return out
+
+    __torch_function__ = torch._C._disabled_torch_function_impl
+
+    def __repr__(self) -> str:
+        return f"FakeGpuTensor({self.elem!r})"
+
+    def tolist(self) -> Any:   # a CUDA tensor's tolist copies to the host; torch refuses it for subclasses
+        return self.elem.tolist()
+
+    @classmethod
+    def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
+        return _dispatch(func, args, kwargs or {})
+
+
+def _is_device(x: Any) -> bool:
+    return isinstance(x, torch.device) and x.type == NAME or isinstance(x, str) and x.startswith(NAME)
+
+
+_COPIES = {"aten._to_copy.default", "aten.copy_.default", "aten._copy_from.default",
+           "aten._copy_from_and_resize.default"}
+_INDEXING = {"aten.index.Tensor", "aten.index_put_.default", "aten.index_put.default",
+             "aten._index_put_impl_.default"}
+
+
+def _check_devices(name: str, args: tuple, kwargs: dict) -> None:
+    """The CUDA operand rule (see the module doc) for one call."""
+    if name in _COPIES:
+        return
+    on_device, on_cpu = [], []
+
+    def visit(x: Any) -> Any:
+        if isinstance(x, FakeGpuTensor):
+            on_device.append(x)
+        elif isinstance(x, torch.Tensor) and x.dim() > 0:
+            on_cpu.append(x)
+        return x
+
+    if name in _INDEXING:
+        tree_map(visit, (args[0], *args[2:]))   # the tensor and the values; indices checked below
+        indices = [i for i in args[1] if isinstance(i, torch.Tensor)]
+        if not isinstance(args[0], FakeGpuTensor) and any(isinstance(i, FakeGpuTensor) for i in indices):
+            raise DeviceMixError(f"{name}: indices on {NAME} index a CPU tensor")
+    else:
+        tree_map(visit, (args, kwargs))
+    if on_device and on_cpu:
+        shapes = [tuple(t.shape) for t in on_cpu]
+        raise DeviceMixError(f"{name}: tensors on {NAME}:0 and on the CPU (shapes {shapes}) in one call")
+
+
+def _unwrap(x: Any) -> Any:
+    if isinstance(x, FakeGpuTensor):
+        return x.elem
+    if _is_device(x):
+        return torch.device("cpu")
+    return x
+
+
+def _dispatch(func, args: tuple, kwargs: dict) -> Any:
+    name = str(func)
+    _check_devices(name, args, kwargs)
+    wants_device = _is_device(kwargs.get("device"))
+    has_device_operand = any(isinstance(a, FakeGpuTensor) for a in _flat((args, kwargs)))
+    out = func(*tree_map(_unwrap, args), **tree_map(_unwrap, kwargs))
+    if name in _COPIES:
+        if name == "aten._to_copy.default":
+            target = kwargs.get("device")
+            to_device = _is_device(target) or (target is None and isinstance(args[0], FakeGpuTensor))
+            return FakeGpuTensor(out) if to_device else out
+        return args[0]   # in place: the destination, whatever its device
+    if func._schema.is_mutable and args and isinstance(args[0], torch.Tensor):
+        return args[0]   # in place (add_, masked_fill_, ...): the tensor that was changed
+    if wants_device or has_device_operand:
+        return tree_map(lambda x: FakeGpuTensor(x) if isinstance(x, torch.Tensor) else x, out)
+    return out
+
+
+def _flat(x: Any) -> list:
+    out: list = []
+    tree_map(lambda y: out.append(y), x)
+    return out
+
+
+class FakeGpu(TorchDispatchMode):
+    """Active while code runs on the fake device: factories with `device="fakegpu"` (no tensor
+    operand, so no tensor's dispatch sees them) make device tensors."""
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        return _dispatch(func, args, kwargs or {})
+
+
+@contextlib.contextmanager
+def use_fake_gpu() -> Iterator[torch.device]:
+    """The fake device, with its mode active."""
+    device = install()
+    with FakeGpu():
+        yield device
+
+
+def real(x: Any) -> Any:
+    """`x` (a tensor, or a structure of them) as plain CPU tensors."""
+    return tree_map(lambda t: t.elem if isinstance(t, FakeGpuTensor) else t, x)
