@@ -73,6 +73,7 @@ def check_inputs(params, data_dir: Path) -> None:
 
 
 TRAINING = ("sft", "reward", "ppo", "dpo", "rs", "grpo")   # stages that train, each in its own distributed session
+DISTRIBUTED = (*TRAINING, "evaluate", "compare")           # stages that may run on several processes
 
 
 # What each path option names; its default is the path dvc.yaml passes.
@@ -143,7 +144,7 @@ def _parser() -> argparse.ArgumentParser:
             p.add_argument("name", nargs="?", default=None, help="a file of recipes/ without .yaml")
             p.add_argument("--list", action="store_true", help="list the recipes with their first comment line and exit")
             p.add_argument("--out", type=Path, default=None, help="where to write (default: the params file)")
-        if stage in TRAINING:
+        if stage in DISTRIBUTED:
             # Per node on a cluster (the params file is shared): e.g. --node-rank $SLURM_NODEID.
             p.add_argument("--node-rank", type=int, default=None,
                            help="override distributed.node_rank (default: params', or SLURM_NODEID in a "
@@ -202,7 +203,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.stage == "plan":
             from .training import memory_plan
             return memory_plan.main(params, args.data, args.plan_stage)
-        if args.stage in TRAINING:
+        if args.stage in DISTRIBUTED:
             node_rank, master_addr = args.node_rank, args.master_addr
             if node_rank is None and getattr(params, args.stage).distributed.num_nodes > 1:
                 # One copy per node of a SLURM job (see pipeline/workflow/cluster.py): rank and master from SLURM.
@@ -238,6 +239,8 @@ def main(argv: list[str] | None = None) -> int:
         elif args.stage == "evaluate":
             from .stages import evaluate
             metrics = evaluate.run(params, args.data, args.sft, args.reward, args.ppo, args.out)
+            if not metrics:   # ranks other than 0 of a multi-process run
+                return 0
             print(f"evaluate: wrote {args.out}; report: {args.out / 'report.md'}")
             for policy in evaluate.policies(params.evaluate):
                 if f"{policy}/gold" in metrics:
@@ -248,6 +251,8 @@ def main(argv: list[str] | None = None) -> int:
         elif args.stage == "compare":
             from .stages import compare
             metrics = compare.run(params, args.data, args.sft, args.reward, args.policy, args.out)
+            if not metrics:
+                return 0
             print(f"compare: wrote {args.out}; report: {args.out / 'report.md'}")
             print("\n".join(compare.console_lines(metrics)))
         else:

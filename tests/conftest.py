@@ -191,3 +191,20 @@ def tiny_policy_and_reward_model(root: Path, data_dir: Path, offset: float = 0.0
     rtok.save_pretrained(root / "rm")
     return root / "sft", root / "rm"
 
+
+
+def sampled_alone(policy, tok, prompts: list, sampling, seed: int, max_prompt_length: int | None = None) -> list[str]:
+    """Each prompt's response drawn on its own (a batch of one) from the stream the measurement
+    seeds it with, (seed, its index): what `measure_policies` must give whatever the batching."""
+    import torch
+
+    from pipeline.data.tokenizer import decode_response, encode_prompt, end_ids
+    from pipeline.measurement.policy import prompt_seed
+    from pipeline.models.generation import sample, stop_ids
+    out = []
+    for i, prompt in enumerate(prompts):
+        gen = torch.Generator().manual_seed(prompt_seed(seed, i))
+        s = sample(policy.eval(), [encode_prompt(tok, prompt, max_prompt_length)], tok.pad_token_id,
+                   stop_ids(tok, policy, sampling), sampling, row_generators=[gen])
+        out.append(decode_response(tok, s.response_ids[0].tolist(), end_ids(tok, policy)))
+    return out

@@ -170,10 +170,17 @@ class FakeGpu(TorchDispatchMode):
 
 @contextlib.contextmanager
 def use_fake_gpu() -> Iterator[torch.device]:
-    """The fake device, with its mode active."""
+    """The fake device, with its mode active. `Module.to` swaps each parameter's contents in place
+    meanwhile: its default gives a wrapper-subclass result a new Parameter per module, which would
+    untie tied weights (an LM head and its embedding) that a real `.to("cuda")` keeps tied."""
     device = install()
-    with FakeGpu():
-        yield device
+    swap = torch.__future__.get_swap_module_params_on_conversion()
+    torch.__future__.set_swap_module_params_on_conversion(True)
+    try:
+        with FakeGpu():
+            yield device
+    finally:
+        torch.__future__.set_swap_module_params_on_conversion(swap)
 
 
 def real(x: Any) -> Any:

@@ -39,7 +39,7 @@ def test_kv_cached_logprobs_equal_full_forward(arch):
     model = _tiny(arch)
     prompts = [[2, 5, 6, 7, 8, 9], [2, 10, 11], [2, 12, 13, 14]]
     cfg = SamplingConfig(max_new_tokens=12, temperature=0.7)
-    out = sample(model, prompts, PAD, EOS, cfg, torch.Generator().manual_seed(3))
+    out = sample(model, prompts, PAD, [EOS], cfg, torch.Generator().manual_seed(3))
     full = _full_forward_logprobs(model, out, 0.7)
     m = out.response_mask
     assert m.any()
@@ -51,8 +51,8 @@ def test_left_padded_prompt_samples_like_unpadded():
     """A prompt's greedy continuation must not depend on the other prompts in its batch."""
     model = _tiny("llama")
     cfg = SamplingConfig(max_new_tokens=8)
-    alone = sample(model, [[2, 10, 11]], PAD, EOS, cfg, greedy=True)
-    batched = sample(model, [[2, 5, 6, 7, 8, 9], [2, 10, 11]], PAD, EOS, cfg, greedy=True)
+    alone = sample(model, [[2, 10, 11]], PAD, [EOS], cfg, greedy=True)
+    batched = sample(model, [[2, 5, 6, 7, 8, 9], [2, 10, 11]], PAD, [EOS], cfg, greedy=True)
     n = alone.response_ids.size(1)
     assert torch.equal(alone.response_ids[0], batched.response_ids[1, :n])
 
@@ -62,7 +62,7 @@ def test_response_mask_stops_after_first_eos():
     # Force eos to be likely: bias the output layer towards it.
     with torch.no_grad():
         model.lm_head.weight[EOS] += 0.5
-    out = sample(model, [[2, 3, 4]] * 8, PAD, EOS, SamplingConfig(max_new_tokens=10),
+    out = sample(model, [[2, 3, 4]] * 8, PAD, [EOS], SamplingConfig(max_new_tokens=10),
                  torch.Generator().manual_seed(0))
     for ids, mask, ended in zip(out.response_ids, out.response_mask, out.ended):
         n = int(mask.sum())
@@ -98,8 +98,8 @@ def test_stop_token_ends_response_and_is_kept():
     STOP = 7
     with torch.no_grad():
         model.lm_head.weight[STOP] += 0.6   # make the stop token likely
-    out = sample(model, [[2, 3, 4]] * 8, PAD, EOS, SamplingConfig(max_new_tokens=10),
-                 torch.Generator().manual_seed(0), stop_id=STOP)
+    out = sample(model, [[2, 3, 4]] * 8, PAD, [EOS, STOP], SamplingConfig(max_new_tokens=10),
+                 torch.Generator().manual_seed(0))
     assert out.ended.any()
     for ids, mask, ended in zip(out.response_ids, out.response_mask, out.ended):
         n = int(mask.sum())
@@ -117,3 +117,36 @@ def test_stop_token_must_be_one_token():
     assert stop_token_id(tok, SamplingConfig(stop_token=".")) == tok.convert_tokens_to_ids(".")
     with pytest.raises(ConfigError, match="sampling.stop_token: 'not a token' is not a single token"):
         stop_token_id(tok, SamplingConfig(stop_token="not a token"))
+
+
+def test_each_row_with_its_own_stream_samples_as_it_would_alone():
+    """Row generators: a prompt's response depends on its own seed, not on its batch neighbours."""
+    model = _tiny("llama")
+    cfg = SamplingConfig(max_new_tokens=8)
+    prompts = [[2, 5, 6, 7], [2, 10, 11], [2, 12, 13, 14, 15]]
+    gens = lambda seeds: [torch.Generator().manual_seed(s) for s in seeds]   # noqa: E731
+    batched = sample(model, prompts, PAD, [EOS], cfg, row_generators=gens([11, 12, 13]))
+    for i, seed in enumerate((11, 12, 13)):
+        alone = sample(model, [prompts[i]], PAD, [EOS], cfg, row_generators=gens([seed]))
+        n = alone.response_ids.size(1)
+        assert torch.equal(alone.response_ids[0], batched.response_ids[i, :n])
+    again = sample(model, prompts, PAD, [EOS], cfg, row_generators=gens([11, 12, 13]))
+    assert torch.equal(again.response_ids, batched.response_ids)
+    other = sample(model, prompts, PAD, [EOS], cfg, row_generators=gens([21, 22, 23]))
+    assert not torch.equal(other.response_ids, batched.response_ids)
+
+
+def test_a_model_that_ignores_the_kv_cache_is_refused():
+    from pipeline.errors import CheckpointError
+    model = _tiny("llama")
+
+    class Forgetful(torch.nn.Module):   # drops the cache keyword before the real forward
+        def __init__(self, inner):
+            super().__init__()
+            self.inner = inner
+
+        def forward(self, cache=None, use_cache=None, **kw):
+            return self.inner(**kw)
+
+    with pytest.raises(CheckpointError, match="ignored the KV cache .*holds 0 positions after a prompt of 3"):
+        sample(Forgetful(model), [[2, 3, 4]], PAD, [EOS], SamplingConfig(max_new_tokens=4), greedy=True)

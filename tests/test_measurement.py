@@ -1,5 +1,6 @@
-"""The one policy-measurement function: what it samples is what generate_texts samples, its KL is
-the per-token log-prob difference of each sequence on its own, its summary the shared statistics."""
+"""The one policy-measurement function: each prompt's response is the one its own seeded stream
+draws (whatever its batch), its KL is the per-token log-prob difference of each sequence on its
+own, its summary the shared statistics."""
 
 from __future__ import annotations
 
@@ -9,10 +10,10 @@ from transformers import AutoModelForCausalLM
 
 from pipeline.config import ModelConfig, SamplingConfig
 from pipeline.data.tokenizer import build_word_tokenizer, encode_prompt, encode_response
-from pipeline.measurement.policy import measure, sequence_kl, summary
+from conftest import sampled_alone
+from pipeline.measurement.policy import GENERATION_BATCH, Policy, measure, measure_policies, prompt_seed, sequence_kl, summary
 from pipeline.measurement.stats import distinct_n, mean_ci
 from pipeline.models.checkpoints import tiny_config
-from pipeline.models.generation import generate_texts
 from pipeline.tasks import reviews
 
 PROMPTS = ["Review the film Silent River . Focus on the music .",
@@ -45,13 +46,20 @@ def test_sequence_kl_is_each_sequence_alone_summed_over_its_response(models):
     assert sequence_kl(policy, policy, tok, PROMPTS, responses, 1.0) == [0.0, 0.0, 0.0]
 
 
-def test_measure_samples_as_generate_texts_and_scores_each_response(models):
+class Lengths:
+    """A reward source scoring a response by its length in characters."""
+
+    def score(self, prompts, responses):
+        return torch.tensor([float(len(x)) for x in responses])
+
+
+def test_measure_samples_each_prompt_from_its_own_stream_and_scores_each_response(models):
     policy, ref, tok = models
     sampling = SamplingConfig(max_new_tokens=12)
-    texts, ended = generate_texts(policy, tok, PROMPTS, sampling, seed=5, greedy=False)
-    m = measure(policy, tok, PROMPTS, sampling, 5, reward=lambda p, t: torch.tensor([float(len(x)) for x in t]),
-                judge=reviews.gold_score, ref=ref)
-    assert (m.texts, m.ended) == (texts, ended)
+    texts = sampled_alone(policy, tok, PROMPTS, sampling, seed=5)
+    m = measure(policy, tok, PROMPTS, sampling, 5, reward=Lengths(), judge=reviews.gold_score, ref=ref)
+    assert m.texts == texts
+    ended = m.ended
     assert m.values["rm"] == [float(len(t)) for t in texts]
     assert m.values["gold"] == [reviews.gold_score(p, t) for p, t in zip(PROMPTS, texts)]
     assert m.values["kl"] == pytest.approx(sequence_kl(policy, ref, tok, PROMPTS, texts, 1.0))
@@ -62,3 +70,20 @@ def test_measure_samples_as_generate_texts_and_scores_each_response(models):
     assert s["x/length"] == sum(len(t.split()) for t in texts) / 3
     # Only what is asked for is measured.
     assert measure(policy, tok, PROMPTS, sampling, 5).values == {}
+
+
+def test_prompt_seeds_differ_in_the_low_32_bits_the_cpu_generator_uses():
+    seeds = {prompt_seed(s, i) & 0xFFFFFFFF for s in range(4) for i in range(2000)}
+    assert len(seeds) == 8000
+    assert prompt_seed(0, 1) != prompt_seed(1, 0) and prompt_seed(3, 7) == prompt_seed(3, 7)
+
+
+def test_a_prompts_response_does_not_depend_on_the_batch_it_is_sampled_in(models):
+    """Responses to 70 prompts in batches of 64 (and 6) equal those in batches of 8 and of 70."""
+    policy, _, tok = models
+    prompts = (PROMPTS * 24)[:70]
+    sampling = SamplingConfig(max_new_tokens=10)
+    got = {b: measure_policies([Policy("p", policy, 3)], tok, prompts, sampling, batch_size=b)["p"].texts
+           for b in (GENERATION_BATCH, 8, 70)}
+    assert got[GENERATION_BATCH] == got[8] == got[70]
+    assert len(set(got[8][::3])) > 1   # the same prompt, other indices: other responses

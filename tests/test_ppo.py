@@ -54,7 +54,7 @@ def test_ratio_is_one_at_first_minibatch_and_sampling_logprobs_match(dirs):
     assert torch.allclose(ratio, torch.ones_like(ratio), atol=1e-5)
     # The KV-cached sampling pass computed the same log-probs.
     again = sample(m.actor.model, [encode_prompt(m.tok, p) for p in prompts],
-                   m.tok.pad_token_id, m.tok.eos_token_id, params.ppo.sampling, torch.Generator().manual_seed(0))
+                   m.tok.pad_token_id, [m.tok.eos_token_id], params.ppo.sampling, torch.Generator().manual_seed(0))
     assert torch.equal(again.response_ids, ro.input_ids[:, ro.n_prompt:])
     assert torch.allclose(again.logprobs[ro.response_mask], sc.old_logprobs[ro.response_mask], atol=1e-5)
     # Frozen models get no gradients.

@@ -13,13 +13,12 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from conftest import TINY, merge, tiny_policy_and_reward_model
+from conftest import TINY, merge, sampled_alone, tiny_policy_and_reward_model
 from pipeline.config import DataConfig, Params, check_process_shape, from_dict, load_params
 from pipeline.data import inputs
 from pipeline.errors import ConfigError, DataError
 from pipeline.models import reward_model as rm
 from pipeline.models.checkpoints import load_policy
-from pipeline.models.generation import generate_texts
 from pipeline.stages import rs
 from pipeline.stages.prepare import run as prepare_run
 from pipeline.training import supervised
@@ -75,8 +74,8 @@ def test_pick_winners_takes_the_first_of_tied_best():
 
 
 def test_winners_are_the_rm_argmax_of_each_prompts_candidates(done, data, models):
-    """Candidates drawn again by hand (candidate k: seed rs.seed + k over the first rs.n_prompts PPO
-    prompts) and scored with score_texts: each winner is the first highest-scoring one."""
+    """Candidates drawn again by hand (candidate k: prompt i alone from the stream of (rs.seed + k, i),
+    over the first rs.n_prompts PPO prompts) and scored with score_texts: each winner is the first highest-scoring one."""
     out, _ = done
     params = _params()
     cfg = params.rs
@@ -85,8 +84,8 @@ def test_winners_are_the_rm_argmax_of_each_prompts_candidates(done, data, models
     prompts, _, _ = inputs.fit_prompts(inputs.prompt_records(params, data, "train"), tok,
                                        params.ppo.max_prompt_length, params.ppo.overlong)
     prompts = prompts[:cfg.n_prompts]
-    texts = [generate_texts(policy, tok, prompts, cfg.sampling, cfg.seed + k, greedy=False,
-                            max_prompt_length=params.ppo.max_prompt_length)[0] for k in range(cfg.n)]
+    texts = [sampled_alone(policy, tok, prompts, cfg.sampling, cfg.seed + k, params.ppo.max_prompt_length)
+             for k in range(cfg.n)]
     scores = torch.stack([rm.score_texts(reward, rtok, prompts, t, params.reward.max_length) for t in texts])  # (n, N)
     best = [int(torch.nonzero(scores[:, i] == scores[:, i].max())[0]) for i in range(len(prompts))]
 

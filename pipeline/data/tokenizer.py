@@ -106,8 +106,21 @@ def encode_response(tok: PreTrainedTokenizerBase, response: str) -> list[int]:
     return tok(response, add_special_tokens=False)["input_ids"] + [tok.eos_token_id]
 
 
-def decode_response(tok: PreTrainedTokenizerBase, ids: list[int]) -> str:
-    """Text of generated ids, cut at the first eos (pads and eos are not part of the text)."""
-    if tok.eos_token_id in ids:
-        ids = ids[:ids.index(tok.eos_token_id)]
+def end_ids(tok: PreTrainedTokenizerBase, model=None) -> list[int]:
+    """Ids that end a response: the tokenizer's eos, then the model's generation_config eos ids."""
+    ids = [tok.eos_token_id]
+    extra = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
+    for i in extra if isinstance(extra, (list, tuple)) else [extra] if extra is not None else []:
+        if i not in ids:
+            ids.append(i)
+    return ids
+
+
+def decode_response(tok: PreTrainedTokenizerBase, ids: list[int], ends: list[int] | None = None) -> str:
+    """Text of generated ids, cut at the first of `ends` (default: the eos; pads and the end are not
+    part of the text)."""
+    ends = [tok.eos_token_id] if ends is None else ends
+    cut = next((i for i, t in enumerate(ids) if t in ends), None)
+    if cut is not None:
+        ids = ids[:cut]
     return tok.decode(ids, skip_special_tokens=True).strip()

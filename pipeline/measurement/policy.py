@@ -1,30 +1,44 @@
-"""Measuring a policy on prompts: the one function SFT's evaluation, the reward model's
-SFT-sample correlation, PPO's held-out comparison and the evaluate stage all call.
+"""Measuring policies on prompts: the one function every site calls (SFT's evaluation, the reward
+model's SFT-sample correlation, PPO's and GRPO's held-out comparison, DPO's and RS's measurement,
+RS's candidates, and the evaluate and compare stages, best-of-n included).
 
-`measure` samples (or greedily decodes) one response per prompt and scores each response: by a
-reward function (an RM), by the task's gold judge, and by its KL to a reference policy;
-`summary` turns the per-response lists into means with 95% intervals, the end-of-response rate,
-the mean length and distinct-2. What is measured depends only on what is passed: a stage without a
-judge passes none. Random numbers: one seeded generator per call (`seed`), used by sampling only,
-so the same call gives the same responses wherever it is made.
+`measure_policies` samples (or greedily decodes) one response per prompt from each policy and
+scores each response: by a reward source (an RM), by the task's gold judge, and by its KL to a
+reference policy, each only when given. `summary` turns the per-response lists into means with
+95% intervals, the end-of-response rate, the mean length and distinct-2.
+
+Where it runs: on each rank's device, with the models whole there (ZeRO-3 gathers each one in
+turn, see `whole`), every rank taking its share of the prompts. The prompts are cut into batches
+of GENERATION_BATCH in their global order, batch j goes to rank j mod N, and the results are
+gathered in order: a batch is the same batch whatever the number of processes, so N processes
+give what one gives. No forward is a collective, so no rank waits while another works, except at
+the one gather at the end (at most one batch's time).
+
+Random numbers: each prompt's response is drawn from its own stream, seeded by (the policy's
+seed, the prompt's global index) (`prompt_seed`), on the device the policy samples on: the same
+call gives the same responses wherever it is made and however the prompts are shared out.
 """
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass, field
-from typing import Callable, Optional
+from typing import Any, Callable, Iterator, Optional, Sequence
 
 import torch
 
 from ..config import SamplingConfig
 from ..data.padding import left_pad, positions, right_pad
-from ..data.tokenizer import encode_prompt, encode_response
-from ..models.generation import generate_texts
+from ..data.tokenizer import decode_response, encode_prompt, encode_response, end_ids
+from ..models.generation import sample, stop_ids
 from ..models.logprobs import logprobs_from_logits, response_logits
+from ..training.distributed import SINGLE, Context, generator
 from .stats import best_of_n_choices, best_of_n_kl, distinct_n, mean_ci
 
 Judge = Callable[[object, str], float]
-Scorer = Callable[[list, list[str]], torch.Tensor]
+
+GENERATION_BATCH = 64   # prompts per sampling call, and the unit the prompts are shared out in
+KL_BATCH = 32           # sequences per forward of the KL's log-probs
 
 
 @dataclass
@@ -35,42 +49,152 @@ class Measured:
     values: dict[str, list[float]] = field(default_factory=dict)   # "rm", "kl", "gold" when measured
 
 
+@dataclass(frozen=True)
+class Policy:
+    """One policy to measure: `model` is a module or what holds one (a training engine, a placed
+    frozen model), `seed` its sampling seed, `greedy` argmax decoding instead."""
+    name: str
+    model: Any
+    seed: int
+    greedy: bool = False
+
+
+@contextlib.contextmanager
+def whole(holder: Any) -> Iterator[Any]:
+    """What `holder` holds, whole on this rank: its `gathered()` when it has one (a ZeRO-3 engine
+    or frozen model, a reward source placed so), else `holder` itself; in eval mode meanwhile."""
+    gathered = getattr(holder, "gathered", None)
+    with (gathered() if gathered is not None else contextlib.nullcontext(holder)) as model:
+        mode = getattr(model, "training", None)
+        if isinstance(model, torch.nn.Module):
+            model.eval()
+        try:
+            yield model
+        finally:
+            if isinstance(model, torch.nn.Module) and mode:
+                model.train()
+
+
+def prompt_seed(seed: int, index: int) -> int:
+    """The seed of prompt `index`'s stream under `seed`: splitmix64 of the pair (Steele et al. 2014),
+    so nearby pairs get unrelated streams even where only the low 32 bits seed the generator (the CPU's
+    Mersenne Twister)."""
+    z = ((seed << 32) ^ index) & 0xFFFFFFFFFFFFFFFF
+    z = (z + 0x9E3779B97F4A7C15) & 0xFFFFFFFFFFFFFFFF
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & 0xFFFFFFFFFFFFFFFF
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & 0xFFFFFFFFFFFFFFFF
+    return (z ^ (z >> 31)) & 0x7FFFFFFFFFFFFFFF
+
+
+def shares(n: int, ctx: Context, batch_size: int = GENERATION_BATCH) -> list[tuple[int, int]]:
+    """This rank's batches of `n` prompts, as (start, end): batch j is rank j mod N's."""
+    starts = range(0, n, batch_size)
+    return [(s, min(s + batch_size, n)) for j, s in enumerate(starts) if j % ctx.world_size == ctx.rank]
+
+
+@dataclass
+class _Part:
+    """One batch of one policy on this rank."""
+    texts: list[str]
+    ended: list[bool]
+    values: dict[str, list[float]] = field(default_factory=dict)
+    logprobs: list[tuple[torch.Tensor, torch.Tensor]] = field(default_factory=list)   # KL chunks: (B, R) each
+
+
+def measure_policies(policies: Sequence[Policy], tok, prompts: list, sampling: SamplingConfig, *,
+                     ctx: Context = SINGLE, reward: Any = None, judge: Optional[Judge] = None, ref: Any = None,
+                     max_prompt_length: int | None = None, batch_size: int = GENERATION_BATCH) -> dict[str, Measured]:
+    """Each policy's responses to `prompts` and, per response, the reward source's score ("rm"),
+    the KL to `ref` ("kl") and the judge's gold score ("gold"), each only when given. Collective
+    (every rank calls it with the same arguments and gets every result)."""
+    mine = shares(len(prompts), ctx, batch_size)
+    ids = {s: [encode_prompt(tok, p, max_prompt_length) for p in prompts[s:e]] for s, e in mine}
+    parts: dict[str, dict[int, _Part]] = {}
+    for pol in policies:                          # 1. sampling, each policy whole in turn
+        with whole(pol.model) as model:
+            parts[pol.name] = {s: _sample(model, tok, ids[s], sampling, pol, s) for s, _ in mine}
+    if ref is not None:                           # 2. KL: the policies' log-probs, then the reference's
+        for pol in policies:
+            with whole(pol.model) as model:
+                for s, e in mine:
+                    parts[pol.name][s].logprobs = _logprobs(model, tok, prompts[s:e], parts[pol.name][s].texts,
+                                                            sampling.temperature)
+        with whole(ref) as model:
+            for pol in policies:
+                for s, e in mine:
+                    part = parts[pol.name][s]
+                    theirs = _logprobs(model, tok, prompts[s:e], part.texts, sampling.temperature)
+                    part.values["kl"] = [v for (lp, mask), (rlp, _) in zip(part.logprobs, theirs)
+                                         for v in torch.where(mask, lp - rlp, 0.0).sum(1).tolist()]
+                    part.logprobs = []
+    if reward is not None:                        # 3. reward scores, the reward model whole once
+        with whole(reward) as source:
+            for pol in policies:
+                for s, e in mine:
+                    parts[pol.name][s].values["rm"] = source.score(prompts[s:e], parts[pol.name][s].texts).tolist()
+    if judge is not None:                         # 4. the gold judge (plain Python)
+        for pol in policies:
+            for s, e in mine:
+                part = parts[pol.name][s]
+                part.values["gold"] = [judge(p, r) for p, r in zip(prompts[s:e], part.texts)]
+    return _gathered(parts, ctx, [pol.name for pol in policies])
+
+
+def _sample(model, tok, ids: list[list[int]], sampling: SamplingConfig, pol: Policy, start: int) -> _Part:
+    device = next(model.parameters()).device
+    rows = None if pol.greedy else [generator(device, prompt_seed(pol.seed, start + i)) for i in range(len(ids))]
+    out = sample(model, ids, tok.pad_token_id, stop_ids(tok, model, sampling), sampling, greedy=pol.greedy,
+                 row_generators=rows)
+    ends = end_ids(tok, model)
+    return _Part([decode_response(tok, row.tolist(), ends) for row in out.response_ids], out.ended.tolist())
+
+
 @torch.inference_mode()
-def sequence_kl(policy, ref, tok, prompts: list, responses: list[str], temperature: float,
-                batch_size: int = 32) -> list[float]:
-    """Per response: sum over tokens of log pi(a_t) - log pi_ref(a_t). Its mean over responses
-    sampled from pi estimates the sequence-level KL(pi || pi_ref). The text is re-encoded with eos
-    appended: exact for responses that ended with eos (all of them on the default task); for one
-    cut by the length limit or a stop token the eos term is one token the policy did not sample."""
-    out: list[float] = []
-    for start in range(0, len(prompts), batch_size):
-        p_ids, p_mask = left_pad([encode_prompt(tok, p) for p in prompts[start:start + batch_size]], tok.pad_token_id)
-        r_ids, r_mask = right_pad([encode_response(tok, r) for r in responses[start:start + batch_size]],
+def _logprobs(model, tok, prompts: list, responses: list[str], temperature: float) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Per KL_BATCH chunk: (B, R) log pi(a_t) of each response token (its text re-encoded with eos
+    appended) and the (B, R) response mask."""
+    out = []
+    for start in range(0, len(prompts), KL_BATCH):
+        p_ids, p_mask = left_pad([encode_prompt(tok, p) for p in prompts[start:start + KL_BATCH]], tok.pad_token_id)
+        r_ids, r_mask = right_pad([encode_response(tok, r) for r in responses[start:start + KL_BATCH]],
                                   tok.pad_token_id)
-        ids, mask = torch.cat([p_ids, r_ids], 1), torch.cat([p_mask, r_mask], 1).long()   # (B, P + R)
-        diff = 0.0
-        for model, sign in ((policy, 1.0), (ref, -1.0)):
-            logits = response_logits(model, ids, mask, positions(mask), r_ids.size(1), temperature)   # (B, R, V)
-            diff = diff + sign * logprobs_from_logits(logits, r_ids)                                  # (B, R)
-        out += torch.where(r_mask, diff, 0.0).sum(1).tolist()
+        device = next(model.parameters()).device
+        ids, mask = torch.cat([p_ids, r_ids], 1).to(device), torch.cat([p_mask, r_mask], 1).long().to(device)
+        logits = response_logits(model, ids, mask, positions(mask), r_ids.size(1), temperature)   # (B, R, V)
+        out.append((logprobs_from_logits(logits, r_ids.to(device)), r_mask.to(device)))
+    return out
+
+
+def _gathered(parts: dict[str, dict[int, _Part]], ctx: Context, names: list[str]) -> dict[str, Measured]:
+    """Every rank's parts, in the prompts' order, on every rank."""
+    local = [(name, s, p.texts, p.ended, p.values) for name in names for s, p in parts[name].items()]
+    everything = sorted((row for rank in ctx.gather(local) for row in rank), key=lambda row: row[1])
+    out = {name: Measured([], []) for name in names}
+    for name, _, texts, ended, values in everything:
+        m = out[name]
+        m.texts += texts
+        m.ended += ended
+        for key, vals in values.items():
+            m.values.setdefault(key, []).extend(vals)
     return out
 
 
 def measure(policy, tok, prompts: list, sampling: SamplingConfig, seed: int, *, greedy: bool = False,
-            reward: Optional[Scorer] = None, judge: Optional[Judge] = None, ref=None,
-            max_prompt_length: int | None = None) -> Measured:
-    """Responses of `policy` to `prompts` and, for each one, the reward's score ("rm"), the KL to
-    `ref` ("kl") and the judge's gold score ("gold"), each only when that scorer is given."""
-    texts, ended = generate_texts(policy, tok, prompts, sampling, seed, greedy=greedy,
-                                  max_prompt_length=max_prompt_length)
-    m = Measured(texts, ended)
-    if reward is not None:
-        m.values["rm"] = reward(prompts, texts).tolist()
-    if ref is not None:
-        m.values["kl"] = sequence_kl(policy, ref, tok, prompts, texts, sampling.temperature)
-    if judge is not None:
-        m.values["gold"] = [judge(p, r) for p, r in zip(prompts, texts)]
-    return m
+            reward: Any = None, judge: Optional[Judge] = None, ref: Any = None,
+            max_prompt_length: int | None = None, ctx: Context = SINGLE) -> Measured:
+    """`measure_policies` of one policy."""
+    return measure_policies([Policy("policy", policy, seed, greedy)], tok, prompts, sampling, ctx=ctx, reward=reward,
+                            judge=judge, ref=ref, max_prompt_length=max_prompt_length)["policy"]
+
+
+def sequence_kl(policy, ref, tok, prompts: list, responses: list[str], temperature: float) -> list[float]:
+    """Per response: sum over its tokens of log pi(a_t) - log pi_ref(a_t) (the text re-encoded with eos
+    appended). Its mean over responses sampled from pi estimates the sequence-level KL(pi || pi_ref):
+    exact for responses that ended with eos (all of them on the default task); for one cut by the
+    length limit or a stop token the eos term is one token the policy did not sample."""
+    mine = _logprobs(policy, tok, prompts, responses, temperature)
+    theirs = _logprobs(ref, tok, prompts, responses, temperature)
+    return [v for (lp, mask), (rlp, _) in zip(mine, theirs) for v in torch.where(mask, lp - rlp, 0.0).sum(1).tolist()]
 
 
 def summary(m: Measured, name: Callable[[str], str]) -> dict[str, float]:
@@ -85,17 +209,21 @@ def summary(m: Measured, name: Callable[[str], str]) -> dict[str, float]:
     return out
 
 
-def best_of_n(policy, tok, prompts: list, sampling: SamplingConfig, seed: int, ns: tuple[int, ...],
-              reward: Scorer, judge: Optional[Judge] = None) -> dict[str, Measured]:
-    """Best-of-n from `policy` for each n of `ns`: max(ns) samples per prompt (sample k with seed
-    `seed + k`), scored once by `reward`; each n keeps the reward's favourite among the first n
-    (nested: one draw serves every n). KL is the analytic log n - (n-1)/n. {"best_of_<n>": ...}."""
-    cands = [measure(policy, tok, prompts, sampling, seed + k, reward=reward) for k in range(max(ns))]
-    scores = [c.values["rm"] for c in cands]
+def candidates(policy, seed: int, n: int, prefix: str = "candidate") -> list[Policy]:
+    """`n` draws of `policy` for best-of-n: draw k with seed `seed + k`."""
+    return [Policy(f"{prefix}_{k}", policy, seed + k) for k in range(n)]
+
+
+def best_of_n(draws: list[Measured], prompts: list, ns: tuple[int, ...],
+              judge: Optional[Judge] = None) -> dict[str, Measured]:
+    """Best-of-n for each n of `ns` from max(ns) `draws` scored by the reward ("rm"): each n keeps the
+    reward's favourite among the first n (nested: one draw serves every n); the judge scores the kept
+    responses. KL is the analytic log n - (n-1)/n. {"best_of_<n>": ...}."""
+    scores = [c.values["rm"] for c in draws]
     out = {}
     for n, best in best_of_n_choices(scores, ns).items():
-        texts = [cands[k].texts[i] for i, k in enumerate(best)]
-        out[f"best_of_{n}"] = Measured(texts, [cands[k].ended[i] for i, k in enumerate(best)],
+        texts = [draws[k].texts[i] for i, k in enumerate(best)]
+        out[f"best_of_{n}"] = Measured(texts, [draws[k].ended[i] for i, k in enumerate(best)],
                                        {"rm": [scores[k][i] for i, k in enumerate(best)],
                                         "kl": [best_of_n_kl(n)] * len(prompts)})
         if judge is not None:

@@ -8,8 +8,9 @@ whole pipeline runs in minutes on two CPU cores. With `model.name_or_path` set, 
 
 from __future__ import annotations
 
+import contextlib
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterator
 
 import torch
 from transformers import AutoModelForCausalLM, GPT2Config, LlamaConfig, PreTrainedModel
@@ -97,8 +98,10 @@ def init_policy(cfg: ModelConfig, tokenizer_dir: Path, seed: int) -> tuple[PreTr
     return model, tok
 
 
-def load_policy(path: Path, trust_remote_code: bool = False) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
-    """Load a checkpoint this pipeline wrote, refusing anything but safetensors weights."""
+def load_policy(path: Path, trust_remote_code: bool = False,
+                dtype: torch.dtype | None = None) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
+    """Load a checkpoint this pipeline wrote (in `dtype`, or as saved), refusing anything but
+    safetensors weights."""
     path = Path(path)
     if not (path / "config.json").is_file():
         raise CheckpointError(f"{path}: not a Hugging Face checkpoint (no config.json)")
@@ -106,13 +109,25 @@ def load_policy(path: Path, trust_remote_code: bool = False) -> tuple[PreTrained
         raise CheckpointError(f"{path}: no safetensors weights; this pipeline does not load pickled checkpoints")
     tok = load_tokenizer(path, trust_remote_code)
     model = from_checkpoint(AutoModelForCausalLM, path, strict=True, trust_remote_code=trust_remote_code,
-                            use_safetensors=True)
+                            use_safetensors=True, **({"dtype": dtype} if dtype is not None else {}))
     n_vocab = read_json_object(path / "config.json", "model config", CheckpointError).get("vocab_size")
     if not isinstance(n_vocab, int):
         raise CheckpointError(f"{path / 'config.json'}: no integer vocab_size")
     if len(tok) > n_vocab:
         raise CheckpointError(f"{path}: tokenizer has {len(tok)} tokens but the model's vocab_size is {n_vocab}")
     return model, tok
+
+
+@contextlib.contextmanager
+def modifying(params: list[torch.nn.Parameter]) -> Iterator[None]:
+    """Change `params` in place (a fresh head's initialisation) whether or not ZeRO-3 partitioned
+    them as they loaded: gathered whole meanwhile, changed on every rank alike, rank 0's kept."""
+    if not any(hasattr(p, "ds_id") for p in params):
+        yield
+        return
+    import deepspeed
+    with deepspeed.zero.GatheredParameters(params, modifier_rank=0):
+        yield
 
 
 def save_checkpoint(model: PreTrainedModel, tok: PreTrainedTokenizerBase, out: Path) -> None:

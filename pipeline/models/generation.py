@@ -8,14 +8,16 @@ at the first eos. Shapes: B batch, P prompt length (after left padding), R respo
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Sequence
 
 import torch
 from transformers import DynamicCache, PreTrainedModel
 
 from ..config import SamplingConfig
-from ..errors import ConfigError
+from ..errors import CheckpointError, ConfigError
 from ..data.padding import left_pad, positions
-from ..data.tokenizer import decode_response, encode_prompt
+from ..data.tokenizer import end_ids
+from .logprobs import keeps_logits
 
 
 @dataclass
@@ -44,47 +46,91 @@ def filter_logits(logits: torch.Tensor, top_k: int, top_p: float) -> torch.Tenso
     return logits
 
 
+# On an accelerator the loop asks whether every row has ended only every this many tokens (each
+# ask is a device-to-host sync); the columns sampled past the end are cut off afterwards.
+SYNC_EVERY = 16
+
+
 @torch.inference_mode()
-def sample(model: PreTrainedModel, prompts: list[list[int]], pad_id: int, eos_id: int,
+def sample(model: PreTrainedModel, prompts: list[list[int]], pad_id: int, stop_ids: Sequence[int],
            cfg: SamplingConfig, generator: torch.Generator | None = None, greedy: bool = False,
-           stop_id: int | None = None) -> Sampled:
-    """Sample (or greedily decode) up to `cfg.max_new_tokens` per prompt, stopping at eos, or at
-    `stop_id` too when given (the stop token is kept as the response's last token)."""
+           row_generators: Sequence[torch.Generator] | None = None) -> Sampled:
+    """Sample (or greedily decode) up to `cfg.max_new_tokens` per prompt; a response ends at the
+    first of `stop_ids` (kept as its last token: eos ids, and the stop token when one is set).
+
+    Random streams: `generator` draws every row's token from one stream (PPO's rollouts; a CPU
+    generator samples on the CPU, as the committed runs did, a CUDA one on the GPU), or
+    `row_generators` gives each row its own (the measurement: a prompt's response depends on its
+    own seed only, not on which prompts share its batch or its process)."""
     device = next(model.parameters()).device
     prompt_ids, prompt_mask = (t.to(device) for t in left_pad(prompts, pad_id))
-    B = prompt_ids.size(0)
+    B, P = prompt_ids.shape
     attn = prompt_mask.long()                                   # (B, P + t)
     pos = positions(attn)                                        # (B, P) positions ignore left pads
     cache = DynamicCache()
-    out = model(input_ids=prompt_ids, attention_mask=attn, position_ids=pos,
-                cache=cache, use_cache=True)
+    # Only the last position's logits are needed; on the CPU all of them are still computed, which
+    # keeps the committed CPU runs' bits (a one-row product rounds differently from a P-row one).
+    keep = {"logits_to_keep": 1} if device.type != "cpu" and keeps_logits(model) else {}
+    out = model(input_ids=prompt_ids, attention_mask=attn, position_ids=pos, cache=cache, use_cache=True, **keep)
+    check_cache(model, cache, P)
     next_pos = pos[:, -1:] + 1                            # (B, 1)
     done = torch.zeros(B, dtype=torch.bool, device=device)
-    stop_ids = torch.tensor([eos_id] if stop_id is None else [eos_id, stop_id], device=device)
+    stops = torch.tensor(list(stop_ids), device=device)
+    sync_every = 1 if device.type == "cpu" else SYNC_EVERY
     tokens, logps, masks = [], [], []
-    for _ in range(cfg.max_new_tokens):
+    for t in range(cfg.max_new_tokens):
         logits = out.logits[:, -1, :].float() / cfg.temperature  # (B, V)
         logprobs_all = torch.log_softmax(logits, dim=-1)
         if greedy:
             token = logits.argmax(-1)
         else:
             probs = torch.softmax(filter_logits(logits, cfg.top_k, cfg.top_p), dim=-1)
-            # The seeded generator lives on the CPU: sample there, so a GPU run draws the same tokens.
-            token = torch.multinomial(probs.cpu(), 1, generator=generator).squeeze(-1).to(device)
+            token = draw(probs, generator, row_generators)
         token = torch.where(done, torch.full_like(token, pad_id), token)   # (B,)
         masks.append(~done)
         tokens.append(token)
         logps.append(logprobs_all.gather(-1, token[:, None]).squeeze(-1).masked_fill(done, 0.0))
-        done = done | torch.isin(token, stop_ids)
-        if bool(done.all()):
+        done = done | torch.isin(token, stops)
+        if (t + 1) % sync_every == 0 and bool(done.all()):
             break
         attn = torch.cat([attn, torch.ones((B, 1), dtype=attn.dtype, device=device)], dim=-1)
         out = model(input_ids=token[:, None], attention_mask=attn, position_ids=next_pos,
                     cache=cache, use_cache=True)
         next_pos = next_pos + 1
+    response_mask = torch.stack(masks, dim=1)
+    # Columns after every row ended (sampled between two syncs) hold only padding: cut them, so the
+    # result is the one a sync per token gives.
+    width = int(response_mask.any(0).long().cumsum(0).argmax()) + 1
     return Sampled(prompt_ids=prompt_ids, prompt_mask=prompt_mask,
-                   response_ids=torch.stack(tokens, dim=1), response_mask=torch.stack(masks, dim=1),
-                   logprobs=torch.stack(logps, dim=1), ended=done)
+                   response_ids=torch.stack(tokens, dim=1)[:, :width], response_mask=response_mask[:, :width],
+                   logprobs=torch.stack(logps, dim=1)[:, :width], ended=done)
+
+
+def draw(probs: torch.Tensor, generator: torch.Generator | None,
+         row_generators: Sequence[torch.Generator] | None) -> torch.Tensor:
+    """(B,) token ids drawn from (B, V) `probs`, on the device of the stream(s) that draw them."""
+    if row_generators is not None:
+        return torch.cat([torch.multinomial(probs[i:i + 1].to(g.device), 1, generator=g).squeeze(-1).to(probs.device)
+                          for i, g in enumerate(row_generators)])
+    where = generator.device if generator is not None else probs.device
+    return torch.multinomial(probs.to(where), 1, generator=generator).squeeze(-1).to(probs.device)
+
+
+def check_cache(model: PreTrainedModel, cache: DynamicCache, prompt_length: int) -> None:
+    """The prefill must have filled the KV cache with the whole prompt: a model class that ignores
+    the `cache` keyword would otherwise sample every token without seeing its prompt."""
+    held = cache.get_seq_length()
+    if held != prompt_length:
+        raise CheckpointError(f"{type(model).__name__}: its forward ignored the KV cache (it holds {held} "
+                              f"positions after a prompt of {prompt_length}); the sampler needs a model whose "
+                              "forward takes transformers' `cache` keyword")
+
+
+def stop_ids(tok, model: PreTrainedModel, cfg: SamplingConfig) -> list[int]:
+    """Every id that ends a response: the tokenizer's and the model's generation_config eos ids,
+    and `cfg.stop_token`'s when set."""
+    stop = stop_token_id(tok, cfg)
+    return end_ids(tok, model) + ([stop] if stop is not None else [])
 
 
 def stop_token_id(tok, cfg: SamplingConfig) -> int | None:
@@ -95,21 +141,3 @@ def stop_token_id(tok, cfg: SamplingConfig) -> int | None:
     if len(ids) != 1 or ids[0] == tok.unk_token_id:
         raise ConfigError(f"sampling.stop_token: {cfg.stop_token!r} is not a single token of the tokenizer")
     return ids[0]
-
-
-def generate_texts(model: PreTrainedModel, tok, prompts: list, cfg: SamplingConfig, seed: int,
-                   greedy: bool, batch_size: int = 64, max_prompt_length: int | None = None) -> tuple[list[str], list[bool]]:
-    """Responses (text cut at eos) to `prompts` and whether each emitted eos; prompts longer than
-    `max_prompt_length` tokens keep their right end."""
-    gen = torch.Generator().manual_seed(seed)
-    texts, ended = [], []
-    was_training = model.training
-    model.eval()
-    for start in range(0, len(prompts), batch_size):
-        chunk = [encode_prompt(tok, p, max_prompt_length) for p in prompts[start:start + batch_size]]
-        out = sample(model, chunk, tok.pad_token_id, tok.eos_token_id, cfg, gen, greedy=greedy,
-                     stop_id=stop_token_id(tok, cfg))
-        texts += [decode_response(tok, row.tolist()) for row in out.response_ids]
-        ended += out.ended.tolist()
-    model.train(was_training)
-    return texts, ended

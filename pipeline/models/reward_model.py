@@ -25,7 +25,7 @@ from transformers import AutoModelForSequenceClassification, PreTrainedModel, Pr
 from ..data.padding import positions, right_pad
 from ..errors import CheckpointError
 from .lora import unwrap
-from .checkpoints import fit_embeddings, from_checkpoint
+from .checkpoints import fit_embeddings, from_checkpoint, modifying
 from ..data.tokenizer import encode_prompt, encode_response, load_tokenizer
 
 OFFSET_KEY = "reward_offset"
@@ -59,7 +59,7 @@ def init_reward_model(path: str | Path, seed: int, head_std: float | None, trust
     assert isinstance(layer, torch.nn.Linear)
     std = head_std if head_std is not None else 1.0 / math.sqrt(layer.in_features + 1)
     gen = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
+    with modifying([p for p in (layer.weight, layer.bias) if p is not None]), torch.no_grad():
         layer.weight.copy_(torch.randn(layer.weight.shape, generator=gen) * std)
         if layer.bias is not None:
             layer.bias.zero_()
@@ -67,13 +67,16 @@ def init_reward_model(path: str | Path, seed: int, head_std: float | None, trust
     return model, tok
 
 
-def load_reward_model(path: str | Path, trust_remote_code: bool = False) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
-    """Load a trained reward model (safetensors only) and check it has one scalar output."""
+def load_reward_model(path: str | Path, trust_remote_code: bool = False,
+                      dtype: torch.dtype | None = None) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
+    """Load a trained reward model (safetensors only; in `dtype`, or as saved) and check it has one
+    scalar output."""
     path = Path(path)
     if not list(path.glob("*.safetensors")):
         raise CheckpointError(f"{path}: no safetensors weights; this pipeline does not load pickled checkpoints")
     model = from_checkpoint(AutoModelForSequenceClassification, path, strict=True,
-                            trust_remote_code=trust_remote_code, use_safetensors=True)
+                            trust_remote_code=trust_remote_code, use_safetensors=True,
+                            **({"dtype": dtype} if dtype is not None else {}))
     if model.config.num_labels != 1:
         raise CheckpointError(f"{path}: a reward model has num_labels=1, this one has {model.config.num_labels}")
     head(model)

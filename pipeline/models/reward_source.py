@@ -10,9 +10,10 @@
 
 from __future__ import annotations
 
+import contextlib
 import math
 from pathlib import Path
-from typing import Callable, Protocol, Sequence
+from typing import Any, Callable, Iterator, Protocol, Sequence
 
 import torch
 
@@ -23,23 +24,40 @@ from ..errors import ConfigError, shown
 
 class RewardSource(Protocol):
     def score(self, prompts: list[str], responses: list[str]) -> torch.Tensor:
-        """(B,) float32 score of each (prompt, response)."""
+        """(B,) float32 score of each (prompt, response), on the source's device (a function's: the CPU)."""
         ...
 
 
 class RewardModelSource:
     """A frozen reward model (inference mode, no gradients, dropout off)."""
 
-    def __init__(self, path: Path, max_length: int, trust_remote_code: bool = False,
-                 place: Callable[[torch.nn.Module], torch.nn.Module] | None = None):
-        model, self.tok = rm.load_reward_model(path, trust_remote_code)
-        model.eval().requires_grad_(False)
-        # `place` puts the frozen model where PPO's placement wants it (e.g. partitioned by ZeRO-3).
-        self.model = place(model) if place is not None else model
+    def __init__(self, path: Path | None, max_length: int, trust_remote_code: bool = False,
+                 place: Callable[[torch.nn.Module], Any] | None = None, *, device: torch.device | None = None,
+                 dtype: torch.dtype | None = None, loaded: tuple[torch.nn.Module, Any] | None = None):
+        """The reward model at `path` (or `loaded`: a model and tokenizer in memory). `place` puts it
+        where PPO's placement wants it (a FrozenModel: e.g. partitioned by ZeRO-3); else it goes to
+        `device` in `dtype` (this rank's device, for a measurement). A `loaded` model is used as it
+        is (score_texts scores in eval mode and restores its mode)."""
+        if loaded is not None:
+            model, self.tok = loaded
+        else:
+            model, self.tok = rm.load_reward_model(path, trust_remote_code, dtype)
+            model.eval().requires_grad_(False)
+        self.placed = place(model) if place is not None else None
+        self.model = self.placed.model if self.placed is not None else model.to(device) if device else model
         self.max_length = max_length
 
     def score(self, prompts: list[str], responses: list[str]) -> torch.Tensor:
         return rm.score_texts(self.model, self.tok, prompts, responses, self.max_length)
+
+    @contextlib.contextmanager
+    def gathered(self) -> Iterator["RewardModelSource"]:
+        """This source with its model whole on this rank (ZeRO-3: gathered; see FrozenModel)."""
+        if self.placed is None:
+            yield self
+            return
+        with self.placed.gathered():
+            yield self
 
 
 class FunctionSource:
@@ -71,7 +89,8 @@ class FunctionSource:
 
 
 def make_reward_source(spec: str, reward_dir: Path, max_length: int, trust_remote_code: bool,
-                       place: Callable[[torch.nn.Module], torch.nn.Module] | None = None) -> RewardSource:
+                       place: Callable[[torch.nn.Module], Any] | None = None,
+                       dtype: torch.dtype | None = None) -> RewardSource:
     if spec == "reward_model":
-        return RewardModelSource(reward_dir, max_length, trust_remote_code, place)
+        return RewardModelSource(reward_dir, max_length, trust_remote_code, place, dtype=dtype)
     return FunctionSource(spec)

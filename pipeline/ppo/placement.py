@@ -19,6 +19,7 @@ The trainer only calls forward/backward/step on what it is handed.
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -30,6 +31,7 @@ from ..models import lora
 from ..models import reward_model as rm
 from ..config import Params, PPOConfig
 from ..training.distributed import SINGLE, Context
+from ..training import loading
 from ..training.engines import FrozenModel, TrainEngine, make_engine
 from ..errors import CheckpointError
 from ..models.checkpoints import load_policy
@@ -47,6 +49,12 @@ class PPOModels:
     frozen: FrozenModel | None = None   # how the reference/reward models were placed (its DeepSpeed config)
     memory: dict[str, float] | None = None   # GPU GiB each model added when placed (CUDA only)
     auditor: RewardSource | None = None      # ppo.detector.auditor's reward model, or None
+    ref_holder: Any = None   # what holds the reference whole for a measurement (`gathered()`); see reference()
+
+    def reference(self) -> Any:
+        """The reference policy as a measurement takes it: something whose `gathered()` gives it whole
+        on this rank (the placed frozen model; under LoRA the gathered actor with its adapter off)."""
+        return self.ref_holder if self.ref_holder is not None else self.ref
 
 
 class AdapterOff(torch.nn.Module):
@@ -54,14 +62,26 @@ class AdapterOff(torch.nn.Module):
     SFT model exactly (the base weights are frozen). The actor is held, not registered, so this
     module owns no parameters."""
 
-    def __init__(self, actor: torch.nn.Module):
+    def __init__(self, actor: torch.nn.Module, engine: TrainEngine | None = None):
         super().__init__()
         self._actor = [actor]
+        self._engine = [engine]
+
+    @property
+    def actor(self) -> torch.nn.Module:
+        return self._actor[0]
 
     def forward(self, **inputs: Any) -> Any:
-        actor = self._actor[0]
-        with actor.disable_adapter():
-            return actor(**inputs)
+        with self.actor.disable_adapter():
+            return self.actor(**inputs)
+
+    @contextlib.contextmanager
+    def gathered(self):
+        """The SFT policy whole on this rank: the actor gathered (ZeRO-3), its adapter off."""
+        engine = self._engine[0]
+        with (engine.gathered() if engine is not None else contextlib.nullcontext(self.actor)) as actor, \
+                actor.disable_adapter():
+            yield actor
 
 
 class SharedValueHead(torch.nn.Module):
@@ -100,54 +120,63 @@ def place_models(params: Params, sft_dir: Path, reward_dir: Path, ctx: Context =
     n_updates = cfg.iterations * cfg.ppo_epochs * (cfg.rollout_batch_size // cfg.minibatch_size)
     schedule = _linear_decay(n_updates, cfg.lr_schedule)
     # Actor and critic engines differ only in their learning rate.
+    accumulation = cfg.minibatch_size // ctx.world_size // cfg.micro_batch_size
     engine_settings = dict(weight_decay=0.0, schedule=schedule, max_grad_norm=cfg.max_grad_norm, dist=dist, ctx=ctx,
-                           micro_batch_size=cfg.micro_batch_size,
-                           accumulation_steps=cfg.minibatch_size // ctx.world_size // cfg.micro_batch_size)
+                           micro_batch_size=cfg.micro_batch_size, accumulation_steps=accumulation)
+    trained, frozen_dtype = loading.load_dtype(dist, trained=True), loading.load_dtype(dist, trained=False)
 
     memory = _MemoryMeter()
-    actor_model, tok = load_policy(sft_dir, trust)
+    with loading.partitioned(dist, ctx):
+        actor_model, tok = load_policy(sft_dir, trust, trained)
     actor_model = lora.wrap(actor_model, cfg.lora, "CAUSAL_LM")
     # Dropout off in the trained models too: PPO's ratio must be exactly 1 before the first update.
     actor_model.eval()
     actor = make_engine(actor_model, lr=cfg.lr, **engine_settings)
     memory.mark("actor")
 
-    critic = (_critic(cfg, actor, actor_model.config.vocab_size, sft_dir, reward_dir, trust, engine_settings)
-              if cfg.uses_critic else None)
+    with loading.partitioned(dist, ctx):
+        critic = (_critic(cfg, actor, actor_model.config.vocab_size, sft_dir, reward_dir, trust, engine_settings, trained)
+                  if cfg.uses_critic else None)
     if critic is not None:
         memory.mark("critic")
 
     placed: list[FrozenModel] = []
 
-    def place_frozen(model: torch.nn.Module) -> torch.nn.Module:
+    def place_frozen(model: torch.nn.Module) -> FrozenModel:
         placed.append(FrozenModel(model, dist, ctx, cfg.micro_batch_size))
-        return placed[-1].model
+        return placed[-1]
 
-    if lora.is_peft(actor.model):
-        ref: torch.nn.Module = AdapterOff(actor.model)
-    else:
-        ref = place_frozen(load_policy(sft_dir, trust)[0])
-    memory.mark("reference")
-    reward = make_reward_source(cfg.reward_source, reward_dir, params.reward.max_length, trust, place_frozen)
-    memory.mark("reward")
-    auditor = None
-    if cfg.detector.enabled and cfg.detector.auditor is not None:
-        auditor = RewardModelSource(Path(cfg.detector.auditor), params.reward.max_length, trust, place_frozen)
-        memory.mark("auditor")
+    with loading.partitioned(dist, ctx):
+        if lora.is_peft(actor.model):
+            ref: torch.nn.Module = AdapterOff(actor.model, actor)
+            ref_holder: Any = ref
+        else:
+            ref_holder = place_frozen(load_policy(sft_dir, trust, frozen_dtype)[0])
+            ref = ref_holder.model
+        memory.mark("reference")
+        reward = make_reward_source(cfg.reward_source, reward_dir, params.reward.max_length, trust, place_frozen,
+                                    frozen_dtype)
+        memory.mark("reward")
+        auditor = None
+        if cfg.detector.enabled and cfg.detector.auditor is not None:
+            auditor = RewardModelSource(Path(cfg.detector.auditor), params.reward.max_length, trust, place_frozen,
+                                        dtype=frozen_dtype)
+            memory.mark("auditor")
     return PPOModels(actor=actor, critic=critic, ref=ref, reward=reward, tok=tok, ctx=ctx,
-                     frozen=placed[0] if placed else None, memory=memory.used or None, auditor=auditor)
+                     frozen=placed[0] if placed else None, memory=memory.used or None, auditor=auditor,
+                     ref_holder=ref_holder)
 
 
 def _critic(cfg: PPOConfig, actor: TrainEngine, vocab_size: int, sft_dir: Path, reward_dir: Path, trust: bool,
-            engine_settings: dict[str, Any]) -> TrainEngine:
+            engine_settings: dict[str, Any], dtype: torch.dtype) -> TrainEngine:
     """The critic's engine: a value head on the actor's trunk (shared_backbone), or its own model."""
     if cfg.shared_backbone:
         critic_model: torch.nn.Module = SharedValueHead(actor.model)
     else:
         if cfg.critic_init == "reward":
-            critic_model, _ = rm.load_reward_model(reward_dir, trust)
+            critic_model, _ = rm.load_reward_model(reward_dir, trust, dtype)
         else:
-            critic_model, _ = rm.init_reward_model(sft_dir, cfg.seed, None, trust)
+            critic_model, _ = rm.init_reward_model(sft_dir, cfg.seed, None, trust, {"dtype": dtype})
         if critic_model.config.vocab_size != vocab_size:
             raise CheckpointError(f"ppo.critic_init: the critic ({reward_dir}) and the actor ({sft_dir}) have "
                                   "different vocabularies; use critic_init: sft")
@@ -168,18 +197,3 @@ class _MemoryMeter:
             now = torch.cuda.memory_allocated()
             self.used[name] = (now - self.last) / 2 ** 30
             self.last = now
-
-
-def evaluation_models(models: PPOModels, params: Params, sft_dir: Path, reward_dir: Path,
-                      adapter_dir: Path | None = None):
-    """Collective. Plain single-process models for the held-out comparison on rank 0: the trained
-    actor (gathered; under LoRA its adapter saved to `adapter_dir`, then merged), the SFT reference
-    and the reward source, all on the CPU. Returns (actor, ref, reward) on rank 0, None elsewhere."""
-    full = models.actor.full_model()
-    if full is None:
-        return None
-    trust = params.model.trust_remote_code
-    actor = lora.export(full, adapter_dir).cpu().eval()
-    ref = load_policy(sft_dir, trust)[0].eval().requires_grad_(False)
-    reward = make_reward_source(params.ppo.reward_source, reward_dir, params.reward.max_length, trust)
-    return actor, ref, reward

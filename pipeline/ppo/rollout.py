@@ -13,9 +13,9 @@ import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from ..config import SamplingConfig
-from ..models.generation import sample, stop_token_id
+from ..models.generation import sample, stop_ids
 from ..data.padding import positions
-from ..data.tokenizer import decode_response, encode_prompt
+from ..data.tokenizer import decode_response, encode_prompt, end_ids
 
 
 @dataclass
@@ -64,8 +64,9 @@ def rollout(actor: PreTrainedModel, tok: PreTrainedTokenizerBase, prompts: list,
     `cfg.stop_token` (TRL's stop-token truncation: nothing after it is part of the response).
     Prompts longer than `max_prompt_length` tokens keep their right end."""
     ids = [encode_prompt(tok, p, max_prompt_length) for p in prompts]
-    out = sample(actor, ids, tok.pad_token_id, tok.eos_token_id, cfg, generator, stop_id=stop_token_id(tok, cfg))
-    responses = [decode_response(tok, row.tolist()) for row in out.response_ids]
+    out = sample(actor, ids, tok.pad_token_id, stop_ids(tok, actor, cfg), cfg, generator)
+    ends = end_ids(tok, actor)
+    responses = [decode_response(tok, row.tolist(), ends) for row in out.response_ids]
     input_ids = torch.cat([out.prompt_ids, out.response_ids], dim=1)
     attention_mask = torch.cat([out.prompt_mask, out.response_mask], dim=1).long()
     return Rollout(prompts, responses, input_ids, attention_mask, out.response_mask, out.ended,

@@ -17,11 +17,12 @@ One iteration (numbered as in the code):
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
 import time
 from dataclasses import dataclass
-from typing import Callable, Optional
+from typing import Callable, Iterator, Optional
 
 import torch
 
@@ -29,6 +30,7 @@ from ..config import PPOConfig
 from ..errors import check_finite
 from ..measurement.stats import distinct_n
 from ..training.batches import BatchSampler
+from ..training.distributed import generator
 from . import advantages as adv
 from . import group_advantages as group
 from .losses import aggregate, policy_loss, truncated_is_weights, value_loss
@@ -74,8 +76,9 @@ class PPOTrainer:
                        else adv.FixedKLController(cfg.kl_coef))
         # rollout_batch_size counts responses: rollout_batch_size / k prompts per iteration, each k times.
         self.prompt_sampler = BatchSampler(len(prompts), cfg.rollout_batch_size // cfg.samples_per_prompt, cfg.seed)
-        # Each rank its own sampling stream (rank 0's is the single-process one).
-        self.sample_gen = torch.Generator().manual_seed(cfg.seed + 1 + 7919 * self.ctx.rank)
+        # Each rank its own sampling stream (rank 0's is the single-process one), on its device: a CUDA
+        # run draws on the GPU, a CPU run on the CPU as the committed runs did.
+        self.sample_gen = generator(self.ctx.device, cfg.seed + 1 + 7919 * self.ctx.rank)
         self.shuffle_gen = torch.Generator().manual_seed(cfg.seed + 2)
         self.iteration = 0  # iterations completed
         self.actor_lr = models.actor.lr   # learning rate of the actor's last update
@@ -134,8 +137,9 @@ class PPOTrainer:
         mode = cfg.loss_aggregation
         agg = dict(mode=mode, loss_denominator=n_tokens if mode == "token_mean" else n_rows,
                    max_len=cfg.sampling.max_new_tokens)
-        logprobs, entropy = policy_logprobs(self.m.actor.forward, ro, cfg.sampling.temperature, with_entropy=True,
-                                            entropy_grad=cfg.entropy_coef > 0)
+        with self.forwards():
+            logprobs, entropy = policy_logprobs(self.m.actor.forward, ro, cfg.sampling.temperature, with_entropy=True,
+                                                entropy_grad=cfg.entropy_coef > 0)
         weights = b.tis_weights[idx, :r] if b.tis_weights is not None else None
         pg_loss, stats = policy_loss(logprobs, b.sc.old_logprobs[idx, :r], b.advantages[idx, :r], mask,
                                      cfg.clip_eps, cfg.dual_clip, loss_denominator=agg["loss_denominator"],
@@ -151,7 +155,8 @@ class PPOTrainer:
         _check_finite("loss/policy", pg_loss.detach(), self.iteration + 1)
         vstats: dict[str, float] = {}
         if self.m.critic is not None:
-            values = critic_values(self.m.critic.model, ro)
+            with self.forwards():
+                values = critic_values(self.m.critic.model, ro)
             v_loss, vstats = value_loss(values, b.sc.values[idx, :r], b.returns[idx, :r], mask, cfg.clip_eps_value,
                                         loss_denominator=n_tokens)
             _check_finite("loss/value", v_loss.detach(), self.iteration + 1)
@@ -165,6 +170,15 @@ class PPOTrainer:
         out.update({"loss/policy": pg_loss.item(), **({"loss/value": vstats["loss/value"]} if vstats else {}),
                     "objective/entropy": ent_sum.item(), **{k: stats[k] for k in MAX_STATS if k in stats}})
         return out
+
+    @contextlib.contextmanager
+    def forwards(self) -> Iterator[None]:
+        """The update's forwards: in the trained engines' precision (bf16 autocast without DeepSpeed),
+        their checkpointed layers recomputing (distributed.gradient_checkpointing); backward outside."""
+        critic = self.m.critic
+        with self.m.actor.autocast(), self.m.actor.recomputing(), \
+                (critic.recomputing() if critic is not None else contextlib.nullcontext()):
+            yield
 
     def optimizer_step(self) -> dict[str, float]:
         """Every trained engine's update (the actor's, and the critic's when there is one); returns
@@ -224,13 +238,14 @@ class PPOTrainer:
         # Each prompt k times, consecutive; a rank's slice holds whole groups (checked in config.py).
         k = cfg.samples_per_prompt
         prompts = self.ctx.shard([self.prompts[i] for i in next(self.prompt_sampler) for _ in range(k)])
-        with self.m.actor.gathered() as policy:   # ZeRO-3: parameters gathered once per rollout
+        with self.m.actor.gathered() as policy, self.m.actor.autocast():   # ZeRO-3: gathered once per rollout
             ro = rollout(policy, self.m.tok, prompts, cfg.sampling, self.sample_gen, cfg.max_prompt_length)   # 1
         t1 = time.perf_counter()
         critic = self.m.critic.model if self.m.critic is not None else None
-        sc = score_rollout(self.m.actor.forward, self.m.ref, critic, self.m.reward, ro,                # 2
-                           cfg.sampling.temperature, cfg.micro_batch_size, cfg.missing_eos_score, cfg.score_clip,
-                           self.recompute, cfg.logprob_check_rows)
+        with self.m.actor.autocast():
+            sc = score_rollout(self.m.actor.forward, self.m.ref, critic, self.m.reward, ro,            # 2
+                               cfg.sampling.temperature, cfg.score_micro_batch_size or cfg.micro_batch_size,
+                               cfg.missing_eos_score, cfg.score_clip, self.recompute, cfg.logprob_check_rows)
         _check_finite("rewards (scores)", sc.raw_scores, it)
         batch, stats = self.make_batch(ro, sc)                                                     # 3, 4
         stats.update(sc.mismatch)

@@ -29,22 +29,24 @@ from ..data import inputs
 from ..data.io import atomic_write_text
 from ..errors import ConfigError
 from ..measurement.plots import close_figure, plt, save_figure
-from ..measurement.policy import Measured, best_of_n, measure, summary
+from ..measurement.policy import Measured, Policy, best_of_n, candidates, measure_policies, summary
 from ..measurement.stats import win_rate
 from ..models.checkpoints import load_policy
 from ..models.reward_source import RewardModelSource
 from ..tracking.sinks import StepLog
+from ..training import loading
+from ..training.distributed import SINGLE, Context
 from .skeleton import stage_run
 from .spec import StageSpec
 
-SPEC = StageSpec("compare", inputs=("data", "sft", "reward"), training=False, reads=(
+SPEC = StageSpec("compare", inputs=("data", "sft", "reward"), measuring=True, reads=(
     "data.task", "model.trust_remote_code",
     "reward.max_length",         # the reward model scores as it was trained
     "ppo.sampling",              # every policy samples as PPO's rollouts did
     "ppo.dataset",               # held-out prompts
     "sft.dataset.path",          # the gold judge applies only to the default task's own data
     "reward.dataset.path",
-    "compare",
+    "compare", "distributed",
 ))
 
 # Per-policy measures, in table order; `resources` come from the method stage's metrics.json.
@@ -77,18 +79,26 @@ def stage_resources(policy_dir: Path) -> dict[str, float]:
     return {k: float(res[k]) for k in RESOURCES if isinstance(res.get(k), (int, float))}
 
 
-def measure_all(params: Params, sft_dir: Path, methods: dict[str, Path], reward: RewardModelSource,
-                prompts: list, judge) -> tuple[dict[str, Measured], tuple[str, ...]]:
-    """Every policy's responses and per-response measures; returns them and the policy names in
-    report order (sft, best-of-n by n, the methods as given)."""
-    cfg, sampling = params.compare, params.ppo.sampling
-    sft, tok = load_policy(sft_dir, params.model.trust_remote_code)
-    per = {"sft": measure(sft, tok, prompts, sampling, cfg.seed, reward=reward.score, ref=sft, judge=judge)}
+def measure_all(params: Params, sft_dir: Path, methods: dict[str, Path], reward_dir: Path,
+                prompts: list, judge, ctx: Context = SINGLE) -> tuple[dict[str, Measured], tuple[str, ...]]:
+    """Collective. Every policy's responses and per-response measures, every rank its share of the
+    prompts, the models on its device (one method's policy at a time); returns them and the policy
+    names in report order (sft, best-of-n by n, the methods as given)."""
+    cfg, sampling, trust = params.compare, params.ppo.sampling, params.model.trust_remote_code
+    dtype = loading.load_dtype(cfg.distributed, trained=False)
+    sft, tok = load_policy(sft_dir, trust, dtype)
+    sft = sft.to(ctx.device)
+    reward = RewardModelSource(reward_dir, params.reward.max_length, trust, device=ctx.device, dtype=dtype)
+    per = measure_policies([Policy("sft", sft, cfg.seed)], tok, prompts, sampling, ctx=ctx, reward=reward, ref=sft,
+                           judge=judge)
     if cfg.best_of_n:   # nested best-of-n from SFT, drawn as the evaluate stage draws it
-        per.update(best_of_n(sft, tok, prompts, sampling, cfg.seed + 1, cfg.best_of_n, reward.score, judge))
+        draws = candidates(sft, cfg.seed + 1, max(cfg.best_of_n))
+        cands = measure_policies(draws, tok, prompts, sampling, ctx=ctx, reward=reward)
+        per.update(best_of_n([cands[d.name] for d in draws], prompts, cfg.best_of_n, judge))
     for name, folder in methods.items():
-        policy, _ = load_policy(folder, params.model.trust_remote_code)
-        per[name] = measure(policy, tok, prompts, sampling, cfg.seed, reward=reward.score, ref=sft, judge=judge)
+        policy, _ = load_policy(folder, trust, dtype)
+        per.update(measure_policies([Policy(name, policy.to(ctx.device), cfg.seed)], tok, prompts, sampling, ctx=ctx,
+                                    reward=reward, ref=sft, judge=judge))
         del policy
     return per, tuple(per)
 
@@ -187,8 +197,9 @@ def run(params: Params, data_dir: Path, sft_dir: Path, reward_dir: Path, policie
         p = run.params
         judge = inputs.judge(p)
         prompts = inputs.prompts(p, data_dir, "eval")[:p.compare.n_prompts]
-        reward = RewardModelSource(reward_dir, p.reward.max_length, p.model.trust_remote_code)
-        per, names = measure_all(p, sft_dir, methods, reward, prompts, judge)
+        per, names = measure_all(p, sft_dir, methods, reward_dir, prompts, judge, run.ctx)
+        if not run.ctx.is_main:   # rank 0 writes the table, the plot and the metrics
+            return {}
         m = summarise(per, p.compare.bootstrap, p.compare.seed)
         m["n_prompts"] = len(prompts)
         resources = {name: stage_resources(folder) for name, folder in methods.items()}

@@ -173,13 +173,14 @@ def judge(params: Params):
     return inputs.judge(params) if params.dpo.dataset.path is None else None
 
 
-def measure_policy(model, tok, params: Params, sft_dir: Path, prompts: list) -> dict[str, Any]:
-    """The trained policy sampled on the held-out `prompts` as in `ppo.sampling`, with its KL to the
-    SFT policy (loaded now, after training): `eval/<gold|kl>_sampled` with `_ci95` half-widths,
-    `eval/<eos_rate|length|distinct_2>_sampled`."""
-    sft, _ = load_policy(sft_dir, params.model.trust_remote_code)
+def measure_policy(model, tok, params: Params, sft_dir: Path, prompts: list, ctx: Context = SINGLE) -> dict[str, Any]:
+    """Collective. The trained policy (a module or an engine) sampled on the held-out `prompts` as in
+    `ppo.sampling`, with its KL to the SFT policy (loaded now, after training, onto this rank's
+    device): `eval/<gold|kl>_sampled` with `_ci95` half-widths, `eval/<eos_rate|length|distinct_2>_sampled`."""
+    dtype = next(getattr(model, "model", model).parameters()).dtype
+    sft, _ = load_policy(sft_dir, params.model.trust_remote_code, dtype)
     measured = measure(model, tok, prompts, params.ppo.sampling, params.dpo.seed, judge=judge(params),
-                       ref=sft.eval(), max_prompt_length=params.ppo.max_prompt_length)
+                       ref=sft.to(ctx.device), max_prompt_length=params.ppo.max_prompt_length, ctx=ctx)
     stats = summary(measured, lambda key: key)
     return {f"eval/{k[:-len('_ci95')]}_sampled_ci95" if k.endswith("_ci95") else f"eval/{k}_sampled": v
             for k, v in stats.items()}
@@ -223,13 +224,14 @@ def train(run: StageRun, data_dir: Path, sft_dir: Path, progress: bool = True) -
                           eval_columns=[*COLUMNS, *DRIFT],
                           evaluate=lambda: eval_pairs(engine.model, cfg, eval_items, pad, ctx, width))
     result = supervised.train(task, cfg, engine, micro, out, run.tracker, ctx, run.fingerprint, progress)
+    measured = measure_policy(engine, tok, params, sft_dir, prompts, ctx)   # every rank, on its device
     model, metrics = supervised.finish(engine, result, cfg.lora, out, {
         "data/truncated": n_trunc, "data/dropped": n_drop, "data/eval_truncated": e_trunc, "data/eval_dropped": e_drop})
     if model is None:
         return None, tok, {}
     # 5. Final metrics and the sampled measurement.
     metrics.update(final_metrics(result.eval_log.rows[-1], result.train_log.rows[-1]))
-    metrics.update(measure_policy(model, tok, params, sft_dir, prompts))
+    metrics.update(measured)
     return model, tok, metrics
 
 

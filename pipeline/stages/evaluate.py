@@ -27,22 +27,24 @@ from ..data import inputs
 from ..data.io import atomic_write_text
 from ..measurement.comparison_plots import evaluation_plots
 from ..measurement.plots import close_figure
-from ..measurement.policy import Measured, best_of_n, measure, summary
+from ..measurement.policy import Measured, Policy, best_of_n, candidates, measure_policies, summary
 from ..measurement.stats import win_rate
 from ..models.checkpoints import load_policy
 from ..models.reward_source import RewardModelSource
 from ..tracking.sinks import StepLog
+from ..training import loading
+from ..training.distributed import SINGLE, Context
 from .skeleton import stage_run
 from .spec import StageSpec
 
-SPEC = StageSpec("evaluate", inputs=("data", "sft", "reward", "ppo"), reads=(
+SPEC = StageSpec("evaluate", inputs=("data", "sft", "reward", "ppo"), measuring=True, reads=(
     "data.task", "model.trust_remote_code",
     "reward.max_length",         # the reward model scores as it was trained
     "ppo.sampling",              # every policy samples as PPO's rollouts did
     "ppo.dataset",               # held-out prompts
     "sft.dataset.path",          # the gold judge applies only to the default task's own data
     "reward.dataset.path",
-    "evaluate",
+    "evaluate", "distributed",
 ))
 
 
@@ -54,17 +56,23 @@ def policies(cfg: EvaluateConfig) -> tuple[str, ...]:
 # ---- Policies ----------------------------------------------------------------------------------------
 
 
-def sample_policies(params: Params, sft_dir: Path, ppo_dir: Path, reward: RewardModelSource,
-                    prompts: list[str], judge: Optional[Callable]) -> dict[str, Measured]:
-    """Responses and per-response measurements of each policy on `prompts`."""
-    cfg, sampling = params.evaluate, params.ppo.sampling
-    sft, tok = load_policy(sft_dir, params.model.trust_remote_code)
-    ppo, _ = load_policy(ppo_dir, params.model.trust_remote_code)
-    out = {name: measure(policy, tok, prompts, sampling, cfg.seed, reward=reward.score, ref=sft, judge=judge)
-           for name, policy in (("sft", sft), ("ppo", ppo))}
-    # Best-of-n from SFT: max(n) samples per prompt (seed per sample), scored once; each n keeps
-    # the RM's favourite among the first n.
-    out.update(best_of_n(sft, tok, prompts, sampling, cfg.seed + 1, cfg.best_of_n, reward.score, judge))
+def sample_policies(params: Params, sft_dir: Path, ppo_dir: Path, reward_dir: Path, prompts: list[str],
+                    judge: Optional[Callable], ctx: Context = SINGLE) -> dict[str, Measured]:
+    """Collective. Responses and per-response measurements of each policy on `prompts`, every rank
+    its share, the models on its device (16-bit under `evaluate.distributed.precision` bf16/fp16)."""
+    cfg, sampling, trust = params.evaluate, params.ppo.sampling, params.model.trust_remote_code
+    dtype = loading.load_dtype(cfg.distributed, trained=False)
+    sft, tok = load_policy(sft_dir, trust, dtype)
+    ppo, _ = load_policy(ppo_dir, trust, dtype)
+    sft, ppo = sft.to(ctx.device), ppo.to(ctx.device)
+    reward = RewardModelSource(reward_dir, params.reward.max_length, trust, device=ctx.device, dtype=dtype)
+    out = measure_policies([Policy("sft", sft, cfg.seed), Policy("ppo", ppo, cfg.seed)], tok, prompts, sampling,
+                           ctx=ctx, reward=reward, ref=sft, judge=judge)
+    # Best-of-n from SFT: max(n) samples per prompt (draw k with seed seed + 1 + k), scored once;
+    # each n keeps the RM's favourite among the first n.
+    draws = candidates(sft, cfg.seed + 1, max(cfg.best_of_n))
+    per = measure_policies(draws, tok, prompts, sampling, ctx=ctx, reward=reward)
+    out.update(best_of_n([per[d.name] for d in draws], prompts, cfg.best_of_n, judge))
     return out
 
 
@@ -186,7 +194,9 @@ def run(params: Params, data_dir: Path, sft_dir: Path, reward_dir: Path, ppo_dir
     """The stage: measure every policy, write the report, its plots and metrics; the verdict
     becomes the description of the pipeline's MLflow parent run."""
     with stage_run(SPEC, params, out, [data_dir, sft_dir, reward_dir, ppo_dir, params.ppo.dataset.path]) as run:
-        m, text, table, figures = _run(run.params, data_dir, sft_dir, reward_dir, ppo_dir, out)
+        m, text, table, figures = _run(run.params, data_dir, sft_dir, reward_dir, ppo_dir, out, run.ctx)
+        if not run.ctx.is_main:   # rank 0 writes the report
+            return {}
         for name, figure in figures.items():   # before finish, which uploads the files not logged so
             run.tracker.log_figure(figure, name)
             close_figure(figure)
@@ -197,12 +207,13 @@ def run(params: Params, data_dir: Path, sft_dir: Path, reward_dir: Path, ppo_dir
 
 
 def _run(params: Params, data_dir: Path, sft_dir: Path, reward_dir: Path, ppo_dir: Path,
-         out: Path) -> tuple[dict[str, Any], str, dict[str, list], dict[str, Any]]:
+         out: Path, ctx: Context = SINGLE) -> tuple[dict[str, Any], str, dict[str, list], dict[str, Any]]:
     cfg, judge = params.evaluate, inputs.judge(params)
     names = policies(cfg)
     prompts = inputs.prompts(params, data_dir, "eval")[:cfg.n_prompts]
-    reward = RewardModelSource(reward_dir, params.reward.max_length, params.model.trust_remote_code)
-    per = sample_policies(params, sft_dir, ppo_dir, reward, prompts, judge)
+    per = sample_policies(params, sft_dir, ppo_dir, reward_dir, prompts, judge, ctx)
+    if not ctx.is_main:
+        return {}, "", {}, {}
     m = summarise(per, cfg.bootstrap, cfg.seed)
     # The policy's name is a column so `dvc plots show` can draw bars by policy (dvc.yaml's plots).
     scores = ["rm", "gold", "kl"] if judge else ["rm", "kl"]

@@ -20,12 +20,13 @@ from typing import Any, Callable, Optional
 
 from ..config import Params, PPOConfig
 from ..data import inputs
-from ..measurement.policy import measure, summary
+from ..measurement.policy import Policy, measure_policies, summary
 from ..measurement.stats import mean_ci
-from ..models.reward_source import FunctionSource, RewardSource
+from ..models import lora
+from ..models.reward_source import FunctionSource
 from ..ppo import checkpoint
 from ..ppo.detector import Detector
-from ..ppo.placement import evaluation_models, place_models
+from ..ppo.placement import PPOModels, place_models
 from ..ppo.trainer import PPOTrainer
 from ..progress import Progress
 from ..tracking.sinks import StepLog
@@ -44,17 +45,19 @@ SPEC = StageSpec("ppo", inputs=("data", "sft", "reward"), training=True, reads=(
 log = logging.getLogger(__name__)
 
 
-def compare_policies(actor, ref, tok, params: Params, prompts: list[str], judge: Optional[Callable],
-                     reward: RewardSource, policy_name: str = "ppo") -> dict[str, Any]:
-    """The trained policy vs the SFT (reference) policy on the same held-out prompts, sampled as in
-    training: `eval/<rm|kl|gold>_<policy>` with their 95% half-widths, `eval/eos_rate_<policy>`, and
-    the per-prompt gold gain over SFT. `policy_name`: the stage (ppo, grpo)."""
+def compare_policies(models: PPOModels, params: Params, prompts: list[str], judge: Optional[Callable],
+                     policy_name: str = "ppo") -> dict[str, Any]:
+    """Collective. The trained policy vs the SFT (reference) policy on the same held-out prompts,
+    sampled as in training, where the models are (every rank its share of the prompts):
+    `eval/<rm|kl|gold>_<policy>` with their 95% half-widths, `eval/eos_rate_<policy>`, and the
+    per-prompt gold gain over SFT. `policy_name`: the stage (ppo, grpo)."""
     cfg = params.ppo
     m: dict[str, Any] = {}
-    per = {}
-    for name, policy in (("sft", ref), (policy_name, actor)):
-        per[name] = measure(policy, tok, prompts, cfg.sampling, cfg.seed + 7, reward=reward.score, ref=ref,
-                            judge=judge, max_prompt_length=cfg.max_prompt_length)
+    ref = models.reference()
+    per = measure_policies([Policy("sft", ref, cfg.seed + 7), Policy(policy_name, models.actor, cfg.seed + 7)],
+                           models.tok, prompts, cfg.sampling, ctx=models.ctx, reward=models.reward, ref=ref,
+                           judge=judge, max_prompt_length=cfg.max_prompt_length)
+    for name in ("sft", policy_name):
         stats = summary(per[name], lambda key: key)
         m[f"eval/eos_rate_{name}"] = stats["eos_rate"]
         for key in per[name].values:
@@ -169,16 +172,16 @@ def _run(run: StageRun, data_dir: Path, sft_dir: Path, reward_dir: Path, progres
     stopped_at = train(trainer, detector, step_log, out / "checkpoint", fp, progress and ctx.is_main, run.spec.name)
     kept = checkpoint.restore_actor(trainer, out / "checkpoint", fp) if stopped_at else trainer.iteration
 
-    adapter_dir = out / "adapter" if cfg.lora.enabled else None
-    plain = evaluation_models(models, params, sft_dir, reward_dir, adapter_dir)   # collective; None on ranks > 0
-    if plain is None:
+    held_out = compare_policies(models, params, eval_prompts, judge, run.spec.name)   # collective
+    full = models.actor.full_model()   # collective under ZeRO-3; None on ranks > 0
+    if full is None:
         return None, models.tok, {}
-    actor, ref, reward = plain
+    actor = lora.export(full, out / "adapter" if cfg.lora.enabled else None).cpu().eval()
     last = step_log.rows[-1]
     metrics: dict[str, Any] = {f"train/{k.replace('/', '_')}": v for k, v in last.items() if k != "step"}
     metrics.update({"data/prompts_truncated": n_trunc, "data/prompts_dropped": n_drop})
     if detector is not None:
         metrics.update({"detector/first_fire": detector.first_fire, "detector/fired": int(bool(detector.first_fire)),
                         "detector/stopped_at": stopped_at, "detector/kept_iteration": kept})
-    metrics.update(compare_policies(actor, ref, models.tok, params, eval_prompts, judge, reward, run.spec.name))
+    metrics.update(held_out)
     return actor, models.tok, metrics

@@ -23,10 +23,11 @@ from ..data.io import read_json_object
 from ..errors import DataError, shown
 from ..data.preferences import Pair
 from ..measurement.plots import calibration_plot, close_figure
-from ..measurement.policy import measure
+from ..measurement.policy import Measured, measure, whole
 from ..models import lora
 from ..models import reward_model as rm
 from ..models.checkpoints import load_kwargs, load_policy
+from ..models.reward_source import RewardModelSource
 from ..tracking.sinks import NO_TRACKER, StepLog, Tracker
 from ..training import supervised
 from ..training.batches import total_steps
@@ -134,9 +135,25 @@ def held_out(params: Params, data_dir: Path, eval_pairs: list[Pair]) -> HeldOut:
     return HeldOut(eval_pairs, demos, prompts, ceiling)
 
 
-def evaluate(model, tok, params: Params, sft_dir: Path, held: HeldOut, out_dir: Path,
+def sft_samples(engine, tok, params: Params, sft_dir: Path, held: HeldOut, ctx: Context = SINGLE) -> Optional[Measured]:
+    """Collective. Responses of the SFT policy (the distribution PPO starts from) to the held-out
+    prompts, scored by the trained reward model (`engine`'s, whole on every rank) and the gold judge;
+    None without a judge."""
+    judge, cfg = inputs.judge(params), params.reward
+    if judge is None:
+        return None
+    policy, ptok = load_policy(sft_dir, dtype=next(engine.model.parameters()).dtype)
+    prompts = (held.prompts * (cfg.n_sft_samples // len(held.prompts) + 1))[:cfg.n_sft_samples]
+    with whole(engine) as model:
+        source = RewardModelSource(None, cfg.max_length, loaded=(model, tok))
+        return measure(policy.to(ctx.device), ptok, prompts, params.sft.sampling, cfg.seed, judge=judge,
+                       reward=source, ctx=ctx)
+
+
+def evaluate(model, tok, params: Params, held: HeldOut, out_dir: Path, sampled: Optional[Measured],
              tracker: Tracker = NO_TRACKER) -> dict[str, Any]:
-    """Metrics of the trained (and normalised) reward model; writes calibration.tsv/png."""
+    """Metrics of the trained (and normalised) reward model; writes calibration.tsv/png. `sampled`:
+    the SFT policy's responses scored by this model before normalisation (`sft_samples`)."""
     cfg, judge, eval_pairs = params.reward, inputs.judge(params), held.pairs
     rc, rr = score_pairs(model, tok, eval_pairs, cfg.max_length, shared_prompt=cfg.shared_prompt)
     rc, rr = rc - rm.offset(model), rr - rm.offset(model)
@@ -163,11 +180,7 @@ def evaluate(model, tok, params: Params, sft_dir: Path, held: HeldOut, out_dir: 
         gold = [judge(p, r) for p, r in zip(prompts, responses)]
         m["eval/spearman_gold_heldout"] = _spearman(torch.cat([rc, rr]).tolist(), gold)
         m["eval/gold_order_agreement"] = gold_order_agreement(rc, rr, torch.tensor(gold, device=rc.device).view(2, -1))
-        policy, ptok = load_policy(sft_dir)
-        sft_prompts = held.prompts
-        sft_prompts = (sft_prompts * (cfg.n_sft_samples // len(sft_prompts) + 1))[:cfg.n_sft_samples]
-        sampled = measure(policy, ptok, sft_prompts, params.sft.sampling, cfg.seed, judge=judge,
-                          reward=lambda prompts, texts: rm.score_texts(model, tok, prompts, texts, cfg.max_length))
+    if sampled is not None:
         m["eval/spearman_gold_sft_samples"] = _spearman(sampled.values["rm"], sampled.values["gold"])
         m["eval/sft_samples_score_mean"] = float(torch.tensor(sampled.values["rm"], device="cpu").mean())
     return m
@@ -210,13 +223,20 @@ def train(run: StageRun, data_dir: Path, sft_dir: Path, progress: bool = True):
                                                            engine.device, shared_prompt=cfg.shared_prompt,
                                                            encoded=encoded))
     result = supervised.train(task, cfg, engine, micro, out_dir, run.tracker, ctx, run.fingerprint, progress)
+    # Every rank, with the trained model whole on its device: the offset (the same on every rank),
+    # then the SFT policy's samples scored by it, each rank its share of the prompts.
+    offset = None
+    if cfg.normalize:
+        with whole(engine) as trained:
+            offset = normalise(trained, tok, params, held.demonstrations)
+    sampled = sft_samples(engine, tok, params, sft_dir, held, ctx)
     model, metrics = supervised.finish(engine, result, cfg.lora, out_dir, {"data/truncated": n_trunc,
                                                                            "data/dropped": n_drop})
     if model is None:
         return None, tok, {}
-    if cfg.normalize:
-        metrics["eval/offset"] = normalise(model, tok, params, held.demonstrations)
-    metrics.update(evaluate(model, tok, params, sft_dir, held, out_dir, run.tracker))
+    if offset is not None:
+        metrics["eval/offset"] = offset
+    metrics.update(evaluate(model, tok, params, held, out_dir, sampled, run.tracker))
     return model, tok, metrics
 
 

@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import logging
 from pathlib import Path
-from typing import Any, Callable, Optional
+from typing import Any, Optional
 
 import torch
 
@@ -38,14 +38,14 @@ from ..data import inputs
 from ..data.io import parse_json, write_jsonl
 from ..errors import DataError, check_finite
 from ..data.records import Example, collate_sft, tokenize_demonstrations
-from ..measurement.policy import Measured, measure, summary
+from ..measurement.policy import Measured, candidates, measure, measure_policies, summary
 from ..measurement.stats import mean_ci
 from ..models import lora
 from ..models.checkpoints import load_policy
 from ..models.reward_source import RewardModelSource
 from ..training import supervised
 from ..training.batches import total_steps
-from ..training.distributed import to_device
+from ..training.distributed import SINGLE, Context, to_device
 from ..training.engines import supervised_engine, write_deepspeed_config
 from ..training.resume import fingerprint, input_paths
 from ..training.supervised import SupervisedTask
@@ -104,11 +104,14 @@ def select(prompts: list, cands: list[Measured], min_score: Optional[float]) -> 
     return kept, stats
 
 
-def sample_candidates(policy, tok, prompts: list, params: Params, score: Callable, judge) -> list[Measured]:
-    """`rs.n` candidates per prompt: candidate k is one `measure` call over every prompt, seed rs.seed + k."""
+def sample_candidates(policy, tok, prompts: list, params: Params, reward, judge, ctx: Context = SINGLE) -> list[Measured]:
+    """Collective. `rs.n` candidates per prompt: candidate k is one draw over every prompt, seed
+    rs.seed + k (as the evaluate stage's best-of-n draws them), every rank sampling its share."""
     cfg = params.rs
-    return [measure(policy, tok, prompts, cfg.sampling, cfg.seed + k, reward=score, judge=judge,
-                    max_prompt_length=params.ppo.max_prompt_length) for k in range(cfg.n)]
+    draws = candidates(policy, cfg.seed, cfg.n)
+    per = measure_policies(draws, tok, prompts, cfg.sampling, ctx=ctx, reward=reward, judge=judge,
+                           max_prompt_length=params.ppo.max_prompt_length)
+    return [per[d.name] for d in draws]
 
 
 def sampling_fingerprint(run: StageRun, local_inputs: list) -> str:
@@ -143,29 +146,38 @@ def read_winners(path: Path, fp: str) -> Optional[tuple[list[dict], dict[str, fl
 
 
 def winners(run: StageRun, sft_policy, tok, prompts: list, reward_dir: Path, fp: str) -> tuple[list[dict], dict]:
-    """Step 2 of the module doc: the winners and the sampling statistics, reused or sampled."""
-    params, path = run.params, run.out / WINNERS
-    if run.ctx.is_main and read_winners(path, fp) is None:
-        reward = RewardModelSource(reward_dir, params.reward.max_length, params.model.trust_remote_code)
-        cands = sample_candidates(sft_policy, tok, prompts, params, reward.score, inputs.judge(params))
+    """Step 2 of the module doc: the winners and the sampling statistics, reused or sampled (every
+    rank sampling its share of the prompts on its device; rank 0 writes the file)."""
+    params, path, ctx = run.params, run.out / WINNERS, run.ctx
+    if read_winners(path, fp) is None:   # every rank reads the same file: all sample, or none
+        dtype = next(sft_policy.parameters()).dtype
+        reward = RewardModelSource(reward_dir, params.reward.max_length, params.model.trust_remote_code,
+                                   device=ctx.device, dtype=dtype)
+        cands = sample_candidates(sft_policy.to(ctx.device), tok, prompts, params, reward, inputs.judge(params), ctx)
         del reward   # freed before the first training step
-        rows, stats = select(prompts, cands, params.rs.min_score)
-        write_winners(path, fp, rows, stats)
-    run.ctx.barrier()
+        if ctx.is_main:
+            rows, stats = select(prompts, cands, params.rs.min_score)
+            write_winners(path, fp, rows, stats)
+    ctx.barrier()
     found = read_winners(path, fp)
     if found is None:
         raise RuntimeError(f"{path}: the winners rank 0 wrote cannot be read here (is the output folder shared?)")
     return found
 
 
-def measure_policy(model, tok, params: Params, sft_dir: Path, reward_dir: Path, prompts: list) -> dict[str, Any]:
-    """The trained policy sampled on the held-out `prompts` as in `ppo.sampling`, scored by the RM,
-    with its KL to the SFT policy and the gold score with a judge: `eval/<rm|kl|gold>_sampled` with
-    `_ci95` half-widths, `eval/<eos_rate|length|distinct_2>_sampled`."""
-    sft, _ = load_policy(sft_dir, params.model.trust_remote_code)
-    reward = RewardModelSource(reward_dir, params.reward.max_length, params.model.trust_remote_code)
-    measured = measure(model, tok, prompts, params.ppo.sampling, params.rs.seed, reward=reward.score,
-                       judge=inputs.judge(params), ref=sft.eval(), max_prompt_length=params.ppo.max_prompt_length)
+def measure_policy(model, tok, params: Params, sft_dir: Path, reward_dir: Path, prompts: list,
+                   ctx: Context = SINGLE) -> dict[str, Any]:
+    """Collective. The trained policy (a module or an engine) sampled on the held-out `prompts` as in
+    `ppo.sampling`, scored by the RM, with its KL to the SFT policy and the gold score with a judge,
+    every rank its share on its device: `eval/<rm|kl|gold>_sampled` with `_ci95` half-widths,
+    `eval/<eos_rate|length|distinct_2>_sampled`."""
+    dtype = next(getattr(model, "model", model).parameters()).dtype
+    sft, _ = load_policy(sft_dir, params.model.trust_remote_code, dtype)
+    reward = RewardModelSource(reward_dir, params.reward.max_length, params.model.trust_remote_code,
+                               device=ctx.device, dtype=dtype)
+    measured = measure(model, tok, prompts, params.ppo.sampling, params.rs.seed, reward=reward,
+                       judge=inputs.judge(params), ref=sft.to(ctx.device),
+                       max_prompt_length=params.ppo.max_prompt_length, ctx=ctx)
     stats = summary(measured, lambda key: key)
     return {f"eval/{k[:-len('_ci95')]}_sampled_ci95" if k.endswith("_ci95") else f"eval/{k}_sampled": v
             for k, v in stats.items()}
@@ -209,6 +221,7 @@ def train(run: StageRun, data_dir: Path, sft_dir: Path, reward_dir: Path,
                           evaluate=lambda: {"loss": eval_loss(engine.forward, eval_ex, tok.pad_token_id,
                                                               2 * cfg.batch_size, ctx, engine.device)})
     result = supervised.train(task, cfg, engine, micro, out, run.tracker, ctx, run.fingerprint, progress)
+    measured = measure_policy(engine, tok, params, sft_dir, reward_dir, eval_prompts, ctx)   # every rank
     model, metrics = supervised.finish(engine, result, cfg.lora, out, {
         "data/truncated": n_trunc, "data/dropped": n_drop,
         "data/prompts_truncated": p_trunc, "data/prompts_dropped": p_drop})
@@ -216,7 +229,7 @@ def train(run: StageRun, data_dir: Path, sft_dir: Path, reward_dir: Path,
         return None, tok, {}
     # 4. The sampling statistics and the trained policy's measurement.
     metrics.update(sampling_stats)
-    metrics.update(measure_policy(model, tok, params, sft_dir, reward_dir, eval_prompts))
+    metrics.update(measured)
     return model, tok, metrics
 
 

@@ -17,11 +17,11 @@ import torch.nn.functional as F
 from ..config import Params
 from ..data import inputs
 from ..data.records import IGNORE, Example, collate_sft, tokenize_demonstrations
-from ..measurement.policy import measure, summary
+from ..measurement.policy import Policy, measure_policies, summary
 from ..models import lora
 from ..models.checkpoints import init_policy
 from ..tasks import reviews
-from ..training import supervised
+from ..training import loading, supervised
 from ..training.batches import total_steps
 from ..training.distributed import SINGLE, Context, to_device
 from ..training.engines import supervised_engine, write_deepspeed_config
@@ -79,7 +79,8 @@ def train(run: StageRun, data_dir: Path, progress: bool = True) -> tuple[Any, An
     # Read (and so validate) now what is measured after training: a broken line must fail fast.
     eval_prompts = inputs.prompts(params, data_dir, "eval")[:cfg.n_eval_generations]
     source = cfg.dataset.path or data_dir / "sft_train.jsonl"
-    model, tok = init_policy(params.model, data_dir / "tokenizer", cfg.seed)
+    with loading.partitioned(cfg.distributed, ctx):   # ZeRO-3: each rank builds its partition only
+        model, tok = init_policy(params.model, data_dir / "tokenizer", cfg.seed)
     model = lora.wrap(model, cfg.lora, "CAUSAL_LM")
     train_ex, n_trunc, n_drop = tokenize_demonstrations(train_rows, tok, cfg.max_length, source, cfg.overlong)
     eval_ex, _, _ = tokenize_demonstrations(eval_rows, tok, cfg.max_length, source, cfg.overlong)
@@ -98,21 +99,25 @@ def train(run: StageRun, data_dir: Path, progress: bool = True) -> tuple[Any, An
                           evaluate=lambda: {"loss": eval_loss(engine.forward, eval_ex, tok.pad_token_id,
                                                               2 * cfg.batch_size, ctx, engine.device)})
     result = supervised.train(task, cfg, engine, micro, run.out, run.tracker, ctx, run.fingerprint, progress)
+    measured = evaluate_policy(engine, tok, params, eval_prompts, eval_rows, ctx)   # every rank, on its device
     model, metrics = supervised.finish(engine, result, cfg.lora, run.out, {"data/truncated": n_trunc,
                                                                            "data/dropped": n_drop})
     if model is None:
         return None, tok, {}
-    metrics.update(evaluate_policy(model, tok, params, eval_prompts, eval_rows))
+    metrics.update(measured)
     return model, tok, metrics
 
 
-def evaluate_policy(model, tok, params: Params, prompts: list, demos: list[dict]) -> dict[str, Any]:
-    """Greedy and sampled responses to the evaluation `prompts`, judged next to the held-out
-    `demos`: `eval/<eos_rate|gold|well_formed>_<greedy|sampled>` (gold ones only with a judge)."""
+def evaluate_policy(model, tok, params: Params, prompts: list, demos: list[dict],
+                    ctx: Context = SINGLE) -> dict[str, Any]:
+    """Collective. Greedy and sampled responses of `model` (a module or an engine) to the evaluation
+    `prompts`, judged next to the held-out `demos`: `eval/<eos_rate|gold|well_formed>_<greedy|sampled>`
+    (gold ones only with a judge)."""
     cfg, judge = params.sft, inputs.judge(params)
     out: dict[str, Any] = {}
-    for tag, greedy in (("greedy", True), ("sampled", False)):
-        measured = measure(model, tok, prompts, cfg.sampling, cfg.seed, greedy=greedy, judge=judge)
+    per = measure_policies([Policy("greedy", model, cfg.seed, greedy=True), Policy("sampled", model, cfg.seed)],
+                           tok, prompts, cfg.sampling, ctx=ctx, judge=judge)
+    for tag, measured in per.items():
         stats = summary(measured, lambda key: key)
         out[f"eval/eos_rate_{tag}"] = stats["eos_rate"]
         if judge is not None:

@@ -18,7 +18,9 @@ atomic writing of what it produces.
   the old code's model. A re-run of unchanged code (a kill before DVC recorded the stage,
   `dvc repro -f`) resumes, at the final step if training had finished.
 - `finish` (rank 0): `model/` (safetensors and tokenizer) swapped in atomically, config.json
-  (keys sorted), metrics.json, then the files to the tracker. metrics.json gains the stage's cost:
+  (the resolved params, keys sorted, and `runtime`: the device type and process count it ran on),
+  metrics.json, then the files to the tracker. metrics.json gains where it ran (`resources/gpus`,
+  0 on the CPU) and the stage's cost:
   `resources/wall_seconds` (this process, from the skeleton's start to finish: a resumed stage's
   last process only) and `resources/peak_rss_gib` (its peak resident memory; with CUDA also
   `resources/peak_device_gib`, the peak memory torch allocated on this rank's GPU), so methods
@@ -68,15 +70,20 @@ class StageRun:
         if model is not None:
             with atomic_dir(self.out / "model") as tmp:
                 save_checkpoint(model, tok, tmp)
-        atomic_write_json(self.out / "config.json", self.resolved)
+        atomic_write_json(self.out / "config.json", {**self.resolved, "runtime": self.runtime()})
         metrics.update(self.resources())   # in place: the stage returns what metrics.json holds
         write_metrics(self.out / "metrics.json", metrics, self.tracker)
         self.tracker.log_outputs(self.out)
 
 
+    def runtime(self) -> dict[str, Any]:
+        """Where the stage ran: config.json's `runtime` (not part of the params or the fingerprint)."""
+        return {"device": self.ctx.device.type, "processes": self.ctx.world_size}
+
     def resources(self) -> dict[str, float]:
         """What this process has cost so far (see the module doc)."""
         out = {"resources/wall_seconds": time.perf_counter() - self.started,
+               "resources/gpus": self.ctx.world_size if self.ctx.device.type == "cuda" else 0,
                # ru_maxrss is in KiB on Linux, bytes on macOS
                "resources/peak_rss_gib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
                / (2 ** 30 if sys.platform == "darwin" else 2 ** 20)}
@@ -95,7 +102,7 @@ def stage_run(spec: StageSpec, params: Params, out: Path, inputs: Sequence[str |
     resolved = resolve(params, spec)
     local = input_paths(*inputs)
     section = getattr(params, spec.name)
-    session = distributed.session(section.distributed) if spec.training else contextlib.nullcontext(SINGLE)
+    session = distributed.session(section.distributed) if spec.distributed else contextlib.nullcontext(SINGLE)
     with session as ctx:
         if ctx.is_main:
             out.mkdir(parents=True, exist_ok=True)

@@ -9,8 +9,9 @@ Each stage module has a `SPEC`: the params sections and dotted keys it reads (sp
   MLflow params and hashed into the resume fingerprint;
 - dvc.yaml's `params:` of the stage, which tests/test_stage_declarations.py checks against it.
 
-A training stage's own `<stage>.distributed` is merged over the top-level `distributed` section
-when params are loaded (config.merge_distributed), so such a stage declares `distributed` too.
+A distributed stage's own `<stage>.distributed` (the training stages', evaluate's and compare's) is
+merged over the top-level `distributed` section when params are loaded (config.merge_distributed),
+so such a stage declares `distributed` too.
 """
 
 from __future__ import annotations
@@ -33,7 +34,13 @@ class StageSpec:
     name: str                   # the DVC stage and `python -m pipeline <name>`
     reads: tuple[str, ...]      # params sections or dotted keys, as in dvc.yaml's `params:`
     inputs: tuple[str, ...]     # command-line folders it reads (`--data`, `--sft`, ...)
-    training: bool = False      # runs in a distributed session of its own section's `distributed`
+    training: bool = False      # trains (a checkpointed loop, a memory plan checked before it builds a model)
+    measuring: bool = False     # measures policies on its section's `distributed` devices without training
+
+    @property
+    def distributed(self) -> bool:
+        """Runs in a distributed session of its own section's `distributed` settings."""
+        return self.training or self.measuring
 
     def allowed(self) -> dict[str, Any]:
         """The declared keys as a tree: {"ppo": {"dataset": {"path": ALL}}, "sft": ALL}."""

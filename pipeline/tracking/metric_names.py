@@ -365,7 +365,9 @@ def _resources(stage: str, condition: Optional[str] = None) -> list[Metric]:
     gpu = "cuda" if condition is None else None
     out = [m("resources/wall_seconds", "seconds of the stage's process from its start to its outputs (a resumed "
                                        "stage: its last process only)"),
-           m("resources/peak_rss_gib", "peak resident memory of the stage's process (rank 0), GiB")]
+           m("resources/peak_rss_gib", "peak resident memory of the stage's process (rank 0), GiB"),
+           m("resources/gpus", "GPUs the stage ran on (one per process; 0: the CPU); config.json's `runtime` "
+                               "names the device")]
     if gpu is not None:
         out.append(m("resources/peak_device_gib", "peak GPU memory torch allocated in the stage's process (rank 0), "
                                                   "GiB", gpu))

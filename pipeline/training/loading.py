@@ -14,11 +14,12 @@
 from __future__ import annotations
 
 import contextlib
-from typing import Any, Iterator
+from typing import Iterator
 
 import torch
 
 from ..config import DistributedConfig
+from .distributed import Context, import_deepspeed
 
 SIXTEEN_BIT = {"bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -36,34 +37,24 @@ def zero3(dist: DistributedConfig) -> bool:
 
 
 @contextlib.contextmanager
-def partitioned(dist: DistributedConfig, ds_config: dict[str, Any] | None) -> Iterator[None]:
-    """Models built or loaded inside are partitioned over the ranks as they are built (ZeRO-3 with a
-    DeepSpeed config; nothing changes otherwise). transformers holds the config by a weak
-    reference: this context keeps it alive."""
-    if not zero3(dist) or ds_config is None:
+def partitioned(dist: DistributedConfig, ctx: Context) -> Iterator[None]:
+    """Models built or loaded inside are partitioned over the ranks as they are built (ZeRO-3;
+    nothing changes otherwise). transformers reads the DeepSpeed config through a weak reference
+    to the `HfDeepSpeedConfig` object: this context keeps it alive. Of that config only the ZeRO
+    section and the precision matter here (the engines get their own full config)."""
+    if not zero3(dist):
         yield
         return
     from transformers.integrations import HfDeepSpeedConfig
 
-    from .distributed import import_deepspeed
+    from .engines import deepspeed_config
     import_deepspeed()
-    keep = HfDeepSpeedConfig(ds_config)
+    keep = HfDeepSpeedConfig(deepspeed_config(dist, world_size=ctx.world_size, micro_batch_size=1,
+                                              accumulation_steps=1, max_grad_norm=None, train=False))
     try:
         yield
     finally:
         del keep
-
-
-@contextlib.contextmanager
-def modifying(params: list[torch.nn.Parameter]) -> Iterator[None]:
-    """Change `params` in place (a fresh head's initialisation) whether or not ZeRO-3 partitioned
-    them: gathered whole, changed on every rank alike, rank 0's values kept."""
-    if not any(hasattr(p, "ds_id") for p in params):
-        yield
-        return
-    import deepspeed
-    with deepspeed.zero.GatheredParameters(params, modifier_rank=0):
-        yield
 
 
 def is_partitioned(model: torch.nn.Module) -> bool:

@@ -58,8 +58,9 @@ class SupervisedResult:
 def finish(engine: TrainEngine, result: SupervisedResult, lora_cfg: Any, out: Path,
            data_counts: dict[str, int]) -> tuple[Any, dict[str, Any]]:
     """Collective. The trained model, whole and plain (under LoRA its adapter saved in
-    `out/adapter`, then merged), on the CPU in eval mode, with the loop's final metrics; on ranks
-    other than 0 of a multi-process run (None, {})."""
+    `out/adapter`, then merged), on the CPU in eval mode and in the dtype it trained in, with the
+    loop's final metrics; on ranks other than 0 of a multi-process run (None, {}). Measure the
+    model before (every rank, on its device: pipeline/measurement/policy.py), not after."""
     full = engine.full_model()   # collective under ZeRO-3
     if full is None:
         return None, {}
@@ -88,7 +89,8 @@ def train(task: SupervisedTask, cfg: Any, engine: TrainEngine, micro: int, out: 
         mine = ctx.shard(batch)
         sums = torch.zeros(len(task.columns), dtype=torch.float64, device="cpu")
         for first in range(0, len(mine), micro):
-            loss, stats = task.loss(mine[first:first + micro], batch)
+            with engine.autocast():
+                loss, stats = task.loss(mine[first:first + micro], batch)
             check_finite(f"{task.name} step {step}", "loss", loss.detach())
             engine.backward(loss)
             sums += torch.tensor(stats, dtype=torch.float64, device="cpu")
@@ -98,7 +100,8 @@ def train(task: SupervisedTask, cfg: Any, engine: TrainEngine, micro: int, out: 
         train_log.log(step, {**{c: float(v) for c, v in zip(task.columns, sums)},
                              "lr": result.lr, "grad_norm": result.grad_norm})
         if step % cfg.eval_every == 0 or step == steps:
-            eval_log.log(step, task.evaluate())
+            with engine.autocast():
+                eval_log.log(step, task.evaluate())
             train_log.flush()
             eval_log.flush()
         if step % cfg.save_every == 0 or step == steps:

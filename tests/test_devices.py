@@ -1,0 +1,215 @@
+"""Device discipline, checked without a GPU: the code paths that meet model outputs run on a device
+that is not the CPU (tests/fake_device.py: CPU values, a CUDA kernel's operand rule) and give
+the CPU's numbers; reductions run on the backend's device (a collective double with NCCL's rule);
+a visible GPU is used without DeepSpeed; no tensor factory without a device in the code that
+meets model outputs."""
+
+from __future__ import annotations
+
+import ast
+import dataclasses
+import types
+from pathlib import Path
+
+import pytest
+import torch
+
+import fake_device
+from conftest import tiny_policy_and_reward_model
+from pipeline.config import DataConfig, DistributedConfig, Params, PPOConfig, SamplingConfig
+from pipeline.errors import ConfigError
+from pipeline.ppo.placement import place_models
+from pipeline.ppo.rollout import Rollout, rollout
+from pipeline.ppo.scoring import score_rollout
+from pipeline.ppo.trainer import PPOTrainer
+from pipeline.stages.prepare import run as prepare_run
+from pipeline.training import distributed
+from pipeline.training.distributed import Context
+
+REPO = Path(__file__).resolve().parents[1]
+PROMPTS = ["Review the film Silent River . Focus on the music .",
+           "What did you think of Lost Lantern ? Talk about the acting .",
+           "Write a review of the film Bitter Road . Discuss the visuals .",
+           "Review the film Silent River . Focus on the plot ."]
+TINY_PPO = dict(iterations=2, rollout_batch_size=4, minibatch_size=2, micro_batch_size=1, ppo_epochs=2,
+                save_every=2, n_eval_prompts=4, lr=1e-3, critic_lr=1e-3, sampling=SamplingConfig(max_new_tokens=8))
+
+
+@pytest.fixture(scope="module")
+def dirs(tmp_path_factory):
+    root = tmp_path_factory.mktemp("devices")
+    prepare_run(DataConfig(n_sft=8, n_sft_eval=4, n_pairs=8, n_pairs_eval=4, n_ppo_prompts=8, n_eval_prompts=4),
+                root / "data")
+    tiny_policy_and_reward_model(root, root / "data", offset=0.5)
+    return root
+
+
+def _params(**ppo) -> Params:
+    return Params(ppo=PPOConfig(**{**TINY_PPO, **ppo}))
+
+
+def _on(ro: Rollout, device: torch.device) -> Rollout:
+    """The rollout with its tensors on `device` (as the sampler leaves them on a GPU)."""
+    return dataclasses.replace(ro, **{f.name: getattr(ro, f.name).to(device) for f in dataclasses.fields(ro)
+                                      if isinstance(getattr(ro, f.name), torch.Tensor)})
+
+
+def _models_and_rollout(dirs, params: Params, device: torch.device):
+    """The four models placed on `device` and one rollout sampled on the CPU (the same tokens on
+    both sides), moved to `device`."""
+    cpu = place_models(params, dirs / "sft", dirs / "rm")
+    ro = rollout(cpu.actor.model, cpu.tok, PROMPTS, params.ppo.sampling, torch.Generator().manual_seed(0))
+    if device.type == "cpu":
+        return cpu, ro
+    return place_models(params, dirs / "sft", dirs / "rm", Context(device=device)), _on(ro, device)
+
+
+def _score(m, ro, recompute: bool):
+    return score_rollout(m.actor.forward, m.ref, m.critic.model if m.critic else None, m.reward, ro, 1.0, 2,
+                         missing_eos_score=-3.0, score_clip=None, recompute_logprobs=recompute, check_rows=3)
+
+
+@pytest.mark.parametrize("recompute", [False, True])
+def test_scoring_keeps_every_tensor_on_the_rollouts_device(dirs, recompute):
+    params = _params()
+    cpu, ro = _models_and_rollout(dirs, params, torch.device("cpu"))
+    want = _score(cpu, ro, recompute)
+    with fake_device.use_fake_gpu() as dev:
+        m, ro_dev = _models_and_rollout(dirs, params, dev)
+        got = _score(m, ro_dev, recompute)
+        assert got.old_logprobs.device == got.scores.device == dev
+    for name in ("old_logprobs", "ref_logprobs", "values", "scores", "raw_scores"):
+        assert torch.allclose(fake_device.real(getattr(got, name)), getattr(want, name), atol=1e-5), name
+    assert got.mismatch.keys() == want.mismatch.keys() and got.mismatch
+
+
+def test_a_reward_functions_cpu_scores_join_the_rollouts_device(dirs):
+    """A `module:function` reward source returns CPU scores; they meet the rollout's device tensors
+    in the EOS rule and, for GRPO, in the group baseline."""
+    from pipeline.tasks import reviews
+    params = _params(reward_source="pipeline.tasks.reviews:gold_scores", advantage="grpo", samples_per_prompt=2,
+                     kl_coef=0.0, kl_loss_coef=0.05, kl_estimator="k3")
+    cpu, ro = _models_and_rollout(dirs, params, torch.device("cpu"))
+    with fake_device.use_fake_gpu() as dev:
+        m, ro_dev = _models_and_rollout(dirs, params, dev)
+        got = _score(m, ro_dev, recompute=False)
+        trainer = PPOTrainer(params.ppo, m, PROMPTS)
+        batch, stats = trainer.make_batch(ro_dev, got)
+        assert batch.advantages.device == dev
+    gold = torch.tensor(reviews.gold_scores(ro.prompts, ro.responses), dtype=torch.float32)
+    assert torch.equal(fake_device.real(got.raw_scores), gold)
+    assert torch.equal(fake_device.real(got.scores), torch.where(ro.ended, gold, torch.tensor(-3.0)))
+    assert set(stats) >= {"objective/scores", "objective/kl"}
+
+
+def test_the_update_loop_runs_on_the_rollouts_device_and_matches_the_cpu(dirs):
+    """PPO's minibatch loop (the shuffle, the length-sorted micro-batches, the losses, both optimizer
+    steps) on the device gives the CPU's statistics."""
+    params = _params()
+    out = {}
+    for where in ("cpu", "device"):
+        with (fake_device.use_fake_gpu() if where == "device" else _cpu()) as dev:
+            m, ro = _models_and_rollout(dirs, params, dev)
+            trainer = PPOTrainer(params.ppo, m, PROMPTS)
+            batch, _ = trainer.make_batch(ro, _score(m, ro, recompute=False))
+            out[where] = trainer.update(batch)
+    assert out["device"].keys() == out["cpu"].keys()
+    for key, value in out["cpu"].items():
+        assert out["device"][key] == pytest.approx(value, rel=1e-4, abs=1e-6), key
+
+
+class _cpu:
+    def __enter__(self):
+        return torch.device("cpu")
+
+    def __exit__(self, *exc):
+        return False
+
+
+class NcclRule:
+    """A stand-in for torch.distributed under NCCL with `world` identical ranks: a collective takes
+    tensors on the accelerator only, as NCCL does (it has no CPU transport)."""
+    ReduceOp = torch.distributed.ReduceOp
+
+    def __init__(self, world: int):
+        self.world, self.seen = world, []
+
+    def is_available(self) -> bool:
+        return True
+
+    def is_initialized(self) -> bool:
+        return True
+
+    def all_reduce(self, tensor: torch.Tensor, op=None) -> None:
+        self.seen.append(tensor.device.type)
+        if tensor.device.type != fake_device.NAME:
+            raise RuntimeError(f"NCCL: tensor on {tensor.device}, not on the GPU")
+        if op == self.ReduceOp.SUM:
+            tensor.mul_(self.world)
+
+    def all_gather_object(self, out: list, obj) -> None:
+        out[:] = [obj] * self.world
+
+
+def test_reductions_run_on_the_backends_device(monkeypatch):
+    """Context.sum and reduce_stats of host tensors and floats move them to the backend's device
+    for the collective and hand the result back where the caller had it."""
+    double = NcclRule(world=2)
+    monkeypatch.setattr(distributed, "dist", types.SimpleNamespace(**{k: getattr(double, k) for k in (
+        "ReduceOp", "is_available", "is_initialized", "all_reduce", "all_gather_object")}))
+    with fake_device.use_fake_gpu() as dev:
+        ctx = Context(rank=0, world_size=2, device=dev)
+        sums = ctx.sum(torch.tensor([1.5, 2.0], dtype=torch.float64, device="cpu"))
+        assert sums.device.type == "cpu" and sums.tolist() == [3.0, 4.0]
+        on_device = ctx.sum(torch.tensor([3.0], device=dev))
+        assert on_device.device == dev and on_device.tolist() == [6.0]
+        stats = ctx.reduce_stats({"a": 1.0, "b": 4.0, "c": 2.5}, sum_keys={"a"}, max_keys={"b"})
+    assert stats == {"a": 2.0, "b": 4.0, "c": 2.5}
+    assert double.seen and set(double.seen) == {fake_device.NAME}
+
+
+def test_backend_none_uses_the_gpu_torch_sees(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    assert distributed.init(DistributedConfig()).device == torch.device("cuda", 0)
+    assert distributed.init(DistributedConfig(device="cpu")).device == torch.device("cpu")
+    assert DistributedConfig(precision="bf16").precision == "bf16"   # autocast, no DeepSpeed needed
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert distributed.init(DistributedConfig()).device == torch.device("cpu")
+    with pytest.raises(ConfigError, match="distributed.device: cuda, but torch sees no GPU"):
+        distributed.init(DistributedConfig(device="cuda"))
+    with pytest.raises(ConfigError, match="distributed.precision: fp16 needs backend: deepspeed"):
+        DistributedConfig(precision="fp16")
+
+
+def test_offload_frozen_below_zero_3_is_refused_with_its_key():
+    with pytest.raises(ConfigError, match="distributed.offload_frozen: needs zero_stage 3"):
+        DistributedConfig(backend="deepspeed", zero_stage=2, offload_frozen=True)
+    assert DistributedConfig(backend="deepspeed", zero_stage=3, offload_frozen=True).offload_frozen
+
+
+FACTORIES = {"tensor", "zeros", "ones", "full", "empty", "arange", "randperm", "rand", "randn", "randint",
+             "linspace", "eye"}
+
+
+def test_no_tensor_factory_without_a_device_where_model_outputs_are_met():
+    """In pipeline/ppo, pipeline/stages and pipeline/training every `torch.<factory>(...)` names its
+    device: on a GPU a device-less factory makes a CPU tensor that the first operation with a model
+    output refuses (host-side bookkeeping says device="cpu")."""
+    bad = []
+    for folder in ("ppo", "stages", "training"):
+        for path in sorted((REPO / "pipeline" / folder).glob("*.py")):
+            for node in ast.walk(ast.parse(path.read_text())):
+                if (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute)
+                        and isinstance(node.func.value, ast.Name) and node.func.value.id == "torch"
+                        and node.func.attr in FACTORIES and not any(k.arg == "device" for k in node.keywords)):
+                    bad.append(f"{path.relative_to(REPO)}:{node.lineno}: torch.{node.func.attr}")
+    assert bad == []
+
+
+def test_the_static_check_sees_a_device_less_factory(tmp_path):
+    """The check above can fail: the pattern it refuses is found in a sample."""
+    tree = ast.parse("import torch\nrows = torch.arange(4)\nok = torch.arange(4, device=x.device)\n")
+    found = [n for n in ast.walk(tree) if isinstance(n, ast.Call) and getattr(n.func, "attr", None) in FACTORIES
+             and not any(k.arg == "device" for k in n.keywords)]
+    assert [n.lineno for n in found] == [2]
