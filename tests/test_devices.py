@@ -213,3 +213,32 @@ def test_the_static_check_sees_a_device_less_factory(tmp_path):
     found = [n for n in ast.walk(tree) if isinstance(n, ast.Call) and getattr(n.func, "attr", None) in FACTORIES
              and not any(k.arg == "device" for k in n.keywords)]
     assert [n.lineno for n in found] == [2]
+
+
+def _ranks(world: int, out: Path, port: int) -> dict:
+    import os
+    import subprocess
+    import sys
+    env = {**os.environ, "WORLD_SIZE": str(world), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
+           "OMP_NUM_THREADS": "1"}
+    procs = [subprocess.Popen([sys.executable, str(REPO / "tests" / "measure_ranks.py"), str(out)],
+                              env={**env, "RANK": str(r)}, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+             for r in range(world)]
+    for p in procs:
+        _, err = p.communicate(timeout=600)
+        assert p.returncode == 0, err[-3000:]
+    import json
+    return json.loads(out.read_text())
+
+
+def test_two_processes_measure_what_one_measures(tmp_path):
+    """measure_policies in 2 gloo processes (the prompts shared out, every collective refusing host
+    tensors as NCCL does, the models on a non-CPU device) equals 1 process, value for value."""
+    one = _ranks(1, tmp_path / "one.json", 29731)
+    two = _ranks(2, tmp_path / "two.json", 29733)
+    assert two["per"] == one["per"]
+    assert (one["ranks"], two["ranks"]) == (1.0, 2.0)   # the group really had two ranks
+    assert two["collectives"] >= 2
+    texts, ended, values = one["per"]["a"]
+    assert len(texts) == len(values["kl"]) == len(values["rm"]) == len(values["gold"]) == 70
+    assert values["kl"][0] != 0.0 and one["per"]["b"][2]["kl"] == [0.0] * 70   # b is the reference itself

@@ -338,3 +338,33 @@ def test_gpu_check_script_runs_its_code_path_on_cpu():
     assert [ln.split(":")[0] for ln in lines] == ["iteration 1", "iteration 2"]
     assert all("rollout" in ln and "tok/s" in ln and "update" in ln for ln in lines)
     assert proc.stdout.rstrip().endswith("gpu_check: done")
+
+
+def test_zero3_partitions_each_model_as_it_loads(tmp_path):
+    """Under ZeRO-3 a model is built partitioned (zero.Init through transformers' DeepSpeed
+    integration): after loading, each of 2 ranks holds about half of every model's weights and no
+    rank materialises a whole weight; a fresh reward head still gets its seeded initialisation."""
+    from conftest import tiny_policy_and_reward_model
+    from pipeline.config import DataConfig
+    from pipeline.stages.prepare import run as prepare_run
+    prepare_run(DataConfig(n_sft=8, n_sft_eval=4, n_pairs=8, n_pairs_eval=4, n_ppo_prompts=8, n_eval_prompts=4),
+                tmp_path / "data")
+    sft, _ = tiny_policy_and_reward_model(tmp_path, tmp_path / "data")
+    env = {**run_env(), "PYTHONPATH": str(REPO), "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1",
+           "MASTER_PORT": str(next(_port)), "OMP_NUM_THREADS": "1"}
+    env.setdefault("TORCH_EXTENSIONS_DIR", str(REPO / ".cache" / "torch_extensions"))
+    procs = [subprocess.Popen([sys.executable, str(REPO / "tests" / "zero3_load_ranks.py"), str(sft),
+                               str(tmp_path / "held")], env={**env, "RANK": str(r), "LOCAL_RANK": str(r)},
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for r in range(2)]
+    for p in procs:
+        _, err = p.communicate(timeout=600)
+        assert p.returncode == 0, err[-4000:]
+    ranks = [json.loads((tmp_path / f"held.rank{r}.json").read_text()) for r in range(2)]
+    for held in ranks:
+        for name in ("policy", "reward"):
+            h = held[name]
+            assert h["zero_params"] == h["params"] > 0, name          # every weight is a ZeRO-3 parameter
+            assert h["materialised"] == 0, name                       # none is whole on this rank
+            assert h["partition"] <= h["whole"] / 2 + 2 * h["params"], name   # a half, up to padding
+        assert held["head_as_seeded"]
+    assert sum(r["policy"]["partition"] for r in ranks) >= ranks[0]["policy"]["whole"]

@@ -137,7 +137,7 @@ def test_dpo_learns_an_easy_preference_and_writes_a_loadable_policy(data, sft_di
                 "eval/rejected_reward", "eval/chosen_logp_drift", "eval/rejected_logp_drift", "data/truncated",
                 "data/dropped", "data/eval_truncated", "data/eval_dropped", "eval/kl_sampled", "eval/kl_sampled_ci95",
                 "eval/eos_rate_sampled", "eval/length_sampled", "eval/distinct_2_sampled",
-                "resources/wall_seconds", "resources/peak_rss_gib"}
+                "resources/wall_seconds", "resources/peak_rss_gib", "resources/gpus"}
     assert set(metrics) == expected                              # the user's own pairs: no gold judge
     assert all(math.isfinite(v) for v in metrics.values())
     written = json.loads((out / "metrics.json").read_text())

@@ -50,7 +50,8 @@ def load_kwargs(cfg: ModelConfig) -> dict:
 
 def fit_embeddings(model: PreTrainedModel, tok: PreTrainedTokenizerBase) -> PreTrainedModel:
     """Grow the embeddings when the tokenizer gained tokens (a pad token added on load)."""
-    if len(tok) > model.get_input_embeddings().weight.size(0):
+    # num_embeddings, not the weight's size: under ZeRO-3 a partitioned weight holds no rows here.
+    if len(tok) > model.get_input_embeddings().num_embeddings:
         model.resize_token_embeddings(len(tok))
     if model.config.pad_token_id is None:
         model.config.pad_token_id = tok.pad_token_id

@@ -1,0 +1,52 @@
+"""One rank of the ZeRO-3 loading test (tests/test_distributed.py): joins a 2-process DeepSpeed
+group (gloo), loads a policy and initialises a reward model inside `loading.partitioned`, and
+writes what this rank holds of them.
+
+    RANK=r LOCAL_RANK=r WORLD_SIZE=2 MASTER_ADDR=127.0.0.1 MASTER_PORT=p python tests/zero3_load_ranks.py SFT_DIR OUT.json
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import torch  # noqa: E402
+
+from pipeline.config import DistributedConfig  # noqa: E402
+from pipeline.models import reward_model as rm  # noqa: E402
+from pipeline.models.checkpoints import load_policy  # noqa: E402
+from pipeline.training import distributed, loading  # noqa: E402
+
+
+def held(model: torch.nn.Module) -> dict[str, int]:
+    """Elements of the model's weights: in all, in this rank's partitions, materialised whole here."""
+    params = list(model.parameters())
+    return {"whole": sum(getattr(p, "ds_numel", p.numel()) for p in params),
+            "partition": sum(p.ds_tensor.numel() if hasattr(p, "ds_tensor") else p.numel() for p in params),
+            "materialised": sum(p.numel() for p in params),
+            "zero_params": sum(hasattr(p, "ds_id") for p in params), "params": len(params)}
+
+
+def main(sft_dir: Path, out: Path) -> None:
+    cfg = DistributedConfig(backend="deepspeed", zero_stage=3, num_processes=2)
+    ctx = distributed.init(cfg)
+    with loading.partitioned(cfg, ctx):
+        policy, _ = load_policy(sft_dir, dtype=torch.float32)
+        reward, _ = rm.init_reward_model(sft_dir, seed=0, head_std=None)
+    head = rm.head(reward)
+    import deepspeed
+    with deepspeed.zero.GatheredParameters([head.weight]):
+        weight = head.weight.detach().clone()
+    std = 1.0 / math.sqrt(weight.shape[1] + 1)   # reward_model.init_reward_model's default
+    expected = torch.randn(weight.shape, generator=torch.Generator().manual_seed(0)) * std
+    out.with_suffix(f".rank{ctx.rank}.json").write_text(json.dumps({
+        "policy": held(policy), "reward": held(reward), "head_as_seeded": bool(torch.equal(weight, expected))}))
+    distributed.shutdown(ctx)
+
+
+if __name__ == "__main__":
+    main(Path(sys.argv[1]), Path(sys.argv[2]))
