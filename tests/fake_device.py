@@ -38,7 +38,7 @@ def install() -> torch.device:
     global _installed
     if not _installed:
         from torch.utils.backend_registration import _setup_privateuseone_for_python_backend
-        _setup_privateuseone_for_python_backend(NAME)
+        _setup_privateuseone_for_python_backend(NAME, backend_module=_Module())
         # Allocations that reach the backend itself (torch.tensor(..., device=...) builds on the CPU
         # and copies over with the dispatch modes excluded): a CPU buffer in a device wrapper.
         lib = torch.library.Library("aten", "IMPL")
@@ -51,6 +51,32 @@ def install() -> torch.device:
         _LIBRARIES.append(lib)
         _installed = True
     return torch.device(NAME, 0)
+
+
+class _Module:
+    """`torch.fakegpu`: what torch asks of a backend's module (torch.utils.checkpoint records the
+    autocast state of every registered device type, so it asks for AMP's dtypes too)."""
+
+    def is_initialized(self) -> bool:
+        return True
+
+    def is_available(self) -> bool:
+        return True
+
+    def current_device(self) -> int:
+        return 0
+
+    def _is_in_bad_fork(self) -> bool:
+        return False
+
+    def manual_seed_all(self, seed: int) -> None:
+        pass
+
+    def device_count(self) -> int:
+        return 1
+
+    def get_amp_supported_dtype(self) -> list[torch.dtype]:
+        return [torch.bfloat16, torch.float16]
 
 
 def _copy_from(src: torch.Tensor, dst: torch.Tensor, non_blocking: bool = False) -> torch.Tensor:
@@ -173,14 +199,23 @@ def use_fake_gpu() -> Iterator[torch.device]:
     """The fake device, with its mode active. `Module.to` swaps each parameter's contents in place
     meanwhile: its default gives a wrapper-subclass result a new Parameter per module, which would
     untie tied weights (an LM head and its embedding) that a real `.to("cuda")` keeps tied."""
+    import safetensors.torch as st
+
     device = install()
     swap = torch.__future__.get_swap_module_params_on_conversion()
     torch.__future__.set_swap_module_params_on_conversion(True)
+    # safetensors finds tied tensors by their storage pointers, which a wrapper has none of: it is
+    # shown the CPU tensor inside (for a CUDA tensor it reads the device pointer).
+    storage = {name: getattr(st, name) for name in ("storage_ptr", "storage_size", "_end_ptr", "_is_complete")}
+    for name, fn in storage.items():
+        setattr(st, name, lambda t, fn=fn: fn(t.elem if isinstance(t, FakeGpuTensor) else t))
     try:
         with FakeGpu():
             yield device
     finally:
         torch.__future__.set_swap_module_params_on_conversion(swap)
+        for name, fn in storage.items():
+            setattr(st, name, fn)
 
 
 def real(x: Any) -> Any:

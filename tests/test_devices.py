@@ -242,3 +242,46 @@ def test_two_processes_measure_what_one_measures(tmp_path):
     texts, ended, values = one["per"]["a"]
     assert len(texts) == len(values["kl"]) == len(values["rm"]) == len(values["gold"]) == 70
     assert values["kl"][0] != 0.0 and one["per"]["b"][2]["kl"] == [0.0] * 70   # b is the reference itself
+
+
+def _flat(d: dict, prefix: str = "") -> dict:
+    out = {}
+    for k, v in d.items():
+        out.update(_flat(v, f"{prefix}{k}/") if isinstance(v, dict) else {f"{prefix}{k}": v})
+    return out
+
+
+def test_the_tiny_pipeline_on_a_device_that_is_not_the_cpu_measures_what_the_cpu_does(tmp_path, monkeypatch):
+    """sft, reward, ppo and evaluate in this process with every model on the fake accelerator (the
+    device `distributed.device` resolves to): no device mix anywhere on their paths, config.json
+    records the device, and every metric but the timings equals the CPU run's."""
+    import json
+    import shutil
+
+    from conftest import TINY
+    from pipeline.config import from_dict
+    from pipeline.stages import evaluate, ppo, reward, sft
+    params = from_dict(Params, TINY, "tiny: ")
+    prepare_run(params.data, tmp_path / "cpu" / "data")
+    shutil.copytree(tmp_path / "cpu" / "data", tmp_path / "dev" / "data")
+
+    def pipeline(root: Path) -> None:
+        sft.run(params, root / "data", root / "sft", progress=False)
+        reward.run(params, root / "data", root / "sft/model", root / "reward", progress=False)
+        ppo.run(params, root / "data", root / "sft/model", root / "reward/model", root / "ppo", progress=False)
+        evaluate.run(params, root / "data", root / "sft/model", root / "reward/model", root / "ppo/model",
+                     root / "evaluate")
+
+    pipeline(tmp_path / "cpu")
+    with fake_device.use_fake_gpu() as dev:
+        monkeypatch.setattr(distributed, "resolve_device", lambda cfg, local_rank=0: dev)
+        pipeline(tmp_path / "dev")
+    timings = ("resources/", "train/seconds", "train/time_", "train/tokens_per_second")
+    for stage in ("sft", "reward", "ppo", "evaluate"):
+        assert json.loads((tmp_path / "dev" / stage / "config.json").read_text())["runtime"] == \
+            {"device": fake_device.NAME, "processes": 1}
+        want, got = (_flat(json.loads((tmp_path / w / stage / "metrics.json").read_text())) for w in ("cpu", "dev"))
+        assert got.keys() == want.keys() and got["resources/gpus"] == 0
+        for key, value in want.items():
+            if not key.startswith(timings):
+                assert got[key] == pytest.approx(value, rel=1e-4, abs=1e-6, nan_ok=True), (stage, key)

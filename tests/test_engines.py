@@ -98,3 +98,64 @@ def test_deepspeed_engine_has_the_plain_engines_meaning(zero_stage):
     for a, b in zip(plain["results"], ds["results"]):
         assert abs(a[1] - b[1]) <= 1e-6 * max(1.0, a[1]) and a[2] is b[2] is False
     assert max(abs(a - b) for a, b in zip(plain["weight"], ds["weight"])) <= 1e-6
+
+
+def _tiny_lm(seed: int = 0):
+    from transformers import AutoModelForCausalLM, LlamaConfig
+    torch.manual_seed(seed)
+    cfg = LlamaConfig(vocab_size=40, hidden_size=16, intermediate_size=32, num_hidden_layers=2, num_attention_heads=2,
+                      num_key_value_heads=2)
+    return AutoModelForCausalLM.from_config(cfg)
+
+
+def _layer_calls(model) -> list[int]:
+    calls = [0]
+    # The layer's first submodule, as it starts: checkpointing wraps the layer's forward (the layer's
+    # own hooks run once either way), and the recompute stops once it has what the backward needs.
+    model.model.layers[0].input_layernorm.register_forward_pre_hook(lambda *a: calls.__setitem__(0, calls[0] + 1))
+    return calls
+
+
+@pytest.mark.parametrize("mode", ["train", "eval"])
+def test_gradient_checkpointing_recomputes_layers_and_keeps_the_gradients(mode):
+    """distributed.gradient_checkpointing: each layer runs again in the backward pass (its activations
+    were not kept) and the gradients equal those of a plain backward. In eval mode (PPO's update:
+    dropout off) the engine's `recomputing()` is what turns it on."""
+    from pipeline.config import DistributedConfig
+    from pipeline.training.distributed import SINGLE
+    from pipeline.training.engines import make_engine
+    ids = torch.randint(0, 40, (3, 9), generator=torch.Generator().manual_seed(1))
+    grads, calls = [], []
+    for checkpointing in (False, True):
+        model = _tiny_lm()
+        engine = make_engine(model, lr=0.1, weight_decay=0.0, schedule=lambda s: 1.0, max_grad_norm=1.0,
+                             dist=DistributedConfig(gradient_checkpointing=checkpointing), ctx=SINGLE,
+                             micro_batch_size=3, accumulation_steps=1)
+        engine.train() if mode == "train" else engine.eval()
+        count = _layer_calls(engine.model)
+        with engine.recomputing():
+            loss = engine.forward(input_ids=ids, labels=ids).loss
+        engine.backward(loss)
+        calls.append(count[0])
+        grads.append([p.grad.clone() for p in engine.model.parameters()])
+        assert engine.model.training == (mode == "train")   # recomputing() left the modes as they were
+    assert calls == [1, 2]
+    for a, b in zip(*grads):
+        assert torch.allclose(a, b, atol=1e-6)
+
+
+def test_bf16_without_deepspeed_is_autocast_over_fp32_weights():
+    """precision: bf16 with backend none: the weights and AdamW stay fp32, the forward computes in
+    bf16 (its output is bf16) and lands near the fp32 forward."""
+    from pipeline.config import DistributedConfig
+    from pipeline.training.distributed import SINGLE
+    from pipeline.training.engines import make_engine
+    ids = torch.randint(0, 40, (2, 7), generator=torch.Generator().manual_seed(2))
+    engine = make_engine(_tiny_lm(), lr=0.1, weight_decay=0.0, schedule=lambda s: 1.0, max_grad_norm=1.0,
+                         dist=DistributedConfig(precision="bf16"), ctx=SINGLE, micro_batch_size=2, accumulation_steps=1)
+    with engine.autocast():
+        logits = engine.forward(input_ids=ids).logits
+    assert logits.dtype == torch.bfloat16 and next(engine.model.parameters()).dtype == torch.float32
+    assert torch.allclose(logits.float(), engine.forward(input_ids=ids).logits, atol=5e-2)
+    engine.backward(logits.float().logsumexp(-1).mean())
+    assert engine.step().grad_norm > 0 and next(engine.model.parameters()).dtype == torch.float32
