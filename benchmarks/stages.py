@@ -1,18 +1,28 @@
-"""The default pipeline end to end: wall time of each stage, on a fresh copy of this checkout.
+"""The default pipeline end to end: wall time of each stage, and with `--base` the same stages of
+another commit beside it, with the ratio of each stage's time and whether its model is identical.
 
-    .venv/bin/python benchmarks/stages.py
+    .venv/bin/python benchmarks/stages.py                   # this checkout's tracked files
+    .venv/bin/python benchmarks/stages.py --base a602a5f    # ... and a602a5f's, stage by stage
 
-Copies the tracked files to a temporary folder and runs every stage command of dvc.yaml in order
-(the commands `dvc repro` runs), timing each; MLflow is off so only the stage's own work counts.
+Copies the tracked files (this working tree's, and `git archive` of the base) to temporary
+folders and runs every stage command of dvc.yaml in order (the commands `dvc repro` runs), timing
+each; MLflow is off so only the stage's own work counts. With a base, the two sides alternate stage
+by stage (base, then this tree), so a machine whose speed drifts over the run drifts for both
+alike; each model's safetensors files are hashed (md5) on both sides. `--out FILE.tsv` writes the
+table. `--params FILE` runs another params file (a small one makes the script a quick check).
 """
 
 from __future__ import annotations
 
+import argparse
+import hashlib
+import io
 import os
 import shlex
 import shutil
 import subprocess
 import sys
+import tarfile
 import tempfile
 import time
 from pathlib import Path
@@ -23,29 +33,81 @@ sys.path.insert(0, str(ROOT))
 from pipeline.workflow import stage_graph  # noqa: E402
 
 
+def copy_tree(dest: Path, base: str | None) -> None:
+    """The tracked files of this working tree (base None) or of commit `base`, without the
+    committed run's outputs."""
+    if base is None:
+        files = subprocess.run(["git", "ls-files", "-z"], cwd=ROOT, capture_output=True, text=True, check=True).stdout
+        for rel in filter(None, files.split("\0")):
+            if (ROOT / rel).is_file():
+                (dest / rel).parent.mkdir(parents=True, exist_ok=True)
+                shutil.copy2(ROOT / rel, dest / rel)     # keeps bin/pipeline executable
+    else:
+        archive = subprocess.run(["git", "archive", base], cwd=ROOT, capture_output=True, check=True).stdout
+        with tarfile.open(fileobj=io.BytesIO(archive)) as tar:
+            tar.extractall(dest, filter="tar")
+    shutil.rmtree(dest / "outputs", ignore_errors=True)
+    (dest / "dvc.lock").unlink(missing_ok=True)
+
+
+def model_md5(folder: Path) -> str:
+    """md5 of the model's weights (every safetensors file, in name order); '-' without a model."""
+    files = sorted((folder / "model").glob("*.safetensors"))
+    if not files:
+        return "-"
+    digest = hashlib.md5()
+    for f in files:
+        digest.update(f.read_bytes())
+    return digest.hexdigest()
+
+
+def run_stage(tree: Path, cmd: str, env: dict[str, str]) -> float:
+    t0 = time.perf_counter()
+    proc = subprocess.run(shlex.split(cmd) + ["--no-progress"], cwd=tree, env=env, capture_output=True, text=True)
+    if proc.returncode != 0:
+        raise SystemExit(f"{tree}: {cmd} failed:\n{proc.stdout[-2000:]}\n{proc.stderr[-3000:]}")
+    return time.perf_counter() - t0
+
+
 def main() -> int:
-    files = subprocess.run(["git", "ls-files", "-z"], cwd=ROOT, capture_output=True, text=True, check=True).stdout
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--base", help="a commit to run beside this working tree, stage by stage")
+    ap.add_argument("--params", type=Path, help="a params file to run instead of each tree's params.yaml")
+    ap.add_argument("--out", type=Path, help="write the table here (TSV)")
+    args = ap.parse_args()
     env = {**os.environ, "PIPELINE_TRACKING": "off", "PIPELINE_PYTHON": sys.executable,
            "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}"}
-    total = 0.0
-    print(f"default pipeline, stage wall times ({os.cpu_count()} CPUs)")
+    sides = ["base", "head"] if args.base else ["head"]
+    threads = os.environ.get("OMP_NUM_THREADS", f"all {os.cpu_count()}")
+    print(f"default pipeline, stage wall times ({os.cpu_count()} CPUs, torch threads: {threads})", flush=True)
+    rows = []
     with tempfile.TemporaryDirectory() as tmp:
-        for rel in filter(None, files.split("\0")):
-            if rel.startswith("outputs/") or rel == "dvc.lock":
-                continue
-            (Path(tmp) / rel).parent.mkdir(parents=True, exist_ok=True)
-            shutil.copy2(ROOT / rel, Path(tmp) / rel)     # keeps bin/pipeline executable
-        for stage in stage_graph.load(Path(tmp) / "dvc.yaml"):
-            cmd = shlex.split(stage.cmd) + ["--no-progress"]
-            t0 = time.perf_counter()
-            proc = subprocess.run(cmd, cwd=tmp, env=env, capture_output=True, text=True)
-            seconds = time.perf_counter() - t0
-            if proc.returncode != 0:
-                print(proc.stdout[-2000:], proc.stderr[-3000:])
-                return 1
-            total += seconds
-            print(f"  {stage.name:9s} {seconds:7.1f} s")
-    print(f"  {'total':9s} {total:7.1f} s")
+        trees = {side: Path(tmp) / side for side in sides}
+        for side, tree in trees.items():
+            copy_tree(tree, args.base if side == "base" else None)
+            if args.params is not None:
+                shutil.copy2(args.params, tree / "params.yaml")
+        for stage in stage_graph.load(trees["head"] / "dvc.yaml"):
+            row = {"stage": stage.name}
+            for side, tree in trees.items():
+                row[f"{side}_s"] = run_stage(tree, stage.cmd, env)
+                row[f"{side}_md5"] = model_md5(tree / "outputs" / stage.name)
+            if args.base:
+                row["ratio"] = row["head_s"] / row["base_s"]
+                row["same_model"] = row["head_md5"] == row["base_md5"]
+                print(f"  {stage.name:9s} base {row['base_s']:7.1f} s  head {row['head_s']:7.1f} s  "
+                      f"head/base {row['ratio']:.3f}  model {'identical' if row['same_model'] else 'DIFFERENT'}"
+                      f" ({row['head_md5']})", flush=True)
+            else:
+                print(f"  {stage.name:9s} {row['head_s']:7.1f} s  model {row['head_md5']}", flush=True)
+            rows.append(row)
+    total = {side: sum(r[f"{side}_s"] for r in rows) for side in sides}
+    print("  total     " + "  ".join(f"{side} {total[side]:7.1f} s" for side in sides)
+          + (f"  head/base {total['head'] / total['base']:.3f}" if args.base else ""))
+    if args.out is not None:
+        columns = list(rows[0])
+        args.out.write_text("\t".join(columns) + "\n" + "".join(
+            "\t".join(f"{r[c]:.3f}" if isinstance(r[c], float) else str(r[c]) for c in columns) + "\n" for r in rows))
     return 0
 
 

@@ -7,6 +7,8 @@ import json
 import math
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -51,3 +53,30 @@ def test_ppo_vs_trl_builds_the_shared_models_and_times_our_trainer(tmp_path, mon
             assert float(setup.split("(", 1)[1].split("x)", 1)[0]) > 0, out
         ratio = out.strip().splitlines()[-1]                     # "ratio ...: 1.14x ..."
         assert ratio.startswith("ratio") and float(ratio.split(": ", 1)[1].split("x", 1)[0]) > 0, out
+
+
+def test_stages_benchmark_runs_both_sides_and_compares_their_models(tmp_path):
+    """benchmarks/stages.py --base HEAD on the tiny params: every stage of both sides ran, the ratio
+    is each side's time, and the models of the working tree and HEAD are compared by md5 (a fresh
+    clone's tree is HEAD: identical models)."""
+    import subprocess
+    import sys
+
+    from conftest import TINY, run_env, write_params
+    write_params(tmp_path / "tiny.yaml", TINY)
+    out = tmp_path / "stages.tsv"
+    dirty = subprocess.run(["git", "status", "--porcelain", "--", "pipeline", "dvc.yaml"], cwd=ROOT,
+                           capture_output=True, text=True).stdout.strip()
+    proc = subprocess.run([sys.executable, str(ROOT / "benchmarks/stages.py"), "--base", "HEAD", "--params",
+                           str(tmp_path / "tiny.yaml"), "--out", str(out)], cwd=ROOT, env=run_env(),
+                          capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    header, *rows = [line.split("\t") for line in out.read_text().splitlines()]
+    table = [dict(zip(header, r)) for r in rows]
+    assert [r["stage"] for r in table] == ["prepare", "sft", "reward", "ppo", "evaluate"]
+    for r in table:
+        assert float(r["ratio"]) == pytest.approx(float(r["head_s"]) / float(r["base_s"]), rel=0.02)
+        assert (r["head_md5"] == "-") == (r["stage"] in ("prepare", "evaluate"))
+        if not dirty:   # HEAD against itself
+            assert r["same_model"] == "True" and r["head_md5"] == r["base_md5"], r
+    assert "head/base" in proc.stdout

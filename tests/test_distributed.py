@@ -108,7 +108,7 @@ def test_two_process_zero2_sft_and_rm_match_one_process(root):
 def test_compare_methods_under_two_process_zero2(root):
     """The methods of compare/dvc.yaml scale out as the default stages do: DPO's steps in 2
     processes match 1 process (its cached reference log-probs included); GRPO runs without a critic
-    (no critic in the DeepSpeed config); rejection sampling samples on rank 0 and fine-tunes on both."""
+    (no critic in the DeepSpeed config); rejection sampling samples and fine-tunes on both."""
     plain, zero2 = params_file(root, "plain_methods", {}), params_file(root, "zero2_methods", ZERO2_2PROC)
     stage("dpo", plain, root, "dpo1")
     assert "launching 2 processes" in stage("dpo", zero2, root, "dpo2").stdout
@@ -162,7 +162,14 @@ def test_two_process_ppo_zero2_and_zero3_agree(root):
     assert ds["actor"]["zero_optimization"]["stage"] == 3
     assert json.loads((root / "ppo_z2" / "deepspeed_config.json").read_text())["frozen"] is None   # replicated
     metrics = json.loads((root / "ppo_z3" / "metrics.json").read_text())
-    assert metrics["eval"]["kl_ppo"] >= 0.0 and "gold_gain" in metrics["eval"]
+    # The held-out comparison ran where the models were (ZeRO-3: each gathered in turn), shared out
+    # over both ranks: the reference against itself has KL exactly 0, and ZeRO-2 measured the same.
+    # (A policy three small updates from SFT draws, from the same per-prompt streams, nearly SFT's
+    # responses: its sampled KL estimate sits at 0 and may fall a hair below it.)
+    z2 = json.loads((root / "ppo_z2" / "metrics.json").read_text())["eval"]
+    assert metrics["eval"]["kl_sft"] == 0.0 and "gold_gain" in metrics["eval"]
+    for key in ("kl_ppo", "rm_ppo", "rm_sft", "gold_ppo"):
+        assert abs(metrics["eval"][key] - z2[key]) <= 1e-4 * max(1.0, abs(z2[key])), key
 
 
 def test_two_process_ppo_killed_then_resumed_equals_uninterrupted(root, tmp_path):

@@ -40,7 +40,7 @@ from ..models import lora
 from ..models.checkpoints import load_policy
 from ..preference.logprobs import TokenPair, pair_logprobs, reference_logprobs, response_lengths
 from ..preference.losses import dpo_loss, ipo_loss, simpo_loss
-from ..training import supervised
+from ..training import loading, supervised
 from ..training.batches import total_steps
 from ..training.distributed import SINGLE, Context
 from ..training.engines import TrainEngine, supervised_engine, write_deepspeed_config
@@ -203,7 +203,8 @@ def train(run: StageRun, data_dir: Path, sft_dir: Path, progress: bool = True) -
     train_pairs, held_pairs = pair_sources(params, data_dir)
     prompts = inputs.prompts(params, data_dir, "eval")[:cfg.n_eval_prompts]
     # 2. The policy and its pairs.
-    model, tok = load_policy(sft_dir, params.model.trust_remote_code)
+    with loading.partitioned(cfg.distributed, ctx):   # ZeRO-3: each rank loads its partition only
+        model, tok = load_policy(sft_dir, params.model.trust_remote_code, loading.load_dtype(cfg.distributed, True))
     train_tok, n_trunc, n_drop = tokenize_pairs(train_pairs, tok, cfg.max_length, cfg.overlong)
     eval_tok, e_trunc, e_drop = tokenize_pairs(held_pairs, tok, cfg.max_length, cfg.overlong)
     torch.manual_seed(cfg.seed)

@@ -29,7 +29,7 @@ from ..models import reward_model as rm
 from ..models.checkpoints import load_kwargs, load_policy
 from ..models.reward_source import RewardModelSource
 from ..tracking.sinks import NO_TRACKER, StepLog, Tracker
-from ..training import supervised
+from ..training import loading, supervised
 from ..training.batches import total_steps
 from ..training.distributed import SINGLE, Context
 from ..training.engines import supervised_engine, write_deepspeed_config
@@ -202,8 +202,10 @@ def train(run: StageRun, data_dir: Path, sft_dir: Path, progress: bool = True):
     cfg = params.reward
     train_pairs, eval_pairs = pair_sources(params, data_dir)
     init = cfg.name_or_path if cfg.name_or_path is not None else sft_dir
-    model, tok = rm.init_reward_model(init, cfg.seed, cfg.head_init_std, params.model.trust_remote_code,
-                                      load_kwargs(params.model) if cfg.name_or_path is not None else None)
+    with loading.partitioned(cfg.distributed, ctx):   # ZeRO-3: each rank loads its partition only
+        model, tok = rm.init_reward_model(init, cfg.seed, cfg.head_init_std, params.model.trust_remote_code,
+                                          load_kwargs(params.model) if cfg.name_or_path is not None
+                                          else {"dtype": loading.load_dtype(cfg.distributed, trained=True)})
     model = lora.wrap(model, cfg.lora, "SEQ_CLS")
     encoded = rm.EncodedPairs(tok, cfg.max_length)      # every prompt and response tokenised once, not once per epoch
     train_pairs, n_trunc, n_drop = fit_pairs(train_pairs, encoded, cfg.overlong)

@@ -8,6 +8,7 @@ annotator next to the held-out demonstrations, so the metrics say how good imita
 
 from __future__ import annotations
 
+import contextlib
 from pathlib import Path
 from typing import Any
 
@@ -79,7 +80,10 @@ def train(run: StageRun, data_dir: Path, progress: bool = True) -> tuple[Any, An
     # Read (and so validate) now what is measured after training: a broken line must fail fast.
     eval_prompts = inputs.prompts(params, data_dir, "eval")[:cfg.n_eval_generations]
     source = cfg.dataset.path or data_dir / "sft_train.jsonl"
-    with loading.partitioned(cfg.distributed, ctx):   # ZeRO-3: each rank builds its partition only
+    # ZeRO-3 partitions a checkpoint as it loads; a model built from a config is built whole (its
+    # seeded initialisation then does not depend on the placement) and partitioned by its engine.
+    pretrained = params.model.name_or_path is not None
+    with loading.partitioned(cfg.distributed, ctx) if pretrained else contextlib.nullcontext():
         model, tok = init_policy(params.model, data_dir / "tokenizer", cfg.seed)
     model = lora.wrap(model, cfg.lora, "CAUSAL_LM")
     train_ex, n_trunc, n_drop = tokenize_demonstrations(train_rows, tok, cfg.max_length, source, cfg.overlong)

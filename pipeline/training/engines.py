@@ -279,8 +279,7 @@ class DeepSpeedEngine(TrainEngine):
         if not self.zero3:
             yield self.model
             return
-        from deepspeed.runtime.zero.stage3 import unwrap_model_for_generation
-        with unwrap_model_for_generation(self.engine):
+        with zero3_whole(self.engine):
             yield self.model
 
     def full_model(self) -> torch.nn.Module | None:
@@ -339,9 +338,28 @@ class FrozenModel:
         if self.engine is None:
             yield self.model
             return
-        from deepspeed.runtime.zero.stage3 import unwrap_model_for_generation
-        with unwrap_model_for_generation(self.engine):
+        with zero3_whole(self.engine):
             yield self.model
+
+
+@contextlib.contextmanager
+def zero3_whole(engine: Any) -> Iterator[None]:
+    """A ZeRO-3 engine's module gathered whole and free of ZeRO-3's hooks meanwhile, so each rank
+    may run forwards alone, as many as it needs (a rollout that ends early, a measurement's share
+    of prompts). DeepSpeed's `unwrap_model_for_generation` removes the per-module hooks but keeps
+    the root's start-of-forward hook, whose step reset checks the trace against the other ranks (a
+    collective): it is taken off here too and put back first in line."""
+    from deepspeed.runtime.zero.stage3 import unwrap_model_for_generation
+    offload = getattr(engine.optimizer, "parameter_offload", engine.optimizer)
+    hooks, key = offload.module._forward_pre_hooks, offload.fwd_pre_hook.id
+    start = hooks.pop(key, None)
+    try:
+        with unwrap_model_for_generation(engine):
+            yield
+    finally:
+        if start is not None:
+            hooks[key] = start
+            hooks.move_to_end(key, last=False)
 
 
 def make_engine(model: torch.nn.Module, *, lr: float, weight_decay: float, schedule: Callable[[int], float],
