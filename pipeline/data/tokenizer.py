@@ -106,8 +106,21 @@ def encode_response(tok: PreTrainedTokenizerBase, response: str) -> list[int]:
     return tok(response, add_special_tokens=False)["input_ids"] + [tok.eos_token_id]
 
 
-def decode_response(tok: PreTrainedTokenizerBase, ids: list[int]) -> str:
-    """Text of generated ids, cut at the first eos (pads and eos are not part of the text)."""
-    if tok.eos_token_id in ids:
-        ids = ids[:ids.index(tok.eos_token_id)]
-    return tok.decode(ids, skip_special_tokens=True).strip()
+def end_ids(tok: PreTrainedTokenizerBase, model=None) -> list[int]:
+    """Ids that end a response: the tokenizer's eos, then each id of the model's
+    `generation_config.eos_token_id` (an int or a list), each once, in that order. Chat models
+    stop on more than one token, as `generate` does with that list: Llama-3.1-Instruct lists
+    <|end_of_text|>, <|eom_id|> and <|eot_id|>, Qwen2.5-Instruct <|im_end|> and <|endoftext|>."""
+    ids = [tok.eos_token_id]
+    listed = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
+    if listed is not None:
+        ids += [listed] if isinstance(listed, int) else list(listed)
+    return list(dict.fromkeys(int(i) for i in ids))
+
+
+def decode_response(tok: PreTrainedTokenizerBase, ids: list[int], end_ids: list[int] | None = None) -> str:
+    """Text of generated ids, cut at the first of `end_ids` (default: the tokenizer's eos); pads
+    and the end token are not part of the text."""
+    ends = {tok.eos_token_id} if end_ids is None else set(end_ids)
+    cut = next((i for i, t in enumerate(ids) if t in ends), len(ids))
+    return tok.decode(ids[:cut], skip_special_tokens=True).strip()
