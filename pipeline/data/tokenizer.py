@@ -52,11 +52,30 @@ def build_word_tokenizer(words: list[str]) -> PreTrainedTokenizerFast:
         padding_side="right", model_max_length=1024, clean_up_tokenization_spaces=False)
 
 
+def reusable_pad_token(tok: PreTrainedTokenizerBase) -> str | None:
+    """A token `tok` already has that can serve as pad, so the vocabulary and the model's embeddings
+    stay as they are: the first special token whose text contains "pad" (Llama-3.1's
+    `<|finetune_right_pad_id|>`, Qwen2.5's `<|vision_pad|>`), else the first reserved special token
+    (Llama-3's `<|reserved_special_token_N|>`), else unk; None when there is none. Never eos or bos:
+    both are real inputs (chat templates end every turn with eos), and a model config's
+    `pad_token_id` becomes its embedding's `padding_idx`, whose row then gets no gradient."""
+    taken = {tok.eos_token_id, tok.bos_token_id}
+    special = [t.content for i, t in sorted(tok.added_tokens_decoder.items()) if t.special and i not in taken]
+    for word in ("pad", "reserved"):
+        found = next((text for text in special if word in text.lower()), None)
+        if found is not None:
+            return found
+    if tok.unk_token is not None and tok.unk_token_id not in taken:
+        return tok.unk_token
+    return None
+
+
 def load_tokenizer(path: str | Path, trust_remote_code: bool = False,
                    add_pad: bool = False) -> PreTrainedTokenizerBase:
     """Load a tokenizer and check the special tokens the pipeline relies on. With `add_pad` (a
-    model entering the pipeline), a missing pad token is added as a new token; the caller resizes
-    the model's embeddings (models.init_policy)."""
+    model entering the pipeline), a missing pad token is one the tokenizer already has
+    (`reusable_pad_token`), or else a new token; only then does the caller resize the model's
+    embeddings (models.init_policy). Either way one warning names the token."""
     check_folder(path)
     with loading(path, "the tokenizer"):
         tok = AutoTokenizer.from_pretrained(str(path), trust_remote_code=trust_remote_code)
@@ -65,9 +84,15 @@ def load_tokenizer(path: str | Path, trust_remote_code: bool = False,
     if tok.pad_token_id is None:
         if not add_pad:
             raise CheckpointError(f"{path}: tokenizer has no pad token; set one (e.g. pad = eos) and save it again")
-        tok.add_special_tokens({"pad_token": PAD})
-        log.warning("%s: the tokenizer had no pad token; added %r as a new token (id %d) and the model's "
-                    "embeddings are resized to match", path, PAD, tok.pad_token_id)
+        reused = reusable_pad_token(tok)
+        if reused is not None:
+            tok.pad_token = reused
+            log.warning("%s: the tokenizer had no pad token; reusing its token %r (id %d) as pad, the vocabulary "
+                        "is unchanged", path, reused, tok.pad_token_id)
+        else:
+            tok.add_special_tokens({"pad_token": PAD})
+            log.warning("%s: the tokenizer had no pad token; added %r as a new token (id %d) and the model's "
+                        "embeddings are resized to match", path, PAD, tok.pad_token_id)
     return tok
 
 
