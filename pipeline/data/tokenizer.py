@@ -13,6 +13,10 @@ When the tokenizer has a chat template (a chat model's), the prompt is rendered 
 as one user message or as the given list of messages, with the generation prompt added, so the
 response follows the assistant header exactly as at inference. Every stage encodes prompts
 through `encode_prompt`, so the format is the same in SFT, RM, PPO and evaluation.
+
+A prompt cut to a token limit keeps the template's head (bos, system block, headers) and tail (end
+of turn and generation prompt, or `\nResponse:`) and loses the left end of the user text: the model
+always sees the format it was tuned on, and the words next to the response.
 """
 
 from __future__ import annotations
@@ -23,7 +27,7 @@ from pathlib import Path
 from tokenizers import Tokenizer, models, pre_tokenizers, processors
 from transformers import AutoTokenizer, PreTrainedTokenizerBase, PreTrainedTokenizerFast
 
-from ..errors import CheckpointError, loading
+from ..errors import CheckpointError, DataError, loading
 from .io import check_folder
 
 log = logging.getLogger(__name__)
@@ -112,9 +116,18 @@ def encode_prompt(tok: PreTrainedTokenizerBase, prompt: "str | list[dict[str, st
     """Token ids of a prompt up to where the response starts: the chat template with its
     generation prompt when the tokenizer has one, else the plain format (`{prompt}\nResponse:`).
     The empty prompt (a `text`-layout demonstration) is just bos, when the tokenizer has one.
-    With `max_length`, a longer prompt keeps its right end (the part next to the response)."""
+    With `max_length`, a longer prompt keeps the template's head and tail whole and the right end
+    of the user text (`prompt_parts`); a DataError when head and tail alone are longer. A prompt
+    within the limit is never re-tokenized in parts."""
     ids = _encode_prompt(tok, prompt)
-    return ids[-max_length:] if max_length is not None else ids
+    if max_length is None or len(ids) <= max_length:
+        return ids
+    head, text, tail = prompt_parts(tok, prompt)
+    room = max_length - len(head) - len(tail)
+    if room < 0:
+        raise DataError(f"a prompt of {len(ids)} tokens cannot be cut to {max_length}: its template around the user "
+                        f"text alone is {len(head)} + {len(tail)} tokens")
+    return head + text[len(text) - room:] + tail
 
 
 def _encode_prompt(tok: PreTrainedTokenizerBase, prompt: "str | list[dict[str, str]]") -> list[int]:
@@ -124,6 +137,48 @@ def _encode_prompt(tok: PreTrainedTokenizerBase, prompt: "str | list[dict[str, s
         text = tok.apply_chat_template(as_messages(prompt), add_generation_prompt=True, tokenize=False)
         return tok(text, add_special_tokens=False)["input_ids"]
     return tok(format_prompt(prompt_text(prompt)), add_special_tokens=True)["input_ids"]
+
+
+# Stands in for the user text when the template is rendered to find its head and tail; it must
+# survive Jinja filters such as `trim` and never occur in a real prompt.
+_USER_TEXT = "USERTEXTGOESHERE7f3a9c"
+
+
+def _render(tok: PreTrainedTokenizerBase, messages: list[dict[str, str]]) -> str:
+    return tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+
+
+def prompt_parts(tok: PreTrainedTokenizerBase,
+                 prompt: "str | list[dict[str, str]]") -> tuple[list[int], list[int], list[int]]:
+    """(head, text, tail) ids of a prompt, the pieces `encode_prompt` truncates: the text is the
+    last user message's content (the last message's when none is the user's) as the template
+    renders it, or the whole plain prompt; the head is everything before it (bos, system block,
+    earlier turns, the user header) and the tail everything after (end of turn and the generation
+    prompt, or `\nResponse:`). Each piece is tokenized alone, so at the two seams the ids may differ
+    from `encode_prompt`'s; they are only for a prompt that must be cut anyway."""
+    encode = lambda text: tok(text, add_special_tokens=False)["input_ids"]   # noqa: E731
+    if getattr(tok, "chat_template", None):
+        messages = as_messages(prompt)
+        users = [i for i, m in enumerate(messages) if m["role"] == "user"]
+        k = users[-1] if users else len(messages) - 1
+        marked = [*messages[:k], {**messages[k], "content": _USER_TEXT}, *messages[k + 1:]]
+        pieces = _render(tok, marked).split(_USER_TEXT)
+        whole = _render(tok, messages)
+        if (len(pieces) != 2 or len(whole) < len(pieces[0]) + len(pieces[1])
+                or not (whole.startswith(pieces[0]) and whole.endswith(pieces[1]))):
+            raise DataError(f"{tok.name_or_path}: the chat template does not render the user message once and "
+                            f"as given, so a prompt over the limit cannot be cut inside it")
+        head, tail = pieces
+        return encode(head), encode(whole[len(head):len(whole) - len(tail)]), encode(tail)
+    text = prompt_text(prompt)
+    body = encode(format_prompt(text))
+    whole = tok(format_prompt(text), add_special_tokens=True)["input_ids"]
+    # The tokenizer's own special tokens (bos) sit around the body: find where it starts.
+    start = next((i for i in range(len(whole) - len(body) + 1) if whole[i:i + len(body)] == body), None)
+    if start is None:
+        raise DataError(f"{tok.name_or_path}: the tokenizer's special tokens change the prompt's ids, so a prompt "
+                        f"over the limit cannot be cut")
+    return whole[:start], encode(text), encode(f"\n{RESPONSE_MARKER}") + whole[start + len(body):]
 
 
 def encode_response(tok: PreTrainedTokenizerBase, response: str) -> list[int]:
