@@ -126,12 +126,24 @@ def fit_lengths(items: list[T], length: Callable[[T], int], max_length: int, ove
 
 def fit_prompts(records: list[tuple[str, Prompt]], tok, max_length: int,
                 overlong: str) -> tuple[list[Prompt], int, int]:
-    """Prompts of `(where, prompt)` records within `max_length` tokens after the chat template (the
-    right end kept on truncation)."""
-    from .tokenizer import encode_prompt
-    kept, truncated, dropped = fit_lengths(records, lambda r: len(encode_prompt(tok, r[1])), max_length, overlong,
-                                           "ppo.max_prompt_length", where=lambda r: r[0])
-    return [p for _, p in kept], truncated, dropped
+    """Prompts of `(where, prompt)` records within `max_length` tokens after the chat template.
+    A longer one is cut where it is encoded (`overlong: truncate`; tokenizer.encode_prompt keeps
+    the template's head and tail and the right end of the user text), left out (`drop`) or an
+    error (`error`). A prompt whose template around the user text is alone longer than the limit
+    cannot be cut that way: an error naming it under `truncate` too, since leaving it out would
+    quietly do what `drop` says (a long system message usually makes every prompt so)."""
+    from .tokenizer import encode_prompt, prompt_parts
+    sized = [(where, p, len(encode_prompt(tok, p))) for where, p in records]
+    kept, truncated, dropped = fit_lengths(sized, lambda r: r[2], max_length, overlong, "ppo.max_prompt_length",
+                                           where=lambda r: r[0])
+    for where, p, n in kept:
+        if n > max_length:
+            head, _, tail = prompt_parts(tok, p)
+            if len(head) + len(tail) > max_length:
+                raise DataError(f"{where}: the prompt template around the user text is {len(head)} + {len(tail)} "
+                                f"tokens, over ppo.max_prompt_length={max_length}, so truncation cannot fit it "
+                                f"(raise the limit, or overlong: drop leaves such prompts out)")
+    return [p for _, p, _ in kept], truncated, dropped
 
 
 def _user_rows(source: str, split: str, revision: str | None) -> list[tuple[str, dict]]:

@@ -13,6 +13,10 @@ When the tokenizer has a chat template (a chat model's), the prompt is rendered 
 as one user message or as the given list of messages, with the generation prompt added, so the
 response follows the assistant header exactly as at inference. Every stage encodes prompts
 through `encode_prompt`, so the format is the same in SFT, RM, PPO and evaluation.
+
+A prompt cut to a token limit keeps the template's head (bos, system block, headers) and tail (end
+of turn and generation prompt, or `\nResponse:`) and loses the left end of the user text: the model
+always sees the format it was tuned on, and the words next to the response.
 """
 
 from __future__ import annotations
@@ -23,7 +27,7 @@ from pathlib import Path
 from tokenizers import Tokenizer, models, pre_tokenizers, processors
 from transformers import AutoTokenizer, PreTrainedTokenizerBase, PreTrainedTokenizerFast
 
-from ..errors import CheckpointError, loading
+from ..errors import CheckpointError, DataError, loading
 from .io import check_folder
 
 log = logging.getLogger(__name__)
@@ -52,11 +56,30 @@ def build_word_tokenizer(words: list[str]) -> PreTrainedTokenizerFast:
         padding_side="right", model_max_length=1024, clean_up_tokenization_spaces=False)
 
 
+def reusable_pad_token(tok: PreTrainedTokenizerBase) -> str | None:
+    """A token `tok` already has that can serve as pad, so the vocabulary and the model's embeddings
+    stay as they are: the first special token whose text contains "pad" (Llama-3.1's
+    `<|finetune_right_pad_id|>`, Qwen2.5's `<|vision_pad|>`), else the first reserved special token
+    (Llama-3's `<|reserved_special_token_N|>`), else unk; None when there is none. Never eos or bos:
+    both are real inputs (chat templates end every turn with eos), and a model config's
+    `pad_token_id` becomes its embedding's `padding_idx`, whose row then gets no gradient."""
+    taken = {tok.eos_token_id, tok.bos_token_id}
+    special = [t.content for i, t in sorted(tok.added_tokens_decoder.items()) if t.special and i not in taken]
+    for word in ("pad", "reserved"):
+        found = next((text for text in special if word in text.lower()), None)
+        if found is not None:
+            return found
+    if tok.unk_token is not None and tok.unk_token_id not in taken:
+        return tok.unk_token
+    return None
+
+
 def load_tokenizer(path: str | Path, trust_remote_code: bool = False,
                    add_pad: bool = False) -> PreTrainedTokenizerBase:
     """Load a tokenizer and check the special tokens the pipeline relies on. With `add_pad` (a
-    model entering the pipeline), a missing pad token is added as a new token; the caller resizes
-    the model's embeddings (models.init_policy)."""
+    model entering the pipeline), a missing pad token is one the tokenizer already has
+    (`reusable_pad_token`), or else a new token; only then does the caller resize the model's
+    embeddings (models.init_policy). Either way one warning names the token."""
     check_folder(path)
     with loading(path, "the tokenizer"):
         tok = AutoTokenizer.from_pretrained(str(path), trust_remote_code=trust_remote_code)
@@ -65,9 +88,15 @@ def load_tokenizer(path: str | Path, trust_remote_code: bool = False,
     if tok.pad_token_id is None:
         if not add_pad:
             raise CheckpointError(f"{path}: tokenizer has no pad token; set one (e.g. pad = eos) and save it again")
-        tok.add_special_tokens({"pad_token": PAD})
-        log.warning("%s: the tokenizer had no pad token; added %r as a new token (id %d) and the model's "
-                    "embeddings are resized to match", path, PAD, tok.pad_token_id)
+        reused = reusable_pad_token(tok)
+        if reused is not None:
+            tok.pad_token = reused
+            log.warning("%s: the tokenizer had no pad token; reusing its token %r (id %d) as pad, the vocabulary "
+                        "is unchanged", path, reused, tok.pad_token_id)
+        else:
+            tok.add_special_tokens({"pad_token": PAD})
+            log.warning("%s: the tokenizer had no pad token; added %r as a new token (id %d) and the model's "
+                        "embeddings are resized to match", path, PAD, tok.pad_token_id)
     return tok
 
 
@@ -87,9 +116,18 @@ def encode_prompt(tok: PreTrainedTokenizerBase, prompt: "str | list[dict[str, st
     """Token ids of a prompt up to where the response starts: the chat template with its
     generation prompt when the tokenizer has one, else the plain format (`{prompt}\nResponse:`).
     The empty prompt (a `text`-layout demonstration) is just bos, when the tokenizer has one.
-    With `max_length`, a longer prompt keeps its right end (the part next to the response)."""
+    With `max_length`, a longer prompt keeps the template's head and tail whole and the right end
+    of the user text (`prompt_parts`); a DataError when head and tail alone are longer. A prompt
+    within the limit is never re-tokenized in parts."""
     ids = _encode_prompt(tok, prompt)
-    return ids[-max_length:] if max_length is not None else ids
+    if max_length is None or len(ids) <= max_length:
+        return ids
+    head, text, tail = prompt_parts(tok, prompt)
+    room = max_length - len(head) - len(tail)
+    if room < 0:
+        raise DataError(f"a prompt of {len(ids)} tokens cannot be cut to {max_length}: its template around the user "
+                        f"text alone is {len(head)} + {len(tail)} tokens")
+    return head + text[len(text) - room:] + tail
 
 
 def _encode_prompt(tok: PreTrainedTokenizerBase, prompt: "str | list[dict[str, str]]") -> list[int]:
@@ -101,26 +139,68 @@ def _encode_prompt(tok: PreTrainedTokenizerBase, prompt: "str | list[dict[str, s
     return tok(format_prompt(prompt_text(prompt)), add_special_tokens=True)["input_ids"]
 
 
+# Stands in for the user text when the template is rendered to find its head and tail; it must
+# survive Jinja filters such as `trim` and never occur in a real prompt.
+_USER_TEXT = "USERTEXTGOESHERE7f3a9c"
+
+
+def _render(tok: PreTrainedTokenizerBase, messages: list[dict[str, str]]) -> str:
+    return tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+
+
+def prompt_parts(tok: PreTrainedTokenizerBase,
+                 prompt: "str | list[dict[str, str]]") -> tuple[list[int], list[int], list[int]]:
+    """(head, text, tail) ids of a prompt, the pieces `encode_prompt` truncates: the text is the
+    last user message's content (the last message's when none is the user's) as the template
+    renders it, or the whole plain prompt; the head is everything before it (bos, system block,
+    earlier turns, the user header) and the tail everything after (end of turn and the generation
+    prompt, or `\nResponse:`). Each piece is tokenized alone, so at the two seams the ids may differ
+    from `encode_prompt`'s; they are only for a prompt that must be cut anyway."""
+    encode = lambda text: tok(text, add_special_tokens=False)["input_ids"]   # noqa: E731
+    if getattr(tok, "chat_template", None):
+        messages = as_messages(prompt)
+        users = [i for i, m in enumerate(messages) if m["role"] == "user"]
+        k = users[-1] if users else len(messages) - 1
+        marked = [*messages[:k], {**messages[k], "content": _USER_TEXT}, *messages[k + 1:]]
+        pieces = _render(tok, marked).split(_USER_TEXT)
+        whole = _render(tok, messages)
+        if (len(pieces) != 2 or len(whole) < len(pieces[0]) + len(pieces[1])
+                or not (whole.startswith(pieces[0]) and whole.endswith(pieces[1]))):
+            raise DataError(f"{tok.name_or_path}: the chat template does not render the user message once and "
+                            f"as given, so a prompt over the limit cannot be cut inside it")
+        head, tail = pieces
+        return encode(head), encode(whole[len(head):len(whole) - len(tail)]), encode(tail)
+    text = prompt_text(prompt)
+    body = encode(format_prompt(text))
+    whole = tok(format_prompt(text), add_special_tokens=True)["input_ids"]
+    # The tokenizer's own special tokens (bos) sit around the body: find where it starts.
+    start = next((i for i in range(len(whole) - len(body) + 1) if whole[i:i + len(body)] == body), None)
+    if start is None:
+        raise DataError(f"{tok.name_or_path}: the tokenizer's special tokens change the prompt's ids, so a prompt "
+                        f"over the limit cannot be cut")
+    return whole[:start], encode(text), encode(f"\n{RESPONSE_MARKER}") + whole[start + len(body):]
+
+
 def encode_response(tok: PreTrainedTokenizerBase, response: str) -> list[int]:
     """Response ids followed by eos: the end of response the policy must learn to emit."""
     return tok(response, add_special_tokens=False)["input_ids"] + [tok.eos_token_id]
 
 
 def end_ids(tok: PreTrainedTokenizerBase, model=None) -> list[int]:
-    """Ids that end a response: the tokenizer's eos, then the model's generation_config eos ids."""
+    """Ids that end a response: the tokenizer's eos, then each id of the model's
+    `generation_config.eos_token_id` (an int or a list), each once, in that order. Chat models
+    stop on more than one token, as `generate` does with that list: Llama-3.1-Instruct lists
+    <|end_of_text|>, <|eom_id|> and <|eot_id|>, Qwen2.5-Instruct <|im_end|> and <|endoftext|>."""
     ids = [tok.eos_token_id]
-    extra = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
-    for i in extra if isinstance(extra, (list, tuple)) else [extra] if extra is not None else []:
-        if i not in ids:
-            ids.append(i)
-    return ids
+    listed = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
+    if listed is not None:
+        ids += [listed] if isinstance(listed, int) else list(listed)
+    return list(dict.fromkeys(int(i) for i in ids))
 
 
-def decode_response(tok: PreTrainedTokenizerBase, ids: list[int], ends: list[int] | None = None) -> str:
-    """Text of generated ids, cut at the first of `ends` (default: the eos; pads and the end are not
-    part of the text)."""
-    ends = [tok.eos_token_id] if ends is None else ends
-    cut = next((i for i, t in enumerate(ids) if t in ends), None)
-    if cut is not None:
-        ids = ids[:cut]
-    return tok.decode(ids, skip_special_tokens=True).strip()
+def decode_response(tok: PreTrainedTokenizerBase, ids: list[int], end_ids: list[int] | None = None) -> str:
+    """Text of generated ids, cut at the first of `end_ids` (default: the tokenizer's eos); pads
+    and the end token are not part of the text."""
+    ends = {tok.eos_token_id} if end_ids is None else set(end_ids)
+    cut = next((i for i, t in enumerate(ids) if t in ends), len(ids))
+    return tok.decode(ids[:cut], skip_special_tokens=True).strip()

@@ -49,7 +49,8 @@ def load_kwargs(cfg: ModelConfig) -> dict:
 
 
 def fit_embeddings(model: PreTrainedModel, tok: PreTrainedTokenizerBase) -> PreTrainedModel:
-    """Grow the embeddings when the tokenizer gained tokens (a pad token added on load)."""
+    """Grow the embeddings when the tokenizer gained tokens (a new pad token added on load; a
+    reused one leaves them as they are), and record the pad id in the model's config."""
     # num_embeddings, not the weight's size: under ZeRO-3 a partitioned weight holds no rows here.
     if len(tok) > model.get_input_embeddings().num_embeddings:
         model.resize_token_embeddings(len(tok))
@@ -87,7 +88,8 @@ def from_checkpoint(auto_cls: Any, path: str | Path, *, strict: bool, expected_m
 
 def init_policy(cfg: ModelConfig, tokenizer_dir: Path, seed: int) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
     """The SFT starting point: a tiny model from config, or `name_or_path` with its own tokenizer
-    (a pad token added if it has none; dtype and attention implementation from params)."""
+    (one of its own tokens made pad if it has none, a new one only when it has no spare token;
+    dtype and attention implementation from params)."""
     if cfg.name_or_path is None:
         tok = load_tokenizer(tokenizer_dir)
         torch.manual_seed(seed)
