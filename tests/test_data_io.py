@@ -257,19 +257,21 @@ def test_collate_hand_built():
     assert batch["labels"].tolist() == [[-100, -100, 7, 2], [-100, 9, -100, -100]]
 
 
-def test_long_prompt_truncated_from_left(tok, tmp_path):
+def test_long_prompt_keeps_bos_and_the_format_and_loses_the_texts_left_end(tok, tmp_path):
     rows = [{"prompt": PROMPT, "response": RESPONSE}, {"prompt": PROMPT, "response": "the music was good ."}]
     examples, truncated, dropped = tokenize_demonstrations(rows, tok, max_length=20, source=tmp_path / "d.jsonl")
     assert dropped == 0
     assert truncated == 2
-    # 16 + 12 = 28 > 20: keep the last 8 prompt tokens; 16 + 6 = 22 > 20: keep the last 14
+    # 16 + 12 = 28 > 20: 8 prompt tokens, bos + the last 5 of the text + "Response :";
+    # 16 + 6 = 22 > 20: 14 prompt tokens, bos + the last 11 of the text + "Response :"
     e0, e1 = examples
     assert tok.convert_ids_to_tokens(e0.input_ids[:e0.n_prompt]) == \
-        ["Harbor", ".", "Discuss", "the", "music", ".", "Response", ":"]
+        ["<bos>", ".", "Discuss", "the", "music", ".", "Response", ":"]
     assert e0.input_ids[e0.n_prompt:] == encode_response(tok, RESPONSE)
     assert len(e0.input_ids) == 20 and len(e1.input_ids) == 20
     assert e1.n_prompt == 14
-    assert e1.input_ids[:14] == encode_prompt(tok, PROMPT)[2:]
+    whole = encode_prompt(tok, PROMPT)
+    assert e1.input_ids[:14] == whole[:1] + whole[3:]
     _, none, _ = tokenize_demonstrations(rows, tok, max_length=28, source=tmp_path / "d.jsonl")
     assert none == 0
     # overlong: drop leaves the long ones out and counts them instead.

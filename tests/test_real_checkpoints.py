@@ -206,3 +206,30 @@ def test_decode_response_cuts_at_any_end_id(ckpts):
     assert decode_response(tok, first + [eom] + rest) == "the plot was good . the music was bad ."
     assert decode_response(tok, first + [tok.eos_token_id] + rest) == "the plot was good ."
     assert decode_response(tok, first + rest, ends) == "the plot was good . the music was bad ."
+
+
+# ---- Sampling ------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("shape", ["llama3", "qwen25"])
+def test_a_response_ends_at_a_generation_config_eos_that_is_not_the_tokenizers(ckpts, shape):
+    """The sampler stops at every end id: with the model pushed towards the generation_config's
+    last eos (Llama-3.1's <|eom_id|>-style, Qwen2.5's <|endoftext|>), not the tokenizer's, rollouts
+    end there, the id is the response's last token, and the text stops before it."""
+    import torch
+
+    from pipeline.config import SamplingConfig
+    from pipeline.measurement.policy import measure
+    from pipeline.ppo.rollout import rollout
+    model, tok = init_policy(ModelConfig(name_or_path=str(ckpts[shape])), Path("unused"), seed=0)
+    others = end_ids(tok, model)[1:]   # the generation_config's, beyond the tokenizer's eos
+    assert others and tok.eos_token_id not in others
+    bias = torch.zeros(model.config.vocab_size)
+    bias[others], bias[tok.eos_token_id] = 8.0, -30.0   # the other end ids likely, the tokenizer's never
+    model.lm_head.register_forward_hook(lambda module, args, out: out + bias)
+    ro = rollout(model.eval(), tok, [SHORT] * 4, SamplingConfig(max_new_tokens=24), torch.Generator().manual_seed(0))
+    assert ro.ended.all()
+    last = ro.response_mask.sum(1) - 1
+    assert set(ro.input_ids[:, ro.n_prompt:].gather(1, last[:, None]).flatten().tolist()) <= set(others)
+    assert all(not any(t in r for t in tok.convert_ids_to_tokens(others)) for r in ro.responses)
+    assert measure(model, tok, [SHORT] * 4, SamplingConfig(max_new_tokens=24), seed=1).ended == [True] * 4

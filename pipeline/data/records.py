@@ -15,7 +15,7 @@ from transformers import PreTrainedTokenizerBase
 from ..errors import DataError
 from .io import read_records
 from .padding import right_pad
-from .tokenizer import encode_prompt, encode_response
+from .tokenizer import cut_prompt, encode_prompt, encode_response
 
 IGNORE = -100  # label value that HF causal-LM losses skip
 
@@ -42,8 +42,9 @@ class Example:
 
 def tokenize_demonstrations(rows: list[dict], tok: PreTrainedTokenizerBase, max_length: int,
                             source: Path | str, overlong: str = "truncate") -> tuple[list[Example], int, int]:
-    """Tokenize. A demonstration longer than `max_length` keeps its response and loses the
-    prompt's left end (`overlong: truncate`: the instruction's tail and the response matter most),
+    """Tokenize. A demonstration longer than `max_length` keeps its response and the prompt's
+    template (bos, system block, headers) and loses the left end of the user text (`overlong:
+    truncate`: the instruction's tail and the response matter most; tokenizer.cut_prompt),
     or is left out (`drop`), or is an error naming it (`error`). Returns examples and how many were
     truncated and dropped. A response alone longer than the limit is an error under `truncate`
     (nothing sensible is left)."""
@@ -62,7 +63,7 @@ def tokenize_demonstrations(rows: list[dict], tok: PreTrainedTokenizerBase, max_
             if len(r) >= max_length:
                 raise DataError(f"{where}: response of {len(r)} tokens exceeds "
                                 f"sft.max_length={max_length} (sft.overlong: drop skips such records)")
-            p, truncated = p[len(p) + len(r) - max_length:], truncated + 1
+            p, truncated = cut_prompt(tok, row["prompt"], max_length - len(r), p), truncated + 1
         examples.append(Example(p + r, len(p)))
     if not examples:
         raise DataError(f"{source}: every record is longer than sft.max_length={max_length}")

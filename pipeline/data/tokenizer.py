@@ -130,6 +130,22 @@ def encode_prompt(tok: PreTrainedTokenizerBase, prompt: "str | list[dict[str, st
     return head + text[len(text) - room:] + tail
 
 
+def cut_prompt(tok: PreTrainedTokenizerBase, prompt: "str | list[dict[str, str]]", room: int,
+               ids: list[int] | None = None) -> list[int]:
+    """A prompt's ids within `room` tokens, for an example whose response takes the rest: whole when
+    it fits; else the template's head and tail with the right end of the user text (as
+    `encode_prompt` cuts); else, when even head and tail exceed `room`, the right end of the ids
+    (the tokens next to the response), where refusing is no option (scoring a rollout).
+    `ids`: the prompt's ids when the caller has them already."""
+    ids = _encode_prompt(tok, prompt) if ids is None else ids
+    if len(ids) <= room:
+        return list(ids)
+    head, text, tail = prompt_parts(tok, prompt)
+    if len(head) + len(tail) <= room:
+        return head + text[len(text) - (room - len(head) - len(tail)):] + tail
+    return list(ids[len(ids) - room:]) if room > 0 else []
+
+
 def _encode_prompt(tok: PreTrainedTokenizerBase, prompt: "str | list[dict[str, str]]") -> list[int]:
     if isinstance(prompt, str) and not prompt:
         return [tok.bos_token_id] if tok.bos_token_id is not None else []

@@ -16,6 +16,7 @@ from __future__ import annotations
 import json
 
 import math
+from typing import Callable
 from pathlib import Path
 
 import torch
@@ -26,7 +27,7 @@ from ..data.padding import positions, right_pad
 from ..errors import CheckpointError
 from .lora import unwrap
 from .checkpoints import fit_embeddings, from_checkpoint, modifying
-from ..data.tokenizer import encode_prompt, encode_response, load_tokenizer
+from ..data.tokenizer import cut_prompt, encode_prompt, encode_response, load_tokenizer
 
 OFFSET_KEY = "reward_offset"
 
@@ -148,20 +149,27 @@ def offset(model: PreTrainedModel) -> float:
     return float(getattr(model.config, OFFSET_KEY, 0.0) or 0.0)
 
 
-def fit_pair_parts(p: list[int], r: list[int], max_length: int) -> tuple[list[int], list[int]]:
-    """Prompt ids `p` and response ids `r` (eos included) cut to `max_length` together: the prompt
-    loses its left end. New lists, never `p` or `r` themselves (they may be kept ids)."""
+def fit_pair_parts(p: list[int], r: list[int], max_length: int,
+                   cut: Callable[[int], list[int]] | None = None) -> tuple[list[int], list[int]]:
+    """Prompt ids `p` and response ids `r` (eos included) cut to `max_length` together: the prompt is
+    cut to the room the response leaves by `cut(room)` (tokenizer.cut_prompt: its template kept, the
+    user text's left end dropped), or loses its left end without one. New lists, never `p` or `r`
+    themselves (they may be kept ids)."""
     r = r[:max_length - 1] if len(r) >= max_length else list(r)  # keep one prompt token; an over-long response is scored on its start
-    return p[max(0, len(p) + len(r) - max_length):], r
+    room = max_length - len(r)
+    if len(p) <= room:
+        return list(p), r
+    return (cut(room) if cut is not None else p[len(p) - room:]), r
 
 
 def encode_pair_parts(tok: PreTrainedTokenizerBase, prompt: str, response: str, max_length: int) -> tuple[list[int], list[int]]:
-    """(prompt ids, response ids + eos), the prompt losing its left end when the whole is too long."""
-    return fit_pair_parts(encode_prompt(tok, prompt), encode_response(tok, response), max_length)
+    """(prompt ids, response ids + eos), the prompt cut to fit when the whole is too long."""
+    p = encode_prompt(tok, prompt)
+    return fit_pair_parts(p, encode_response(tok, response), max_length, lambda room: cut_prompt(tok, prompt, room, p))
 
 
 def encode_pair_text(tok: PreTrainedTokenizerBase, prompt: str, response: str, max_length: int) -> list[int]:
-    """prompt + response + eos, the prompt losing its left end when the whole is too long."""
+    """prompt + response + eos, the prompt cut to fit when the whole is too long."""
     p, r = encode_pair_parts(tok, prompt, response, max_length)
     return p + r
 
@@ -232,7 +240,9 @@ class EncodedPairs:
 
     def parts(self, prompt, response: str) -> tuple[list[int], list[int]]:
         """`encode_pair_parts` from the kept ids."""
-        return fit_pair_parts(self.prompt_ids(prompt), self.response_ids(response), self.max_length)
+        p = self.prompt_ids(prompt)
+        return fit_pair_parts(p, self.response_ids(response), self.max_length,
+                              lambda room: cut_prompt(self.tok, prompt, room, p))
 
     def rows(self, triple: tuple) -> list[Row]:
         """`shared_prefix_rows` of the (prompt, chosen, rejected) triple."""

@@ -33,7 +33,7 @@ import torch
 from ..config import Params, PreferenceOptConfig
 from ..data import inputs
 from ..data.preferences import Pair
-from ..data.tokenizer import encode_prompt, encode_response
+from ..data.tokenizer import cut_prompt, encode_prompt, encode_response
 from ..errors import DataError, check_finite
 from ..measurement.policy import measure, summary
 from ..models import lora
@@ -81,7 +81,8 @@ def pair_sources(params: Params, data_dir: Path) -> tuple[list[Pair], list[Pair]
 
 def tokenize_pairs(pairs: list[Pair], tok, max_length: int, overlong: str) -> tuple[list[TokenPair], int, int]:
     """Pairs as token ids. One whose prompt + longer response exceeds `max_length` keeps both
-    responses whole and loses the prompt's left end (`truncate`: the log-probs are of the whole
+    responses whole and its prompt's template and loses the left end of the user text
+    (`truncate`, tokenizer.cut_prompt: the log-probs are of the whole
     responses, as the loss needs), is left out (`drop`), or is an error naming it (`error`); a
     response that alone leaves no room for a prompt token is an error under `truncate`. Returns the
     pairs and how many were truncated and dropped."""
@@ -97,7 +98,7 @@ def tokenize_pairs(pairs: list[Pair], tok, max_length: int, overlong: str) -> tu
                             f"for the prompt within dpo.max_length={max_length} (dpo.overlong: drop skips such pairs)")
         if not prompt:
             raise DataError(f"{pair.where}: the prompt encodes to no tokens")
-        out.append(TokenPair(prompt[-room:], chosen, rejected))
+        out.append(TokenPair(cut_prompt(tok, pair.prompt, room, prompt), chosen, rejected))
     return out, truncated, dropped
 
 
