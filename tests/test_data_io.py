@@ -287,3 +287,36 @@ def test_response_longer_than_max_length(tok, tmp_path):
         tokenize_demonstrations(rows, tok, max_length=10, source=source)
     assert str(err.value) == (f"{source}: record 2: response of 12 tokens exceeds sft.max_length=10 "
                               "(sft.overlong: drop skips such records)")
+
+
+def test_a_stage_runs_under_a_4_gib_address_space_limit(tmp_path):
+    """Clusters bound virtual memory (ulimit -v): reading an input allocates what the file holds,
+    not the size limit (8 GiB), so SFT on the tiny params runs under RLIMIT_AS = 4 GiB."""
+    import resource
+    import subprocess
+    import sys
+
+    from conftest import REPO, TINY, run_env, write_params
+    write_params(tmp_path / "p.yaml", TINY)
+    env = {**run_env(), "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
+    run = lambda *args, **kw: subprocess.run([sys.executable, "-m", "pipeline", *args, "--params", "p.yaml"],  # noqa: E731
+                                             cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600, **kw)
+    assert run("prepare", "--out", "data").returncode == 0
+    limit = lambda: resource.setrlimit(resource.RLIMIT_AS, (4 << 30, 4 << 30))   # noqa: E731
+    proc = run("sft", "--data", "data", "--out", "sft", "--no-progress", preexec_fn=limit)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert (tmp_path / "sft" / "model" / "model.safetensors").is_file()
+
+
+def test_reading_an_input_allocates_what_the_file_holds(tmp_path):
+    """Under a 1 GiB address-space limit a 5-byte file reads (its 8 GiB size limit is no allocation)."""
+    import subprocess
+    import sys
+
+    from conftest import REPO
+    (tmp_path / "small.txt").write_text("hello")
+    code = ("import resource; resource.setrlimit(resource.RLIMIT_AS, (1 << 30, 1 << 30)); "
+            "from pipeline.data.io import read_input; print(read_input(%r, limit=1 << 33))" % str(tmp_path / "small.txt"))
+    proc = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-1000:]
+    assert proc.stdout.strip() == "b'hello'"

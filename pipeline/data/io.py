@@ -66,8 +66,14 @@ def read_input(path: str | Path, what: str = "file", error: type[UserError] = Da
         size = path.stat().st_size
         if size > limit:
             raise error(f"{path}: {size} bytes, more than the {limit} a {what} may have")
+        # Read what the file holds (plus one byte, to see one that grew past the limit meanwhile):
+        # read(limit + 1) would allocate the whole limit first, which fails under an address-space
+        # limit (ulimit -v) or on a small machine whatever the file's size.
         with open(path, "rb") as f:
-            return f.read(limit + 1)
+            data = f.read(size + 1)
+        if len(data) > limit:
+            raise error(f"{path}: more than the {limit} bytes a {what} may have")
+        return data
     except OSError as err:
         raise error(f"{path}: cannot read the {what} ({err.strerror})") from None
 
