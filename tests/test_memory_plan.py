@@ -5,6 +5,7 @@ suggestions (each one applied as a user would, then re-planned)."""
 
 from __future__ import annotations
 
+import copy
 import json
 import logging
 import os
@@ -14,20 +15,22 @@ from pathlib import Path
 
 import pytest
 import torch
-from transformers import AutoModelForCausalLM, GPT2Config, LlamaConfig
+from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification, GPT2Config, LlamaConfig
 
 from conftest import REPO, run_env
 from pipeline.config import (
-    CompareConfig, DataConfig, DistributedConfig, EvaluateConfig, LoraConfig, ModelConfig, Params, PPOConfig,
-    PreferenceOptConfig, SamplingConfig, SFTConfig, load_params,
+    TRAINING_STAGES, CompareConfig, DataConfig, DistributedConfig, EvaluateConfig, LoraConfig, ModelConfig, Params,
+    PPOConfig, PreferenceOptConfig, SamplingConfig, SFTConfig, check_process_shape, load_params,
 )
 from pipeline.errors import MAX_MESSAGE, ConfigError
 from pipeline.models import lora as lora_mod
 from pipeline.models import reward_model as rm
 from pipeline.models.checkpoints import init_policy, save_checkpoint
+from pipeline.ppo.placement import SharedValueHead
 from pipeline.stages.prepare import run as prepare_run
 from pipeline.training import memory_plan as mp
 from pipeline.training import memory_terms as mt
+from pipeline.training.engines import enable_checkpointing
 
 GIB = 2 ** 30
 # Llama-3.2-1B's shape (its vocabulary, GQA with 8 key/value heads, tied embeddings): 1.236e9 parameters.
@@ -491,6 +494,20 @@ def test_evaluate_and_compare_where_they_run(tiny_default, capsys):
 # ---- (e) Suggestions the code accepts ------------------------------------------------------------
 
 
+def write_params(path: Path, data: dict) -> Path:
+    from ruamel.yaml import YAML
+    with open(path, "w", encoding="utf-8") as f:
+        YAML(typ="safe", pure=True).dump(data, f)
+    return path
+
+
+def set_dotted(tree: dict, key: str, value) -> None:
+    *path, leaf = key.split(".")
+    for part in path:
+        tree = tree.setdefault(part, {})
+    tree[leaf] = value
+
+
 def test_suggestion_text_and_companions():
     """A suggestion renders as the refusal shows it; below ZeRO-3, offload_frozen comes with
     zero_stage 3 and DeepSpeed, more processes with DeepSpeed: each alone is refused by the config."""
@@ -519,3 +536,73 @@ def check_refusal(message: str, stage: str, tips: list) -> None:
     assert shown and shown == [str(t) for t in tips[:len(shown)]] and len(message) <= MAX_MESSAGE
     rest = len(tips) - len(shown)
     assert message.endswith(f"; {rest} more: python -m pipeline plan --stage {stage}" if rest else shown[-1])
+
+
+VARIANTS = {"none": {}, "deepspeed": {"backend": "deepspeed", "num_processes": 2},
+            "zero3-bf16": {"backend": "deepspeed", "num_processes": 2, "zero_stage": 3, "precision": "bf16"}}
+
+
+@pytest.mark.parametrize("variant", list(VARIANTS))
+@pytest.mark.parametrize("stage", ["sft", "reward", "ppo", "grpo", "dpo", "rs", "evaluate"])
+def test_every_suggestion_loads_and_shrinks_the_plan(tiny_default, tmp_path, stage, variant):
+    """A stage that does not fit a 1 MiB GPU: each suggestion applied as a user would (merged into
+    the params, written, read by load_params with every check, the batch split checked as the stage
+    checks it at its start) loads, plans, and shrinks the plan by the saving it states."""
+    data = tiny_default / "data"
+    base = {stage: {"distributed": {"device": "cuda", "device_memory_gb": 0.001, **VARIANTS[variant]}}}
+    params = load_params(write_params(tmp_path / "params.yaml", base))
+    cfg = getattr(params, stage)
+    planner = mp.planners(params, data, (stage,))[stage]
+    plan = planner(cfg)
+    tips = mp.advice(stage, cfg, planner)
+    with pytest.raises(ConfigError) as refusal:
+        mp.verdict(plan, 0.001 * GIB, "distributed.device_memory_gb", tips)
+    if stage == "evaluate" and variant == "zero3-bf16":   # replicated and already 16-bit: nothing shrinks it
+        assert tips == [] and str(refusal.value).endswith("no setting of evaluate shrinks it; a larger device, "
+                                                          "or smaller models")
+        return
+    assert tips
+    check_refusal(str(refusal.value), stage, tips)
+    for tip in tips:
+        changed = copy.deepcopy(base)
+        for key, value in tip.settings.items():
+            set_dotted(changed, key, value)
+        loaded = load_params(write_params(tmp_path / f"{tip.key}.yaml", changed))
+        if stage in TRAINING_STAGES:
+            check_process_shape(loaded, stage)
+        after = mp.planned(loaded, data, (stage,))[0]
+        assert after.total < plan.total and after.total == pytest.approx(plan.total - tip.saves)
+        if tip.key.endswith("gradient_checkpointing"):   # the models this stage trains take it
+            hf = mt.policy_config(loaded, data)
+            enable_checkpointing(AutoModelForCausalLM.from_config(hf))
+            hf.num_labels = 1
+            enable_checkpointing(AutoModelForSequenceClassification.from_config(hf))
+
+
+def test_no_checkpointing_suggested_for_a_shared_value_head(tiny_default):
+    """A shared actor-critic's value head is no transformers model and enable_checkpointing refuses
+    it, so it is not suggested there; the same PPO with its own critic gets it. A shared backbone
+    runs without DeepSpeed, so nothing of DeepSpeed is suggested either."""
+    data = tiny_default / "data"
+    keys = {}
+    for shared in (True, False):
+        params = Params(ppo=PPOConfig(shared_backbone=shared, distributed=DistributedConfig(device="cuda")))
+        planner = mp.planners(params, data, ("ppo",))["ppo"]
+        keys[shared] = {t.key for t in mp.advice("ppo", params.ppo, planner)}
+    assert "ppo.distributed.gradient_checkpointing" in keys[False] - keys[True]
+    assert "ppo.distributed.offload_optimizer" in keys[False]
+    assert not {k for k in keys[True] if "offload" in k or "zero_stage" in k or "num_processes" in k}
+    actor = AutoModelForCausalLM.from_config(mt.policy_config(Params(), data))
+    with pytest.raises(ConfigError, match="gradient_checkpointing"):
+        enable_checkpointing(SharedValueHead(actor))
+
+
+def test_on_the_cpu_nothing_is_moved_to_ram(tiny_default):
+    """On the CPU, offload moves bytes within the same RAM and more processes are more copies of
+    the model: neither is suggested; what shrinks RAM still is (16 bit, partitions over ranks)."""
+    data = tiny_default / "data"
+    params = Params(sft=SFTConfig(distributed=DistributedConfig(device="cpu", backend="deepspeed", num_processes=2)))
+    planner = mp.planners(params, data, ("sft",))["sft"]
+    keys = [t.key for t in mp.advice("sft", params.sft, planner, on_cpu=True)]
+    assert keys and not [k for k in keys if "offload" in k or "num_processes" in k]
+    assert {"sft.distributed.precision", "sft.distributed.zero_stage"} <= set(keys)
