@@ -209,21 +209,22 @@ def tiny_default(tmp_path_factory):
     return root
 
 
-@pytest.mark.parametrize("stage", ["sft", "reward", "ppo"])
+@pytest.mark.parametrize("stage", ["sft", "sft-checkpointing", "reward", "ppo"])
 def test_predicted_peak_matches_measured_rss(tiny_default, stage):
     """tests/memory_probe.py builds the stage's models in a fresh process and runs a few of its
-    training steps with the tiny default's shapes (SFT: 32 x 96 tokens; RM: 32 pairs = 64 x 96;
-    PPO: one iteration of 64 rollouts, micro-batches of 16, prompts cut to 16 tokens so every
-    rollout is as long as the plan assumes); it reports its peak RSS (VmHWM, reset just before
-    the first model is built) over the RSS at that moment.
+    training steps with the tiny default's shapes (SFT: 32 x 96 tokens, also with gradient
+    checkpointing; RM: 32 pairs = 64 x 96; PPO: one iteration of 64 rollouts, micro-batches of 16,
+    prompts cut to 16 tokens so every rollout is as long as the plan assumes); it reports its peak
+    RSS (VmHWM, reset just before the first model is built) over the RSS at that moment.
 
     The plan predicts live tensor bytes, so the child runs with a fixed glibc mmap threshold
     (MALLOC_MMAP_THRESHOLD_=128 KiB): every tensor above it is its own mapping, returned to the OS
     when freed, and RSS follows live memory. With glibc's default (a threshold that grows, tensors
     carved from a heap that keeps freed chunks resident) the same steps measured 1.0-1.9x more and
     varied by 15% from run to run: allocator retention the plan does not model. Measured with the
-    fixed threshold (repeatable to 1 MiB): SFT 99 MiB against 106 planned, RM 189 against 195, PPO
-    89 against 79. Tolerance: 0.85-1.15 x planned, plus up to 16 MiB for what the plan leaves out by design (module and autograd objects,
+    fixed threshold (repeatable to 1 MiB): SFT 99 MiB against 106 planned, with gradient
+    checkpointing 42 against 39, RM 189 against 195, PPO 89 against 79. Tolerance: 0.85-1.15 x
+    planned, plus up to 16 MiB for what the plan leaves out by design (module and autograd objects,
     the loss's temporaries, the rollout's per-token tensors)."""
     root = tiny_default
     env = {**run_env(), "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "MALLOC_MMAP_THRESHOLD_": str(128 * 1024)}
@@ -233,8 +234,11 @@ def test_predicted_peak_matches_measured_rss(tiny_default, stage):
     assert proc.returncode == 0, proc.stderr[-2000:]
     measured = json.loads(proc.stdout.strip().splitlines()[-1])
     measured = measured["peak"] - measured["baseline"]
-    params = Params(ppo=PPOConfig(max_prompt_length=16, iterations=1, sampling=SamplingConfig(max_new_tokens=48)))
-    plan = mp.stage_plan(stage, params, {"data": root / "data", "sft": root / "sft", "reward": root / "rm"})
+    ckpt = stage == "sft-checkpointing"
+    params = Params(ppo=PPOConfig(max_prompt_length=16, iterations=1, sampling=SamplingConfig(max_new_tokens=48)),
+                    sft=SFTConfig(distributed=DistributedConfig(gradient_checkpointing=ckpt)))
+    plan = mp.stage_plan("sft" if ckpt else stage, params,
+                         {"data": root / "data", "sft": root / "sft", "reward": root / "rm"})
     assert plan.peak_phase == "update"   # what the probe measures is the planned peak
     predicted = plan.total
     assert 0.85 * predicted <= measured <= 1.15 * predicted + 16 * 2 ** 20, (stage, measured / 2 ** 20, predicted / 2 ** 20)
