@@ -130,7 +130,7 @@ def _parser() -> argparse.ArgumentParser:
                                 "(and the datasets params name), as they do before training (default: the params "
                                 "file only)")
         if stage == "plan":
-            p.add_argument("--stage", dest="plan_stage", choices=("sft", "reward", "ppo", "dpo", "rs", "grpo", "evaluate"), default=None,
+            p.add_argument("--stage", dest="plan_stage", choices=("sft", "reward", "ppo", "dpo", "rs", "grpo", "evaluate", "compare"), default=None,
                            help="only this stage (default: all)")
         if stage == "compare":
             p.add_argument("--policy", action="append", default=[], metavar="NAME=FOLDER",

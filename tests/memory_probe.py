@@ -2,6 +2,8 @@
 
     python tests/memory_probe.py STAGE DATA_DIR SFT_DIR RM_DIR
 
+STAGE: sft, reward or ppo; sft-checkpointing is SFT with distributed.gradient_checkpointing.
+
 Run as its own process (tests/test_memory_plan.py starts one per stage, with a fixed glibc mmap
 threshold, MALLOC_MMAP_THRESHOLD_, so that RSS follows live tensors: see the test's doc).
 Prints one JSON line: `baseline` (resident bytes just before, with the high-water mark reset) and
@@ -21,7 +23,7 @@ from pathlib import Path
 import torch
 from transformers import AutoModelForCausalLM, LlamaConfig
 
-from pipeline.config import Params, PPOConfig, SamplingConfig
+from pipeline.config import DistributedConfig, Params, PPOConfig, SamplingConfig, SFTConfig
 from pipeline.data import inputs
 from pipeline.data.tokenizer import load_tokenizer
 from pipeline.models import reward_model as rm
@@ -97,6 +99,8 @@ def main() -> None:
     stage, data_dir, sft_dir, rm_dir = sys.argv[1], *map(Path, sys.argv[2:5])
     torch.manual_seed(0)
     params = Params(ppo=PPO_PROBE)
+    if stage == "sft-checkpointing":
+        stage, params = "sft", Params(ppo=PPO_PROBE, sft=SFTConfig(distributed=DistributedConfig(gradient_checkpointing=True)))
     warm_up(len(load_tokenizer(data_dir / "tokenizer")))
     baseline = reset_peak()
     if stage == "ppo":

@@ -1,9 +1,11 @@
-"""The memory plan (pipeline/training/memory_plan.py): its parts against DeepSpeed's own estimators,
-PEFT's adapter count and transformers' KV cache; its totals against measured peak RSS on CPU; the
-refusal and the warning."""
+"""The memory plan (pipeline/training/memory_plan.py, its terms in memory_terms.py): its parts
+against DeepSpeed's own estimators, PEFT's adapter count and transformers' KV cache, the phases and
+the CPU rows by hand; its totals against measured peak RSS on CPU; the refusal, the warning and the
+suggestions (each one applied as a user would, then re-planned)."""
 
 from __future__ import annotations
 
+import copy
 import json
 import logging
 import os
@@ -13,18 +15,22 @@ from pathlib import Path
 
 import pytest
 import torch
-from transformers import AutoModelForCausalLM, GPT2Config, LlamaConfig
+from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification, GPT2Config, LlamaConfig
 
 from conftest import REPO, run_env
 from pipeline.config import (
-    DataConfig, DistributedConfig, LoraConfig, ModelConfig, Params, PPOConfig, SamplingConfig, SFTConfig,
+    TRAINING_STAGES, CompareConfig, DataConfig, DistributedConfig, EvaluateConfig, LoraConfig, ModelConfig, Params,
+    PPOConfig, PreferenceOptConfig, SamplingConfig, SFTConfig, check_process_shape, load_params,
 )
-from pipeline.errors import ConfigError
+from pipeline.errors import MAX_MESSAGE, ConfigError
 from pipeline.models import lora as lora_mod
 from pipeline.models import reward_model as rm
 from pipeline.models.checkpoints import init_policy, save_checkpoint
+from pipeline.ppo.placement import SharedValueHead
 from pipeline.stages.prepare import run as prepare_run
 from pipeline.training import memory_plan as mp
+from pipeline.training import memory_terms as mt
+from pipeline.training.engines import enable_checkpointing
 
 GIB = 2 ** 30
 # Llama-3.2-1B's shape (its vocabulary, GQA with 8 key/value heads, tied embeddings): 1.236e9 parameters.
@@ -36,9 +42,9 @@ def ds(**kw) -> DistributedConfig:
     return DistributedConfig(backend="deepspeed", **kw)
 
 
-def states(params: int, largest: int, dist: DistributedConfig, n: int) -> mp.Plan:
-    plan = mp.Plan("x")
-    mp.model_states(plan, params, params, largest, dist, n)
+def states(params: int, largest: int, dist: DistributedConfig, n: int) -> mt.Plan:
+    plan = mt.Plan("x", dist.num_processes)
+    mt.model_states(plan, params, params, largest, dist, n)
     return plan
 
 
@@ -66,7 +72,7 @@ SIZES = [(10 ** 6, 10 ** 5), (125_000_000, 38_597_376)]   # (params, largest lay
 
 @pytest.fixture(scope="module")
 def sizes():
-    one_b = mp.shape_of(LLAMA_1B)
+    one_b = mt.shape_of(LLAMA_1B)
     assert one_b.params == 1_235_814_400 and one_b.largest_layer == 128256 * 2048   # the tied embedding
     return SIZES + [(one_b.params, one_b.largest_layer)]
 
@@ -76,17 +82,18 @@ def sizes():
 def test_zero2_matches_deepspeed_estimator(estimators, sizes, n, offload):
     """DeepSpeed's ZeRO-2 estimate per GPU is 2P (16-bit weights) + 18P/N (16-bit and fp32 grads,
     fp32 master weights, two Adam states), or 2P with offload: the plan's device rows equal it to
-    the byte (int rounding aside). Its CPU figure is per node and has a 1.5x buffer factor on top;
-    with offload it is max(4N, 16) * P * 1.5: 16P is the offloaded optimizer side, which the plan
-    counts; 4N * P is N processes each holding an fp32 copy while loading, which the plan does not
-    (a transient of start-up, not of training), so for N = 8 the plan's 16P stays below it."""
+    the byte (int rounding aside). Its CPU figure is per node, as the plan's cpu column, and has a
+    1.5x buffer factor on top; with offload it is max(4N, 16) * P * 1.5: 16P is the offloaded
+    optimizer side, which these rows count; 4N * P is N processes each holding an fp32 copy while
+    loading, which the plan's `loading` row counts (from the checkpoint's own dtype), not
+    model_states, so for N = 8 the 16P here stays below it."""
     z2, _ = estimators
     for params, largest in sizes:
         plan = states(params, largest, ds(num_processes=n, zero_stage=2, offload_optimizer=offload, precision="bf16"), n)
         cpu, gpu = z2(params, num_gpus_per_node=n, num_nodes=1, cpu_offload=offload)
         assert sum(plan.device.values()) == pytest.approx(gpu, abs=1.0)
         if offload:
-            node_cpu = plan.cpu_total * n
+            node_cpu = plan.cpu_total
             assert node_cpu == pytest.approx(16 * params)
             if 4 * n <= 16:
                 assert 1.5 * node_cpu == pytest.approx(cpu, abs=1.0)
@@ -116,25 +123,25 @@ def test_zero3_matches_deepspeed_estimator(estimators, sizes, n, offload, offloa
         extra = 0 if offload else 2 * params / n
         assert sum(plan.device.values()) == pytest.approx(gpu + extra, abs=1.0)
         if offload:
-            assert 1.5 * plan.cpu_total * n == pytest.approx(cpu, abs=1.0)
+            assert 1.5 * plan.cpu_total == pytest.approx(cpu, abs=1.0)
 
 
 def test_partitioning_and_precision_by_hand():
     """One row each, by hand: fp32 in plain PyTorch is 4 + 4 + 8 bytes; ZeRO-1 partitions only the
     optimizer side; LoRA trains only the adapter; frozen models are 16-bit, partitioned at stage 3
-    and moved to the CPU with offload_frozen."""
+    and moved to the CPU with offload_frozen (the cpu column per node: the 4 ranks' quarters)."""
     P, L = 1000, 100
     plain = states(P, L, DistributedConfig(), 1)
     assert (plain.device["weights"], plain.device["grads"], plain.device["optimizer"]) == (4 * P, 4 * P, 8 * P)
     z1 = states(P, L, ds(num_processes=4, zero_stage=1, precision="bf16"), 4)
     assert (z1.device["weights"], z1.device["grads"], z1.device["optimizer"]) == (2 * P, 2 * P + P, 12 * P / 4)
-    lora_plan = mp.Plan("x")
-    mp.model_states(lora_plan, P, 10, L, ds(num_processes=2, zero_stage=3, precision="bf16"), 2)
+    lora_plan = mt.Plan("x", 2)
+    mt.model_states(lora_plan, P, 10, L, ds(num_processes=2, zero_stage=3, precision="bf16"), 2)
     assert lora_plan.device["weights"] == 2 * P / 2 + 4 * L and lora_plan.device["optimizer"] == 12 * 10 / 2
-    frozen = mp.Plan("x")
-    mp.frozen_states(frozen, P, ds(num_processes=4, zero_stage=3, precision="bf16"), 4)
-    mp.frozen_states(frozen, P, ds(num_processes=4, zero_stage=3, precision="bf16", offload_frozen=True), 4)
-    assert frozen.device["frozen"] == 2 * P / 4 and frozen.cpu["frozen"] == 2 * P / 4
+    frozen = mt.Plan("x", 4)
+    mt.frozen_states(frozen, P, ds(num_processes=4, zero_stage=3, precision="bf16"), 4)
+    mt.frozen_states(frozen, P, ds(num_processes=4, zero_stage=3, precision="bf16", offload_frozen=True), 4)
+    assert frozen.device["frozen"] == 2 * P / 4 and frozen.cpu["frozen"] == 2 * P
 
 
 # ---- Model sizes, adapters and the KV cache against the real objects -----------------------------
@@ -148,7 +155,8 @@ def test_partitioning_and_precision_by_hand():
 def test_shape_counts_equal_the_built_model(cfg):
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(cfg)
-    shape = mp.shape_of(cfg)
+    shape = mt.shape_of(cfg)
+    assert shape.checkpointing   # both classes support gradient checkpointing
     assert shape.params == sum({id(p): p.numel() for p in model.parameters()}.values())
     for lora in (LoraConfig(r=4), LoraConfig(r=2, target_modules="q_proj,v_proj,c_attn")):
         peft_model = lora_mod.wrap(AutoModelForCausalLM.from_config(cfg), lora, "CAUSAL_LM")
@@ -163,24 +171,25 @@ def test_kv_cache_equals_transformers_cache():
     with torch.no_grad():
         cache = model(input_ids=torch.zeros(5, 7, dtype=torch.long), use_cache=True).past_key_values
     held = sum(t.numel() * t.element_size() for layer in cache.layers for t in (layer.keys, layer.values))
-    assert mp.kv_cache_bytes(mp.shape_of(cfg), 5, 7, 4) == held
+    assert mt.kv_cache_bytes(mt.shape_of(cfg), 5, 7, 4) == held
 
 
 def test_rl_plan_variants():
     """The shapes a later issue adds: no critic, k samples per prompt, cached reference log-probs."""
-    m = mp.shape_of(LlamaConfig(vocab_size=153, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+    m = mt.shape_of(LlamaConfig(vocab_size=153, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
                                 num_attention_heads=4, num_key_value_heads=4))
     common = dict(micro_batch=2, rollout_batch=8, prompt_length=10, response_length=6, reward=m)
-    ppo = mp.rl_plan("ppo", m, DistributedConfig(), critic=m, **common)
-    no_critic = mp.rl_plan("grpo", m, DistributedConfig(), **common)
-    k4 = mp.rl_plan("grpo", m, DistributedConfig(), samples_per_prompt=4, **common)
-    cached = mp.rl_plan("ppo", m, DistributedConfig(), critic=m, cached_ref_logprobs=True, **common)
+    ppo = mt.rl_plan("ppo", m, DistributedConfig(), critic=m, **common)
+    no_critic = mt.rl_plan("grpo", m, DistributedConfig(), **common)
+    k4 = mt.rl_plan("grpo", m, DistributedConfig(), samples_per_prompt=4, **common)
+    cached = mt.rl_plan("ppo", m, DistributedConfig(), critic=m, cached_ref_logprobs=True, **common)
     assert ppo.device["optimizer"] == 2 * no_critic.device["optimizer"] == 2 * 8 * m.params
-    assert ppo.device["activations"] > no_critic.device["activations"]
-    assert k4.device["kv_cache"] == 4 * no_critic.device["kv_cache"] == 4 * mp.kv_cache_bytes(m, 8, 16, 4)
+    assert ppo.device["update"] > no_critic.device["update"]
+    # The rollout (KV cache, prefill, sampler logits) is linear in the rank's sequences: k = 4 is 4x.
+    assert k4.device["rollout"] == 4 * no_critic.device["rollout"] == 4 * mt.sampling_bytes(m, 8, 10, 6, 4)
     assert ppo.device["frozen"] == 2 * 4 * m.params and cached.device["frozen"] == 4 * m.params
     # Under LoRA the reference is the actor with its adapter off: one frozen model fewer.
-    lora = mp.rl_plan("ppo", m, DistributedConfig(), critic=m, lora=LoraConfig(r=2), **common)
+    lora = mt.rl_plan("ppo", m, DistributedConfig(), critic=m, lora=LoraConfig(r=2), **common)
     assert lora.device["frozen"] == 4 * m.params and lora.device["optimizer"] < ppo.device["optimizer"]
 
 
@@ -200,22 +209,23 @@ def tiny_default(tmp_path_factory):
     return root
 
 
-@pytest.mark.parametrize("stage", ["sft", "reward", "ppo"])
+@pytest.mark.parametrize("stage", ["sft", "sft-checkpointing", "reward", "ppo"])
 def test_predicted_peak_matches_measured_rss(tiny_default, stage):
     """tests/memory_probe.py builds the stage's models in a fresh process and runs a few of its
-    training steps with the tiny default's shapes (SFT: 32 x 96 tokens; RM: 32 pairs = 64 x 96;
-    PPO: one iteration of 64 rollouts, micro-batches of 16, prompts cut to 16 tokens so every
-    rollout is as long as the plan assumes); it reports its peak RSS (VmHWM, reset just before
-    the first model is built) over the RSS at that moment.
+    training steps with the tiny default's shapes (SFT: 32 x 96 tokens, also with gradient
+    checkpointing; RM: 32 pairs = 64 x 96; PPO: one iteration of 64 rollouts, micro-batches of 16,
+    prompts cut to 16 tokens so every rollout is as long as the plan assumes); it reports its peak
+    RSS (VmHWM, reset just before the first model is built) over the RSS at that moment.
 
     The plan predicts live tensor bytes, so the child runs with a fixed glibc mmap threshold
     (MALLOC_MMAP_THRESHOLD_=128 KiB): every tensor above it is its own mapping, returned to the OS
     when freed, and RSS follows live memory. With glibc's default (a threshold that grows, tensors
     carved from a heap that keeps freed chunks resident) the same steps measured 1.0-1.9x more and
     varied by 15% from run to run: allocator retention the plan does not model. Measured with the
-    fixed threshold (repeatable to 1 MiB): SFT 99 MiB against 106 planned, RM 189 against 195, PPO
-    89 against 79. Tolerance: 0.85-1.15 x planned, plus up to 16 MiB for what the plan leaves out by
-    design (module and autograd objects, the loss's temporaries, the rollout's per-token tensors)."""
+    fixed threshold (repeatable to 1 MiB): SFT 99 MiB against 106 planned, with gradient
+    checkpointing 42 against 39, RM 189 against 195, PPO 89 against 79. Tolerance: 0.85-1.15 x
+    planned, plus up to 16 MiB for what the plan leaves out by design (module and autograd objects,
+    the loss's temporaries, the rollout's per-token tensors)."""
     root = tiny_default
     env = {**run_env(), "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "MALLOC_MMAP_THRESHOLD_": str(128 * 1024)}
     proc = subprocess.run([sys.executable, str(REPO / "tests" / "memory_probe.py"), stage, str(root / "data"),
@@ -224,9 +234,12 @@ def test_predicted_peak_matches_measured_rss(tiny_default, stage):
     assert proc.returncode == 0, proc.stderr[-2000:]
     measured = json.loads(proc.stdout.strip().splitlines()[-1])
     measured = measured["peak"] - measured["baseline"]
-    params = Params(ppo=PPOConfig(max_prompt_length=16, iterations=1, sampling=SamplingConfig(max_new_tokens=48)))
-    plan = mp.stage_plan(stage, params, {"data": root / "data", "sft": root / "sft", "reward": root / "rm"})
-    assert plan.device["activations"] > plan.device["kv_cache"]   # the update phase is the planned peak
+    ckpt = stage == "sft-checkpointing"
+    params = Params(ppo=PPOConfig(max_prompt_length=16, iterations=1, sampling=SamplingConfig(max_new_tokens=48)),
+                    sft=SFTConfig(distributed=DistributedConfig(gradient_checkpointing=ckpt)))
+    plan = mp.stage_plan("sft" if ckpt else stage, params,
+                         {"data": root / "data", "sft": root / "sft", "reward": root / "rm"})
+    assert plan.peak_phase == "update"   # what the probe measures is the planned peak
     predicted = plan.total
     assert 0.85 * predicted <= measured <= 1.15 * predicted + 16 * 2 ** 20, (stage, measured / 2 ** 20, predicted / 2 ** 20)
 
@@ -244,7 +257,7 @@ def test_plan_command_prints_every_stage_and_the_default_fits(tiny_default, caps
     assert main(["plan", "--params", str(REPO / "params.yaml"), "--data", str(tiny_default / "data")]) == 0
     out = capsys.readouterr()
     for stage in mp.STAGES:
-        assert f"{stage} (GiB per rank)" in out.out
+        assert f"{stage} (GiB)" in out.out
     assert out.out.count("headroom") == len(mp.STAGES) and "warning" not in out.out + out.err   # the tiny default fits silently
     rows = [line.split() for line in out.out.splitlines() if line.strip().startswith("total")]
     assert len(rows) == len(mp.STAGES) and all(float(r[1]) > 0 for r in rows)
@@ -258,9 +271,18 @@ def test_cli_refuses_a_plan_that_cannot_fit(tiny_default, tmp_path):
     assert bad.returncode == 2 and "Traceback" not in bad.stderr
     lines = bad.stderr.splitlines()
     assert len(lines) == 1 and lines[0].startswith("error: ppo: plan 0.")
-    assert "> 0.001 GiB device (distributed.device_memory_gb): set ppo.distributed.backend: deepspeed" in lines[0]
-    assert lines[0].endswith("lower ppo.micro_batch_size or ppo.rollout_batch_size")
-    assert "ppo (GiB per rank)" in bad.stdout and "sft (GiB" not in bad.stdout
+    # The suggestions as advice() works them out for the same params, largest saving first.
+    loaded = load_params(params)
+    planner = mp.planners(loaded, tiny_default / "data", ("ppo",))["ppo"]
+    tips = mp.advice("ppo", loaded.ppo, planner, mp.runs_on_cpu(loaded.ppo.distributed))
+    assert "> 0.001 GiB device (distributed.device_memory_gb): " + str(tips[0]) in lines[0]
+    check_refusal(lines[0][len("error: "):], "ppo", tips)
+    assert [line.strip() for line in bad.stdout.splitlines() if "to shrink it" in line] == \
+        [f"to shrink it: {t}" for t in tips]   # the table lists them all
+    assert {"ppo.distributed.precision", "ppo.distributed.gradient_checkpointing", "ppo.micro_batch_size"} <= \
+        {t.key for t in tips}
+    assert [t.saves for t in tips] == sorted((t.saves for t in tips), reverse=True)
+    assert "ppo (GiB)" in bad.stdout and "sft (GiB" not in bad.stdout
 
 
 def test_stage_refuses_before_building_a_model(tiny_default, tmp_path):
@@ -272,7 +294,7 @@ def test_stage_refuses_before_building_a_model(tiny_default, tmp_path):
     out = tmp_path / "out"
     with pytest.raises(ConfigError) as err:
         sft.run(params, tiny_default / "data", out, progress=False)
-    assert str(err.value).startswith("sft: plan 0.") and "lower sft.batch_size or sft.max_length" in str(err.value)
+    assert str(err.value).startswith("sft: plan 0.") and "set sft.distributed.precision: bf16 (" in str(err.value)
     assert not (out / "model").exists() and not (out / "train.tsv").exists()
 
 
@@ -304,9 +326,287 @@ def test_device_memory_sources():
 def test_attention_scores_only_under_eager_attention():
     """SDPA keeps no (s, s) scores; eager attention keeps the softmax output, 2*a*s^2*b bytes in
     16 bit per layer (measured on CPU for the tiny default's 32 x 96 batch: +17.6 MiB, 18.0 planned)."""
-    m = mp.shape_of(LlamaConfig(vocab_size=153, hidden_size=96, intermediate_size=192, num_hidden_layers=4,
+    m = mt.shape_of(LlamaConfig(vocab_size=153, hidden_size=96, intermediate_size=192, num_hidden_layers=4,
                                 num_attention_heads=4, num_key_value_heads=4))
-    eager = mp._with_dtype(m, "auto", "eager")
+    eager = mt.with_attention(m, "eager")
     assert not m.eager_attention and eager.eager_attention
-    diff = mp.activation_bytes(eager, 32, 96, 4) - mp.activation_bytes(m, 32, 96, 4)
+    diff = mt.activation_bytes(eager, 32, 96, 4) - mt.activation_bytes(m, 32, 96, 4)
     assert diff == 4 * 2 * 4 * 96 * 96 * 32 * 4 / 2 and diff / 2 ** 20 == pytest.approx(18.0)
+
+
+# ---- (d) The phases, the precision and the CPU rows by hand --------------------------------------
+
+# L = 2 layers of width h = 32, a = 4 heads, 2 key/value heads of head_dim 8, V = 153; Korthikanti
+# et al.'s layer term (34 + 8 Llama extra = 42 units of 16 bit per token and width) under SDPA.
+SMALL = LlamaConfig(vocab_size=153, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                    num_key_value_heads=2)
+
+
+def layer(batch: int, seq: int, nbytes: int) -> int:
+    return seq * batch * 32 * 42 * nbytes // 2
+
+
+def test_rollout_phase_by_hand():
+    """PPO's rollout on one of 2 ranks: 8 prompts (4 per rank) of 10 tokens, 6 new tokens, ZeRO-3
+    bf16. The actor gathered whole in 16 bit (2 bytes x P, on top of its partition), the KV cache
+    (2 x L x kv_heads x head_dim x 16 tokens x 4 sequences x 2 bytes), the prefill's one layer
+    (4 x 10 tokens) and the sampler's logits (4 x V x (2 + 3 x 4): the row, its fp32 scaled copy,
+    log-softmax and probabilities). Below ZeRO-3 the actor is whole already: no gathered copy."""
+    m = mt.shape_of(SMALL)
+    kv, prefill, logits = 2 * 2 * 2 * 8 * 16 * 4 * 2, layer(4, 10, 2), 4 * 153 * 14
+    assert (kv, prefill, logits) == (8192, 53760, 8568)
+    common = dict(micro_batch=2, rollout_batch=8, prompt_length=10, response_length=6)
+    z3 = mt.rl_plan("ppo", m, ds(num_processes=2, zero_stage=3, precision="bf16"), **common)
+    assert z3.device["rollout"] == 2 * m.params + kv + prefill + logits
+    z2 = mt.rl_plan("ppo", m, ds(num_processes=2, zero_stage=2, precision="bf16"), **common)
+    assert z2.device["rollout"] == kv + prefill + logits
+
+
+def test_scoring_phase_by_hand():
+    """Scoring forwards without a graph, one model at a time, fp32, sequences of 16 tokens (R = 6):
+    a language model's one layer plus its (R + 1) x V logits with the two fp32 copies (4 + 8
+    bytes); a scalar head's one layer. ppo.score_micro_batch_size sizes it (None: the training
+    micro-batch); the reward model scores up to 32 rollouts per forward, here the rank's 8, each
+    cut to reward.max_length (12) tokens."""
+    m, scalar = mt.shape_of(SMALL), mt.shape_of(SMALL, scalar_head=True)
+    common = dict(micro_batch=4, rollout_batch=8, prompt_length=10, response_length=6, critic=scalar)
+    two = mt.rl_plan("ppo", m, DistributedConfig(), score_micro_batch=2, **common)
+    assert two.device["scoring"] == layer(2, 16, 4) + 2 * 7 * 153 * 12 == 111720
+    four = mt.rl_plan("ppo", m, DistributedConfig(), **common)
+    assert four.device["scoring"] == layer(4, 16, 4) + 4 * 7 * 153 * 12 == 223440
+    with_rm = mt.rl_plan("ppo", m, DistributedConfig(), score_micro_batch=2, reward=scalar, reward_length=12, **common)
+    assert with_rm.device["scoring"] == layer(8, 12, 4) == 258048
+
+
+def test_score_micro_batch_size_sizes_the_scoring_phase(tiny_default):
+    """ppo.score_micro_batch_size (None: micro_batch_size, 16) through the params: the actor's,
+    reference's and critic's forwards over that many rollouts of 304 tokens, the reward model's
+    over 32 rollouts of reward.max_length (96), the largest of them."""
+    data = tiny_default / "data"
+    hf = mt.policy_config(Params(), data)
+    policy, rm = mt.shape_of(hf), mt.shape_of(hf, scalar_head=True)
+    reward = mt.forward_bytes(rm, 32, 96, 48, 4)
+    for b in (None, 4):
+        plan = mp.planned(Params(ppo=PPOConfig(score_micro_batch_size=b)), data, ("ppo",))[0]
+        n = b or 16
+        lm, critic = mt.forward_bytes(policy, n, 304, 48, 4), mt.forward_bytes(rm, n, 304, 48, 4)
+        assert plan.device["scoring"] == max(lm, critic, reward)
+    assert mt.forward_bytes(policy, 16, 304, 48, 4) > reward > mt.forward_bytes(policy, 4, 304, 48, 4)
+
+
+def test_final_measurement_and_total_by_hand():
+    """The held-out measurement under ZeRO-3 bf16: the largest of policy, reference and reward
+    model gathered whole (2 bytes each, one at a time), plus the larger of sampling 64 prompts and
+    the KL forward of 32 responses; below ZeRO-3 only the latter. The total is the states plus the
+    largest phase, never their sum."""
+    m, scalar = mt.shape_of(SMALL), mt.shape_of(SMALL, scalar_head=True)
+    sampling = 2 * 2 * 2 * 8 * 16 * 64 * 2 + layer(64, 10, 2) + 64 * 153 * 14
+    kl = layer(32, 16, 2) + 32 * 7 * 153 * 10
+    assert (sampling, kl) == (1128320, 1030848)
+    common = dict(micro_batch=2, rollout_batch=8, prompt_length=10, response_length=6, reward=scalar)
+    z3 = mt.rl_plan("ppo", m, ds(num_processes=2, zero_stage=3, precision="bf16"), **common)
+    assert z3.device["measurement"] == 2 * max(m.params, scalar.params) + sampling
+    z2 = mt.rl_plan("ppo", m, ds(num_processes=2, zero_stage=2, precision="bf16"), **common)
+    assert z2.device["measurement"] == sampling
+    phases = [z3.device[p] for p in mt.PHASES]
+    assert z3.peak_phase == "measurement" and z3.total == sum(z3.device[r] for r in mt.STATES) + max(phases)
+
+
+def test_gradient_checkpointing_and_bf16_without_deepspeed_by_hand():
+    """Gradient checkpointing keeps each layer's input (s*b*h in the working dtype) and, while one
+    layer is recomputed, its full term; the head's logits as before (2 x 16 x V x (4 + 8)). bf16
+    without DeepSpeed is autocast over fp32 weights: weights, grads and AdamW stay 4 + 4 + 8 bytes,
+    activations and logits are 16-bit, and a frozen model is held in 16 bit."""
+    m = mt.shape_of(SMALL)
+    head = 2 * 16 * 153 * 12
+    assert mt.activation_bytes(m, 2, 16, 4) == 2 * layer(2, 16, 4) + head == 230784
+    assert mt.activation_bytes(m, 2, 16, 4, checkpointing=True) == 2 * 16 * 2 * 32 * 4 + layer(2, 16, 4) + head \
+        == 152960
+    ckpt = mt.supervised_plan("sft", m, DistributedConfig(gradient_checkpointing=True), 2, 16)
+    assert ckpt.device["update"] == 152960
+    bf16 = mt.supervised_plan("sft", m, DistributedConfig(precision="bf16"), 2, 16)
+    P = m.params
+    assert (bf16.device["weights"], bf16.device["grads"], bf16.device["optimizer"]) == (4 * P, 4 * P, 8 * P)
+    assert bf16.device["update"] == 2 * layer(2, 16, 2) + 2 * 16 * 153 * 10 == 134976
+    frozen = mt.Plan("x")
+    mt.frozen_states(frozen, P, DistributedConfig(precision="bf16"), 1)
+    assert frozen.device["frozen"] == 2 * P
+
+
+def test_checkpoint_read_per_node(tiny_default):
+    """The cpu row `loading`: each of a node's processes reads the largest checkpoint its stage
+    loads, in the dtype it was saved in: SFT's in bf16 when SFT trained under DeepSpeed bf16, the
+    reward model's in fp32. The tiny SFT model is built, not read."""
+    data = tiny_default / "data"
+    two = dict(backend="deepspeed", num_processes=2)
+    params = Params(sft=SFTConfig(distributed=DistributedConfig(**two, precision="bf16")),
+                    dpo=PreferenceOptConfig(distributed=DistributedConfig(**two)),
+                    ppo=PPOConfig(distributed=DistributedConfig(**two)))
+    sft, dpo, ppo = mp.planned(params, data, ("sft", "dpo", "ppo"))
+    hf = mt.policy_config(params, data)
+    policy, rm = mt.shape_of(hf), mt.shape_of(hf, scalar_head=True)
+    assert sft.cpu["loading"] == 0
+    assert dpo.cpu["loading"] == 2 * 2 * policy.params
+    assert ppo.cpu["loading"] == 2 * 4 * rm.params and rm.params > policy.params / 2
+    assert ppo.cpu_total == ppo.cpu["loading"]   # nothing offloaded
+
+
+def test_on_the_cpu_every_row_is_ram():
+    """On the CPU a rank needs its device rows and its share of the node's cpu rows, against its
+    share of the RAM; the same plan on a GPU needs its device rows only."""
+    plan = mt.Plan("x", processes=2)
+    plan.add("weights", 1.0 * GIB)
+    plan.add("update", 0.5 * GIB)
+    plan.add("loading", 0.25 * GIB, on_cpu=True)
+    assert plan.cpu["loading"] == 0.5 * GIB and mp.need(plan, False) == 1.5 * GIB and mp.need(plan, True) == 1.75 * GIB
+    assert "within 10%" in mp.verdict(plan, 1.6 * GIB, "x", on_cpu=False)
+    with pytest.raises(ConfigError, match=r"^x: plan 1.75 GiB > 1.6 GiB device \(x\): no setting of x shrinks it"):
+        mp.verdict(plan, 1.6 * GIB, "x", on_cpu=True)
+    assert "on the CPU every row is RAM: a rank needs 1.7500 GiB" in mp.table(plan, 1.6 * GIB, "x", on_cpu=True)
+    assert "every row is RAM" not in mp.table(plan, 1.6 * GIB, "x")
+    cpu = DistributedConfig(device="cpu", backend="deepspeed", num_processes=2)
+    assert mp.runs_on_cpu(cpu) and not mp.runs_on_cpu(DistributedConfig(device="cuda"))
+    available, source = mp.device_memory(cpu)
+    import psutil
+    assert source == "available RAM / 2 processes"
+    assert available == pytest.approx(psutil.virtual_memory().available / 2, rel=0.2)
+
+
+def test_evaluate_and_compare_where_they_run(tiny_default, capsys):
+    """evaluate and compare plan their own `distributed` section: every model whole on each rank
+    in the working dtype (bf16: 2 bytes), the sampler's work of one generation batch per rank;
+    evaluate holds SFT, PPO and the reward model, compare SFT, one method's policy at a time and
+    the reward model."""
+    data = tiny_default / "data"
+    params = Params(evaluate=EvaluateConfig(distributed=ds(num_processes=2, precision="bf16")),
+                    compare=CompareConfig(distributed=DistributedConfig(precision="bf16")))
+    evaluate, compare = mp.planned(params, data, ("evaluate", "compare"))
+    hf = mt.policy_config(params, data)
+    policy, rm = mt.shape_of(hf), mt.shape_of(hf, scalar_head=True)
+    work = max(mt.sampling_bytes(policy, 64, 256, 48, 2), mt.forward_bytes(policy, 32, 304, 48, 2))
+    assert evaluate.device["frozen"] == 2 * (2 * policy.params + rm.params)
+    assert evaluate.device["measurement"] == work and evaluate.total == evaluate.device["frozen"] + work
+    assert compare.device["frozen"] == evaluate.device["frozen"] and compare.total == evaluate.total
+    assert evaluate.cpu["loading"] == 2 * 4 * rm.params and compare.cpu["loading"] == 4 * rm.params
+    assert mp.planned(Params(), data, ("evaluate",))[0].device["frozen"] == 2 * evaluate.device["frozen"]   # fp32
+    from pipeline.__main__ import main
+    assert main(["plan", "--params", str(REPO / "params.yaml"), "--stage", "compare", "--data", str(data)]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith("compare (GiB)") and out.count("headroom") == 1
+
+
+# ---- (e) Suggestions the code accepts ------------------------------------------------------------
+
+
+def write_params(path: Path, data: dict) -> Path:
+    from ruamel.yaml import YAML
+    with open(path, "w", encoding="utf-8") as f:
+        YAML(typ="safe", pure=True).dump(data, f)
+    return path
+
+
+def set_dotted(tree: dict, key: str, value) -> None:
+    *path, leaf = key.split(".")
+    for part in path:
+        tree = tree.setdefault(part, {})
+    tree[leaf] = value
+
+
+def test_suggestion_text_and_companions():
+    """A suggestion renders as the refusal shows it; below ZeRO-3, offload_frozen comes with
+    zero_stage 3 and DeepSpeed, more processes with DeepSpeed: each alone is refused by the config."""
+    tip = mp.Suggestion("a.b", True, "why", (("a.c", 3),), saves=GIB / 2)
+    assert str(tip) == "set a.b: true and a.c: 3 (why, saves 0.5 GiB)"
+    m = mt.shape_of(SMALL)
+    cfg = PPOConfig()
+    plan = mt.rl_plan("ppo", m, cfg.distributed, micro_batch=2, rollout_batch=8, prompt_length=10, response_length=6,
+                      reward=m)
+    tips = {t.key: t for t in mp.candidates("ppo", cfg, plan)}
+    d = "ppo.distributed"
+    assert tips[f"{d}.precision"].settings == {f"{d}.precision": "bf16"}
+    assert tips[f"{d}.offload_frozen"].settings == {f"{d}.offload_frozen": True, f"{d}.backend": "deepspeed",
+                                                   f"{d}.zero_stage": 3}
+    assert tips[f"{d}.num_processes"].settings == {f"{d}.num_processes": 2, f"{d}.backend": "deepspeed"}
+    for t in (tips[f"{d}.offload_frozen"], tips[f"{d}.num_processes"]):
+        assert mp.apply("ppo", cfg, t.settings).distributed.backend == "deepspeed"
+        with pytest.raises(ConfigError):
+            mp.apply("ppo", cfg, {t.key: t.value})
+
+
+def check_refusal(message: str, stage: str, tips: list) -> None:
+    """The one-line refusal (at most MAX_MESSAGE characters) lists the best suggestions in order,
+    and says how many more the plan command prints."""
+    shown = [str(t) for t in tips if str(t) in message]
+    assert shown and shown == [str(t) for t in tips[:len(shown)]] and len(message) <= MAX_MESSAGE
+    rest = len(tips) - len(shown)
+    assert message.endswith(f"; {rest} more: python -m pipeline plan --stage {stage}" if rest else shown[-1])
+
+
+VARIANTS = {"none": {}, "deepspeed": {"backend": "deepspeed", "num_processes": 2},
+            "zero3-bf16": {"backend": "deepspeed", "num_processes": 2, "zero_stage": 3, "precision": "bf16"}}
+
+
+@pytest.mark.parametrize("variant", list(VARIANTS))
+@pytest.mark.parametrize("stage", ["sft", "reward", "ppo", "grpo", "dpo", "rs", "evaluate"])
+def test_every_suggestion_loads_and_shrinks_the_plan(tiny_default, tmp_path, stage, variant):
+    """A stage that does not fit a 1 MiB GPU: each suggestion applied as a user would (merged into
+    the params, written, read by load_params with every check, the batch split checked as the stage
+    checks it at its start) loads, plans, and shrinks the plan by the saving it states."""
+    data = tiny_default / "data"
+    base = {stage: {"distributed": {"device": "cuda", "device_memory_gb": 0.001, **VARIANTS[variant]}}}
+    params = load_params(write_params(tmp_path / "params.yaml", base))
+    cfg = getattr(params, stage)
+    planner = mp.planners(params, data, (stage,))[stage]
+    plan = planner(cfg)
+    tips = mp.advice(stage, cfg, planner)
+    with pytest.raises(ConfigError) as refusal:
+        mp.verdict(plan, 0.001 * GIB, "distributed.device_memory_gb", tips)
+    if stage == "evaluate" and variant == "zero3-bf16":   # replicated and already 16-bit: nothing shrinks it
+        assert tips == [] and str(refusal.value).endswith("no setting of evaluate shrinks it; a larger device, "
+                                                          "or smaller models")
+        return
+    assert tips
+    check_refusal(str(refusal.value), stage, tips)
+    for tip in tips:
+        changed = copy.deepcopy(base)
+        for key, value in tip.settings.items():
+            set_dotted(changed, key, value)
+        loaded = load_params(write_params(tmp_path / f"{tip.key}.yaml", changed))
+        if stage in TRAINING_STAGES:
+            check_process_shape(loaded, stage)
+        after = mp.planned(loaded, data, (stage,))[0]
+        assert after.total < plan.total and after.total == pytest.approx(plan.total - tip.saves)
+        if tip.key.endswith("gradient_checkpointing"):   # the models this stage trains take it
+            hf = mt.policy_config(loaded, data)
+            enable_checkpointing(AutoModelForCausalLM.from_config(hf))
+            hf.num_labels = 1
+            enable_checkpointing(AutoModelForSequenceClassification.from_config(hf))
+
+
+def test_no_checkpointing_suggested_for_a_shared_value_head(tiny_default):
+    """A shared actor-critic's value head is no transformers model and enable_checkpointing refuses
+    it, so it is not suggested there; the same PPO with its own critic gets it. A shared backbone
+    runs without DeepSpeed, so nothing of DeepSpeed is suggested either."""
+    data = tiny_default / "data"
+    keys = {}
+    for shared in (True, False):
+        params = Params(ppo=PPOConfig(shared_backbone=shared, distributed=DistributedConfig(device="cuda")))
+        planner = mp.planners(params, data, ("ppo",))["ppo"]
+        keys[shared] = {t.key for t in mp.advice("ppo", params.ppo, planner)}
+    assert "ppo.distributed.gradient_checkpointing" in keys[False] - keys[True]
+    assert "ppo.distributed.offload_optimizer" in keys[False]
+    assert not {k for k in keys[True] if "offload" in k or "zero_stage" in k or "num_processes" in k}
+    actor = AutoModelForCausalLM.from_config(mt.policy_config(Params(), data))
+    with pytest.raises(ConfigError, match="gradient_checkpointing"):
+        enable_checkpointing(SharedValueHead(actor))
+
+
+def test_on_the_cpu_nothing_is_moved_to_ram(tiny_default):
+    """On the CPU, offload moves bytes within the same RAM and more processes are more copies of
+    the model: neither is suggested; what shrinks RAM still is (16 bit, partitions over ranks)."""
+    data = tiny_default / "data"
+    params = Params(sft=SFTConfig(distributed=DistributedConfig(device="cpu", backend="deepspeed", num_processes=2)))
+    planner = mp.planners(params, data, ("sft",))["sft"]
+    keys = [t.key for t in mp.advice("sft", params.sft, planner, on_cpu=True)]
+    assert keys and not [k for k in keys if "offload" in k or "num_processes" in k]
+    assert {"sft.distributed.precision", "sft.distributed.zero_stage"} <= set(keys)
