@@ -1,4 +1,4 @@
-"""The alignment methods side by side over seeds, and the DPO beta / PPO kl_coef sweeps (issue #20).
+"""The alignment methods side by side over seeds, and the DPO beta / PPO kl_coef sweeps.
 
     .venv/bin/python benchmarks/compare_methods.py                  # 3 seeds x every method, then the sweeps
     .venv/bin/python benchmarks/compare_methods.py --seeds 0 --methods dpo --sweep none

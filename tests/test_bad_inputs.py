@@ -231,7 +231,7 @@ def test_real_process_exit_status_and_single_line(work, tmp_path):
     assert _snapshot(work) == before
 
 
-# ---- Hostile inputs (#18): each family through the CLI in a child process ------------------------
+# ---- Hostile inputs: each family through the CLI in a child process ------------------------
 #
 # A child per family runs its cases one after another through `pipeline.__main__.main` (in-process
 # there, so a case costs no interpreter start) and reports each case's status and stderr; the

@@ -212,7 +212,7 @@ def test_from_dict_where_prefix():
         from_dict(SamplingConfig, {"top_k": -1}, "x.yaml: sft.sampling")
     msg = str(err.value)  # the article is checked by test_integer_out_of_range_message
     assert msg.startswith("x.yaml: sft.sampling.top_k: expected a") and msg.endswith("integer >= 0, got -1 (int)")
-    # A null section is an error, not "the defaults" (#18): omitting it or `{}` gives those.
+    # A null section is an error, not "the defaults": omitting it or `{}` gives those.
     with pytest.raises(ConfigError, match=r"^x\.yaml: s: is null; omit it, or write \{\}, for the defaults$"):
         from_dict(SamplingConfig, None, "x.yaml: s")
     assert from_dict(SamplingConfig, {}, "x.yaml: s") == SamplingConfig()

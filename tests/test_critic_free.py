@@ -1,4 +1,4 @@
-"""Critic-free online RL in the PPO trainer (issue 20, item 2): GRPO, RLOO and REINFORCE++ with
+"""Critic-free online RL in the PPO trainer: GRPO, RLOO and REINFORCE++ with
 baseline build no critic (three models, in placement, checkpoints, outputs and the memory plan),
 use the group advantages of group_advantages.py on a real rollout, survive groups of equal scores,
 accumulate every loss aggregation exactly over micro-batches, refuse k = 1, and resume exactly."""

@@ -1,6 +1,6 @@
 """When did over-optimisation destroy a PPO run? Judged with the gold annotator, after the fact.
 
-Issue #16 defines the collapse iteration as the first iteration, at or after the one where the
+The collapse iteration is the first iteration, at or after the one where the
 rollouts' mean gold score peaked, whose mean gold is below the SFT policy's. The detector
 (pipeline/ppo/detector.py) must fire at or before it without seeing gold; the seed grid and the
 detector's calibration tests both measure against this one definition.

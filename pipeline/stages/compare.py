@@ -1,5 +1,5 @@
 """The `compare` stage: every alignment method built from the same SFT policy and reward model,
-measured on the same held-out prompts by the same judges (issue #20).
+measured on the same held-out prompts by the same judges.
 
 Policies arrive as `--policy name=folder` (ppo, dpo, grpo, rs, ...: whichever stages of
 compare/dvc.yaml ran), next to the SFT policy and best-of-n from it (`compare.best_of_n`, the
