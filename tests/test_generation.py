@@ -150,3 +150,16 @@ def test_a_model_that_ignores_the_kv_cache_is_refused():
 
     with pytest.raises(CheckpointError, match="ignored the KV cache .*holds 0 positions after a prompt of 3"):
         sample(Forgetful(model), [[2, 3, 4]], PAD, [EOS], SamplingConfig(max_new_tokens=4), greedy=True)
+
+
+def test_inverse_cdf_draws_each_token_at_its_probability_and_never_a_filtered_one():
+    from pipeline.models.generation import inverse_cdf
+    probs = torch.tensor([[0.0, 0.5, 0.0, 0.3, 0.2]])
+    # The edges: u = 0 takes the first token with mass, u just below 1 the last.
+    assert inverse_cdf(probs, torch.tensor([0.0])).tolist() == [1]
+    assert inverse_cdf(probs, torch.tensor([0.999999])).tolist() == [4]
+    u = torch.rand(200_000, generator=torch.Generator().manual_seed(0))
+    drawn = inverse_cdf(probs.expand(len(u), -1), u)
+    freq = torch.bincount(drawn, minlength=5).double() / len(u)
+    assert freq[0] == freq[2] == 0
+    assert torch.allclose(freq, probs[0].double(), atol=4e-3)

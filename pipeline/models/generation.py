@@ -61,7 +61,9 @@ def sample(model: PreTrainedModel, prompts: list[list[int]], pad_id: int, stop_i
     Random streams: `generator` draws every row's token from one stream (PPO's rollouts; a CPU
     generator samples on the CPU, as the committed runs did, a CUDA one on the GPU), or
     `row_generators` gives each row its own (the measurement: a prompt's response depends on its
-    own seed only, not on which prompts share its batch or its process)."""
+    own seed only, not on which prompts share its batch or its process). A row's stream gives all
+    its uniforms up front, one per token, and each token is drawn by inverting its CDF, for every
+    row at once (one call per row per batch, not one per row per token)."""
     device = next(model.parameters()).device
     prompt_ids, prompt_mask = (t.to(device) for t in left_pad(prompts, pad_id))
     B, P = prompt_ids.shape
@@ -77,6 +79,8 @@ def sample(model: PreTrainedModel, prompts: list[list[int]], pad_id: int, stop_i
     done = torch.zeros(B, dtype=torch.bool, device=device)
     stops = torch.tensor(list(stop_ids), device=device)
     sync_every = 1 if device.type == "cpu" else SYNC_EVERY
+    uniforms = None if row_generators is None or greedy else torch.stack(   # (B, max_new_tokens)
+        [torch.rand(cfg.max_new_tokens, generator=g, device=g.device) for g in row_generators]).to(device)
     tokens, logps, masks = [], [], []
     for t in range(cfg.max_new_tokens):
         logits = out.logits[:, -1, :].float() / cfg.temperature  # (B, V)
@@ -85,7 +89,7 @@ def sample(model: PreTrainedModel, prompts: list[list[int]], pad_id: int, stop_i
             token = logits.argmax(-1)
         else:
             probs = torch.softmax(filter_logits(logits, cfg.top_k, cfg.top_p), dim=-1)
-            token = draw(probs, generator, row_generators)
+            token = draw(probs, generator) if uniforms is None else inverse_cdf(probs, uniforms[:, t])
         token = torch.where(done, torch.full_like(token, pad_id), token)   # (B,)
         masks.append(~done)
         tokens.append(token)
@@ -106,12 +110,17 @@ def sample(model: PreTrainedModel, prompts: list[list[int]], pad_id: int, stop_i
                    logprobs=torch.stack(logps, dim=1)[:, :width], ended=done)
 
 
-def draw(probs: torch.Tensor, generator: torch.Generator | None,
-         row_generators: Sequence[torch.Generator] | None) -> torch.Tensor:
-    """(B,) token ids drawn from (B, V) `probs`, on the device of the stream(s) that draw them."""
-    if row_generators is not None:
-        return torch.cat([torch.multinomial(probs[i:i + 1].to(g.device), 1, generator=g).squeeze(-1).to(probs.device)
-                          for i, g in enumerate(row_generators)])
+def inverse_cdf(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    """(B,) token ids from (B, V) `probs` and (B,) uniforms in [0, 1): the first token whose
+    cumulative probability exceeds u times the row's total (the total absorbs the sum's rounding;
+    `right` never picks a token of probability 0, a filtered one included)."""
+    cdf = probs.cumsum(-1)                                                     # (B, V)
+    target = (u.to(cdf.dtype) * cdf[:, -1])[:, None]                           # (B, 1)
+    return torch.searchsorted(cdf, target, right=True).squeeze(-1).clamp(max=probs.size(-1) - 1)
+
+
+def draw(probs: torch.Tensor, generator: torch.Generator | None) -> torch.Tensor:
+    """(B,) token ids drawn from (B, V) `probs` by one stream, on the device of that stream."""
     where = generator.device if generator is not None else probs.device
     return torch.multinomial(probs.to(where), 1, generator=generator).squeeze(-1).to(probs.device)
 
