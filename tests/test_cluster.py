@@ -239,7 +239,7 @@ def _gpu_params() -> Params:
                            "precision": "bf16"},
            "cluster": {"partition": "gpu", "account": "proj",
                        **{s: {"gpus": 8, "nodes": 2, "cpus_per_task": 16, "mem_mb": 200000, "runtime": 240}
-                          for s in ("sft", "reward", "ppo")}},
+                          for s in ("sft", "reward", "ppo", "evaluate")}},
            "sft": {"batch_size": 64}, "reward": {"batch_size": 64},
            "ppo": {"rollout_batch_size": 512, "minibatch_size": 128, "micro_batch_size": 8}}
     return from_dict(Params, merge_distributed(raw, "params.yaml: "), "params.yaml: ")
@@ -286,8 +286,13 @@ def test_cluster_resources_must_match_the_distributed_shape(tmp_path):
     write_params(repo / "params.yaml", {**TINY, "cluster": {"ppo": {"gpus": 4}}})
     proc = run([str(BIN / "snakemake"), "-n"], repo, check=False)
     assert proc.returncode != 0 and "cluster.ppo.gpus: 4 GPUs per node" in proc.stdout + proc.stderr
-    with pytest.raises(ConfigError, match=r"cluster.evaluate: a CPU stage"):
-        params({"cluster": {"evaluate": {"gpus": 1}}})
+    with pytest.raises(ConfigError, match=r"cluster.prepare: a CPU stage"):
+        params({"cluster": {"prepare": {"gpus": 1}}})
+    # evaluate and compare sample on GPUs too, sharded like the training stages.
+    with pytest.raises(ConfigError, match=r"cluster.evaluate.gpus: 2 GPUs per node but evaluate.distributed.num_processes=1"):
+        check_shape(params({"cluster": {"evaluate": {"gpus": 2}}}))
+    check_shape(params({"cluster": {"evaluate": {"gpus": 2}},
+                        "evaluate": {"distributed": {"backend": "deepspeed", "num_processes": 2}}}))
 
 
 def test_node_rank_and_master_from_the_slurm_environment():

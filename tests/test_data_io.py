@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import random
 import stat
@@ -153,6 +154,20 @@ def test_atomic_write_text(tmp_path):
     atomic_write_json(tmp_path / "sub" / "s.json", {"b": 1, "a": [1.5]})
     assert (tmp_path / "sub" / "s.json").read_text() == '{\n  "a": [\n    1.5\n  ],\n  "b": 1\n}\n'
     assert sorted(p.name for p in path.parent.iterdir()) == ["f.txt", "s.json"]
+
+
+def test_json_outputs_are_strict_json_with_null_for_an_undefined_number(tmp_path):
+    # A rank correlation over scores that are all equal is NaN; Python would write a bare `NaN`,
+    # which jq, JavaScript and json.loads(parse_constant=...) refuse.
+    from scipy.stats import spearmanr
+    undefined = float(spearmanr([1.0, 2.0, 3.0], [0.5, 0.5, 0.5]).statistic)
+    atomic_write_json(tmp_path / "m.json", {"eval": {"spearman": undefined, "inf": float("inf"), "ok": 0.25},
+                                            "rows": [float("-inf"), 1.0]})
+    def refuse(name):
+        raise ValueError(name)
+    text = (tmp_path / "m.json").read_text()
+    assert json.loads(text, parse_constant=refuse) == {"eval": {"spearman": None, "inf": None, "ok": 0.25},
+                                                      "rows": [None, 1.0]}
 
 
 def test_atomic_write_text_failure_keeps_old_file(tmp_path):

@@ -52,7 +52,8 @@ def test_dvc_repro_tiny_pipeline(tiny_run, tiny_run_copy):
     assert rm_metrics["noise_ceiling"] == stats["noise_ceiling"]["pairs_eval"]
     assert -1.0 <= rm_metrics["spearman_gold_heldout"] <= 1.0
     assert 0.0 <= rm_metrics["gold_order_agreement"] <= 1.0
-    assert -1.0 <= rm_metrics["spearman_gold_sft_samples"] <= 1.0
+    # null when the few tiny-model samples all get one gold score (a rank correlation is undefined then)
+    assert rm_metrics["spearman_gold_sft_samples"] is None or -1.0 <= rm_metrics["spearman_gold_sft_samples"] <= 1.0
     reward = AutoModelForSequenceClassification.from_pretrained(str(repo / "outputs/reward/model"))
     assert reward.config.num_labels == 1
     assert reward.config.reward_offset == rm_metrics["offset"]

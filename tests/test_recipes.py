@@ -20,12 +20,12 @@ def test_recipes_exist():
 def test_recipe_validates_and_gives_gpu_jobs(name):
     _, params = recipes.render(name, REPO / "params.yaml")
     check_shape(params)                           # nodes and GPUs match the distributed settings
-    for stage in ("sft", "reward", "ppo"):
+    for stage in ("sft", "reward", "ppo", "evaluate"):   # evaluate samples best-of-n on the GPUs too
         res = slurm_resources(params, stage)
         assert res["gres"] == "gpu:8" and res["nodes"] == 1
         assert getattr(params, stage).distributed.num_processes == 8
         assert getattr(params, stage).distributed.precision == "bf16"
-    assert "gres" not in slurm_resources(params, "evaluate") and "gres" not in slurm_resources(params, "prepare")
+    assert "gres" not in slurm_resources(params, "prepare")
     assert params.model.name_or_path.startswith("EleutherAI/pythia-")
 
 

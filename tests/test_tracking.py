@@ -4,6 +4,7 @@ server, the default SQLite store at the repository root, and the naming of per-s
 
 import hashlib
 import json
+import math
 import logging
 import os
 import re
@@ -135,8 +136,9 @@ def test_dvc_exp_run_logs_one_parent_with_nested_stage_runs(tiny_repo, tmp_path,
             assert [m.step for m in history] == [int(row["step"]) for row in rows]
             assert [m.value for m in history] == pytest.approx([float(row["loss"]) for row in rows], rel=1e-5)
         # Final metrics: every number of metrics.json.
-        final = flat(json.loads((out / "metrics.json").read_text()))
-        assert {k: r.data.metrics[k] for k in final} == pytest.approx(final)
+        # (null in metrics.json: a metric undefined on this run's data, which MLflow holds as NaN)
+        final = {k: math.nan if v is None else v for k, v in flat(json.loads((out / "metrics.json").read_text())).items()}
+        assert {k: r.data.metrics[k] for k in final} == pytest.approx(final, nan_ok=True)
         # The checkpoint is a registered model version of this run; the step logs are artifacts.
         (version,) = client.search_model_versions(f"name = '{REGISTERED[name]}'")
         assert (version.run_id, version.version, tags["registered_model"]) == (r.info.run_id, "1", f"{REGISTERED[name]}/1")
@@ -393,8 +395,8 @@ def test_two_queued_experiments_at_once_lose_no_run_metric_or_artifact(tiny_repo
         assert stages["sft"].data.params["sft.lr"] == ("0.001" if name == "exp-a" else "0.003")
         metrics = exps[name]["data"]["metrics"]
         for stage, r in stages.items():
-            final = flat(metrics[f"outputs/{stage}/metrics.json"]["data"])
-            assert {k: r.data.metrics[k] for k in final} == pytest.approx(final)
+            final = {k: math.nan if v is None else v for k, v in flat(metrics[f"outputs/{stage}/metrics.json"]["data"]).items()}
+            assert {k: r.data.metrics[k] for k in final} == pytest.approx(final, nan_ok=True)
             steps = final["train/steps"]
             assert [m.step for m in client.get_metric_history(r.info.run_id, "train/loss")] == list(range(1, steps + 1))
             assert "registered_model" in r.data.tags, run([dvc, "queue", "logs", name], tiny_repo, check=False).stdout[-3000:]

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import math
 import os
 import shutil
 import stat
@@ -137,8 +138,21 @@ def atomic_write_text(path: str | Path, text: str) -> None:
         raise
 
 
+def strict_json(obj: Any) -> Any:
+    """`obj` with every NaN or infinite float as None: JSON has no NaN (Python writes a bare `NaN`
+    that strict readers, jq and JavaScript among them, refuse). A metric undefined on a run's data,
+    such as a rank correlation over samples whose scores are all equal, reads as null."""
+    if isinstance(obj, float) and not math.isfinite(obj):
+        return None
+    if isinstance(obj, dict):
+        return {k: strict_json(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [strict_json(v) for v in obj]
+    return obj
+
+
 def atomic_write_json(path: str | Path, obj: Any) -> None:
-    atomic_write_text(path, json.dumps(obj, indent=2, sort_keys=True) + "\n")
+    atomic_write_text(path, json.dumps(strict_json(obj), indent=2, sort_keys=True, allow_nan=False) + "\n")
 
 
 def write_jsonl(path: str | Path, rows: Sequence[dict[str, Any]]) -> None:

@@ -20,11 +20,10 @@ from typing import Any, Mapping
 from ..config import Params
 from ..errors import ConfigError
 
-GPU_STAGES = ("sft", "reward", "ppo", "dpo", "grpo", "rs")
 # Checked before Snakemake submits anything: the default pipeline's stages. The methods of
 # compare/dvc.yaml are left out, so a cluster setup for the default pipeline is not refused over
 # stages it does not run; scaling those out, set their `cluster.<stage>` to match too.
-SHAPE_CHECKED = ("sft", "reward", "ppo")
+SHAPE_CHECKED = ("sft", "reward", "ppo", "evaluate")
 
 
 def check_shape(params: Params, where: str = "params.yaml") -> None:
