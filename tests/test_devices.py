@@ -207,6 +207,16 @@ def test_no_tensor_factory_without_a_device_where_model_outputs_are_met():
     assert bad == []
 
 
+def test_no_inference_mode_in_the_pipeline():
+    """Forwards without a graph use `torch.no_grad`: under ZeRO-3 a forward gathers parameters into
+    buffers that later training forwards reuse, and a tensor made under `torch.inference_mode` there
+    fails the next backward ("Inference tensors cannot be saved for backward"; DPO's reference
+    pass did, on two processes)."""
+    bad = [f"{p.relative_to(REPO)}:{n}" for p in sorted((REPO / "pipeline").rglob("*.py"))
+           for n, line in enumerate(p.read_text().splitlines(), 1) if "inference_mode(" in line]
+    assert bad == []
+
+
 def test_the_static_check_sees_a_device_less_factory(tmp_path):
     """The check above can fail: the pattern it refuses is found in a sample."""
     tree = ast.parse("import torch\nrows = torch.arange(4)\nok = torch.arange(4, device=x.device)\n")

@@ -149,7 +149,7 @@ def _sample(model, tok, ids: list[list[int]], sampling: SamplingConfig, pol: Pol
     return _Part([decode_response(tok, row.tolist(), ends) for row in out.response_ids], out.ended.tolist())
 
 
-@torch.inference_mode()
+@torch.no_grad()   # not inference_mode: see pipeline/ppo/scoring.py
 def _logprobs(model, tok, prompts: list, responses: list[str], temperature: float) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """Per KL_BATCH chunk: (B, R) log pi(a_t) of each response token (its text re-encoded with eos
     appended) and the (B, R) response mask."""

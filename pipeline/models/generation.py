@@ -51,7 +51,7 @@ def filter_logits(logits: torch.Tensor, top_k: int, top_p: float) -> torch.Tenso
 SYNC_EVERY = 16
 
 
-@torch.inference_mode()
+@torch.no_grad()   # not inference_mode: see pipeline/ppo/scoring.py
 def sample(model: PreTrainedModel, prompts: list[list[int]], pad_id: int, stop_ids: Sequence[int],
            cfg: SamplingConfig, generator: torch.Generator | None = None, greedy: bool = False,
            row_generators: Sequence[torch.Generator] | None = None) -> Sampled:

@@ -337,7 +337,7 @@ def pair_scores(model: PreTrainedModel, tok: PreTrainedTokenizerBase, triples: l
     return scores[:, 0], scores[:, 1]
 
 
-@torch.inference_mode()
+@torch.no_grad()   # not inference_mode: see pipeline/ppo/scoring.py
 def score_texts(model: PreTrainedModel, tok: PreTrainedTokenizerBase, prompts: list[str], responses: list[str],
                 max_length: int, batch_size: int = 64) -> torch.Tensor:
     """(N,) normalised scores of (prompt, response) texts: raw score minus the stored offset."""

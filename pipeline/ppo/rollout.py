@@ -57,7 +57,7 @@ class Rollout:
                        ids, attn, resp, self.ended[idx], n_prompt, logprobs)
 
 
-@torch.inference_mode()
+@torch.no_grad()   # not inference_mode: see pipeline/ppo/scoring.py
 def rollout(actor: PreTrainedModel, tok: PreTrainedTokenizerBase, prompts: list, cfg: SamplingConfig,
             generator: torch.Generator, max_prompt_length: int | None = None) -> Rollout:
     """Sample one response per prompt with the KV cache (generation.sample), stopping at eos or at

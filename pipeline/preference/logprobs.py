@@ -7,8 +7,8 @@ rejected go through one forward of 2N rows (each prompt twice), so a training st
 and one backward, and each side sees the same padding of its prompt.
 
 The reference model's log-probs do not change during training: ``reference_logprobs`` computes
-them once, in inference mode, before the first step, so no second model is resident while the
-policy trains (the issue's "three models, not four" for the offline methods).
+them once, without a graph, before the first step, so no second model is resident while the
+policy trains: three models resident for the offline methods, not four.
 """
 
 from __future__ import annotations
@@ -83,7 +83,7 @@ def _pad_id(model) -> int:
     return int(pad_id)
 
 
-@torch.inference_mode()
+@torch.no_grad()   # not inference_mode: see pipeline/ppo/scoring.py
 def reference_logprobs(
     model,
     pairs: list[TokenPair],
@@ -91,7 +91,7 @@ def reference_logprobs(
     pad_id: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:  # chosen (N,), rejected (N,): float32 on the CPU
     """The reference model's summed log-probs of every pair's chosen and rejected response, once,
-    before training: inference mode (no graph, no grad), the model put in eval mode for the pass
+    before training: no graph, no grad, the model put in eval mode for the pass
     (dropout off, as a frozen reference must be) and its previous mode restored. ``pad_id``
     defaults to the model config's; its value never changes a result (pads are masked)."""
     if batch_size < 1:

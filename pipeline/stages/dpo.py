@@ -147,7 +147,7 @@ def batch_loss(model, cfg: PreferenceOptConfig, part: list[ScoredPair], pad_id: 
     return preference_loss(cfg, part, logp_chosen, logp_rejected)
 
 
-@torch.inference_mode()
+@torch.no_grad()   # not inference_mode: see pipeline/ppo/scoring.py
 def eval_pairs(model, cfg: PreferenceOptConfig, items: list[ScoredPair], pad_id: int, ctx: Context = SINGLE,
                batch_size: int = 64) -> dict[str, float]:
     """The COLUMNS and DRIFT over every held-out pair (pair-weighted means), every rank scoring its

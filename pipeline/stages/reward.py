@@ -67,7 +67,7 @@ def batch_scores(model, tok, pairs: list[Pair], max_length: int, device: torch.d
                           shared_prompt, encoded)
 
 
-@torch.inference_mode()
+@torch.no_grad()   # not inference_mode: see pipeline/ppo/scoring.py
 def score_pairs(model, tok, pairs: list[Pair], max_length: int, batch_size: int = 64,
                 shared_prompt: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
     model.eval()
@@ -242,7 +242,7 @@ def train(run: StageRun, data_dir: Path, sft_dir: Path, progress: bool = True):
     return model, tok, metrics
 
 
-@torch.inference_mode()
+@torch.no_grad()   # not inference_mode: see pipeline/ppo/scoring.py
 def eval_pairs_loss(model, tok, pairs: list[Pair], max_length: int, ctx: Context = SINGLE,
                     device: torch.device | None = None, batch_size: int = 64,
                     shared_prompt: bool = True, encoded: rm.EncodedPairs | None = None) -> dict[str, float]:
