@@ -1,22 +1,20 @@
 # The two commands of the README:
 #   make pipeline   set up .venv if needed, then run the whole pipeline (dvc repro) on the default
 #   make test       set up .venv if needed, then run the tests
-PYTHON ?= python3
+PYTHON ?=
+TORCH ?=
 VENV := .venv
 BIN := $(CURDIR)/$(VENV)/bin
 # Stage commands in dvc.yaml call `python`: make it the venv's.
 export PATH := $(BIN):$(PATH)
 export TORCH_EXTENSIONS_DIR ?= $(CURDIR)/.cache/torch_extensions
 
-.PHONY: install pipeline compare test lock bench snakemake slurm commit register remote push offline-page
+.PHONY: install pipeline compare test lock bench snakemake slurm commit register remote push offline-page gpu-check demo
 
-$(VENV)/.installed: pyproject.toml requirements.lock
-	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
-	$(BIN)/pip install -q --upgrade pip
-	$(BIN)/pip install -q -c requirements.lock -e '.[dev]'
-	touch $@
-
-install: $(VENV)/.installed
+# PYTHON: the interpreter (default: the newest of python3.13, 3.12, 3.11); TORCH: empty (pip's
+# default torch: the CUDA build on Linux x86_64) | cpu (the CPU-only build) | cu126, ... (see scripts/venv.sh).
+install:
+	@PYTHON='$(PYTHON)' TORCH='$(TORCH)' bash scripts/venv.sh $(VENV)
 
 pipeline: install
 	$(BIN)/python -m pipeline recover-lock
@@ -27,6 +25,12 @@ pipeline: install
 	@echo "  Metrics:     .venv/bin/dvc metrics show   (files: outputs/*/metrics.json; step logs outputs/*/*.tsv)"
 	@echo "  Checkpoints: outputs/{sft,reward,ppo}/model (Hugging Face format)"
 	@echo "  MLflow UI:   .venv/bin/mlflow ui --backend-store-uri sqlite:///$(CURDIR)/mlflow.db"
+
+# A first look in about three minutes: the whole pipeline on recipes/demo.yaml in .demo/seed-$(SEED)/
+# (a copy of the project; this checkout's outputs/ and dvc.lock stay as they are).
+SEED ?= 0
+demo: install
+	$(BIN)/python scripts/demo.py --seed $(SEED)
 
 # The alignment methods side by side (compare/dvc.yaml): the default pipeline if needed, then DPO,
 # GRPO, rejection-sampling fine-tuning and their comparison with PPO, SFT and best-of-n.
@@ -82,8 +86,15 @@ offline-page: install
 # built once); 0 runs them in this one process.
 TEST_WORKERS ?= 2
 test: install
-	bash scripts/slurm-local.sh start
+	@if [ "$$(id -u)" = 0 ]; then bash scripts/slurm-local.sh start; \
+	else echo "make test: not root: the SLURM tier runs only if a cluster already answers (scripts/slurm-local.sh needs root)"; fi
 	pytest -q -n $(TEST_WORKERS) --dist loadfile
+
+# Every stage on this machine's GPUs (one process; two over NCCL when two GPUs are visible) on a
+# locally built model: memory plan vs measured peak, tokens/s, MFU, log-prob differences; exit 1 on
+# any failure. ARGS passes options, e.g. ARGS="--budget-s 900 --out gpu_check.json".
+gpu-check: install
+	$(BIN)/python scripts/gpu_check.py $(ARGS)
 
 # Benchmarks (not part of the tests): PPO vs TRL on identical work, GAE vs the seed's loop, stage times.
 bench: install

@@ -1,317 +1,427 @@
-"""GPU check: PPO with DeepSpeed ZeRO-3 and bf16 on a ~1B-parameter model built from a config.
+"""GPU check: every stage of the pipeline on this machine's GPUs, on a model built here.
 
-Random weights, the default task's prompts and tokenizer, no download. Prints, as soon as each is
-measured:
-- the memory plan of `python -m pipeline plan --stage ppo` for this very config (the params file it
-  writes is read back by the CLI's loader first), then the GPU memory each placed model took and,
-  after the iterations, the measured peak, each next to the plan's row;
-- per iteration: rollout and update throughput, TFLOP/s and the model FLOPs utilisation (MFU), the
-  peak GPU memory, and the sampler/trainer log-prob difference `val/logprob_diff_mean`/`_max` and
-  the first minibatch's ratio (`val/first_ratio_max_dev` = max |ratio - 1| before any update);
-  odd iterations recompute pi_old's log-probs by a training forward (recompute on), even ones reuse
-  the sampler's (recompute off; the difference is then measured on `ppo.logprob_check_rows`
-  rollouts), so one run shows what bf16 on a GPU does to each, even when it stops early.
-A step that fails is reported and the numbers measured so far stay printed; `--out` writes them
-all as JSON (also when it stops early).
+    make gpu-check                                   # one process; then two NCCL processes when two GPUs are visible
+    .venv/bin/python scripts/gpu_check.py --budget-s 900 --out gpu_check.json
+    .venv/bin/python scripts/gpu_check.py --tiny --processes 2   # the same path on the CPU (gloo), tiny
 
-    bash scripts/gpu_check.sh --install-wheels .whl   # the GPU machine (README: GPU check)
-    bash scripts/gpu_check.sh --tiny                  # the same code path on CPU with a tiny model
+Runs the stages' own commands (`python -m pipeline <stage>`, launched as `dvc repro` launches them)
+in a scratch folder: SFT with LoRA off and on, the reward model, PPO with GAE, GRPO with a LoRA
+actor, DPO with LoRA, and evaluate with best-of-n. The model is a Llama built from a config with
+random weights and a vocabulary of 32,768 tokens (the default task's words and filler tokens), saved
+as a Hugging Face checkpoint that `model.name_or_path` names; nothing is downloaded. The policy that
+PPO, GRPO, DPO and evaluate start from is that random model, whose eos has about one chance in the
+vocabulary size per token, so their responses run to `--new-tokens` (512).
 
-MFU counts model FLOPs only (Kaplan et al. 2020: 2N per token forward, 6N forward+backward, N the
-non-embedding parameters, attention ignored): the rollout 2N per prompt and generated token, the
-scoring 2N per sequence token for each model run over the rollout (reference, critic, reward, and
-the actor when it recomputes), the update 6N per sequence token for actor and critic per PPO epoch.
-Peak is the GPU's dense bf16 rate (H100/H200 SXM: 989 TFLOP/s; set GPU_PEAK_TFLOPS for others).
+One process runs with `distributed.backend: none` (plain PyTorch on the GPU, bf16 autocast); two
+run DeepSpeed ZeRO-3 in bf16 over NCCL. On the CPU (`--tiny`, for the tests) the same settings run in
+fp32 with gloo.
+
+Per stage it prints the memory plan (`python -m pipeline plan`'s total per rank) next to the peak
+measured (GPU: torch's peak allocation; CPU: the process's peak RSS), tokens per second, the model
+FLOPs utilisation, and for PPO and GRPO the sampler/trainer log-prob difference
+`val/logprob_diff_mean`/`_max`. A stage that fails is shown with the end of its log; the check goes
+on with the stages that do not need its output and exits 1. A stage the time budget cannot fit is
+skipped and named; the check then exits 3. `--out` writes every number as JSON.
+
+MFU counts model FLOPs only (Kaplan et al. 2020, "Scaling Laws for Neural Language Models": 2N per
+token forward, 6N forward and backward; N the parameters less the input embedding, attention
+ignored). Training stages: 6N per trained token (DPO and the reward model's two sequences of a pair
+both count); the token count is the mean tokenized length of the stage's training file times the
+examples trained, so it is an estimate. PPO and GRPO: rollout 2N per generated token, update 6N per
+response token per model trained (actor, and the critic with GAE). The peak is the GPU's dense bf16
+rate from a table of common GPUs (GPU_PEAK_TFLOPS=<number> sets it for others).
 """
 
 from __future__ import annotations
 
 import argparse
-import dataclasses
+import csv
 import json
 import os
-import resource
+import subprocess
 import sys
 import tempfile
 import time
-import traceback
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Optional
 
-STARTED = time.perf_counter()   # --budget-s counts from here, the imports below included
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
 
-import torch  # noqa: E402
-
-from pipeline.config import (  # noqa: E402
-    DataConfig, DistributedConfig, ModelConfig, Params, PPOConfig, RewardConfig, SamplingConfig, load_params,
-    to_dict,
-)
-from pipeline.data.io import atomic_write_json, atomic_write_text  # noqa: E402
-from pipeline.data.records import load_prompts  # noqa: E402
-from pipeline.data.tokenizer import encode_prompt  # noqa: E402
-from pipeline.errors import ConfigError  # noqa: E402
-from pipeline.models import reward_model as rm  # noqa: E402
-from pipeline.models.checkpoints import init_policy, save_checkpoint  # noqa: E402
-from pipeline.ppo.placement import place_models  # noqa: E402
-from pipeline.ppo.trainer import PPOTrainer  # noqa: E402
-from pipeline.stages.prepare import run as prepare  # noqa: E402
-from pipeline.training import distributed  # noqa: E402
-
-PEAK_TFLOPS = {"H100": 989.0, "H200": 989.0, "H800": 989.0, "A100": 312.0, "A800": 312.0, "L40S": 362.0}
+# Dense bf16 TFLOP/s without sparsity, from the vendors' data sheets (SXM parts where there are two).
+PEAK_TFLOPS = {"H200": 989.0, "H100": 989.0, "H800": 989.0, "H20": 148.0, "GH200": 989.0, "B200": 2250.0,
+               "A100": 312.0, "A800": 312.0, "A10G": 70.0, "A10": 125.0, "L40S": 362.0, "L4": 121.0,
+               "RTX 4090": 165.0, "RTX 3090": 71.0}
 GIB = 2 ** 30
 
-# ~1.03B parameters: 20 blocks of hidden 2048 (attention 4 x 2048^2, SwiGLU MLP 3 x 2048 x 5632).
-BIG = ModelConfig(hidden_size=2048, num_layers=20, num_heads=16, intermediate_size=5632, max_position_embeddings=256)
-TINY = ModelConfig(hidden_size=64, num_layers=2, num_heads=4, intermediate_size=128)
-# The default task's prompts are ~12 tokens: 32 bounds them without cutting, and keeps the plan's
-# activation and KV-cache rows (sized for the longest allowed prompt) near what is really used.
-MAX_PROMPT = 32
+
+@dataclass(frozen=True)
+class Size:
+    hidden: int
+    layers: int
+    heads: int
+    intermediate: int
+    vocab: int
+    new_tokens: int       # the responses' length (the random policy does not stop earlier)
+
+
+# ~0.2B parameters (0.15B of transformer blocks, 2 x 33.5M of embeddings and output head).
+DEFAULT = Size(hidden=1024, layers=12, heads=16, intermediate=2816, vocab=32768, new_tokens=512)
+TINY = Size(hidden=32, layers=1, heads=2, intermediate=64, vocab=4096, new_tokens=24)
+
+
+@dataclass(frozen=True)
+class Run:
+    """One stage command of the check."""
+    name: str
+    stage: str
+    inputs: dict[str, str]                   # --data/--sft/--reward/--ppo: a folder under the scratch root
+    params: dict[str, Any] = field(default_factory=dict)   # merged over the check's params
+    lora: bool = False
+
+
+def runs() -> list[Run]:
+    """The stages in order; `inputs` name the scratch folders they read ("base" is the random model)."""
+    lora = {"r": 16, "alpha": 32.0}
+    return [
+        Run("sft", "sft", {"data": "data"}),
+        Run("sft+lora", "sft", {"data": "data"}, {"sft": {"lora": lora}}, lora=True),
+        Run("reward", "reward", {"data": "data", "sft": "base"}),
+        Run("ppo", "ppo", {"data": "data", "sft": "base", "reward": "reward/model"}),
+        Run("grpo+lora", "grpo", {"data": "data", "sft": "base", "reward": "reward/model"},
+            {"grpo": {"lora": lora}}, lora=True),
+        Run("dpo+lora", "dpo", {"data": "data", "sft": "base"}, {"dpo": {"lora": lora}}, lora=True),
+        Run("evaluate", "evaluate", {"data": "data", "sft": "base", "reward": "reward/model", "ppo": "ppo/model"}),
+    ]
 
 
 def say(*parts: object) -> None:
     print(*parts, flush=True)
 
 
-def peak_tflops() -> float | None:
-    if "GPU_PEAK_TFLOPS" in os.environ:
+def merge(base: dict, override: dict) -> dict:
+    out = dict(base)
+    for k, v in override.items():
+        out[k] = merge(out.get(k, {}), v) if isinstance(v, dict) and isinstance(out.get(k), dict) else v
+    return out
+
+
+def check_params(size: Size, processes: int, cuda: bool, base: Path) -> dict[str, Any]:
+    """The overrides of the repository's params.yaml every run shares: small data, a few steps of
+    each stage, responses of `size.new_tokens`, and the distributed settings of `processes`."""
+    gen = {"max_new_tokens": size.new_tokens}
+    seq = 64 + size.new_tokens           # the longest prompt the check keeps plus a whole response
+    if processes == 1:
+        dist = {"backend": "none", "device": "auto", "precision": "bf16" if cuda else "fp32"}
+    else:
+        dist = {"backend": "deepspeed", "num_processes": processes, "zero_stage": 3,
+                "precision": "bf16" if cuda else "fp32", "device": "auto"}
+    batch = 32
+    rl = {"iterations": 2, "rollout_batch_size": 64, "minibatch_size": 32, "micro_batch_size": 8, "ppo_epochs": 1,
+          "save_every": 100, "n_eval_prompts": 16, "max_prompt_length": 64, "sampling": gen}
+    if size is TINY:
+        rl.update(rollout_batch_size=8, minibatch_size=4, micro_batch_size=2, n_eval_prompts=4)
+        batch = 8
+    supervised = {"batch_size": batch, "epochs": 1.0, "eval_every": 100, "save_every": 100}
+    return {
+        "data": {"n_sft": 4 * batch, "n_sft_eval": batch, "n_pairs": 4 * batch, "n_pairs_eval": batch,
+                 "n_ppo_prompts": 256, "n_eval_prompts": 32},
+        "model": {"name_or_path": str(base), "max_position_embeddings": 2 * seq},
+        "distributed": dist,
+        "sft": {**supervised, "n_eval_generations": rl["n_eval_prompts"], "max_length": seq, "sampling": gen},
+        "reward": {**supervised, "max_length": seq, "n_sft_samples": rl["n_eval_prompts"]},
+        "ppo": rl,
+        "grpo": {**rl, "samples_per_prompt": 4},
+        "dpo": {**supervised, "max_length": seq, "n_eval_prompts": rl["n_eval_prompts"]},
+        "evaluate": {"n_prompts": rl["n_eval_prompts"], "best_of_n": [2], "bootstrap": 100},
+    }
+
+
+def build_base(size: Size, folder: Path) -> dict[str, int]:
+    """The random Llama every stage starts from, with its word tokenizer, as a checkpoint."""
+    import torch
+    from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM
+
+    from pipeline.data.tokenizer import build_word_tokenizer
+    from pipeline.tasks import reviews
+
+    words = reviews.vocabulary()
+    filler = size.vocab - len(build_word_tokenizer(words))
+    if filler < 0:
+        raise ValueError(f"vocabulary {size.vocab}: the task's words and special tokens alone are more")
+    tok = build_word_tokenizer(words + [f"w{i}" for i in range(filler)])   # no task word looks like w<digits>
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(LlamaConfig(
+        vocab_size=len(tok), hidden_size=size.hidden, num_hidden_layers=size.layers, num_attention_heads=size.heads,
+        num_key_value_heads=size.heads, intermediate_size=size.intermediate,
+        max_position_embeddings=2 * (64 + size.new_tokens), tie_word_embeddings=False,
+        bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id))
+    model.generation_config = GenerationConfig(bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id,
+                                               pad_token_id=tok.pad_token_id)
+    model.save_pretrained(str(folder))
+    tok.save_pretrained(str(folder))
+    total = sum(p.numel() for p in model.parameters())
+    return {"vocab": len(tok), "parameters": total,
+            "parameters_counted": total - model.get_input_embeddings().weight.numel()}
+
+
+def mean_tokens(data: Path, base: Path, stage: str) -> float:
+    """Mean tokens of one training example of `stage` (a pair's two sequences for reward and DPO)."""
+    from pipeline.data.io import read_jsonl
+    from pipeline.data.tokenizer import load_tokenizer
+
+    tok = load_tokenizer(base)
+    if stage == "sft":
+        rows = read_jsonl(data / "sft_train.jsonl")
+        texts = [r["prompt"] + " " + r["response"] for r in rows]
+        per = 1
+    else:
+        rows = read_jsonl(data / "pairs_train.jsonl")
+        texts = [r["prompt"] + " " + r[k] for r in rows for k in ("chosen", "rejected")]
+        per = 2
+    lengths = [len(tok(t)["input_ids"]) + 1 for t in texts]   # + eos
+    return per * sum(lengths) / len(lengths) if lengths else 0.0
+
+
+def peak_tflops() -> Optional[float]:
+    if os.environ.get("GPU_PEAK_TFLOPS"):
         return float(os.environ["GPU_PEAK_TFLOPS"])
+    import torch
     if not torch.cuda.is_available():
         return None
     name = torch.cuda.get_device_name()
-    return next((v for k, v in PEAK_TFLOPS.items() if k in name), None)
+    return next((v for k, v in sorted(PEAK_TFLOPS.items(), key=lambda kv: -len(kv[0])) if k in name), None)
 
 
-def check_params(tiny: bool, iterations: int, cuda: bool) -> Params:
-    """The check's whole config: ZeRO-3, bf16 on a GPU (fp32 on the CPU, where bf16 matmuls are
-    emulated and slow), the big model or the tiny one."""
-    model_cfg = TINY if tiny else BIG
-    rollout, minibatch, micro, new_tokens = (8, 4, 2, 16) if tiny else (64, 32, 16, 64)
-    dist = DistributedConfig(backend="deepspeed", zero_stage=3, precision="bf16" if cuda else "fp32")
-    return Params(
-        model=model_cfg, reward=RewardConfig(max_length=model_cfg.max_position_embeddings),
-        ppo=PPOConfig(iterations=iterations, rollout_batch_size=rollout, minibatch_size=minibatch,
-                      micro_batch_size=micro, ppo_epochs=1, save_every=10 ** 6, max_prompt_length=MAX_PROMPT,
-                      sampling=SamplingConfig(max_new_tokens=new_tokens), distributed=dist))
+def read_tsv(path: Path) -> list[dict[str, float]]:
+    if not path.is_file():
+        return []
+    with open(path, newline="") as f:
+        return [{k: float(v) for k, v in row.items() if v not in ("", None)} for row in csv.DictReader(f, delimiter="\t")]
 
 
-def write_params(params: Params, path: Path) -> Params:
-    """`params` as a params file (JSON is YAML 1.2), read back by the CLI's loader: the file that
-    `python -m pipeline plan --params` would read, and proof that it holds this config."""
-    atomic_write_text(path, json.dumps(to_dict(params), indent=1) + "\n")
-    loaded = load_params(path)
-    if loaded != params:
-        raise RuntimeError(f"{path}: reading the written params back gave another config")
-    return loaded
+def flat(nested: dict, prefix: str = "") -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for k, v in nested.items():
+        out.update(flat(v, f"{prefix}{k}/") if isinstance(v, dict) else {f"{prefix}{k}": v})
+    return out
 
 
-def memory_plan(params: Params, data_dir: Path) -> dict[str, Any] | None:
-    """Print `python -m pipeline plan --stage ppo` for `params` (the CLI's own code, after its
-    loader), and return its rows in GiB per rank; None when the plan module is not there."""
-    try:
-        from pipeline.training import memory_plan as mp
-    except ImportError as err:   # the check still runs without it
-        say(f"memory plan: not available ({err})")
-        return None
-    say(f"memory plan (python -m pipeline plan --params {data_dir.parent / 'params.yaml'} --data {data_dir} "
-        "--stage ppo):")
-    try:
-        mp.main(params, data_dir, "ppo")
-    except ConfigError as err:   # a plan that does not fit: measure anyway, that is what the check is for
-        say(f"memory plan: REFUSES this config ({err}); measuring anyway")
-    plan = mp.planned(params, data_dir, ("ppo",))[0]
-    available, source = mp.device_memory(params.ppo.distributed)
-    rows = {k: v / GIB for k, v in plan.device.items()}
-    trained = rows["weights"] + rows["grads"] + rows["optimizer"]
-    return {**rows, "trained": trained, "placed": trained + rows["frozen"], "total": plan.total / GIB,
-            "device": available / GIB, "device_source": source}
+def throughput(run: Run, out: Path, params: Any, n: int, tokens_per_example: float) -> dict[str, float]:
+    """Tokens per second and model TFLOP/s of one finished stage (see the module doc)."""
+    metrics = flat(json.loads((out / "metrics.json").read_text()))
+    got: dict[str, float] = {}
+    if run.stage in ("sft", "reward", "dpo"):
+        cfg = getattr(params, run.stage)
+        seconds = metrics.get("train/seconds") or 0.0
+        tokens = metrics.get("train/steps", 0) * cfg.batch_size * tokens_per_example
+        if seconds > 0:
+            got["tokens_per_second"] = tokens / seconds
+            got["tflops"] = 6 * n * tokens / seconds / 1e12
+    elif run.stage in ("ppo", "grpo"):
+        rows = read_tsv(out / "train.tsv")
+        if rows:
+            last = rows[-1]   # the first iteration carries compilation and allocator warm-up
+            trained = 2 if run.stage == "ppo" else 1
+            got["tokens_per_second"] = last.get("tokens_per_second/rollout", 0.0)
+            got["update_tokens_per_second"] = last.get("tokens_per_second/update", 0.0)
+            got["rollout_tflops"] = 2 * n * got["tokens_per_second"] / 1e12
+            got["tflops"] = 6 * n * trained * got["update_tokens_per_second"] / 1e12
+            for key in ("val/logprob_diff_mean", "val/logprob_diff_max"):
+                if key in last:
+                    got[key] = max(r[key] for r in rows if key in r)
+    for key in ("resources/peak_device_gib", "resources/peak_rss_gib", "resources/wall_seconds"):
+        if isinstance(metrics.get(key), (int, float)):
+            got[key] = float(metrics[key])
+    return got
 
 
-def rss_gib() -> float:
-    import psutil
-    return psutil.Process().memory_info().rss / GIB
+def planned_gib(stage: str, params: Any, inputs: dict[str, Path]) -> Optional[float]:
+    """`python -m pipeline plan`'s total per rank for the stage (None while an input is missing)."""
+    from pipeline.training import memory_plan
+    plan = memory_plan.stage_plan(stage, params, inputs)
+    return None if plan is None else plan.total / GIB
 
 
-def max_rss_gib() -> float:
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 / GIB   # Linux: KiB
+def line(name: str, r: dict[str, Any], peak: Optional[float], cuda: bool) -> str:
+    measured = r.get("resources/peak_device_gib" if cuda else "resources/peak_rss_gib")
+    parts = [f"{name:10s} {r.get('resources/wall_seconds', r.get('seconds', 0.0)):6.1f}s"]
+    plan = r.get("plan_gib")
+    parts.append(f"memory plan {'n/a' if plan is None else f'{plan:7.2f}'} GiB, measured "
+                 f"{'n/a' if measured is None else f'{measured:7.2f}'} GiB ({'GPU peak' if cuda else 'peak RSS'})")
+    if "tokens_per_second" in r:
+        rate = f"{r['tokens_per_second']:,.0f} tok/s"
+        if "update_tokens_per_second" in r:
+            rate = f"rollout {rate}, update {r['update_tokens_per_second']:,.0f} tok/s"
+        parts.append(rate)
+    if "tflops" in r:
+        mfu = f", MFU {100 * r['tflops'] / peak:.1f}%" if peak else ""
+        parts.append(f"{r['tflops']:.2f} TFLOP/s{mfu}")
+    if "val/logprob_diff_max" in r:
+        parts.append(f"logprob_diff mean {r['val/logprob_diff_mean']:.2e} max {r['val/logprob_diff_max']:.2e}")
+    return "  ".join(parts[:2]) + ("; " + "; ".join(parts[2:]) if parts[2:] else "")
 
 
-def comparison(plan: dict[str, Any] | None, measured: dict[str, float], where: str) -> list[str]:
-    """Measured memory next to the plan's rows (GiB per rank), with their ratio."""
-    rows = [("trained models (actor + critic)", "trained", "placed_trained",
-             "weights, grads, optimizer: ZeRO-3 makes AdamW's states as it is built"),
-            ("frozen models (reference + reward)", "frozen", "placed_frozen", "weights"),
-            ("all four models placed", "placed", "placed_all", "the two rows above"),
-            ("peak over an iteration", "total", "peak", "everything, with max(activations, KV cache)")]
-    lines = [f"memory, GiB per rank: plan (python -m pipeline plan) vs measured ({where})"]
-    for label, plan_key, key, note in rows:
-        p = plan.get(plan_key) if plan else None
-        m = measured.get(key)
-        ratio = f"  measured/plan {m / p:.2f}" if p and m is not None else ""
-        lines.append(f"  {label:36s} plan {'n/a' if p is None else f'{p:9.3f}'}  measured "
-                     f"{'n/a' if m is None else f'{m:9.3f}'}{ratio}   ({note})")
-    return lines
+def run_suite(processes: int, size: Size, cuda: bool, root: Path, deadline: float, results: dict[str, Any],
+              save) -> tuple[list[str], list[str]]:
+    """Every run of `runs()` with `processes` processes; returns (failed, skipped) names."""
+    from pipeline.config import load_params
+    from pipeline.data.io import atomic_write_text
 
-
-def model_flops(n: float, prompt_tokens: float, gen_tokens: float, models_scored: int, epochs: int) -> dict[str, float]:
-    """Model FLOPs of one iteration's phases (see the module doc); token counts over the batch."""
-    seq = prompt_tokens + gen_tokens
-    return {"rollout": 2 * n * seq, "scoring": 2 * n * seq * models_scored, "update": 2 * 6 * n * seq * epochs}
-
-
-def iteration_line(it: int, mode: str, stats: dict[str, float], flops: dict[str, float],
-                   peak: float | None) -> str:
-    seconds = stats["time/rollout"] + stats["time/scoring"] + stats["time/update"]
-    total = sum(flops.values()) / seconds
-    line = (f"iteration {it}: recompute {mode}, rollout {stats['tokens_per_second/rollout']:,.0f} tok/s, "
-            f"update {stats['tokens_per_second/update']:,.0f} tok/s, {seconds:.1f}s "
-            f"(rollout {stats['time/rollout']:.1f}, scoring {stats['time/scoring']:.1f}, update "
-            f"{stats['time/update']:.1f}), {total / 1e12:.1f} TFLOP/s")
-    if peak:
-        line += (f", MFU {100 * total / (peak * 1e12):.1f}% (update alone "
-                 f"{100 * flops['update'] / stats['time/update'] / (peak * 1e12):.1f}%)")
-    if "memory/peak_gib" in stats:
-        line += f", peak GPU memory {stats['memory/peak_gib']:.2f} GiB"
-    line += (f"; logprob_diff mean {stats['val/logprob_diff_mean']:.2e} max {stats['val/logprob_diff_max']:.2e}, "
-             f"first minibatch |ratio - 1| mean {stats['val/first_ratio_mean_dev']:.2e} "
-             f"max {stats['val/first_ratio_max_dev']:.2e}")
-    return line
-
-
-def summary_lines(results: dict[str, Any]) -> list[str]:
-    """Per recompute mode: the largest log-prob difference and first-minibatch ratio deviation seen."""
-    lines = []
-    for mode in ("on", "off"):
-        its = [r for r in results["iterations"] if r["recompute"] == mode]
-        if not its:
+    say(f"\n== {processes} process{'es' if processes > 1 else ''}: "
+        + ("backend none (plain PyTorch)" if processes == 1 else "DeepSpeed ZeRO-3")
+        + f", {'bf16' if cuda else 'fp32'}, {'NCCL' if cuda else 'gloo'}" * (processes > 1)
+        + (f", {'bf16 autocast' if cuda else 'fp32'}" if processes == 1 else ""))
+    suite: dict[str, Any] = results.setdefault("suites", {}).setdefault(str(processes), {})
+    from ruamel.yaml import YAML
+    repo_params = YAML(typ="safe", pure=True).load((REPO / "params.yaml").read_text())
+    shared = check_params(size, processes, cuda, root / "base")
+    failed: list[str] = []
+    skipped: list[str] = []
+    env = {**os.environ, "PIPELINE_TRACKING": "off", "PYTHONUNBUFFERED": "1"}
+    # Each run's own port: a launcher still releasing the last one must not meet the next.
+    port = 29500 + (os.getpid() % 500) * 20 + processes * 10
+    durations: list[float] = []
+    for i, run in enumerate(runs()):
+        out = root / f"p{processes}" / run.name.replace("+", "-")
+        # The data and the random base are shared; the other inputs are this suite's own outputs.
+        inputs = {k: root / v if v in ("data", "base") else root / f"p{processes}" / v for k, v in run.inputs.items()}
+        missing = [str(p) for p in inputs.values() if not p.exists()]
+        if missing:
+            say(f"{run.name:10s} not run: its input {missing[0]} was not written (a stage above failed)")
+            failed.append(f"{processes}p {run.name}")
             continue
-        worst = {k: max(r[k] for r in its) for k in
-                 ("val/logprob_diff_mean", "val/logprob_diff_max", "val/first_ratio_max_dev")}
-        lines.append(f"recompute {mode:3s}: val/logprob_diff_mean {worst['val/logprob_diff_mean']:.2e}, "
-                     f"val/logprob_diff_max {worst['val/logprob_diff_max']:.2e}, first minibatch max |ratio - 1| "
-                     f"{worst['val/first_ratio_max_dev']:.2e} (worst of {len(its)} iterations)")
-    return lines
+        typical = max(durations, default=0.0)
+        if time.monotonic() + typical > deadline:
+            say(f"{run.name:10s} skipped: the time budget has {max(0, deadline - time.monotonic()):.0f}s left, "
+                f"a stage here took up to {typical:.0f}s")
+            skipped.append(f"{processes}p {run.name}")
+            continue
+        values = merge(merge(repo_params, shared), run.params)
+        values["distributed"]["master_port"] = port + i
+        path = root / f"params-{processes}p-{run.name.replace('+', '-')}.yaml"
+        atomic_write_text(path, json.dumps(values, indent=1) + "\n")   # JSON is YAML
+        params = load_params(path)
+        record: dict[str, Any] = {"stage": run.stage, "lora": run.lora}
+        try:
+            record["plan_gib"] = planned_gib(run.stage, params, inputs)
+        except Exception as err:   # the check measures anyway
+            record["plan_gib"], record["plan_error"] = None, f"{type(err).__name__}: {err}"
+        cmd = [sys.executable, "-m", "pipeline", run.stage, "--params", str(path), "--no-progress",
+               *(x for k, p in inputs.items() for x in (f"--{k}", str(p))), "--out", str(out)]
+        log = root / "logs" / f"{processes}p-{run.name.replace('+', '-')}.log"
+        log.parent.mkdir(parents=True, exist_ok=True)
+        start = time.monotonic()
+        with open(log, "w") as f:
+            proc = subprocess.run(cmd, cwd=REPO, env=env, stdout=f, stderr=subprocess.STDOUT,
+                                  timeout=max(60.0, deadline - start + 120))
+        record["seconds"] = time.monotonic() - start
+        durations.append(record["seconds"])
+        if proc.returncode != 0:
+            tail = log.read_text(errors="replace").splitlines()[-25:]
+            say(f"{run.name:10s} FAILED (exit {proc.returncode} after {record['seconds']:.0f}s): "
+                + " ".join(cmd[2:4]) + f" ...; the end of its log ({log}):")
+            for text in tail:
+                say(f"    {text}")
+            record["error"] = "\n".join(tail)
+            failed.append(f"{processes}p {run.name}")
+        else:
+            n = results["model"]["parameters_counted"]
+            per_example = mean_tokens(root / "data", root / "base", run.stage) if run.stage in ("sft", "reward", "dpo") else 0
+            record.update(throughput(run, out, params, n, per_example))
+            say(line(run.name, record, results.get("peak_tflops"), cuda))
+        suite[run.name] = record
+        save()
+    return failed, skipped
 
 
-def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--tiny", action="store_true", help="tiny model on whatever device there is (smoke test)")
-    ap.add_argument("--iterations", type=int, default=4, help="odd ones with recompute on, even ones off")
+def versions() -> dict[str, str]:
+    import importlib.metadata as md
+    out = {"python": sys.version.split()[0]}
+    for name in ("torch", "transformers", "deepspeed", "peft", "accelerate"):
+        try:
+            out[name] = md.version(name)
+        except md.PackageNotFoundError:
+            out[name] = "not installed"
+    return out
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0],
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--tiny", action="store_true", help="a tiny model with short responses (the tests' CPU run)")
+    ap.add_argument("--processes", type=int, action="append", default=None,
+                    help="run the suite with this many processes (repeatable; default: 1, and 2 when two GPUs "
+                         "are visible)")
     ap.add_argument("--budget-s", type=float, default=None,
-                    help="skip an iteration that would end after this many seconds from the process's start")
+                    help="skip a stage that would end after this many seconds (default: 360 per suite)")
+    ap.add_argument("--new-tokens", type=int, default=None, help="response length (default: 512; --tiny: 24)")
     ap.add_argument("--out", type=Path, default=None, help="write every number measured as JSON here")
+    ap.add_argument("--keep", type=Path, default=None, help="work in this folder and keep it (default: a temporary one)")
     args = ap.parse_args(argv)
-    if args.iterations < 2:
-        ap.error("--iterations: at least 2 (one with recompute on, one off)")
-    start = STARTED
+    start = time.monotonic()
+    import torch
     cuda = torch.cuda.is_available()
-    device = torch.cuda.get_device_name() if cuda else "cpu"
-    import transformers
-    say(f"gpu_check: {time.strftime('%Y-%m-%d %H:%M:%S')} device={device} torch={torch.__version__} "
-        f"transformers={transformers.__version__}")
-    params = check_params(args.tiny, args.iterations, cuda)
-    results: dict[str, Any] = {"device": device, "torch": torch.__version__, "transformers": transformers.__version__,
-                               "tiny": args.tiny, "precision": params.ppo.distributed.precision, "iterations": []}
+    gpus = torch.cuda.device_count() if cuda else 0
+    suites = args.processes or ([1, 2] if gpus >= 2 else [1])
+    if any(p < 1 for p in suites):
+        ap.error("--processes: at least 1")
+    if cuda and max(suites) > gpus:
+        ap.error(f"--processes {max(suites)}: only {gpus} GPU(s) visible")
+    size = TINY if args.tiny else DEFAULT
+    if args.new_tokens is not None:
+        size = Size(**{**size.__dict__, "new_tokens": args.new_tokens})
+    budget = args.budget_s if args.budget_s is not None else 360.0 * len(suites)
+    deadline = start + budget
+    device = ", ".join(torch.cuda.get_device_name(i) for i in range(gpus)) if cuda else "cpu (no CUDA device)"
+    results: dict[str, Any] = {"device": device, "gpus": gpus, "versions": versions(), "size": size.__dict__,
+                               "budget_s": budget, "peak_tflops": peak_tflops()}
+    say(f"gpu_check: {time.strftime('%Y-%m-%d %H:%M:%S')}  device: {device}")
+    say("  " + "  ".join(f"{k} {v}" for k, v in results["versions"].items()))
+    if cuda and results["peak_tflops"] is None:
+        say("  MFU n/a: this GPU is not in the table; set GPU_PEAK_TFLOPS=<dense bf16 TFLOP/s>")
 
     def save() -> None:
         if args.out is not None:
+            from pipeline.data.io import atomic_write_json
             atomic_write_json(args.out, results)
 
-    with tempfile.TemporaryDirectory() as tmp:
-        root = Path(tmp)
-        ctx = None
-        try:
-            t0 = time.perf_counter()
-            prepare(DataConfig(n_sft=8, n_sft_eval=4, n_pairs=8, n_pairs_eval=4, n_ppo_prompts=512, n_eval_prompts=8),
-                    root / "data")
-            params = write_params(params, root / "params.yaml")
-            policy, tok = init_policy(params.model, root / "data" / "tokenizer", seed=0)
-            n_params = sum(p.numel() for p in policy.parameters())
-            n = n_params - policy.get_input_embeddings().weight.numel()
-            save_checkpoint(policy, tok, root / "sft")
-            del policy
-            reward, _ = rm.init_reward_model(root / "sft", seed=0, head_std=None)
-            save_checkpoint(reward, tok, root / "rm")
-            del reward
-            results.update(params_total=n_params, params_non_embedding=n)
-            say(f"model: {n_params / 1e9:.3f}B parameters ({n_params:,}; {n:,} non-embedding), built from config "
-                f"in {time.perf_counter() - t0:.1f}s; precision {params.ppo.distributed.precision}, ZeRO-3")
-
-            plan = memory_plan(params, root / "data")
-            results["plan_gib"] = plan
-            save()
-
-            ctx = distributed.init(params.ppo.distributed)
-            t0, rss0 = time.perf_counter(), rss_gib()
-            models = place_models(params, root / "sft", root / "rm", ctx)
-            say(f"placed actor, critic (training engines), reference, reward (ZeRO-3 inference engines) "
-                f"in {time.perf_counter() - t0:.1f}s")
-            measured: dict[str, float] = {}
-            if models.memory:   # CUDA: memory_allocated deltas as each model was placed
-                for name, gib in models.memory.items():
-                    say(f"  GPU memory added by {name:9s}: {gib:7.3f} GiB")
-                measured["placed_trained"] = models.memory.get("actor", 0.0) + models.memory.get("critic", 0.0)
-                measured["placed_frozen"] = models.memory.get("reference", 0.0) + models.memory.get("reward", 0.0)
-                measured["placed_all"] = sum(models.memory.values())
-                torch.cuda.reset_peak_memory_stats()   # the iterations' peak, not the loading's
-                where = "torch.cuda.memory_allocated"
-            else:               # CPU: resident set growth, library and allocator overhead included
-                measured["placed_all"] = rss_gib() - rss0
-                say(f"  resident memory added by placing the four models: {measured['placed_all']:.3f} GiB")
-                where = "CPU: RSS growth, per model n/a"
-            results["measured_gib"] = measured
-
-            prompts = [p for _, p in load_prompts(root / "data" / "ppo_prompts.jsonl")]
-            prompt_tokens = sum(len(encode_prompt(models.tok, p, MAX_PROMPT)) for p in prompts) / len(prompts)
-            peak = peak_tflops()
-            trainers = {mode: PPOTrainer(dataclasses.replace(params.ppo, recompute_logprobs=mode == "on"), models,
-                                         prompts) for mode in ("on", "off")}
-            for mode, trainer in trainers.items():
-                say(f"recompute {mode}: {trainer.recompute_reason}")
-            last = 0.0
-            for it in range(1, args.iterations + 1):
-                if args.budget_s is not None and time.perf_counter() - start + 1.5 * last > args.budget_s:
-                    say(f"gpu_check: stopping before iteration {it}: it would pass the {args.budget_s:.0f} s budget")
-                    break
-                mode = "on" if it % 2 else "off"
-                t0 = time.perf_counter()
-                stats = trainers[mode].step()
-                last = time.perf_counter() - t0
-                gen = stats["objective/response_length"] * params.ppo.rollout_batch_size
-                flops = model_flops(n, prompt_tokens * params.ppo.rollout_batch_size, gen, 4 if mode == "on" else 3,
-                                    params.ppo.ppo_epochs)
-                say(iteration_line(it, mode, stats, flops, peak))
-                results["iterations"].append({"iteration": it, "recompute": mode, "seconds": last, "flops": flops,
-                                              **stats})
-                if "memory/peak_gib" in stats:
-                    measured["peak"] = max(measured.get("peak", 0.0), stats["memory/peak_gib"])
-                save()
-            if not cuda:
-                measured["peak"] = max_rss_gib() - rss0   # growth of the process's peak RSS since placing
-            for line in comparison(plan, measured, where):
-                say(line)
-            for line in summary_lines(results):
-                say(line)
-            results["seconds"] = time.perf_counter() - start
-            save()
-            done = len(results["iterations"])
-            if done < args.iterations:
-                modes = {r["recompute"] for r in results["iterations"]}
-                say(f"gpu_check: stopped early: {done} of {args.iterations} iterations in {results['seconds']:.0f}s"
-                    + ("" if modes == {"on", "off"} else "; recompute on and off were not both measured"))
-                return 0 if modes == {"on", "off"} else 1
-            say(f"gpu_check: {args.iterations} iterations, {results['seconds']:.0f}s in all")
-            say("gpu_check: done")
-            return 0
-        except (Exception, KeyboardInterrupt):   # keep what was printed; say where it stopped
-            say("gpu_check: FAILED or stopped at the step below; the numbers above stand")
-            traceback.print_exc()
-            results["error"] = traceback.format_exc(limit=3)
-            save()
-            return 1
-        finally:
-            if ctx is not None:
-                distributed.shutdown(ctx)
+    failed: list[str] = []
+    skipped: list[str] = []
+    with tempfile.TemporaryDirectory(prefix="gpu_check.") as tmp:
+        root = args.keep or Path(tmp)
+        root.mkdir(parents=True, exist_ok=True)
+        results["model"] = build_base(size, root / "base")
+        m = results["model"]
+        say(f"model: Llama {size.hidden} wide, {size.layers} layers, vocabulary {m['vocab']:,}: "
+            f"{m['parameters'] / 1e6:.1f}M parameters ({m['parameters_counted'] / 1e6:.1f}M counted for MFU); "
+            f"responses of {size.new_tokens} tokens")
+        from pipeline.config import load_params
+        from pipeline.data.io import atomic_write_text
+        from pipeline.stages.prepare import run as prepare
+        from ruamel.yaml import YAML
+        values = merge(YAML(typ="safe", pure=True).load((REPO / "params.yaml").read_text()),
+                       check_params(size, 1, cuda, root / "base"))
+        atomic_write_text(root / "params-prepare.yaml", json.dumps(values, indent=1) + "\n")
+        prepare(load_params(root / "params-prepare.yaml").data, root / "data")
+        save()
+        for processes in suites:
+            f, s = run_suite(processes, size, cuda, root, deadline, results, save)
+            failed += f
+            skipped += s
+    results["seconds"] = time.monotonic() - start
+    results["failed"], results["skipped"] = failed, skipped
+    save()
+    say(f"\ngpu_check: {results['seconds']:.0f}s in all")
+    if failed:
+        say(f"gpu_check: FAILED: {', '.join(failed)}")
+        return 1
+    if skipped:
+        say(f"gpu_check: incomplete: {', '.join(skipped)} did not fit the budget (--budget-s)")
+        return 3
+    say("gpu_check: every stage ran")
+    return 0
 
 
 if __name__ == "__main__":
