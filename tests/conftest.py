@@ -55,6 +55,40 @@ TINY = {
 }
 
 
+def slurm_available() -> tuple[bool, str]:
+    """(a SLURM cluster answers here, why not): a running one is used as it is; as root,
+    scripts/slurm-local.sh starts (and if need be installs) a one-node cluster on this machine."""
+    def up() -> bool:
+        try:
+            ping = subprocess.run(["scontrol", "ping"], capture_output=True, text=True, timeout=30)
+        except (OSError, subprocess.TimeoutExpired):
+            return False
+        return "is UP" in ping.stdout
+    if up():
+        return True, ""
+    if os.geteuid() != 0:
+        return False, "SLURM tier: no SLURM cluster answers `scontrol ping`, and starting one here " \
+                      "(scripts/slurm-local.sh) needs root"
+    proc = subprocess.run(["bash", str(REPO / "scripts" / "slurm-local.sh"), "start"], capture_output=True, text=True)
+    if proc.returncode != 0 or not up():
+        return False, f"SLURM tier: scripts/slurm-local.sh start failed as root: {(proc.stderr or proc.stdout).strip()[-300:]}"
+    return True, ""
+
+
+def pytest_runtest_setup(item: pytest.Item) -> None:
+    """The `slurm` tier runs where a cluster answers or can be started (as root); elsewhere it is
+    skipped with its reason, except where PIPELINE_TESTS_REQUIRE names it (CI, whose machine can
+    run it): there a cluster that cannot be had fails the test instead of hiding it."""
+    if item.get_closest_marker("slurm") is None:
+        return
+    ok, why = slurm_available()
+    if ok:
+        return
+    if "slurm" in os.environ.get("PIPELINE_TESTS_REQUIRE", "").split(","):
+        pytest.fail(f"{why} (PIPELINE_TESTS_REQUIRE=slurm: this machine must run the SLURM tier)")
+    pytest.skip(why)
+
+
 def merge(base: dict, override: dict) -> dict:
     out = dict(base)
     for k, v in override.items():

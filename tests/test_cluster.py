@@ -305,14 +305,8 @@ def test_node_rank_and_master_from_the_slurm_environment():
 # ---- A real SLURM ---------------------------------------------------------------------------------
 
 
-def _ensure_slurm() -> None:
-    ping = subprocess.run(["scontrol", "ping"], capture_output=True, text=True)
-    if "is UP" not in ping.stdout:
-        subprocess.run(["bash", str(REPO / "scripts/slurm-local.sh"), "start"], check=True, capture_output=True)
-
-
+@pytest.mark.slurm
 def test_tiny_pipeline_on_slurm_equals_dvc_repro(tmp_path, tiny_run):
-    _ensure_slurm()
     tiny_run.same_threads()
     # Snakemake runs each job with OMP_NUM_THREADS set to its threads (cluster.<stage>.cpus_per_task),
     # and the thread count changes PPO's floating-point sums: the jobs get the shared run's count
@@ -341,8 +335,8 @@ def test_tiny_pipeline_on_slurm_equals_dvc_repro(tmp_path, tiny_run):
     assert (snake / "data/prepared/stats.json").read_bytes() == (dvc / "data/prepared/stats.json").read_bytes()
 
 
+@pytest.mark.slurm
 def test_failed_job_names_its_log(tmp_path):
-    _ensure_slurm()
     repo = _repo(tmp_path, "fail")
     (repo / "pipeline/stages/sft.py").write_text("raise SystemExit('boom: sft broke')\n")   # sft fails as a job
     proc = run([str(BIN / "snakemake"), "--profile", "profiles/slurm", "--slurm-init-seconds-before-status-checks", "1",
@@ -353,3 +347,20 @@ def test_failed_job_names_its_log(tmp_path):
     log = re.search(r"(\S*logs/slurm/rule_sft/\d+\.log)", out)
     assert log, out[-3000:]
     assert "boom: sft broke" in (repo / "logs/sft.log").read_text()
+
+
+def test_the_slurm_tier_skips_with_its_reason_and_fails_where_it_is_required(monkeypatch):
+    import conftest
+    from types import SimpleNamespace
+    item = SimpleNamespace(get_closest_marker=lambda name: object() if name == "slurm" else None)
+    monkeypatch.setattr(conftest, "slurm_available", lambda: (False, "SLURM tier: no cluster, not root"))
+    monkeypatch.delenv("PIPELINE_TESTS_REQUIRE", raising=False)
+    with pytest.raises(pytest.skip.Exception, match="SLURM tier: no cluster, not root"):
+        conftest.pytest_runtest_setup(item)
+    monkeypatch.setenv("PIPELINE_TESTS_REQUIRE", "slurm")
+    with pytest.raises(pytest.fail.Exception, match="this machine must run the SLURM tier"):
+        conftest.pytest_runtest_setup(item)
+    unmarked = SimpleNamespace(get_closest_marker=lambda name: None)
+    assert conftest.pytest_runtest_setup(unmarked) is None
+    monkeypatch.setattr(conftest, "slurm_available", lambda: (True, ""))
+    assert conftest.pytest_runtest_setup(item) is None

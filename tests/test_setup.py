@@ -1,0 +1,153 @@
+"""The project's set-up as a stranger meets it: declared imports, licence, the venv script's
+choices of Python and torch build."""
+
+from __future__ import annotations
+
+import ast
+import importlib.metadata as md
+import os
+import re
+import subprocess
+import sys
+import tomllib
+from pathlib import Path
+
+from conftest import REPO
+
+LOCAL = {"pipeline", "conftest", "fake_device", "real_checkpoints", "measure_ranks", "zero3_load_ranks",
+         "memory_probe", "fuzz_inputs", "seed_grid", "benchmarks", "gpu_check"}
+
+
+def _norm(name: str) -> str:
+    return re.sub(r"[-_.]+", "-", name).lower()
+
+
+def _declared() -> dict[str, set[str]]:
+    project = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]
+    groups = {"dependencies": project["dependencies"], **project["optional-dependencies"]}
+    return {g: {_norm(re.split(r"[=<>!~\[ ;]", d, maxsplit=1)[0]) for d in deps} for g, deps in groups.items()}
+
+
+def _imports(folder: str) -> set[str]:
+    found = set()
+    for path in (REPO / folder).rglob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Import):
+                found |= {a.name.split(".")[0] for a in node.names}
+            elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+                found.add(node.module.split(".")[0])
+    return found - LOCAL - set(sys.stdlib_module_names)
+
+
+def test_every_import_is_declared_in_the_group_that_needs_it():
+    """pipeline/ and scripts/ import only the dependencies; tests/ also the dev extra; benchmarks/
+    also the bench extra. A module's distribution is what this environment says provides it."""
+    provides = md.packages_distributions()
+    declared = _declared()
+    groups = {"pipeline": {"dependencies"}, "scripts": {"dependencies"}, "tests": {"dependencies", "dev"},
+              "benchmarks": {"dependencies", "dev", "bench"}}
+    missing = []
+    for folder, allowed in groups.items():
+        names = set().union(*(declared[g] for g in allowed))
+        for module in sorted(_imports(folder)):
+            dists = {_norm(d) for d in provides.get(module, [module])}
+            if not dists & names:
+                missing.append(f"{folder}: import {module} (from {', '.join(sorted(dists))})")
+    assert missing == []
+
+
+def test_every_direct_dependency_is_imported_or_used_by_a_command():
+    """A dependency nothing imports is dead weight, except the commands the project runs (dvc,
+    snakemake and its SLURM plugin, gto) and what transformers and torch load by name."""
+    provides = md.packages_distributions()
+    used = {_norm(d) for folder in ("pipeline", "scripts") for m in _imports(folder) for d in provides.get(m, [m])}
+    commands = {"dvc", "snakemake", "snakemake-executor-plugin-slurm", "gto", "accelerate"}
+    assert sorted(_declared()["dependencies"] - used - commands) == []
+
+
+def test_licence_file_and_metadata_agree():
+    project = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]
+    assert project["license"] == "Apache-2.0" and project["license-files"] == ["LICENSE"]
+    text = (REPO / "LICENSE").read_text()
+    assert text.split("\n", 3)[0].strip() == "Apache License" and "Version 2.0, January 2004" in text
+    assert "Copyright 2026 The rlhf-pipeline authors" in text
+
+
+def _venv_script(tmp_path: Path, env: dict[str, str]) -> subprocess.CompletedProcess:
+    """scripts/venv.sh in a copy of the project's two input files, with `pip` replaced by a
+    recorder, so what it would create and install is seen without installing anything."""
+    work = tmp_path / "proj"
+    (work / "scripts").mkdir(parents=True, exist_ok=True)
+    for name in ("pyproject.toml", "requirements.lock", "scripts/venv.sh"):
+        if not (work / name).exists():   # copied once: a newer pyproject.toml means "install again"
+            (work / name).write_bytes((REPO / name).read_bytes())
+    return subprocess.run(["bash", "scripts/venv.sh", ".venv"], cwd=work, capture_output=True, text=True,
+                          env={"PATH": os.environ["PATH"], "HOME": str(tmp_path), **env}, timeout=600)
+
+
+def _fake_python(folder: Path, name: str, version: str) -> Path:
+    """An interpreter that reports `version`, makes a venv whose python reports it too, and logs
+    every pip call."""
+    folder.mkdir(parents=True, exist_ok=True)
+    script = folder / name
+    script.write_text(f"""#!/usr/bin/env bash
+if [ "$1" = -c ]; then echo {version}; exit 0; fi
+if [ "$1" = -m ] && [ "$2" = venv ]; then
+    mkdir -p "$3/bin"; cp "$0" "$3/bin/python"; exit 0
+fi
+if [ "$1" = -m ] && [ "$2" = pip ]; then echo "pip $*" >> "$(dirname "$0")/../pip.log"; exit 0; fi
+exit 1
+""")
+    script.chmod(0o755)
+    return script
+
+
+def test_venv_picks_the_newest_supported_python_and_rebuilds_a_stale_venv(tmp_path):
+    bin_ = tmp_path / "bin"
+    _fake_python(bin_, "python3.12", "3.12")
+    _fake_python(bin_, "python3.11", "3.11")
+    _fake_python(bin_, "python3.14", "3.14")      # not supported: never picked
+    path = f"{bin_}:/usr/bin:/bin"
+    proc = _venv_script(tmp_path, {"PATH": path})
+    venv = tmp_path / "proj" / ".venv"
+    assert proc.returncode == 0, proc.stderr
+    assert subprocess.run([str(venv / "bin/python"), "-c", ""], capture_output=True, text=True).stdout.strip() == "3.12"
+    log = (venv / "pip.log").read_text()
+    assert "install -q -c requirements.lock -e .[dev]" in log and "download.pytorch.org" not in log
+    assert (venv / ".installed").read_text().strip() == "torch="
+    # Up to date: nothing runs again.
+    (venv / "pip.log").unlink()
+    assert _venv_script(tmp_path, {"PATH": path}).returncode == 0 and not (venv / "pip.log").exists()
+    # Another Python asked for: one line says why, the venv is rebuilt with it.
+    proc = _venv_script(tmp_path, {"PATH": path, "PYTHON": "python3.11"})
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.strip().splitlines()[0] == (
+        "venv: rebuilding .venv with python3.11 (Python 3.11): it was made with Python 3.12 and PYTHON=python3.11 is 3.11")
+    # A venv whose interpreter no longer runs.
+    (venv / "bin/python").write_text("#!/bin/sh\nexit 1\n")
+    proc = _venv_script(tmp_path, {"PATH": path})
+    assert "venv: rebuilding .venv with python3.12 (Python 3.12): its python does not run" in proc.stdout
+
+
+def test_venv_torch_build_choice_and_refusals(tmp_path):
+    bin_ = tmp_path / "bin"
+    _fake_python(bin_, "python3.13", "3.13")
+    path = f"{bin_}:/usr/bin:/bin"
+    venv = tmp_path / "proj" / ".venv"
+    assert _venv_script(tmp_path, {"PATH": path}).returncode == 0
+    (venv / "pip.log").unlink()
+    # Switching to the CPU build: its index, and the pinned torch reinstalled from it.
+    proc = _venv_script(tmp_path, {"PATH": path, "TORCH": "cpu"})
+    assert proc.returncode == 0 and "venv: replacing torch with the cpu build" in proc.stdout
+    log = (venv / "pip.log").read_text()
+    assert "--extra-index-url https://download.pytorch.org/whl/cpu -c requirements.lock -e .[dev]" in log
+    pinned = next(line for line in (REPO / "requirements.lock").read_text().splitlines() if line.startswith("torch=="))
+    assert f"--force-reinstall --no-deps --extra-index-url https://download.pytorch.org/whl/cpu {pinned}" in log
+    assert (venv / ".installed").read_text().strip() == "torch=cpu"
+    bad = _venv_script(tmp_path, {"PATH": path, "TORCH": "rocm"})
+    assert bad.returncode == 1 and bad.stderr.strip() == \
+        "venv: TORCH=rocm: expected cpu or a CUDA tag such as cu126 (empty: pip's default build)"
+    old = tmp_path / "old"
+    _fake_python(old, "python3.10", "3.10")
+    bad = _venv_script(tmp_path, {"PATH": f"{old}:/usr/bin:/bin", "PYTHON": "python3.10"})
+    assert bad.returncode == 1 and "Python 3.10; this project needs one of 3.11 3.12 3.13" in bad.stderr
