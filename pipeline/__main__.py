@@ -1,4 +1,5 @@
-"""`python -m pipeline <stage> --params params.yaml ...`: the one entry point of every stage.
+"""`python -m pipeline <stage> --params params.yaml ...` (installed as the `rlhf-pipeline`
+command too): the one entry point of every stage.
 
 The params file is loaded and validated in full before any stage starts computing. User errors
 (bad params, bad data, a wrong checkpoint) print one line naming the file and key or line, and exit
@@ -11,6 +12,7 @@ import argparse
 import csv
 import importlib
 import importlib.metadata
+import logging
 import os
 import subprocess
 import sys
@@ -112,6 +114,12 @@ def _parser() -> argparse.ArgumentParser:
                                  formatter_class=_HelpFormatter)
     ap.add_argument("--version", action="version", version=f"%(prog)s {package_version()}",
                     help="print the package version and exit")
+    ap.add_argument("-v", "--verbose", action="count", default=0,
+                    help="more of the pipeline's log: -v its INFO messages, -vv DEBUG (default: warnings only)")
+    ap.add_argument("--log-level", default=os.environ.get("PIPELINE_LOG_LEVEL"),
+                    choices=("DEBUG", "INFO", "WARNING", "ERROR"), type=str.upper,
+                    help="the pipeline's log level, overriding -v (default: $PIPELINE_LOG_LEVEL, which dvc "
+                         "repro and snakemake pass to the stages, else WARNING)")
     sub = ap.add_subparsers(dest="stage", required=True, metavar="command")
     for stage, (help_text, paths) in STAGES.items():
         p = sub.add_parser(stage, help=help_text, description=help_text, formatter_class=_HelpFormatter)
@@ -168,8 +176,25 @@ def quiet_libraries() -> None:
         hf_logging.disable_progress_bar()
 
 
+def configure_logging(level: str | None, verbose: int) -> None:
+    """The `pipeline.*` loggers at `level` (or by -v count), one line per record on stderr; the
+    libraries' loggers keep their own levels. The launched copies of a multi-process stage inherit
+    it through PIPELINE_LOG_LEVEL. Python's own fallback printed only warnings, and INFO was lost."""
+    name = level or ("DEBUG" if verbose >= 2 else "INFO" if verbose == 1 else "WARNING")
+    logger = logging.getLogger("pipeline")
+    logger.setLevel(name)
+    if not any(getattr(h, "_pipeline", False) for h in logger.handlers):
+        handler = logging.StreamHandler(sys.stderr)
+        handler.setFormatter(logging.Formatter("%(message)s"))   # the messages name their stage
+        handler._pipeline = True
+        logger.addHandler(handler)
+        logger.propagate = False
+    os.environ["PIPELINE_LOG_LEVEL"] = name
+
+
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
+    configure_logging(args.log_level, args.verbose)
     if args.stage in ("prepare", *TRAINING, "evaluate", "compare"):
         quiet_libraries()
     if args.stage == "frontier":

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import io
+import os
 import re
 import subprocess
 import sys
@@ -12,7 +13,7 @@ import tomllib
 
 import pytest
 
-from conftest import REPO, run
+from conftest import BIN, REPO, run
 from pipeline.__main__ import STAGES, _parser, main
 from pipeline.progress import Progress, track
 
@@ -148,3 +149,30 @@ def test_deepspeed_cpu_notice_is_silenced_and_other_warnings_are_not():
                   "from deepspeed.utils import logger\n"
                   "logger.warning('still shown')\n")
     assert NOTICE not in out and "still shown" in out
+
+
+def test_log_level_from_flags_and_environment(monkeypatch, capsys):
+    import logging
+    from pipeline.__main__ import configure_logging
+    logger = logging.getLogger("pipeline")
+    monkeypatch.setattr(logger, "handlers", [])
+    monkeypatch.setattr(logger, "level", logger.level)
+    monkeypatch.delenv("PIPELINE_LOG_LEVEL", raising=False)
+    configure_logging(None, 0)
+    assert logger.level == logging.WARNING
+    logging.getLogger("pipeline.tracking.mlflow_sink").info("hidden")
+    configure_logging(None, 1)
+    assert logger.level == logging.INFO and os.environ["PIPELINE_LOG_LEVEL"] == "INFO"   # the launched copies inherit it
+    logging.getLogger("pipeline.tracking.mlflow_sink").info("MLflow: registered x")
+    configure_logging("DEBUG", 0)
+    assert logger.level == logging.DEBUG and len(logger.handlers) == 1
+    err = capsys.readouterr().err
+    assert "MLflow: registered x" in err and "hidden" not in err
+
+
+def test_console_command_is_the_module_entry_point():
+    proc = subprocess.run([str(BIN / "rlhf-pipeline"), "--log-level", "info", "check", "--params",
+                           str(REPO / "params.yaml")], capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr
+    bad = subprocess.run([str(BIN / "rlhf-pipeline"), "--log-level", "LOUD", "check"], capture_output=True, text=True)
+    assert bad.returncode == 2 and "invalid choice: 'LOUD'" in bad.stderr
