@@ -13,7 +13,7 @@ from pipeline.errors import ConfigError
 
 
 def test_recipes_exist():
-    assert recipes.names() == ["hh-rlhf-pythia-1.4b", "tldr-pythia-1b"]
+    assert recipes.names() == ["demo", "hh-rlhf-pythia-1.4b", "tldr-pythia-1b"]
 
 
 @pytest.mark.parametrize("name", ["hh-rlhf-pythia-1.4b", "tldr-pythia-1b"])
@@ -63,3 +63,25 @@ def test_unknown_recipe_and_bad_recipe_values(tmp_path, monkeypatch):
     monkeypatch.setattr(recipes, "FOLDER", folder)
     with pytest.raises(ConfigError, match=r"broken.yaml over params.yaml: ppo.kl_coef: expected a float >= 0.0, got -1"):
         recipes.render("broken", REPO / "params.yaml")
+
+
+def test_demo_is_the_default_shortened_in_its_own_copy(tmp_path):
+    """scripts/demo.py's set-up: a git copy of the tracked files without the committed run, the
+    demo recipe merged into its params and every stage's seed set; the checkout is left as it is."""
+    import importlib.util
+    import subprocess
+    spec = importlib.util.spec_from_file_location("demo", REPO / "scripts" / "demo.py")
+    demo = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(demo)
+    before = subprocess.run(["git", "status", "--porcelain"], cwd=REPO, capture_output=True, text=True).stdout
+    repo = tmp_path / "seed-3"
+    demo.copy_project(repo)
+    assert not (repo / "outputs").exists() and not (repo / "dvc.lock").exists() and (repo / "dvc.yaml").is_file()
+    recipes.apply("demo", repo / "params.yaml", repo / "params.yaml")
+    demo.set_seeds(repo / "params.yaml", 3)
+    from pipeline.config import load_params
+    params, default = load_params(repo / "params.yaml"), load_params(REPO / "params.yaml")
+    assert [getattr(params, s).seed for s in demo.SEEDED] == [3, 3, 3, 3]
+    assert params.ppo.iterations < default.ppo.iterations and params.reward.epochs < default.reward.epochs
+    assert (params.model, params.ppo.kl_coef, params.ppo.lr) == (default.model, default.ppo.kl_coef, default.ppo.lr)
+    assert subprocess.run(["git", "status", "--porcelain"], cwd=REPO, capture_output=True, text=True).stdout == before
