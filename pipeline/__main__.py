@@ -41,6 +41,8 @@ STAGES: dict[str, tuple[str, dict[str, str]]] = {
     "compare": ("every alignment method (--policy NAME=FOLDER each), SFT and best-of-n on the held-out prompts",
                 {"data": DATA, "sft": SFT, "reward": RM, "out": "outputs/compare"}),
     "frontier": ("plot gold and RM score against KL across DVC experiments", {"out": "outputs/frontier.png"}),
+    "headline": ("print a finished run's headline in under 100 columns: verdict, win rates with their "
+                 "intervals, gold, RM score and KL per policy, RM accuracy, stage times", {"outputs": "outputs"}),
     "check": ("validate the params file (and with --data the inputs every stage reads) and exit", {}),
     "recipe": ("merge recipes/<name>.yaml into the params file (validated first)", {}),
     "plan": ("print each stage's memory plan per rank against the device, and refuse one that does not fit",
@@ -85,6 +87,7 @@ PATH_HELP = {
     "reward": "the reward model checkpoint (a Hugging Face model folder)",
     "ppo": "the PPO policy checkpoint (a Hugging Face model folder)",
     "out": "the folder the stage writes its outputs to",
+    "outputs": "the folder holding the stages' output folders (sft/, reward/, ppo/, evaluate/)",
 }
 OUT_HELP = {"prepare": "the folder the prepared splits and tokenizer are written to",
             "frontier": "the figure to write (a table of the points is printed)"}
@@ -126,7 +129,7 @@ def _parser() -> argparse.ArgumentParser:
         for name, default in paths.items():
             what = OUT_HELP.get(stage, PATH_HELP[name]) if name == "out" else PATH_HELP[name]
             p.add_argument(f"--{name}", type=Path, default=Path(default), help=what)
-        if stage not in ("frontier", "recover-lock"):
+        if stage not in ("frontier", "recover-lock", "headline"):
             p.add_argument("--params", type=Path, default=Path("params.yaml"),
                            help="the params file, validated in full before anything runs")
             p.add_argument("--no-progress", action="store_true",
@@ -202,6 +205,10 @@ def main(argv: list[str] | None = None) -> int:
         frontier.main(args.out)
         return 0
     try:
+        if args.stage == "headline":
+            from .measurement import headline
+            print("\n".join(headline.lines(args.outputs)))
+            return 0
         if args.stage == "recover-lock":
             from .workflow import lockfile
             print(lockfile.recover(args.lock))

@@ -69,7 +69,8 @@ def test_recipe_list_names_each_recipe_with_its_first_comment_line(capsys):
         first = next(li for li in path.read_text().splitlines() if li.startswith("#")).lstrip("# ").strip()
         name, description = line.split(None, 1)
         assert (name, description) == (path.stem, first)
-    assert lines[1].startswith("tldr-pythia-1b ") and "TL;DR summarisation with Pythia 1B" in lines[1]
+    assert lines[2].startswith("tldr-pythia-1b ") and "TL;DR summarisation with Pythia 1B" in lines[2]
+    assert lines[0].startswith("demo ") and "A first look in about three minutes" in lines[0]
     # Neither a name nor --list: one line saying what to give.
     assert main(["recipe"]) == 2
     assert capsys.readouterr().err == "error: recipe: name a recipe (python -m pipeline recipe --list shows them)\n"
@@ -176,3 +177,20 @@ def test_console_command_is_the_module_entry_point():
     assert proc.returncode == 0, proc.stderr
     bad = subprocess.run([str(BIN / "rlhf-pipeline"), "--log-level", "LOUD", "check"], capture_output=True, text=True)
     assert bad.returncode == 2 and "invalid choice: 'LOUD'" in bad.stderr
+
+
+def test_headline_of_the_committed_run_fits_100_columns_and_states_its_numbers(tmp_path, capsys):
+    import json
+    assert main(["headline", "--outputs", str(REPO / "outputs")]) == 0
+    out = capsys.readouterr().out.splitlines()
+    assert max(map(len, out)) < 100 and out[1].startswith("verdict: ")
+    ev = json.loads((REPO / "outputs/evaluate/metrics.json").read_text())
+    win = ev["win_rate"]
+    gold = next(line for line in out if line.strip().startswith("by the gold annotator"))
+    assert gold.split()[4:] == [f"{win['ppo_vs_sft_gold']:.1%}",
+                                f"{win['ppo_vs_sft_gold_low']:.1%}-{win['ppo_vs_sft_gold_high']:.1%}"]
+    ppo = next(line for line in out if line.strip().startswith("ppo "))
+    assert ppo.split()[1] == f"{ev['ppo']['gold']:.2f}" and ppo.split()[7] == f"{ev['ppo']['kl']:.2f}"
+    assert [line.split()[0] for line in out if line.startswith("  ") and "±" in line][0] == "sft"
+    assert main(["headline", "--outputs", str(tmp_path)]) == 2
+    assert capsys.readouterr().err.strip().endswith("evaluate/metrics.json: no such file (run the pipeline first: make pipeline)")

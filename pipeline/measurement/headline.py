@@ -1,0 +1,101 @@
+"""A run's headline in under 100 columns: `python -m pipeline headline [--outputs outputs]`.
+
+What a reader of a finished run wants first, read from the stages' metrics.json files: the
+verdict, PPO's win rates over SFT by the gold annotator and by the reward model with their 95%
+bootstrap intervals, each policy's gold and RM score and KL to SFT, the reward model's accuracy
+against the label-noise ceiling, and what each stage cost. `dvc metrics show` prints every metric
+(hundreds of columns); this prints the dozen that decide whether the run worked.
+"""
+
+from __future__ import annotations
+
+import json
+import textwrap
+from pathlib import Path
+from typing import Any, Optional
+
+from ..errors import DataError
+
+WIDTH = 99
+STAGES = ("prepare", "sft", "reward", "ppo", "evaluate")
+
+
+def _read(path: Path) -> Optional[dict[str, Any]]:
+    if not path.is_file():
+        return None
+    try:
+        return json.loads(path.read_text(encoding="utf-8"))
+    except json.JSONDecodeError as err:
+        raise DataError(f"{path}:{err.lineno}: not JSON ({err.msg})") from None
+
+
+def _num(value: Any, fmt: str) -> str:
+    return "n/a" if not isinstance(value, (int, float)) else format(value, fmt)
+
+
+def _duration(seconds: Any) -> str:
+    if not isinstance(seconds, (int, float)):
+        return "-"
+    minutes, secs = divmod(int(round(seconds)), 60)
+    return f"{minutes}m{secs:02d}s" if minutes else f"{secs}s"
+
+
+def lines(outputs: Path) -> list[str]:
+    """The headline of the run whose stage folders are in `outputs` (each at most WIDTH columns)."""
+    from ..stages.evaluate import detector_record, verdict
+    ev = _read(outputs / "evaluate" / "metrics.json")
+    if ev is None:
+        raise DataError(f"{outputs / 'evaluate' / 'metrics.json'}: no such file (run the pipeline first: make pipeline)")
+    flat = _flat(ev)
+    out = [f"run in {outputs}/"]
+    out += textwrap.wrap("verdict: " + verdict(flat, detector_record(outputs / "ppo" / "model")), WIDTH,
+                         subsequent_indent="  ")
+    win = ev.get("win_rate", {})
+    out.append("")
+    out.append(f"{'PPO over SFT':<26}{'win rate':>10}{'95% interval':>18}")
+    for judge, key in (("by the gold annotator", "gold"), ("by the reward model", "rm")):
+        name = f"ppo_vs_sft_{key}"
+        if name in win:
+            out.append(f"  {judge:<24}{_num(win[name], '.1%'):>10}"
+                       f"{_num(win.get(name + '_low'), '.1%'):>11}-{_num(win.get(name + '_high'), '.1%')}")
+    out.append("")
+    out.append(f"{'policy':<14}{'gold':>16}{'RM score':>18}{'KL to SFT':>12}{'length':>9}")
+    for policy in _policies(ev):
+        p = ev[policy]
+        out.append(f"  {policy:<12}{_num(p.get('gold'), '.2f'):>10} ± {_num(p.get('gold_ci95'), '.2f'):<4}"
+                   f"{_num(p.get('rm'), '.2f'):>12} ± {_num(p.get('rm_ci95'), '.2f'):<4}"
+                   f"{_num(p.get('kl'), '.2f'):>11}{_num(p.get('length'), '.1f'):>9}")
+    rm = (_read(outputs / "reward" / "metrics.json") or {}).get("eval", {})
+    if rm:
+        out.append("")
+        out.append(f"reward model: accuracy {_num(rm.get('accuracy'), '.1%')} on held-out pairs, "
+                   f"{_num(rm.get('accuracy_of_ceiling'), '.1%')} of the label-noise ceiling "
+                   f"{_num(rm.get('noise_ceiling'), '.1%')}")
+    costs = []
+    for stage in STAGES:
+        res = (_read(outputs / stage / "metrics.json") or {}).get("resources", {})
+        if res:
+            costs.append(f"{stage} {_duration(res.get('wall_seconds'))}")
+    if costs:
+        out.append("")
+        out += textwrap.wrap("time: " + ", ".join(costs), WIDTH, subsequent_indent="  ")
+    return out
+
+
+def _policies(ev: dict[str, Any]) -> list[str]:
+    """The measured policies of evaluate's metrics: SFT, best-of-n by n, then the trained ones."""
+    found = [k for k, v in ev.items() if isinstance(v, dict) and ("gold" in v or "rm" in v)]
+    def order(name: str) -> tuple[int, int, str]:
+        if name == "sft":
+            return (0, 0, name)
+        if name.startswith("best_of_") and name[8:].isdigit():
+            return (1, int(name[8:]), name)
+        return (2, 0, name)
+    return sorted(found, key=order)
+
+
+def _flat(nested: dict[str, Any], prefix: str = "") -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for k, v in nested.items():
+        out.update(_flat(v, f"{prefix}{k}/") if isinstance(v, dict) else {f"{prefix}{k}": v})
+    return out
