@@ -185,3 +185,31 @@ def test_dvc_exp_run_changes_param_and_reports_eval_metrics(tiny_run_copy):
         assert f"Stage '{stage}' didn't change, skipping" in log, log
     assert "Running stage 'ppo'" in log and "Running stage 'evaluate'" in log
 
+
+
+def test_every_model_folder_carries_a_card_and_the_reward_model_scores_without_this_project(tiny_run):
+    from pipeline.models import reward_model as rm
+    repo = tiny_run.repo
+    for stage in ("sft", "reward", "ppo"):
+        card = (repo / "outputs" / stage / "model" / "README.md").read_text()
+        assert card.startswith("---\nlibrary_name: transformers\n") and f"- {stage}\n" in card
+        metrics = json.loads((repo / "outputs" / stage / "metrics.json").read_text())
+        for key, value in metrics["eval"].items():
+            if isinstance(value, float):
+                assert f"| `eval/{key}` | {value:.4g} |" in card, (stage, key)
+        assert f"| `{stage}.seed` | 0 |" in card
+    # The card's recipe: a plain transformers classifier, minus the offset in its config, gives the
+    # pipeline's own scores.
+    from pipeline.tracking import model_card
+    assert model_card.OFFSET_KEY == rm.OFFSET_KEY
+    folder = repo / "outputs" / "reward" / "model"
+    assert "model(**inputs).logits[:, 0] - model.config.reward_offset" in (folder / "README.md").read_text()
+    tok = AutoTokenizer.from_pretrained(folder)
+    plain = AutoModelForSequenceClassification.from_pretrained(folder).eval()
+    ours, _ = rm.load_reward_model(folder)
+    prompt, response = "Review the film Silent River . Focus on the music .", "The music is warm ."
+    ids = torch.tensor([rm.encode_pair_text(tok, prompt, response, 96)])
+    with torch.no_grad():
+        by_card = plain(input_ids=ids).logits[:, 0] - plain.config.reward_offset
+    assert by_card.item() == pytest.approx(rm.score_texts(ours, tok, [prompt], [response], 96).item(), abs=1e-5)
+    assert abs(plain.config.reward_offset) > 0

@@ -39,9 +39,10 @@ from pathlib import Path
 from typing import Any, Iterator, Sequence
 
 from ..config import DEFERRED_SHAPE, Params, check_process_shape
-from ..data.io import atomic_dir, atomic_write_json, stale_extras
+from ..data.io import atomic_dir, atomic_write_json, atomic_write_text, stale_extras
 from ..models.checkpoints import save_checkpoint
 from ..tracking.mlflow_sink import stage_tracking
+from ..tracking import model_card
 from ..tracking.sinks import Tracker, write_metrics
 from ..training import distributed, memory_plan
 from ..training.distributed import SINGLE, Context
@@ -50,6 +51,14 @@ from ..workflow import code_deps
 from .spec import StageSpec, declared, resolve
 
 ROOT = Path(__file__).resolve().parents[2]   # the folder holding the `pipeline` package
+
+
+def package_version() -> str:
+    import importlib.metadata
+    try:
+        return importlib.metadata.version("rlhf-pipeline")
+    except importlib.metadata.PackageNotFoundError:   # run from a checkout that was never installed
+        return "(not installed)"
 
 
 @dataclass
@@ -70,6 +79,8 @@ class StageRun:
         if model is not None:
             with atomic_dir(self.out / "model") as tmp:
                 save_checkpoint(model, tok, tmp)
+                atomic_write_text(tmp / "README.md", model_card.card(self.spec.name, self.resolved, metrics,
+                                                                     package_version()))
         atomic_write_json(self.out / "config.json", {**self.resolved, "runtime": self.runtime()})
         metrics.update(self.resources())   # in place: the stage returns what metrics.json holds
         write_metrics(self.out / "metrics.json", metrics, self.tracker)
