@@ -281,6 +281,7 @@ def _tiny_ppo_inputs(root: Path) -> tuple[Path, Path, Path]:
 def test_ppo_stage_on_the_default_sqlite_store(tmp_path, monkeypatch):
     (tmp_path / "dvc.yaml").write_text("stages: {}\n")
     monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("MLFLOW_SYSTEM_METRICS_SAMPLING_INTERVAL", "0.2")
     data, sft_dir, rm_dir = _tiny_ppo_inputs(tmp_path / "in")
     params = Params(ppo=PPOConfig(iterations=2, rollout_batch_size=4, minibatch_size=4, micro_batch_size=2,
                                   ppo_epochs=1, save_every=1, n_eval_prompts=4, sampling=SamplingConfig(max_new_tokens=6)))
@@ -307,6 +308,20 @@ def test_ppo_stage_on_the_default_sqlite_store(tmp_path, monkeypatch):
     assert version.source.startswith(exp.artifact_location)     # beside the runs' artifacts
     # Final metrics under the series' names: no `train/objective_kl` beside `objective/kl`.
     assert "train/objective_kl" not in ppo.data.metrics and "objective/kl" in ppo.data.metrics
+    # The logged model carries the stage's params and final metrics (the Models tab compares them).
+    (logged,) = client.search_logged_models([exp.experiment_id], filter_string="name = 'ppo'")
+    assert client.get_model_version("rlhf-policy", version.version).model_id in (None, logged.model_id)
+    assert (logged.params["ppo.iterations"], logged.params["ppo.sampling.max_new_tokens"]) == ("2", "6")
+    on_model = {m.key: m.value for m in logged.metrics}
+    assert on_model["eval/rm_ppo"] == pytest.approx(metrics["eval/rm_ppo"]) and "objective/kl" in on_model
+    # MLflow's system metrics of the stage's process.
+    assert ppo.data.metrics["system/cpu_utilization_percentage"] >= 0
+    assert ppo.data.metrics["system/system_memory_usage_megabytes"] > 0
+    # evaluate names the policy it judged: the alias follows the newest version of this execution.
+    from pipeline.tracking.mlflow_sink import stage_tracking
+    with stage_tracking("evaluate", {"evaluate": {"seed": 0}}) as tracker:
+        tracker.alias_evaluated("ppo", "champion")
+    assert client.get_model_version_by_alias("rlhf-policy", "champion").version == version.version
 
 
 def _registered_weights(client: MlflowClient, run_id: str, dest: Path) -> Path:

@@ -203,6 +203,7 @@ def run(params: Params, data_dir: Path, sft_dir: Path, reward_dir: Path, ppo_dir
         run.finish(m)
         run.tracker.log_table(table, "samples.json")   # every held-out prompt, browsable in MLflow
         run.tracker.set_description(text)   # the pipeline's parent run, described by its verdict
+        run.tracker.alias_evaluated("ppo", "champion")   # models:/rlhf-policy@champion: the policy judged last
     return m
 
 

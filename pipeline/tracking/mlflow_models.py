@@ -99,14 +99,33 @@ class PipelineRewardModel(mlflow.pyfunc.PythonModel):
                              [str(r) for r in frame["response"]], self.max_length)
         return scores.tolist()
 
+def reward_signature() -> Any:
+    """The reward model's schema: two text columns in, one score out."""
+    from mlflow.models import ModelSignature
+    from mlflow.types import ColSpec, Schema
+    return ModelSignature(inputs=Schema([ColSpec("string", "prompt"), ColSpec("string", "response")]),
+                          outputs=Schema([ColSpec("double")]))
+
+
+INPUT_EXAMPLE = {"prompt": ["Review the film Silent River . Focus on the music ."],
+                 "response": ["the music is warm and the score lingers . a fine film ."]}
+
+
 def save_reward_model(model_dir: Path, dest: Path, max_length: int) -> None:
-    """The reward model of `model_dir` as an MLflow pyfunc model in `dest`; the folder travels as its
-    artifact `reward_model` (loadable with from_pretrained too) and the `pipeline` package as its
-    code, so it loads wherever torch and transformers are installed."""
+    """The reward model of `model_dir` as an MLflow pyfunc model in `dest`, with its signature and
+    an input example; the folder travels as its artifact `reward_model` (loadable with
+    from_pretrained too) and the `pipeline` package as its code, so it loads wherever torch and
+    transformers are installed."""
     with _quiet():
         mlflow.pyfunc.save_model(str(dest), python_model=PipelineRewardModel(),
                                  artifacts={"reward_model": str(model_dir)}, model_config={"max_length": int(max_length)},
-                                 code_paths=[str(PACKAGE)], pip_requirements=REQUIREMENTS)
+                                 code_paths=[str(PACKAGE)], pip_requirements=REQUIREMENTS,
+                                 signature=reward_signature(), input_example=pd.DataFrame(INPUT_EXAMPLE))
+
+
+def _param_text(value: Any) -> str:
+    """A param's value as MLflow stores it (a string of at most 6000 characters)."""
+    return ("null" if value is None else str(value))[:6000]
 
 
 def save_model(stage: str, model_dir: Path, dest: Path, config: dict[str, Any]) -> None:
@@ -116,16 +135,28 @@ def save_model(stage: str, model_dir: Path, dest: Path, config: dict[str, Any]) 
         save_policy(model_dir, dest)
 
 
+def create_logged(client: Any, experiment_id: str, run_id: str, stage: str, config: dict[str, Any],
+                  tags: dict[str, str]) -> str:
+    """The stage's MLflow logged model, created when its run starts, holding the stage's params;
+    its id (the run's metric points name it)."""
+    params = {k: _param_text(v) for k, v in config.items()}
+    return client.create_logged_model(experiment_id, name=stage, source_run_id=run_id,
+                                      tags={**tags, "stage": stage}, params=params).model_id
+
+
 def log_and_register(client: Any, experiment_id: str, run_id: str, stage: str, model_dir: Path,
-                     config: dict[str, Any], tags: dict[str, str]) -> tuple[str, str]:
-    """Log the stage's model as a model of run `run_id` and register it; (model id, version)."""
+                     config: dict[str, Any], tags: dict[str, str], model_id: str | None = None) -> tuple[str, str]:
+    """Save the stage's model into its logged model (`model_id`, made by `create_logged`, or a new
+    one), mark it READY and register it; (model id, version)."""
     name = REGISTERED[stage]
+    if model_id is None:
+        model_id = create_logged(client, experiment_id, run_id, stage, config, tags)
     with tempfile.TemporaryDirectory(prefix=f"mlflow-{stage}-") as tmp:
         dest = Path(tmp) / "model"
         save_model(stage, model_dir, dest, config)
-        logged = client.create_logged_model(experiment_id, name=stage, source_run_id=run_id, tags=tags)
-        client.log_model_artifacts(logged.model_id, str(dest))
-        client.finalize_logged_model(logged.model_id, "READY")
+        client.log_model_artifacts(model_id, str(dest))
+        client.finalize_logged_model(model_id, "READY")
+    logged = client.get_logged_model(model_id)
     from mlflow.exceptions import MlflowException
     try:
         client.create_registered_model(name, description=DESCRIPTIONS[stage])

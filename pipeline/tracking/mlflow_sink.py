@@ -344,6 +344,14 @@ class MlflowTracker(Tracker):
         # `mlflow.parentRunId` is the tag MLflow's UI nests runs by (mlflow/utils/mlflow_tags.py).
         run = self.client.create_run(exp_id, run_name=stage, tags={**tags, "mlflow.parentRunId": self.parent_id})
         self.run_id = run.info.run_id
+        self._soft("starting the system metrics monitor", self._start_system_metrics)
+        from . import mlflow_models
+        if stage in mlflow_models.REGISTERED and mlflow_models.enabled():
+            # The stage's model exists from the start, with the run's params, so every metric point
+            # is linked to it; its files come with log_outputs, which marks it READY.
+            self.model_id = self._soft("creating the stage's logged model", lambda: mlflow_models.create_logged(
+                self.client, exp_id, self.run_id, stage, flatten(config),
+                {k: v for k, v in tags.items() if not k.startswith("mlflow.")}))
         params = [Param(k, yaml_value(v)) for k, v in flatten(config).items()]
         for i in range(0, len(params), PARAMS_PER_BATCH):
             self.client.log_batch(self.run_id, params=params[i:i + PARAMS_PER_BATCH])
@@ -449,7 +457,10 @@ class MlflowTracker(Tracker):
             return
         from mlflow.entities import Metric
         pending, self._pending = self._pending, []
-        metrics = [Metric(name, value, ts, step) for name, value, ts, step in pending]
+        # Linked to the stage's logged model (when it makes one): MLflow's Models tab shows and
+        # compares a model's metrics by this link.
+        model_id = getattr(self, "model_id", None)
+        metrics = [Metric(name, value, ts, step, model_id=model_id) for name, value, ts, step in pending]
         for i in range(0, len(metrics), METRICS_PER_BATCH):
             self._guard("sending metrics", lambda i=i: self.client.log_batch(
                 self.run_id, metrics=metrics[i:i + METRICS_PER_BATCH]))
@@ -512,7 +523,7 @@ class MlflowTracker(Tracker):
             tags = {k: v for k, v in join_tags().items() if not k.startswith("mlflow.")}
             registered = self._soft(f"registering the {self.stage} model", lambda: mlflow_models.log_and_register(
                 self.client, self.experiment_id, self.run_id, self.stage, out / "model", flatten(self.config),
-                {**tags, "stage": self.stage}))
+                {**tags, "stage": self.stage}, getattr(self, "model_id", None)))
             if registered is not None:
                 model_id, version = registered
                 self._guard("tagging the model version", lambda: self.client.set_tag(
@@ -541,6 +552,26 @@ class MlflowTracker(Tracker):
                 self.client.set_tag(previous.info.run_id, "resumed_by", self.run_id)
         self._soft("linking the resumed run to the killed one", call)
 
+    def alias_evaluated(self, stage: str, alias: str) -> None:
+        """Point `alias` (e.g. `champion`) of `stage`'s registered model at the version this pipeline
+        execution registered (the run beside this one under the same parent), else at its newest:
+        `models:/rlhf-policy@champion` is then the policy evaluate judged last."""
+        from . import mlflow_models
+        name = mlflow_models.REGISTERED[stage]
+
+        def call() -> None:
+            versions = self.client.search_model_versions(f"name = '{name}'")
+            if not versions:
+                return
+            siblings = {r.info.run_id for r in self.client.search_runs(
+                [self.experiment_id], f"tags.mlflow.parentRunId = '{self.parent_id}' and tags.stage = '{stage}'")} \
+                if self.parent_id else set()
+            mine = [v for v in versions if v.run_id in siblings]
+            chosen = max(mine or versions, key=lambda v: int(v.version))
+            self.client.set_registered_model_alias(name, alias, chosen.version)
+            log.info("MLflow: %s@%s is version %s", name, alias, chosen.version)
+        self._soft(f"setting the alias {alias} of {name}", call)
+
     def set_description(self, text: str) -> None:
         """The parent run's description: MLflow's UI shows the tag `mlflow.note.content` as the run's
         note (mlflow/utils/mlflow_tags.py); evaluate puts its verdict there."""
@@ -548,8 +579,25 @@ class MlflowTracker(Tracker):
             self._guard("describing the parent run", lambda: self.client.set_tag(
                 self.parent_id, "mlflow.note.content", text))
 
+    def _start_system_metrics(self) -> None:
+        """MLflow's CPU, memory, disk, network (and with pynvml GPU) series of the stage's process,
+        `system/*`, every MLFLOW_SYSTEM_METRICS_SAMPLING_INTERVAL seconds (MLflow's default 10);
+        MLFLOW_ENABLE_SYSTEM_METRICS_LOGGING=false turns them off."""
+        if os.environ.get("MLFLOW_ENABLE_SYSTEM_METRICS_LOGGING", "true").strip().lower() in ("false", "0", "off"):
+            return
+        from mlflow.system_metrics.system_metrics_monitor import SystemMetricsMonitor
+        interval = float(os.environ.get("MLFLOW_SYSTEM_METRICS_SAMPLING_INTERVAL") or 10)
+        self._system = SystemMetricsMonitor(self.run_id, sampling_interval=interval, tracking_uri=self.uri)
+        self._system.start()
+
     def finish(self, status: str) -> None:
+        system = getattr(self, "_system", None)
+        if system is not None:
+            self._soft("stopping the system metrics monitor", system.finish)
         self.flush()
+        model_id = getattr(self, "model_id", None)
+        if model_id is not None and status != "FINISHED":   # log_outputs never ran: no files
+            self._soft("marking the logged model failed", lambda: self.client.finalize_logged_model(model_id, "FAILED"))
         self._guard("ending the stage's run", lambda: self.client.set_terminated(self.run_id, status))
         if self.owns_parent:
             self._guard("ending the parent run", lambda: self.client.set_terminated(self.parent_id, status))
