@@ -73,7 +73,7 @@ for _stage in STAGES:
 
     rule:
         name:
-            _stage.name
+            stage_graph.rule_name(_stage)
         input:
             list(_stage.deps),
             params=str(stage_graph.param_file(_stage)),
@@ -87,9 +87,7 @@ for _stage in STAGES:
             f"logs/{_stage.name}.log",
         benchmark:
             str(stage_graph.BENCHMARK_DIR / f"{_stage.name}.tsv")
-        conda:
-            "envs/pipeline.yaml"
-        threads: getattr(PARAMS.cluster, _stage.name).cpus_per_task
+        threads: cluster.resources_of(PARAMS, _stage.name).cpus_per_task
         resources:
             **cluster.slurm_resources(PARAMS, _stage.name),
         shell:

@@ -17,6 +17,7 @@ from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
+from ruamel.yaml import YAML
 from snakemake_executor_plugin_slurm.submit_string import get_submit_command
 from snakemake_executor_plugin_slurm.utils import set_gres_string
 
@@ -62,9 +63,10 @@ def test_snakemake_dag_is_the_dvc_dag(tmp_path):
     for stage in stage_graph.load(repo / "dvc.yaml"):
         assert not [o for o in stage.outs + stage.persistent if "checkpoint" in o], stage.name
     # A `persist: true` out a user adds stays out of the Snakemake rule.
-    (tmp_path / "persist.yaml").write_text(
+    (tmp_path / "persist").mkdir()
+    (tmp_path / "persist" / "dvc.yaml").write_text(
         "stages:\n  s:\n    cmd: x\n    outs:\n      - a\n      - b:\n          persist: true\n")
-    (one,) = stage_graph.load(tmp_path / "persist.yaml")
+    (one,) = stage_graph.load(tmp_path / "persist" / "dvc.yaml")
     assert one.outs == ("a",) and one.persistent == ("b",)
 
 
@@ -364,3 +366,53 @@ def test_the_slurm_tier_skips_with_its_reason_and_fails_where_it_is_required(mon
     assert conftest.pytest_runtest_setup(unmarked) is None
     monkeypatch.setattr(conftest, "slurm_available", lambda: (True, ""))
     assert conftest.pytest_runtest_setup(item) is None
+
+
+def test_a_plain_snakemake_finds_the_default_profile_and_no_conda_environment(tmp_path):
+    repo = _repo(tmp_path, "plain")
+    proc = run([str(BIN / "snakemake"), "-n"], repo)
+    assert "Using workflow specific profile profiles/default" in proc.stdout + proc.stderr
+    assert (REPO / "profiles/default/config.yaml").read_text().count("executor: local") == 1
+    # No `conda:` directive: --sdm conda would build an environment the install does not describe.
+    assert "conda:" not in (REPO / "Snakefile").read_text() and not (REPO / "envs").exists()
+
+
+FOREACH = """
+vars:
+  - folder: outputs/extra
+stages:
+  extra:
+    foreach: [a, b]
+    do:
+      cmd: mkdir -p ${folder} && echo ${item} > ${folder}/${item}.txt
+      deps: [data/prepared]
+      outs: ["${folder}/${item}.txt"]
+  grid:
+    matrix:
+      lr: [1, 2]
+    cmd: mkdir -p outputs/grid && echo ${item.lr} > outputs/grid/${item.lr}.txt
+    deps: ["outputs/extra/a.txt"]
+    outs: ["outputs/grid/${item.lr}.txt"]
+    params: [ppo.kl_coef]
+"""
+
+
+def test_foreach_matrix_and_vars_stages_resolve_as_dvc_resolves_them(tmp_path):
+    (tmp_path / "dvc.yaml").write_text(FOREACH)
+    got = {s.name: s for s in stage_graph.load(tmp_path / "dvc.yaml")}
+    assert list(got) == ["extra@a", "extra@b", "grid@1", "grid@2"]
+    assert got["extra@b"].cmd == "mkdir -p outputs/extra && echo b > outputs/extra/b.txt"
+    assert got["extra@b"].outs == ("outputs/extra/b.txt",) and got["grid@2"].params == ("ppo.kl_coef",)
+    assert ("extra@a", "grid@1") in stage_graph.edges(list(got.values()))
+    assert [stage_graph.rule_name(s) for s in got.values()] == ["extra_a", "extra_b", "grid_1", "grid_2"]
+    # Snakemake plans them from the same dvc.yaml, each expanded stage a rule of its own.
+    repo = _repo(tmp_path, "foreach")
+    yaml = YAML()
+    doc = yaml.load((repo / "dvc.yaml").read_text())
+    extra = YAML(typ="safe", pure=True).load(FOREACH.replace("${folder}", "outputs/extra"))["stages"]
+    doc["stages"].update(extra)      # no `vars` in the repository's file: the folder written out
+    with open(repo / "dvc.yaml", "w") as f:
+        yaml.dump(doc, f)
+    plan = run([str(BIN / "snakemake"), "-n", "--quiet", "rules"], repo).stdout
+    for rule in ("extra_a", "extra_b", "grid_1", "grid_2", "sft", "evaluate"):
+        assert re.search(rf"^\s*{rule}\s+1\s*$", plan, flags=re.M), (rule, plan)

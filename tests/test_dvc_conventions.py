@@ -275,3 +275,11 @@ def test_a_clone_gets_the_policy_from_the_dvc_remote(finished, tmp_path):
     assert tree_hashes(clone / ARTIFACTS["rlhf-reward-model"]) == tree_hashes(repo / ARTIFACTS["rlhf-reward-model"])
     status = run([str(BIN / "dvc"), "status", "dvc.yaml"], clone, env=bare_env(clone)).stdout
     assert "up to date" in status
+
+
+def test_every_stage_says_what_it_does():
+    """`desc:` on every stage of both pipelines, as DVC reads it (`dvc stage list` shows it)."""
+    from dvc.repo import Repo
+    stages = Repo(str(REPO)).index.stages
+    assert {s.addressing for s in stages} >= {"prepare", "sft", "reward", "ppo", "evaluate", "compare/dvc.yaml:compare"}
+    assert [s.addressing for s in stages if len((s.desc or "").split()) < 6] == []

@@ -17,7 +17,7 @@ import os
 import subprocess
 from typing import Any, Mapping
 
-from ..config import Params
+from ..config import Params, StageResources
 from ..errors import ConfigError
 
 # Checked before Snakemake submits anything: the default pipeline's stages. The methods of
@@ -39,9 +39,15 @@ def check_shape(params: Params, where: str = "params.yaml") -> None:
                               f"num_processes={dist.num_processes} processes per node (one per GPU)")
 
 
+def resources_of(params: Params, stage: str) -> StageResources:
+    """`cluster.<stage>` of params; a stage of the user's own (a `foreach` stage `train@a` reads
+    `cluster.train` if params has it) gets the defaults of a CPU job."""
+    return getattr(params.cluster, stage.split("@")[0], None) or StageResources()
+
+
 def slurm_resources(params: Params, stage: str) -> dict[str, Any]:
     """Snakemake resources for one stage's job (names of snakemake-executor-plugin-slurm)."""
-    res = getattr(params.cluster, stage)
+    res = resources_of(params, stage)
     out: dict[str, Any] = {"cpus_per_task": res.cpus_per_task, "mem_mb": res.mem_mb, "runtime": res.runtime,
                            "nodes": res.nodes}
     if params.cluster.partition is not None:
@@ -61,7 +67,7 @@ def slurm_resources(params: Params, stage: str) -> dict[str, Any]:
 
 def job_command(params: Params, stage: str, cmd: str) -> str:
     """The stage's command as a job runs it: the same command, started once per node."""
-    nodes = getattr(params.cluster, stage).nodes
+    nodes = resources_of(params, stage).nodes
     return f"srun --ntasks-per-node=1 --nodes={nodes} {cmd}" if nodes > 1 else cmd
 
 

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -49,20 +50,6 @@ class Stage:
         return Path(path).suffix == ""
 
 
-def _entries(items: Any) -> list[tuple[str, Mapping[str, Any]]]:
-    """DVC's list form: plain `path` or `{path: {options}}`."""
-    out = []
-    for item in items or []:
-        if isinstance(item, str):
-            out.append((item, {}))
-        elif isinstance(item, Mapping) and len(item) == 1:
-            (path, opts), = item.items()
-            out.append((str(path), opts or {}))
-        else:
-            raise ConfigError(f"dvc.yaml: unexpected entry {item!r}")
-    return out
-
-
 # The pipeline files: the default pipeline, then the alignment methods compared on its outputs
 # (stages there run from the root, `wdir: ..`). Snakemake reads both; its default target is the first.
 PIPELINE_FILES = ("dvc.yaml", "compare/dvc.yaml")
@@ -74,33 +61,57 @@ def load_all(root: str | Path = ".") -> list[Stage]:
 
 
 def load(path: str | Path = "dvc.yaml", root: str | Path | None = None) -> list[Stage]:
-    """The stages of a dvc.yaml in file order (which is a topological order here). Paths are made
-    relative to `root` (default: the file's folder) through each stage's `wdir`, where its command
-    runs; a stage whose wdir is not `root` cannot be run by the Snakefile (its command would run in
-    the wrong folder) and is refused."""
-    raw = read_yaml(path)
-    here = Path(path).parent
-    root = here if root is None else Path(root)
-    stages = []
-    for name, spec in (raw.get("stages") or {}).items():
-        base = here / str(spec.get("wdir", "."))
-        if os.path.normpath(base) != os.path.normpath(root):
-            raise ConfigError(f"{path}: stage {name}: its wdir must be the repository root ({root}), "
-                              f"got {spec.get('wdir', '.')!r}")
+    """The stages of a dvc.yaml in file order (which is a topological order here), as DVC itself
+    resolves them: `vars`, `foreach` and `matrix` expanded (a `foreach` stage `train` over a, b is
+    `train@a` and `train@b`), `${...}` interpolated. Paths are made relative to `root` (default: the
+    file's folder) through each stage's `wdir`, where its command runs; a stage whose wdir is not
+    `root` cannot be run by the Snakefile (its command would run in the wrong folder) and is refused.
+    Params must be params.yaml keys (the Snakefile's param files read only that file)."""
+    from dvc.dvcfile import load_file
+    from dvc.exceptions import DvcException
+    from dvc.repo import Repo
 
+    path = Path(path)
+    here = path.parent
+    root = here if root is None else Path(root)
+    try:
+        # DVC's own reader, without needing `dvc init` where the file lies (the tests' scratch folders).
+        with Repo(str(here.resolve()), uninitialized=True) as repo:
+            resolved = list(load_file(repo, str(path.resolve())).stages.values())
+    except DvcException as err:
+        raise ConfigError(f"{path}: {err}") from None
+    stages = []
+    for st in resolved:
+        base = Path(st.wdir)
+        if os.path.normpath(base) != os.path.normpath(root.resolve()):
+            raise ConfigError(f"{path}: stage {st.name}: its wdir must be the repository root ({root}), "
+                              f"got {os.path.relpath(base, here.resolve())!r}")
         outs, persistent = [], []
-        for section in ("outs", "metrics", "plots"):
-            for out, opts in _entries(spec.get(section)):
-                (persistent if opts.get("persist") else outs).append(out)
-        params = []
-        for entry in spec.get("params") or []:
-            if not isinstance(entry, str):
-                raise ConfigError(f"{path}: stage {name}: only params.yaml keys are supported in params, got {entry!r}")
-            params.append(entry)
-        stages.append(Stage(name=name, cmd=" ".join(str(spec["cmd"]).split()),
-                            deps=tuple(p for p, _ in _entries(spec.get("deps"))),
+        for out in st.outs:
+            (persistent if out.persist else outs).append(_rel(out.def_path, base))
+        deps, params = [], []
+        for dep in st.deps:
+            if type(dep).__name__ == "ParamsDependency":
+                if os.path.normpath(dep.def_path) != "params.yaml":
+                    raise ConfigError(f"{path}: stage {st.name}: only params.yaml keys are supported in params, "
+                                      f"got {dep.def_path}")
+                params += list(dep.params or [])
+            else:
+                deps.append(_rel(dep.def_path, base))
+        stages.append(Stage(name=st.name, cmd=" ".join(str(st.cmd).split()), deps=tuple(deps),
                             outs=tuple(outs), persistent=tuple(persistent), params=tuple(params)))
     return stages
+
+
+def _rel(def_path: str, wdir: Path) -> str:
+    """A dvc.yaml path (relative to the stage's wdir, which is the root here) as written."""
+    return os.path.normpath(def_path) if not os.path.isabs(def_path) else os.path.relpath(def_path, wdir)
+
+
+def rule_name(stage: Stage) -> str:
+    """A Snakemake rule name for the stage: DVC's `train@a` or `grid@1-0` with `_` for what a rule
+    name cannot hold."""
+    return re.sub(r"\W", "_", stage.name)
 
 
 def param_values(stage: Stage, params: Mapping[str, Any]) -> dict[str, Any]:
