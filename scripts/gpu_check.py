@@ -173,11 +173,11 @@ def mean_tokens(data: Path, base: Path, stage: str) -> float:
 
     tok = load_tokenizer(base)
     if stage == "sft":
-        rows = read_jsonl(data / "sft_train.jsonl")
+        rows = read_jsonl(data / "sft_train.jsonl", ("prompt", "response"))
         texts = [r["prompt"] + " " + r["response"] for r in rows]
         per = 1
     else:
-        rows = read_jsonl(data / "pairs_train.jsonl")
+        rows = read_jsonl(data / "pairs_train.jsonl", ("prompt", "chosen", "rejected"))
         texts = [r["prompt"] + " " + r[k] for r in rows for k in ("chosen", "rejected")]
         per = 2
     lengths = [len(tok(t)["input_ids"]) + 1 for t in texts]   # + eos
@@ -246,10 +246,11 @@ def planned_gib(stage: str, params: Any, inputs: dict[str, Path]) -> Optional[fl
 
 def line(name: str, r: dict[str, Any], peak: Optional[float], cuda: bool) -> str:
     measured = r.get("resources/peak_device_gib" if cuda else "resources/peak_rss_gib")
-    parts = [f"{name:10s} {r.get('resources/wall_seconds', r.get('seconds', 0.0)):6.1f}s"]
+    # The stage's own time (resources/wall_seconds), then the command's with start-up and launcher.
+    parts = [f"{name:10s} {r.get('resources/wall_seconds', 0.0):6.1f}s ({r.get('seconds', 0.0):.0f}s with start-up)"]
     plan = r.get("plan_gib")
-    parts.append(f"memory plan {'n/a' if plan is None else f'{plan:7.2f}'} GiB, measured "
-                 f"{'n/a' if measured is None else f'{measured:7.2f}'} GiB ({'GPU peak' if cuda else 'peak RSS'})")
+    parts.append(f"memory plan {'n/a' if plan is None else f'{plan:.3g}'} GiB, measured "
+                 f"{'n/a' if measured is None else f'{measured:.3g}'} GiB ({'GPU peak' if cuda else 'peak RSS'})")
     if "tokens_per_second" in r:
         rate = f"{r['tokens_per_second']:,.0f} tok/s"
         if "update_tokens_per_second" in r:
@@ -319,7 +320,10 @@ def run_suite(processes: int, size: Size, cuda: bool, root: Path, deadline: floa
         record["seconds"] = time.monotonic() - start
         durations.append(record["seconds"])
         if proc.returncode != 0:
-            tail = log.read_text(errors="replace").splitlines()[-25:]
+            text = log.read_text(errors="replace").splitlines()
+            # The first traceback says what went wrong; the launcher's summary after it only who died.
+            first = next((i for i, t in enumerate(text) if t.startswith("Traceback") or "Error" in t), None)
+            tail = (text[first:first + 30] + ["    ..."] if first is not None else []) + text[-12:]
             say(f"{run.name:10s} FAILED (exit {proc.returncode} after {record['seconds']:.0f}s): "
                 + " ".join(cmd[2:4]) + f" ...; the end of its log ({log}):")
             for text in tail:
@@ -327,10 +331,16 @@ def run_suite(processes: int, size: Size, cuda: bool, root: Path, deadline: floa
             record["error"] = "\n".join(tail)
             failed.append(f"{processes}p {run.name}")
         else:
-            n = results["model"]["parameters_counted"]
-            per_example = mean_tokens(root / "data", root / "base", run.stage) if run.stage in ("sft", "reward", "dpo") else 0
-            record.update(throughput(run, out, params, n, per_example))
-            say(line(run.name, record, results.get("peak_tflops"), cuda))
+            try:
+                n = results["model"]["parameters_counted"]
+                per_example = mean_tokens(root / "data", root / "base", run.stage) \
+                    if run.stage in ("sft", "reward", "dpo") else 0.0
+                record.update(throughput(run, out, params, n, per_example))
+                say(line(run.name, record, results.get("peak_tflops"), cuda))
+            except Exception as err:   # the stage ran; reading its numbers did not: a failure of the check
+                say(f"{run.name:10s} FAILED reading its results: {type(err).__name__}: {err}")
+                record["error"] = f"{type(err).__name__}: {err}"
+                failed.append(f"{processes}p {run.name}")
         suite[run.name] = record
         save()
     return failed, skipped

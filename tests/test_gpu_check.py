@@ -14,6 +14,7 @@ from conftest import REPO, run_env
 
 spec = importlib.util.spec_from_file_location("gpu_check", REPO / "scripts" / "gpu_check.py")
 gpu_check = importlib.util.module_from_spec(spec)
+sys.modules["gpu_check"] = gpu_check   # dataclasses look their module up there
 spec.loader.exec_module(gpu_check)
 
 
@@ -85,13 +86,13 @@ def test_two_processes_run_every_stage_on_the_cpu_with_gloo(tmp_path):
     a tiny model: every stage runs, and every number it prints is there and plausible."""
     env = {**run_env(), "OMP_NUM_THREADS": "1"}
     proc = subprocess.run([sys.executable, str(REPO / "scripts" / "gpu_check.py"), "--tiny", "--processes", "2",
-                           "--out", str(tmp_path / "r.json")], cwd=REPO, env=env, capture_output=True, text=True,
+                           "--out", str(tmp_path / "r.json"), "--keep", str(tmp_path / "work")], cwd=REPO, env=env, capture_output=True, text=True,
                           timeout=900)
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-3000:]
     assert proc.stdout.rstrip().endswith("gpu_check: every stage ran")
     results = json.loads((tmp_path / "r.json").read_text())
     suite = results["suites"]["2"]
-    assert list(suite) == [r.name for r in gpu_check.runs()]
+    assert sorted(suite) == sorted(r.name for r in gpu_check.runs())
     for name, r in suite.items():
         assert r["plan_gib"] > 0 and r["resources/peak_rss_gib"] > 0, name
         assert f"\n{name:10s} " in proc.stdout
@@ -100,5 +101,6 @@ def test_two_processes_run_every_stage_on_the_cpu_with_gloo(tmp_path):
     for name in ("ppo", "grpo+lora"):
         # fp32 on the CPU: the sampler's and the trainer's log-probs agree to float rounding.
         assert 0 <= suite[name]["val/logprob_diff_mean"] <= suite[name]["val/logprob_diff_max"] < 1e-3
-    assert [suite[n]["lora"] for n in suite] == [False, True, False, False, True, True, False]
+    assert {n for n in suite if suite[n]["lora"]} == {"sft+lora", "grpo+lora", "dpo+lora"}
+    print(proc.stdout)
     assert results["failed"] == [] and results["skipped"] == [] and results["size"]["vocab"] == gpu_check.TINY.vocab
