@@ -198,6 +198,7 @@ def test_every_model_folder_carries_a_card_and_the_reward_model_scores_without_t
             if isinstance(value, float):
                 assert f"| `eval/{key}` | {value:.4g} |" in card, (stage, key)
         assert f"| `{stage}.seed` | 0 |" in card
+        assert "seconds" not in card     # no times: a re-run training the same weights writes the same folder
     # The card's recipe: a plain transformers classifier, minus the offset in its config, gives the
     # pipeline's own scores.
     from pipeline.tracking import model_card
