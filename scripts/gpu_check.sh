@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# GPU check of issue 21: PPO with DeepSpeed ZeRO-3 + bf16 on a ~1B-parameter model built from a
+# GPU check: PPO with DeepSpeed ZeRO-3 + bf16 on a ~1B-parameter model built from a
 # config (random weights, no download), a few iterations; prints, as each is measured, the memory
 # plan next to the measured memory, rollout and update tokens/s, MFU, and the sampler/trainer
 # log-prob difference and first-minibatch ratio with recompute on and off (see scripts/gpu_check.py).
