@@ -32,6 +32,7 @@ from typing import Any, Callable, Optional
 ROOT = Path(__file__).resolve().parents[1]
 BLOCK = re.compile(r"(<!-- rendered: (?P<name>[\w-]+) -->\n)(?P<body>.*?)(<!-- /rendered -->)", re.S)
 OPENING = re.compile(r"<!-- rendered: ([^ ]*) -->")
+FENCE = re.compile(r"^[ \t]*(```|~~~).*?^[ \t]*\1[^\n]*$", re.S | re.M)   # a fenced code block, indented in a list too
 DEFAULT_STAGES = ("sft", "reward", "ppo", "evaluate")
 METHOD_STAGES = ("dpo", "grpo", "rs", "compare")
 NA = "n/a"
@@ -385,9 +386,9 @@ def strip_unmeasured(text: str) -> str:
     def blank(m: re.Match) -> str:
         return "\n" * m.group(0).count("\n")
     text = BLOCK.sub(blank, text)
-    text = re.sub(r"^(```|~~~).*?^\1[^\n]*$", blank, text, flags=re.S | re.M)
+    text = FENCE.sub(blank, text)
     text = re.sub(r"<!--.*?-->", blank, text, flags=re.S)
-    text = re.sub(r"`[^`\n]*`", "``", text)
+    text = re.sub(r"`[^`]*`", lambda m: "``" + blank(m), text)     # a code span may wrap onto the next line
     return re.sub(r"\]\([^)\s]*\)", "]()", text)
 
 
