@@ -75,6 +75,13 @@ remote: install
 push: install
 	$(BIN)/dvc push
 
+# Re-render the measured numbers of README.md and docs/guide/*.md (their `<!-- rendered: ... -->`
+# blocks) from the committed data files: outputs/, docs/compare_methods.tsv, docs/frontier.md,
+# docs/data/demo.json. tests/test_docs.py fails while a page differs from its rendering.
+.PHONY: docs
+docs:
+	$(BIN)/python scripts/render_docs.py
+
 # Rewrite .dvc/plots/offline.html (the page of `dvc plots show`, vega inline) and its NOTICE from the
 # venv's copies of vega, vega-lite and vega-embed, e.g. after a Snakemake upgrade.
 offline-page: install

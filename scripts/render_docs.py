@@ -1,0 +1,431 @@
+"""Render the measured numbers of README.md and docs/guide/*.md from the committed data files.
+
+    python scripts/render_docs.py             # rewrite every rendered block in place   (= make docs)
+    python scripts/render_docs.py --check     # exit 1 listing the blocks that differ from their data
+
+A rendered block is written between two HTML comments, which Markdown does not show:
+
+    <!-- rendered: NAME -->
+    ...generated text, never edited by hand...
+    <!-- /rendered -->
+
+NAME is one of `RENDERERS` below; each reads only committed files (the default run in outputs/,
+docs/compare_methods.tsv, docs/frontier.md, docs/data/demo.json) and writes the same text for the
+same files: the output is deterministic and a second run changes nothing. A number measured by a
+run belongs in such a block, or in a dated record of docs/decisions/; tests/test_docs.py checks
+that the pages equal their rendering and that no measured number is written by hand elsewhere.
+
+Standard library only: it runs before the virtual environment exists.
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import json
+import re
+import statistics
+import sys
+from pathlib import Path
+from typing import Any, Callable, Optional
+
+ROOT = Path(__file__).resolve().parents[1]
+BLOCK = re.compile(r"(<!-- rendered: (?P<name>[\w-]+) -->\n)(?P<body>.*?)(<!-- /rendered -->)", re.S)
+OPENING = re.compile(r"<!-- rendered: ([^ ]*) -->")
+FENCE = re.compile(r"^[ \t]*(```|~~~).*?^[ \t]*\1[^\n]*$", re.S | re.M)   # a fenced code block, indented in a list too
+DEFAULT_STAGES = ("sft", "reward", "ppo", "evaluate")
+METHOD_STAGES = ("dpo", "grpo", "rs", "compare")
+NA = "n/a"
+
+
+class RenderError(Exception):
+    """A page or a data file that cannot be rendered (one line, no traceback)."""
+
+
+# ---- reading the data -----------------------------------------------------------------------------
+
+
+def read_json(root: Path, rel: str) -> Optional[dict[str, Any]]:
+    path = root / rel
+    if not path.is_file():
+        return None
+    try:
+        return json.loads(path.read_text())
+    except json.JSONDecodeError as e:
+        raise RenderError(f"{rel}: not JSON ({e})") from None
+
+
+def get(node: Any, path: str) -> Any:
+    """`node["a"]["b"]` for "a/b"; None where a key is missing (or the value is null)."""
+    for part in path.split("/"):
+        if not isinstance(node, dict) or part not in node:
+            return None
+        node = node[part]
+    return node
+
+
+def num(value: Any, fmt: str, suffix: str = "") -> str:
+    """A number as `fmt` formats it, or n/a for a missing or undefined (null, NaN) value."""
+    if value is None or isinstance(value, bool) or not isinstance(value, (int, float)) or value != value:
+        return NA
+    return format(value, fmt) + suffix
+
+
+def pct(value: Any, digits: int = 1) -> str:
+    return NA if num(value, "f") == NA else f"{100 * value:.{digits}f}%"
+
+
+def interval(low: Any, high: Any) -> str:
+    if NA in (num(low, "f"), num(high, "f")):
+        return NA
+    return f"{100 * low:.1f}-{100 * high:.1f}%"
+
+
+def minutes(seconds: float) -> str:
+    whole = int(round(seconds))
+    return f"{whole // 60} min {whole % 60} s"
+
+
+def policy_label(name: str) -> str:
+    return name.replace("best_of_", "best-of-")
+
+
+def policies(metrics: dict[str, Any]) -> list[str]:
+    """The policies of an evaluate or compare metrics.json, in the report's order: SFT, best-of-n by
+    n, then the trained ones (PPO first)."""
+    names = [k for k, v in metrics.items() if isinstance(v, dict) and ("gold" in v or "rm" in v)]
+    best = sorted((k for k in names if k.startswith("best_of_")), key=lambda k: int(k.rsplit("_", 1)[1]))
+    trained = sorted((k for k in names if k not in best and k != "sft"), key=lambda k: (k != "ppo", k))
+    return (["sft"] if "sft" in names else []) + best + trained
+
+
+# ---- the blocks -----------------------------------------------------------------------------------
+
+
+def render_headline(root: Path) -> str:
+    """README: the committed default run (outputs/): one run of one seed."""
+    ev = read_json(root, "outputs/evaluate/metrics.json")
+    if ev is None:
+        return "The default pipeline's outputs are not committed on this commit (`outputs/evaluate/metrics.json`)."
+    rm = read_json(root, "outputs/reward/metrics.json") or {}
+    ppo = read_json(root, "outputs/ppo/metrics.json") or {}
+    cfg = read_json(root, "outputs/evaluate/config.json") or {}
+    n_prompts = get(cfg, "evaluate/n_prompts")
+    runtime = get(cfg, "runtime") or {}
+    threads = runtime.get("threads")
+    where = []
+    if runtime.get("device"):
+        where.append(f"on {runtime['device']}")
+    if runtime.get("processes"):
+        where.append(f"{runtime['processes']} process{'es' if runtime['processes'] != 1 else ''}")
+    where.append(f"at {threads} threads" if threads else "at a thread count the run's `config.json` does not record")
+    lines = [f"One run of `make pipeline` with one seed, committed in `outputs/`: a single draw, not a "
+             f"distribution, measured {', '.join(where)}.", "",
+             "| policy | gold score ± 95% CI | reward-model score | KL to SFT, nats | length, words |",
+             "| --- | --- | --- | --- | --- |"]
+    for name in policies(ev):
+        p = ev[name]
+        lines.append(f"| {policy_label(name)} | {num(p.get('gold'), '.2f')} ± {num(p.get('gold_ci95'), '.2f')} | "
+                     f"{num(p.get('rm'), '.2f')} | {num(p.get('kl'), '.2f')} | {num(p.get('length'), '.1f')} |")
+    prompts = f"the {n_prompts} held-out prompts" if n_prompts else "the held-out prompts"
+    fired = get(ppo, "detector/fired")
+    detector = NA if fired is None else ("stayed quiet" if not fired else f"fired (first at iteration {get(ppo, 'detector/first_fire')})")
+    lines += ["", f"PPO beats SFT on **{pct(get(ev, 'win_rate/ppo_vs_sft_gold'))}** of {prompts} by the gold "
+                  f"annotator (95% CI {interval(get(ev, 'win_rate/ppo_vs_sft_gold_low'), get(ev, 'win_rate/ppo_vs_sft_gold_high'))}) "
+                  f"and on {pct(get(ev, 'win_rate/ppo_vs_sft_rm'))} by the reward model; the reward model's held-out "
+                  f"accuracy is {num(get(rm, 'eval/accuracy'), '.3f')} against a label-noise ceiling of "
+                  f"{num(get(rm, 'eval/noise_ceiling'), '.3f')} ({pct(get(rm, 'eval/accuracy_of_ceiling'))} of it); "
+                  f"the over-optimisation detector {detector}."]
+    times = {s: get(read_json(root, f"outputs/{s}/metrics.json") or {}, "resources/wall_seconds") for s in DEFAULT_STAGES}
+    known = [v for v in times.values() if isinstance(v, (int, float))]
+    parts = ", ".join(f"{s} {num(v, '.0f', ' s')}" for s, v in times.items())
+    total = f" (together {minutes(sum(known))}, install and `prepare` not counted)" if len(known) == len(times) else ""
+    lines += ["", f"Stage wall time: {parts}{total}."]
+    return "\n".join(lines)
+
+
+def render_demo(root: Path) -> str:
+    """README: `make demo` over seeds (docs/data/demo.json, written by benchmarks/demo_seeds.py)."""
+    demo = read_json(root, "docs/data/demo.json")
+    if demo is None or not demo.get("runs"):
+        return ("The demo has not been measured on this commit: `benchmarks/demo_seeds.py` runs it over seeds "
+                "and writes `docs/data/demo.json`, which `make docs` renders here.")
+    runs = sorted(demo["runs"], key=lambda r: r.get("seed", 0))
+    verdicts = any(r.get("verdict") for r in runs)
+    head = ["seed", "wall time", "PPO beats SFT, gold (95% CI)", "gold: SFT → PPO", "KL to SFT, nats",
+            "reward model, share of the noise ceiling"] + (["verdict"] if verdicts else [])
+    threads = demo.get("threads")
+    lines = [f"Measured on {demo.get('machine', 'an unrecorded machine')}, "
+             f"{threads if threads else 'an unrecorded number of'} threads, {demo.get('date', 'undated')}; "
+             f"one `{demo.get('command', 'make demo')}` per seed:", "",
+             "| " + " | ".join(head) + " |", "|" + " --- |" * len(head)]
+    for r in runs:
+        row = [str(r.get("seed", NA)), num(r.get("seconds"), ".0f", " s"),
+               f"{pct(r.get('win_rate_gold'))} ({interval(r.get('win_rate_gold_low'), r.get('win_rate_gold_high'))})",
+               f"{num(r.get('sft_gold'), '.2f')} → {num(r.get('ppo_gold'), '.2f')}", num(r.get("ppo_kl"), ".2f"),
+               pct(r.get("rm_accuracy_of_ceiling"))] + ([r.get("verdict") or NA] if verdicts else [])
+        lines.append("| " + " | ".join(row) + " |")
+    share = demo.get("share_required")
+    wins = [r.get("win_rate_gold") for r in runs]
+    secs = [r["seconds"] for r in runs if isinstance(r.get("seconds"), (int, float))]
+    summary = []
+    if isinstance(share, (int, float)):
+        held = sum(1 for w in wins if isinstance(w, (int, float)) and w >= share)
+        summary.append(f"the stated share, PPO beating SFT by gold on at least {pct(share, 0)} of the held-out "
+                       f"prompts, held on {held} of {len(runs)} seeds")
+    if secs:
+        summary.append(f"median wall time {minutes(statistics.median(secs))}")
+    if summary:
+        lines += ["", summary[0][0].upper() + "; ".join(summary)[1:] + "."]
+    return "\n".join(lines)
+
+
+def render_stage_resources(root: Path) -> str:
+    """docs/guide/benchmarks.md: each committed stage's wall time and peak memory."""
+    lines = ["| stage | wall time | peak resident memory | device |", "| --- | --- | --- | --- |"]
+    found = False
+    for stage in (*DEFAULT_STAGES, *METHOD_STAGES):
+        m = read_json(root, f"outputs/{stage}/metrics.json")
+        if m is None:
+            continue
+        found = True
+        runtime = get(read_json(root, f"outputs/{stage}/config.json") or {}, "runtime") or {}
+        device = runtime.get("device", "not recorded")
+        threads = runtime.get("threads")
+        lines.append(f"| {stage} | {num(get(m, 'resources/wall_seconds'), '.0f', ' s')} | "
+                     f"{num(get(m, 'resources/peak_rss_gib'), '.2f', ' GiB')} | {device}"
+                     f"{f', {threads} threads' if threads else ''} |")
+    if not found:
+        return "No run is committed in `outputs/` on this commit."
+    return "\n".join(lines)
+
+
+def render_compare_run(root: Path) -> str:
+    """docs/guide/methods.md: the committed `make compare` (outputs/compare/metrics.json), one seed per method."""
+    m = read_json(root, "outputs/compare/metrics.json")
+    if m is None:
+        return "No comparison is committed in `outputs/` on this commit (`make compare` writes it)."
+    n = get(read_json(root, "outputs/compare/config.json") or {}, "compare/n_prompts") or m.get("n_prompts")
+    lines = [f"One run of `make compare`, one seed per method, on {n} held-out prompts:", "",
+             "| policy | gold ± 95% CI | beats SFT, gold (95% CI) | beats SFT, RM | RM score | KL to SFT, nats | "
+             "length, words | stage wall time |",
+             "| --- | --- | --- | --- | --- | --- | --- | --- |"]
+    for name in policies(m):
+        p, w = m[name], m.get("win_rate", {})
+        beats = NA if name == "sft" else \
+            f"{pct(w.get(f'{name}_vs_sft_gold'))} ({interval(w.get(f'{name}_vs_sft_gold_low'), w.get(f'{name}_vs_sft_gold_high'))})"
+        lines.append(f"| {policy_label(name)} | {num(p.get('gold'), '.2f')} ± {num(p.get('gold_ci95'), '.2f')} | {beats} | "
+                     f"{NA if name == 'sft' else pct(w.get(f'{name}_vs_sft_rm'))} | {num(p.get('rm'), '.2f')} | "
+                     f"{num(p.get('kl'), '.2f')} | {num(p.get('length'), '.1f')} | "
+                     f"{num(p.get('stage_wall_seconds'), '.0f', ' s') if 'stage_wall_seconds' in p else '-'} |")
+    return "\n".join(lines)
+
+
+def read_tsv(root: Path, rel: str) -> Optional[list[dict[str, str]]]:
+    path = root / rel
+    if not path.is_file():
+        return None
+    with open(path, newline="") as f:
+        return list(csv.DictReader(f, delimiter="\t"))
+
+
+def _float(row: dict[str, str], key: str) -> Optional[float]:
+    try:
+        value = float(row.get(key) or "nan")
+    except ValueError:
+        return None
+    return None if value != value else value
+
+
+def _median_range(values: list[Optional[float]], fmt: str, scale: float = 1.0, suffix: str = "") -> str:
+    xs = [v * scale for v in values if v is not None]
+    if not xs:
+        return NA
+    return f"{statistics.median(xs):{fmt}}{suffix} ({min(xs):{fmt}}-{max(xs):{fmt}})"
+
+
+def render_compare_seeds(root: Path) -> str:
+    """docs/guide/methods.md: every method over seeds (docs/compare_methods.tsv, benchmarks/compare_methods.py)."""
+    rows = read_tsv(root, "docs/compare_methods.tsv")
+    if rows is None:
+        return "`docs/compare_methods.tsv` is not committed on this commit."
+    plain = [r for r in rows if not r.get("sweep")]
+    methods = sorted({r["method"] for r in plain}, key=lambda k: (k != "ppo", k))
+    seeds = sorted({r["seed"] for r in plain}, key=int)
+    lines = [f"`benchmarks/compare_methods.py`, seeds {', '.join(seeds)} of each method; median (range) over seeds:", "",
+             "| method | gold | 95% CI half-width | beats SFT, gold | RM score | KL to SFT, nats | length, words | "
+             "stage wall time, s | peak memory, GiB |",
+             "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+    for method in methods:
+        rs = [r for r in plain if r["method"] == method]
+        col = lambda key: [_float(r, key) for r in rs]   # noqa: E731
+        lines.append(f"| {method} | {_median_range(col('gold'), '.2f')} | {_median_range(col('gold_ci95'), '.2f')} | "
+                     f"{_median_range(col('gold_win'), '.1f', 100, '%')} | {_median_range(col('rm'), '.2f')} | "
+                     f"{_median_range(col('kl'), '.2f')} | {_median_range(col('length'), '.1f')} | "
+                     f"{_median_range(col('wall_seconds'), '.0f')} | {_median_range(col('peak_rss_gib'), '.2f')} |")
+    return "\n".join(lines)
+
+
+def render_compare_sweeps(root: Path) -> str:
+    """docs/guide/methods.md: the DPO beta and PPO kl_coef sweeps of docs/compare_methods.tsv."""
+    rows = read_tsv(root, "docs/compare_methods.tsv")
+    if rows is None:
+        return "`docs/compare_methods.tsv` is not committed on this commit."
+    swept = [r for r in rows if r.get("sweep")]
+    if not swept:
+        return "`docs/compare_methods.tsv` holds no sweep."
+
+    def key(r: dict[str, str]) -> tuple[str, float]:
+        name, _, value = r["sweep"].partition("=")
+        try:
+            return name, float(value)
+        except ValueError:
+            return name, float("inf")
+
+    lines = ["| run (seed) | gold ± 95% CI | beats SFT, gold (95% CI) | RM score | KL to SFT, nats | length, words |",
+             "| --- | --- | --- | --- | --- | --- |"]
+    for r in sorted(swept, key=key):
+        win, low, high = (_float(r, k) for k in ("gold_win", "gold_win_low", "gold_win_high"))
+        lines.append(f"| `{r['sweep']}` ({r['seed']}) | {num(_float(r, 'gold'), '.2f')} ± {num(_float(r, 'gold_ci95'), '.2f')} | "
+                     f"{pct(win)} ({interval(low, high)}) | {num(_float(r, 'rm'), '.2f')} | {num(_float(r, 'kl'), '.2f')} | "
+                     f"{num(_float(r, 'length'), '.1f')} |")
+    return "\n".join(lines)
+
+
+def render_frontier(root: Path) -> str:
+    """docs/guide/overoptimisation.md: the kl_coef sweep snapshot of docs/frontier.md (its table)."""
+    path = root / "docs/frontier.md"
+    if not path.is_file():
+        return "`docs/frontier.md` is not committed on this commit."
+    table = [line for line in path.read_text().splitlines() if line.startswith("|")]
+    if len(table) < 3:
+        raise RenderError("docs/frontier.md: no table")
+    head = [c.strip() for c in table[0].strip("|").split("|")]
+    need = ("ppo.kl_coef", "KL to SFT", "RM score", "gold score")
+    if any(h not in head for h in need):
+        raise RenderError(f"docs/frontier.md: its table lacks one of the columns {', '.join(need)}")
+    rows = []
+    for line in table[2:]:
+        cells = dict(zip(head, (c.strip() for c in line.strip("|").split("|"))))
+        rows.append(cells)
+    rows.sort(key=lambda c: float(c["ppo.kl_coef"]))
+    out = ["| `ppo.kl_coef` | KL to SFT, nats | RM score | gold score |", "| --- | --- | --- | --- |"]
+    for c in rows:
+        vals = [float(c[k]) for k in need[1:]]
+        out.append(f"| {c['ppo.kl_coef']} | {vals[0]:.2f} | {vals[1]:.2f} | {vals[2]:.2f} |")
+    return "\n".join(out)
+
+
+RENDERERS: dict[str, Callable[[Path], str]] = {
+    "headline": render_headline,
+    "demo": render_demo,
+    "stage-resources": render_stage_resources,
+    "compare-run": render_compare_run,
+    "compare-seeds": render_compare_seeds,
+    "compare-sweeps": render_compare_sweeps,
+    "frontier": render_frontier,
+}
+
+
+# ---- the pages ------------------------------------------------------------------------------------
+
+
+def pages(root: Path) -> list[Path]:
+    """README.md and docs/guide/*.md, in a fixed order."""
+    return [p for p in [root / "README.md", *sorted((root / "docs" / "guide").glob("*.md"))] if p.is_file()]
+
+
+def render_text(text: str, root: Path, where: str = "page") -> tuple[str, list[str]]:
+    """The text with every block rendered, and the names of the blocks whose body changed."""
+    for m in OPENING.finditer(text):
+        if m.group(1) not in RENDERERS:
+            raise RenderError(f"{where}: unknown rendered block {m.group(1)!r} (known: {', '.join(RENDERERS)})")
+    if len(OPENING.findall(text)) != len(BLOCK.findall(text)) or text.count("<!-- /rendered -->") != len(BLOCK.findall(text)):
+        raise RenderError(f"{where}: a rendered block is not closed by <!-- /rendered --> (or a closing has no opening)")
+    changed: list[str] = []
+    cache: dict[str, str] = {}
+
+    def sub(m: re.Match) -> str:
+        name = m.group("name")
+        if name not in cache:
+            cache[name] = RENDERERS[name](root).rstrip("\n") + "\n"
+        if m.group("body") != cache[name]:
+            changed.append(name)
+        return m.group(1) + cache[name] + m.group(4)
+
+    return BLOCK.sub(sub, text), changed
+
+
+def render(root: Path, check: bool) -> list[str]:
+    """Render every page under `root`; returns `page: block` for each block that differed."""
+    differ = []
+    for page in pages(root):
+        rel = page.relative_to(root).as_posix()
+        text = page.read_text()
+        new, changed = render_text(text, root, rel)
+        differ += [f"{rel}: {name}" for name in changed]
+        if not check and new != text:
+            page.write_text(new)
+    return differ
+
+
+# ---- numbers written by hand (tests/test_docs.py) ---------------------------------------------------
+
+UNIT = r"(?:%|x|×|s|ms|min|h|seconds?|minutes?|hours?|GiB|MiB|KiB|GB|MB|nats?|tokens/s|TFLOP/s)"
+DECIMAL = r"(?<![\w.])\d+(?:,\d{3})*\.\d+"
+MEASURED_PROSE = [re.compile(DECIMAL + r"\s?" + UNIT + r"(?![\w/])"),          # 92.5%, 1.78x, 0.55 GiB, 3.4 nats
+                  re.compile(r"(?<![\w.])\d+\s?min\s\d+\s?s\b"),               # 25 min 26 s
+                  re.compile(r"±\s?\d")]                                         # ± 0.13
+MEASURED_TABLE = [re.compile(r"(?<![\w.])\d+(?:,\d{3})*\.\d{2,}(?![\w.])"),              # 0.913 in a table row
+                  re.compile(r"(?<![\w.])\d+(?:\.\d+)?\s?%")]                    # 92% in a table row
+
+
+def strip_unmeasured(text: str) -> str:
+    """The text without what may hold numbers: rendered blocks, fenced code, HTML comments, inline
+    code and link targets (line breaks kept, so line numbers stay)."""
+    def blank(m: re.Match) -> str:
+        return "\n" * m.group(0).count("\n")
+    text = BLOCK.sub(blank, text)
+    text = FENCE.sub(blank, text)
+    text = re.sub(r"<!--.*?-->", blank, text, flags=re.S)
+    text = re.sub(r"`[^`]*`", lambda m: "``" + blank(m), text)     # a code span may wrap onto the next line
+    return re.sub(r"\]\([^)\s]*\)", "]()", text)
+
+
+def hand_written_numbers(text: str) -> list[tuple[int, str]]:
+    """(line number, number) of each measured-looking number outside rendered blocks: a decimal
+    with a unit (%, x, s, min, GiB, nats, ...), `N min N s`, a ± interval, and in a table row also
+    a decimal with two or more digits after the point or a percentage. Versions (2.13.0), dates,
+    code (fenced or inline, so params values) and link targets are not looked at."""
+    hits = []
+    for i, line in enumerate(strip_unmeasured(text).splitlines(), 1):
+        patterns = MEASURED_PROSE + (MEASURED_TABLE if line.lstrip().startswith("|") else [])
+        for pattern in patterns:
+            hits += [(i, m.group(0)) for m in pattern.finditer(line)]
+    return sorted(set(hits))
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--check", action="store_true", help="change nothing; exit 1 listing the blocks that differ")
+    ap.add_argument("--root", type=Path, default=ROOT, help="the checkout to render (default: this one)")
+    args = ap.parse_args(argv)
+    try:
+        differ = render(args.root, args.check)
+    except RenderError as e:
+        print(f"render_docs: error: {e}", file=sys.stderr)
+        return 2
+    if args.check:
+        if differ:
+            print("render_docs: these rendered blocks differ from their data (run `make docs`):", file=sys.stderr)
+            for d in differ:
+                print(f"  {d}", file=sys.stderr)
+            return 1
+        return 0
+    for d in differ:
+        print(f"render_docs: rewrote {d}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
