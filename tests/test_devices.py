@@ -289,7 +289,7 @@ def test_the_tiny_pipeline_on_a_device_that_is_not_the_cpu_measures_what_the_cpu
     timings = ("resources/", "train/seconds", "train/time_", "train/tokens_per_second")
     for stage in ("sft", "reward", "ppo", "evaluate"):
         assert json.loads((tmp_path / "dev" / stage / "config.json").read_text())["runtime"] == \
-            {"device": fake_device.NAME, "processes": 1}
+            {"device": fake_device.NAME, "processes": 1, "threads": torch.get_num_threads()}
         want, got = (_flat(json.loads((tmp_path / w / stage / "metrics.json").read_text())) for w in ("cpu", "dev"))
         assert got.keys() == want.keys() and got["resources/gpus"] == 0
         for key, value in want.items():

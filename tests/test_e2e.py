@@ -103,7 +103,8 @@ def test_dvc_repro_tiny_pipeline(tiny_run, tiny_run_copy):
     params = load_params(repo / "params.yaml")
     for module in (sft_stage, reward_stage, ppo_stage, evaluate_stage):
         written = json.loads((repo / "outputs" / module.SPEC.name / "config.json").read_text())
-        assert written.pop("runtime") == {"device": "cpu", "processes": 1}, module.SPEC.name
+        threads = int(tiny_run.threads) if tiny_run.threads else torch.get_num_threads()   # what the run had
+        assert written.pop("runtime") == {"device": "cpu", "processes": 1, "threads": threads}, module.SPEC.name
         assert written == resolve(params, module.SPEC), module.SPEC.name
 
     # Every name the run wrote is defined in docs/metrics.md's registry, and every name defined

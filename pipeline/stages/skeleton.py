@@ -89,7 +89,8 @@ class StageRun:
 
     def runtime(self) -> dict[str, Any]:
         """Where the stage ran: config.json's `runtime` (not part of the params or the fingerprint)."""
-        return {"device": self.ctx.device.type, "processes": self.ctx.world_size}
+        import torch   # the thread count changes floating-point sums, so a run's bits
+        return {"device": self.ctx.device.type, "processes": self.ctx.world_size, "threads": torch.get_num_threads()}
 
     def resources(self) -> dict[str, float]:
         """What this process has cost so far (see the module doc)."""
