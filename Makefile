@@ -1,4 +1,4 @@
-# The two commands of the README:
+# The README's commands (docs/guide/ has the rest):
 #   make pipeline   set up .venv if needed, then run the whole pipeline (dvc repro) on the default
 #   make test       set up .venv if needed, then run the tests
 PYTHON ?=
@@ -48,7 +48,7 @@ snakemake: install
 slurm: install
 	$(BIN)/snakemake --profile profiles/slurm
 
-# Committing and sharing a run (README, "Committing and sharing a run"):
+# Committing and sharing a run (docs/guide/sharing.md):
 #   make commit                       git add dvc.lock, params.yaml and the run's changed outputs/ files
 #                                     (after checking `dvc status` is clean); COMMIT=1 also commits them
 #                                     as "pipeline run <UTC time>", MSG="..." with that message

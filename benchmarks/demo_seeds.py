@@ -6,7 +6,7 @@
 Runs scripts/demo.py once per seed, one after the other, with the environment's thread count
 (all cores unless OMP_NUM_THREADS says otherwise, as `dvc repro` runs), and writes every run's time,
 PPO's gold win rate over SFT with its 95% interval, both policies' gold, KL and the reward model's
-accuracy against the label-noise ceiling, with the machine, to `--out` (the README renders it).
+accuracy against the label-noise ceiling, with the machine, to `--out` (`make docs` renders it in the README).
 Exits 1 when a seed's gold win rate is below `--share` (the stated guarantee).
 """
 

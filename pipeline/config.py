@@ -271,7 +271,7 @@ class PreferenceOptConfig:
     method: Literal["dpo", "ipo", "simpo"] = "dpo"
     # 2.0, not DPO's usual 0.1: on the default task (noisy labels, a 4-layer model) beta 0.1 moves the
     # policy 11.8 nats from SFT with no gold gain, 0.5 reaches gold 1.19 at 3.0 nats, 2.0 gold 1.24 at
-    # 0.3 nats (one run each, 2026-12-01; README, "Alignment methods compared").
+    # 0.3 nats (one run each, 2026-12-01; docs/guide/methods.md).
     beta: float = num(2.0, gt=0.0, doc="DPO's KL strength, IPO's tau, SimPO's reward scale")
     label_smoothing: float = num(0.0, ge=0.0, lt=0.5, doc="DPO only: assumed probability of a flipped label (cDPO)")
     simpo_gamma: float = num(0.5, ge=0.0, doc="SimPO only: target margin between the two rewards")
@@ -338,7 +338,7 @@ class DetectorConfig:
     before them, once both windows lie after `warmup`. The defaults are calibrated on logged runs
     (`python -m pipeline detect outputs/ppo/train.tsv`): each threshold is at least 1.6 times the
     largest value of 12 healthy default runs, and two kl_coef=0 runs trip them at or before their
-    gold collapse (README, "Over-optimisation without a gold judge")."""
+    gold collapse (docs/guide/overoptimisation.md)."""
     enabled: bool = True
     warmup: int = num(5, ge=0, doc="iterations ignored (the policy moves fastest at the start)")
     window: int = num(3, ge=1, doc="iterations per compared window")

@@ -157,7 +157,7 @@ def report_markdown(m: dict[str, Any], names: tuple[str, ...], resources: dict[s
              "", *rows, ""]
     if best is not None:
         lines += [f"Highest mean {'gold' if has_gold else 'RM'} score: **{best}**. One run per method; the spread "
-                  "over seeds is in the README.", ""]
+                  "over seeds is in docs/guide/methods.md.", ""]
     lines += ["![gold against KL](gold_vs_kl.png)", ""]
     return "\n".join(lines)
 
