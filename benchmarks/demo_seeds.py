@@ -46,14 +46,25 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
     ap.add_argument("--share", type=float, default=0.70, help="the gold win rate every seed must reach")
     ap.add_argument("--out", type=Path, default=ROOT / "docs" / "data" / "demo.json")
+    ap.add_argument("--replace", action="store_true",
+                    help="keep the other seeds' runs of --out (same machine and threads) and measure only --seeds again")
     args = ap.parse_args(argv)
     runs = []
+    if args.replace and args.out.is_file():
+        old = json.loads(args.out.read_text())
+        threads = int(os.environ.get("OMP_NUM_THREADS") or os.cpu_count())
+        if (old["machine"], old["threads"]) != (machine(), threads):
+            print(f"demo_seeds: {args.out} was measured on {old['machine']} at {old['threads']} threads, not here",
+                  file=sys.stderr)
+            return 1
+        runs = [r for r in old["runs"] if r["seed"] not in args.seeds]
     for seed in args.seeds:
         proc = subprocess.run([sys.executable, str(ROOT / "scripts" / "demo.py"), "--seed", str(seed)], cwd=ROOT)
         if proc.returncode != 0:
             print(f"demo_seeds: seed {seed} failed (exit {proc.returncode})", file=sys.stderr)
             return 1
         runs.append(json.loads((ROOT / ".demo" / f"seed-{seed}" / "demo.json").read_text()))
+    runs.sort(key=lambda r: r["seed"])
     result = {"machine": machine(), "threads": runs[0]["threads"], "date": datetime.date.today().isoformat(),
               "command": "make demo SEED=<seed>", "share_required": args.share, "runs": runs}
     args.out.parent.mkdir(parents=True, exist_ok=True)
