@@ -586,6 +586,8 @@ class MlflowTracker(Tracker):
         if os.environ.get("MLFLOW_ENABLE_SYSTEM_METRICS_LOGGING", "true").strip().lower() in ("false", "0", "off"):
             return
         from mlflow.system_metrics.system_metrics_monitor import SystemMetricsMonitor
+        # Its start and stop notices (INFO) are noise in a stage's log.
+        logging.getLogger("mlflow.system_metrics").setLevel(logging.WARNING)
         interval = float(os.environ.get("MLFLOW_SYSTEM_METRICS_SAMPLING_INTERVAL") or 10)
         self._system = SystemMetricsMonitor(self.run_id, sampling_interval=interval, tracking_uri=self.uri)
         self._system.start()
