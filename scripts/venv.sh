@@ -11,7 +11,7 @@
 #
 # A venv made by an unsupported Python, one that no longer runs (its interpreter moved or was
 # removed), or one of another Python than PYTHON asks for is removed and rebuilt, with one line
-# saying why. Packages are installed again when pyproject.toml or requirements.lock changed, or when
+# saying why. A .venv that is a link (to another checkout's venv) is used as it is, never installed into. Packages are installed again when pyproject.toml or requirements.lock changed, or when
 # TORCH asks for another build than the venv has.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -35,6 +35,12 @@ fi
 want=$(version_of "$py") || { echo "venv: $py does not run" >&2; exit 1; }
 supported "$want" || { echo "venv: $py is Python $want; this project needs one of $SUPPORTED (set PYTHON=...)" >&2; exit 1; }
 
+if [ -L "$VENV" ]; then
+    # A link to another checkout's venv (a copy sharing it, as the tests' scratch repositories do):
+    # an editable install from here would point that venv at this folder, so it is used as it is.
+    version_of "$VENV/bin/python" >/dev/null || { echo "venv: $VENV links to a venv whose python does not run" >&2; exit 1; }
+    exit 0
+fi
 if [ -e "$VENV" ]; then
     have=$(version_of "$VENV/bin/python" || true)
     why=

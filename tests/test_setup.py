@@ -151,3 +151,17 @@ def test_venv_torch_build_choice_and_refusals(tmp_path):
     _fake_python(old, "python3.10", "3.10")
     bad = _venv_script(tmp_path, {"PATH": f"{old}:/usr/bin:/bin", "PYTHON": "python3.10"})
     assert bad.returncode == 1 and "Python 3.10; this project needs one of 3.11 3.12 3.13" in bad.stderr
+
+
+def test_a_linked_venv_is_used_as_it_is_never_installed_into(tmp_path):
+    """A copy of the project whose .venv links to another checkout's (the tests' scratch
+    repositories): installing there would point that venv's editable install at the copy."""
+    bin_ = tmp_path / "bin"
+    _fake_python(bin_, "python3.12", "3.12")
+    path = f"{bin_}:/usr/bin:/bin"
+    other = tmp_path / "other"
+    subprocess.run([str(bin_ / "python3.12"), "-m", "venv", str(other / ".venv")], check=True)
+    (tmp_path / "proj").mkdir()
+    (tmp_path / "proj" / ".venv").symlink_to(other / ".venv")
+    proc = _venv_script(tmp_path, {"PATH": path})
+    assert proc.returncode == 0 and proc.stdout == "" and not (other / ".venv" / "pip.log").exists()
