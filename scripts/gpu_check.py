@@ -201,16 +201,10 @@ def read_tsv(path: Path) -> list[dict[str, float]]:
         return [{k: float(v) for k, v in row.items() if v not in ("", None)} for row in csv.DictReader(f, delimiter="\t")]
 
 
-def flat(nested: dict, prefix: str = "") -> dict[str, Any]:
-    out: dict[str, Any] = {}
-    for k, v in nested.items():
-        out.update(flat(v, f"{prefix}{k}/") if isinstance(v, dict) else {f"{prefix}{k}": v})
-    return out
-
-
 def throughput(run: Run, out: Path, params: Any, n: int, tokens_per_example: float) -> dict[str, float]:
     """Tokens per second and model TFLOP/s of one finished stage (see the module doc)."""
-    metrics = flat(json.loads((out / "metrics.json").read_text()))
+    from pipeline.measurement.headline import flat_metrics
+    metrics = flat_metrics(json.loads((out / "metrics.json").read_text()))
     got: dict[str, float] = {}
     if run.stage in ("sft", "reward", "dpo"):
         cfg = getattr(params, run.stage)

@@ -46,7 +46,7 @@ def lines(outputs: Path) -> list[str]:
     ev = _read(outputs / "evaluate" / "metrics.json")
     if ev is None:
         raise DataError(f"{outputs / 'evaluate' / 'metrics.json'}: no such file (run the pipeline first: make pipeline)")
-    flat = _flat(ev)
+    flat = flat_metrics(ev)
     out = [f"run in {outputs}/"]
     out += textwrap.wrap("verdict: " + verdict(flat, detector_record(outputs / "ppo" / "model")), WIDTH,
                          subsequent_indent="  ")
@@ -94,8 +94,10 @@ def _policies(ev: dict[str, Any]) -> list[str]:
     return sorted(found, key=order)
 
 
-def _flat(nested: dict[str, Any], prefix: str = "") -> dict[str, Any]:
+def flat_metrics(nested: dict[str, Any], prefix: str = "") -> dict[str, Any]:
+    """metrics.json's nesting undone: `{"win_rate": {"ppo_vs_sft_gold": x}}` -> `{"win_rate/ppo_vs_sft_gold": x}`,
+    the names the stages write and docs/metrics.md defines."""
     out: dict[str, Any] = {}
     for k, v in nested.items():
-        out.update(_flat(v, f"{prefix}{k}/") if isinstance(v, dict) else {f"{prefix}{k}": v})
+        out.update(flat_metrics(v, f"{prefix}{k}/") if isinstance(v, dict) else {f"{prefix}{k}": v})
     return out

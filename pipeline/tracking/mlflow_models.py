@@ -123,11 +123,6 @@ def save_reward_model(model_dir: Path, dest: Path, max_length: int) -> None:
                                  signature=reward_signature(), input_example=pd.DataFrame(INPUT_EXAMPLE))
 
 
-def _param_text(value: Any) -> str:
-    """A param's value as MLflow stores it (a string of at most 6000 characters)."""
-    return ("null" if value is None else str(value))[:6000]
-
-
 def save_model(stage: str, model_dir: Path, dest: Path, config: dict[str, Any]) -> None:
     if stage == "reward":
         save_reward_model(model_dir, dest, config.get("reward.max_length", 512))
@@ -135,22 +130,19 @@ def save_model(stage: str, model_dir: Path, dest: Path, config: dict[str, Any]) 
         save_policy(model_dir, dest)
 
 
-def create_logged(client: Any, experiment_id: str, run_id: str, stage: str, config: dict[str, Any],
+def create_logged(client: Any, experiment_id: str, run_id: str, stage: str, params: dict[str, str],
                   tags: dict[str, str]) -> str:
-    """The stage's MLflow logged model, created when its run starts, holding the stage's params;
-    its id (the run's metric points name it)."""
-    params = {k: _param_text(v) for k, v in config.items()}
+    """The stage's MLflow logged model, created when its run starts, holding the run's params (as the
+    run logs them); its id (the run's metric points name it)."""
     return client.create_logged_model(experiment_id, name=stage, source_run_id=run_id,
                                       tags={**tags, "stage": stage}, params=params).model_id
 
 
-def log_and_register(client: Any, experiment_id: str, run_id: str, stage: str, model_dir: Path,
-                     config: dict[str, Any], tags: dict[str, str], model_id: str | None = None) -> tuple[str, str]:
-    """Save the stage's model into its logged model (`model_id`, made by `create_logged`, or a new
-    one), mark it READY and register it; (model id, version)."""
+def log_and_register(client: Any, run_id: str, stage: str, model_dir: Path, config: dict[str, Any],
+                     tags: dict[str, str], model_id: str) -> str:
+    """Save the stage's model into its logged model `model_id` (made by `create_logged`), mark it
+    READY and register it; the version."""
     name = REGISTERED[stage]
-    if model_id is None:
-        model_id = create_logged(client, experiment_id, run_id, stage, config, tags)
     with tempfile.TemporaryDirectory(prefix=f"mlflow-{stage}-") as tmp:
         dest = Path(tmp) / "model"
         save_model(stage, model_dir, dest, config)
@@ -166,8 +158,8 @@ def log_and_register(client: Any, experiment_id: str, run_id: str, stage: str, m
     # resolves such a URI through the process-wide tracking URI, not this client's
     # (mlflow/store/model_registry/sqlalchemy_store.py), and a queued experiment's cwd is elsewhere.
     version = client.create_model_version(name, source=logged.artifact_location, run_id=run_id,
-                                          tags=tags, model_id=logged.model_id)
-    return logged.model_id, version.version
+                                          tags=tags, model_id=model_id)
+    return version.version
 
 
 DESCRIPTIONS = {

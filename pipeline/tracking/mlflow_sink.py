@@ -287,6 +287,8 @@ class MlflowTracker(Tracker):
         self._latest: dict[str, tuple[int, float]] = {}          # name -> (step, value) last logged
         self._last_step = 0
         self._figures: set[str] = set()   # file names logged with log_figure
+        self.model_id: str | None = None  # the stage's MLflow logged model (stages that register one)
+        self._system: Any = None          # MLflow's system metrics monitor of the run
 
     def _guard(self, doing: str, call: Callable[[], Any]) -> Any:
         """Run one MLflow call; on the first failure warn once and turn this tracker off, so the
@@ -345,14 +347,14 @@ class MlflowTracker(Tracker):
         run = self.client.create_run(exp_id, run_name=stage, tags={**tags, "mlflow.parentRunId": self.parent_id})
         self.run_id = run.info.run_id
         self._soft("starting the system metrics monitor", self._start_system_metrics)
+        params = [Param(k, yaml_value(v)) for k, v in flatten(config).items()]
         from . import mlflow_models
         if stage in mlflow_models.REGISTERED and mlflow_models.enabled():
             # The stage's model exists from the start, with the run's params, so every metric point
             # is linked to it; its files come with log_outputs, which marks it READY.
             self.model_id = self._soft("creating the stage's logged model", lambda: mlflow_models.create_logged(
-                self.client, exp_id, self.run_id, stage, flatten(config),
+                self.client, exp_id, self.run_id, stage, {p.key: p.value for p in params},
                 {k: v for k, v in tags.items() if not k.startswith("mlflow.")}))
-        params = [Param(k, yaml_value(v)) for k, v in flatten(config).items()]
         for i in range(0, len(params), PARAMS_PER_BATCH):
             self.client.log_batch(self.run_id, params=params[i:i + PARAMS_PER_BATCH])
 
@@ -459,8 +461,7 @@ class MlflowTracker(Tracker):
         pending, self._pending = self._pending, []
         # Linked to the stage's logged model (when it makes one): MLflow's Models tab shows and
         # compares a model's metrics by this link.
-        model_id = getattr(self, "model_id", None)
-        metrics = [Metric(name, value, ts, step, model_id=model_id) for name, value, ts, step in pending]
+        metrics = [Metric(name, value, ts, step, model_id=self.model_id) for name, value, ts, step in pending]
         for i in range(0, len(metrics), METRICS_PER_BATCH):
             self._guard("sending metrics", lambda i=i: self.client.log_batch(
                 self.run_id, metrics=metrics[i:i + METRICS_PER_BATCH]))
@@ -519,17 +520,16 @@ class MlflowTracker(Tracker):
         """The stage's model as a registered MLflow model (policies and RM), then its top-level files
         as artifacts, except the figures already logged with `log_figure`."""
         from . import mlflow_models
-        if (out / "model").is_dir() and self.stage in mlflow_models.REGISTERED and mlflow_models.enabled():
+        if (out / "model").is_dir() and self.model_id is not None:   # made at the start: a registered stage
             tags = {k: v for k, v in join_tags().items() if not k.startswith("mlflow.")}
-            registered = self._soft(f"registering the {self.stage} model", lambda: mlflow_models.log_and_register(
-                self.client, self.experiment_id, self.run_id, self.stage, out / "model", flatten(self.config),
-                {**tags, "stage": self.stage}, getattr(self, "model_id", None)))
-            if registered is not None:
-                model_id, version = registered
+            version = self._soft(f"registering the {self.stage} model", lambda: mlflow_models.log_and_register(
+                self.client, self.run_id, self.stage, out / "model", flatten(self.config),
+                {**tags, "stage": self.stage}, self.model_id))
+            if version is not None:
                 self._guard("tagging the model version", lambda: self.client.set_tag(
                     self.run_id, "registered_model", f"{mlflow_models.REGISTERED[self.stage]}/{version}"))
                 log.info("MLflow: registered %s version %s (model %s)", mlflow_models.REGISTERED[self.stage],
-                         version, model_id)
+                         version, self.model_id)
         for path in sorted(out.iterdir()):
             if path.is_file() and path.suffix in (".png", ".tsv", ".json", ".md") and path.name not in self._figures:
                 self.log_artifact(path)
@@ -593,13 +593,12 @@ class MlflowTracker(Tracker):
         self._system.start()
 
     def finish(self, status: str) -> None:
-        system = getattr(self, "_system", None)
-        if system is not None:
-            self._soft("stopping the system metrics monitor", system.finish)
+        if self._system is not None:
+            self._soft("stopping the system metrics monitor", self._system.finish)
         self.flush()
-        model_id = getattr(self, "model_id", None)
-        if model_id is not None and status != "FINISHED":   # log_outputs never ran: no files
-            self._soft("marking the logged model failed", lambda: self.client.finalize_logged_model(model_id, "FAILED"))
+        if self.model_id is not None and status != "FINISHED":   # log_outputs never ran: no files
+            self._soft("marking the logged model failed",
+                       lambda: self.client.finalize_logged_model(self.model_id, "FAILED"))
         self._guard("ending the stage's run", lambda: self.client.set_terminated(self.run_id, status))
         if self.owns_parent:
             self._guard("ending the parent run", lambda: self.client.set_terminated(self.parent_id, status))
