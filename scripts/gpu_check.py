@@ -38,6 +38,7 @@ import argparse
 import csv
 import json
 import os
+import socket
 import subprocess
 import sys
 import tempfile
@@ -94,6 +95,13 @@ def runs() -> list[Run]:
         Run("dpo+lora", "dpo", {"data": "data", "sft": "base"}, {"dpo": {"lora": lora}}, lora=True),
         Run("evaluate", "evaluate", {"data": "data", "sft": "base", "reward": "reward/model", "ppo": "ppo/model"}),
     ]
+
+
+def free_port() -> int:
+    """A TCP port nothing listens on now (the kernel's pick)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
 def say(*parts: object) -> None:
@@ -274,11 +282,11 @@ def run_suite(processes: int, size: Size, cuda: bool, root: Path, deadline: floa
     shared = check_params(size, processes, cuda, root / "base")
     failed: list[str] = []
     skipped: list[str] = []
-    env = {**os.environ, "PIPELINE_TRACKING": "off", "PYTHONUNBUFFERED": "1"}
-    # Each run's own port: a launcher still releasing the last one must not meet the next.
-    port = 29500 + (os.getpid() % 500) * 20 + processes * 10
+    # PYTHONFAULTHANDLER: a rank that dies of a signal (an abort in a library's threads) prints its
+    # Python stacks before it goes, so its log says where.
+    env = {**os.environ, "PIPELINE_TRACKING": "off", "PYTHONUNBUFFERED": "1", "PYTHONFAULTHANDLER": "1"}
     durations: list[float] = []
-    for i, run in enumerate(runs()):
+    for run in runs():
         out = root / f"p{processes}" / run.name.replace("+", "-")
         # The data and the random base are shared; the other inputs are this suite's own outputs.
         inputs = {k: root / v if v in ("data", "base") else root / f"p{processes}" / v for k, v in run.inputs.items()}
@@ -294,7 +302,9 @@ def run_suite(processes: int, size: Size, cuda: bool, root: Path, deadline: floa
             skipped.append(f"{processes}p {run.name}")
             continue
         values = merge(merge(repo_params, shared), run.params)
-        values["distributed"]["master_port"] = port + i
+        # Each run its own free port: a launcher still releasing the last one, or another job on
+        # this machine, must not meet this one.
+        values["distributed"]["master_port"] = free_port()
         path = root / f"params-{processes}p-{run.name.replace('+', '-')}.yaml"
         atomic_write_text(path, json.dumps(values, indent=1) + "\n")   # JSON is YAML
         params = load_params(path)
@@ -315,8 +325,10 @@ def run_suite(processes: int, size: Size, cuda: bool, root: Path, deadline: floa
         durations.append(record["seconds"])
         if proc.returncode != 0:
             text = log.read_text(errors="replace").splitlines()
-            # The first traceback says what went wrong; the launcher's summary after it only who died.
-            first = next((i for i, t in enumerate(text) if t.startswith("Traceback") or "Error" in t), None)
+            # The first traceback (or a rank's abort) says what went wrong; the launcher's summary
+            # after it only who died.
+            first = next((i for i, t in enumerate(text) if t.startswith(("Traceback", "Fatal Python error"))
+                          or "Error" in t or "terminate called" in t), None)
             tail = (text[first:first + 30] + ["    ..."] if first is not None else []) + text[-12:]
             say(f"{run.name:10s} FAILED (exit {proc.returncode} after {record['seconds']:.0f}s): "
                 + " ".join(cmd[2:4]) + f" ...; the end of its log ({log}):")

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import socket
 import subprocess
 import sys
 import time
@@ -89,6 +90,15 @@ def pytest_runtest_setup(item: pytest.Item) -> None:
     pytest.skip(why)
 
 
+def free_port() -> int:
+    """A TCP port nothing listens on now. Rendezvous ports are never fixed numbers: the test workers
+    run side by side, and two process groups meeting on one port wreck each other (a rank of one
+    joins the other's store; the symptom is an abort at exit, far from the cause)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
 def merge(base: dict, override: dict) -> dict:
     out = dict(base)
     for k, v in override.items():
@@ -113,9 +123,11 @@ def write_params(path: Path, override: dict) -> None:
 
 
 def run_env() -> dict[str, str]:
-    """Environment for subprocesses: this interpreter's venv first on PATH."""
+    """Environment for subprocesses: this interpreter's venv first on PATH; a process that dies of a
+    signal (an abort in a library's threads) prints its Python stacks first, so a rare failure says where."""
     env = dict(os.environ)
     env["PATH"] = f"{BIN}{os.pathsep}{env.get('PATH', '')}"
+    env.setdefault("PYTHONFAULTHANDLER", "1")
     return env
 
 

@@ -15,7 +15,7 @@ import pytest
 import torch
 
 import fake_device
-from conftest import tiny_policy_and_reward_model
+from conftest import free_port, tiny_policy_and_reward_model
 from pipeline.config import DataConfig, DistributedConfig, Params, PPOConfig, SamplingConfig
 from pipeline.errors import ConfigError
 from pipeline.ppo.placement import place_models
@@ -225,11 +225,11 @@ def test_the_static_check_sees_a_device_less_factory(tmp_path):
     assert [n.lineno for n in found] == [2]
 
 
-def _ranks(world: int, out: Path, port: int) -> dict:
+def _ranks(world: int, out: Path) -> dict:
     import os
     import subprocess
     import sys
-    env = {**os.environ, "WORLD_SIZE": str(world), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
+    env = {**os.environ, "WORLD_SIZE": str(world), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()),
            "OMP_NUM_THREADS": "1"}
     procs = [subprocess.Popen([sys.executable, str(REPO / "tests" / "measure_ranks.py"), str(out)],
                               env={**env, "RANK": str(r)}, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
@@ -244,8 +244,8 @@ def _ranks(world: int, out: Path, port: int) -> dict:
 def test_two_processes_measure_what_one_measures(tmp_path):
     """measure_policies in 2 gloo processes (the prompts shared out, every collective refusing host
     tensors as NCCL does, the models on a non-CPU device) equals 1 process, value for value."""
-    one = _ranks(1, tmp_path / "one.json", 29731)
-    two = _ranks(2, tmp_path / "two.json", 29733)
+    one = _ranks(1, tmp_path / "one.json")
+    two = _ranks(2, tmp_path / "two.json")
     assert two["per"] == one["per"]
     assert (one["ranks"], two["ranks"]) == (1.0, 2.0)   # the group really had two ranks
     assert two["collectives"] >= 2

@@ -19,7 +19,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from conftest import REPO, TINY, merge, run_env, write_params
+from conftest import REPO, TINY, free_port, merge, run_env, write_params
 from pipeline.models import lora
 from pipeline.config import DistributedConfig, LoraConfig, Params, PPOConfig, SamplingConfig, from_dict
 from pipeline.training.distributed import launch_command, with_node
@@ -55,14 +55,11 @@ def tsv(path: Path) -> list[dict[str, float]]:
         return [{k: float(v) for k, v in row.items()} for row in csv.DictReader(f, delimiter="\t")]
 
 
-_port = iter(range(29610, 29700))
-
-
 def params_file(root: Path, name: str, override: dict) -> Path:
     path = root / f"{name}.yaml"
     dist = override.get("distributed", {})
     if dist.get("backend") == "deepspeed":   # every launch its own rendezvous port
-        override = merge(override, {"distributed": {"master_port": next(_port)}})
+        override = merge(override, {"distributed": {"master_port": free_port()}})
     write_params(path, merge(TINY, override))
     return path
 
@@ -344,7 +341,7 @@ def test_zero3_partitions_each_model_as_it_loads(tmp_path):
                 tmp_path / "data")
     sft, _ = tiny_policy_and_reward_model(tmp_path, tmp_path / "data")
     env = {**run_env(), "PYTHONPATH": str(REPO), "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1",
-           "MASTER_PORT": str(next(_port)), "OMP_NUM_THREADS": "1"}
+           "MASTER_PORT": str(free_port()), "OMP_NUM_THREADS": "1"}
     env.setdefault("TORCH_EXTENSIONS_DIR", str(REPO / ".cache" / "torch_extensions"))
     procs = [subprocess.Popen([sys.executable, str(REPO / "tests" / "zero3_load_ranks.py"), str(sft),
                                str(tmp_path / "held")], env={**env, "RANK": str(r), "LOCAL_RANK": str(r)},
