@@ -3,9 +3,11 @@
 #
 # One rule per stage of dvc.yaml and compare/dvc.yaml, built from them (pipeline/workflow/stage_graph.py): the same command,
 # inputs (deps), outputs (outs, metrics, plots) and params, so the two engines cannot drift.
-# params.yaml is Snakemake's config; its `cluster` section gives each job its SLURM resources
-# (pipeline/workflow/cluster.py). A stage's output log goes to logs/<stage>.log; under SLURM the job's own
-# log is in logs/slurm/<stage>/<job id>.log (profiles/slurm sets that folder).
+# params.yaml is Snakemake's config and holds hyperparameters only. Each job's SLURM resources are the
+# profile's (`default-resources`, `set-resources` in profiles/slurm/config.yaml, or --set-resources);
+# pipeline/workflow/cluster.py derives what follows from a job's `gpus` and `nodes`. A stage's output
+# log goes to logs/<stage>.log; under SLURM the job's own log is in logs/slurm/<stage>/<job id>.log
+# (profiles/slurm sets that folder).
 #
 # Params reach a rule as a file: .snakemake/params/<stage>.json holds the values of the keys the stage
 # declares, rewritten here only when they change, and is an input of the rule, so Snakemake re-runs
@@ -26,8 +28,9 @@ configfile: "params.yaml"
 try:
     stage_graph.check_no_overrides(workflow.config_settings.overwrite_config)
     PARAMS = load_params("params.yaml")      # validated before any job is submitted
-    cluster.check_shape(PARAMS)
     STAGES = stage_graph.load_all()          # dvc.yaml, then compare/dvc.yaml (the methods side by side)
+    SHAPES = cluster.shapes_of(workflow.resource_settings, {s.name: stage_graph.rule_name(s) for s in STAGES})
+    cluster.check_shape(PARAMS, SHAPES)
     if workflow.is_main_process:             # not again inside each job (a SLURM job parses this file too)
         stage_graph.write_param_files(STAGES, "params.yaml")
         stage_graph.drop_stale_benchmarks(STAGES)
@@ -82,13 +85,14 @@ for _stage in STAGES:
         params:
             # The command travels as a param: a shell string is evaluated when the job runs,
             # after this loop has moved on, so it must not refer to `_stage`.
-            cmd=cluster.job_command(PARAMS, _stage.name, _stage.cmd),
+            cmd=cluster.job_command(SHAPES[_stage.name], _stage.cmd),
         log:
             f"logs/{_stage.name}.log",
         benchmark:
             str(stage_graph.BENCHMARK_DIR / f"{_stage.name}.tsv")
-        threads: cluster.resources_of(PARAMS, _stage.name).cpus_per_task
+        # A job's CPUs where a profile sets them; else every local core, one stage at a time as under DVC.
+        threads: SHAPES[_stage.name].cpus_per_task or workflow.cores
         resources:
-            **cluster.slurm_resources(PARAMS, _stage.name),
+            **cluster.slurm_resources(SHAPES[_stage.name]),
         shell:
             "{params.cmd} > {log} 2>&1"

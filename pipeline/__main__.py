@@ -224,8 +224,8 @@ def main(argv: list[str] | None = None) -> int:
             if args.name is None:
                 raise ConfigError("recipe: name a recipe (python -m pipeline recipe --list shows them)")
             out = args.out or args.params
-            recipes.apply(args.name, args.params, out)
-            print(f"recipe {args.name}: wrote {out}")
+            written = recipes.apply(args.name, args.params, out)
+            print(f"recipe {args.name}: wrote {' and '.join(map(str, written))}")
             return 0
         params = load_params(args.params)
         if args.stage == "detect":

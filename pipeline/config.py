@@ -555,38 +555,6 @@ class CompareConfig:
 
 
 @dataclass(frozen=True)
-class StageResources:
-    """What one stage's cluster job asks for (a SLURM job under `snakemake --profile profiles/slurm`)."""
-    gpus: int = num(0, ge=0, doc="GPUs per node (one process each: set distributed.num_processes to match)")
-    cpus_per_task: int = num(2, ge=1)
-    mem_mb: int = num(8000, ge=100)
-    runtime: int = num(60, ge=1, doc="time limit in minutes")
-    nodes: int = num(1, ge=1, doc="nodes (set distributed.num_nodes to match)")
-    tasks: int = num(1, ge=1)
-
-
-@dataclass(frozen=True)
-class ClusterConfig:
-    """`cluster`: SLURM partition/account and each stage's resources (read by the Snakefile only)."""
-    partition: Optional[str] = None
-    account: Optional[str] = None
-    prepare: StageResources = field(default_factory=lambda: StageResources(cpus_per_task=1, mem_mb=2000, runtime=10))
-    sft: StageResources = field(default_factory=StageResources)
-    reward: StageResources = field(default_factory=StageResources)
-    ppo: StageResources = field(default_factory=lambda: StageResources(runtime=120))
-    evaluate: StageResources = field(default_factory=lambda: StageResources(mem_mb=4000, runtime=30))
-    # compare/dvc.yaml's stages (snakemake ... compare)
-    dpo: StageResources = field(default_factory=StageResources)
-    grpo: StageResources = field(default_factory=lambda: StageResources(runtime=120))
-    rs: StageResources = field(default_factory=StageResources)
-    compare: StageResources = field(default_factory=lambda: StageResources(mem_mb=4000, runtime=30))
-
-    def __post_init__(self) -> None:
-        if self.prepare.gpus or self.prepare.nodes > 1:
-            raise ConfigError("cluster.prepare: a CPU stage on one node: set gpus: 0 and nodes: 1")
-
-
-@dataclass(frozen=True)
 class Params:
     """The whole params file. Stages read only the sections `dvc.yaml` lists for them."""
     data: DataConfig = field(default_factory=DataConfig)
@@ -600,7 +568,6 @@ class Params:
     evaluate: EvaluateConfig = field(default_factory=EvaluateConfig)
     compare: CompareConfig = field(default_factory=CompareConfig)
     distributed: DistributedConfig = field(default_factory=DistributedConfig)
-    cluster: ClusterConfig = field(default_factory=ClusterConfig)
 
 
 TRAINING_STAGES = ("sft", "reward", "ppo", "dpo", "rs", "grpo")
@@ -823,6 +790,9 @@ def load_params(path: str | Path) -> Params:
     if data is None:
         raise ConfigError(f"{path}: the params file is empty (write {{}} for every default, or start from the "
                           "repository's params.yaml)")
+    if isinstance(data, typing.Mapping) and "cluster" in data:
+        raise ConfigError(f"{where}cluster: job resources are Snakemake's, not hyperparameters: move them to "
+                          "default-resources/set-resources of profiles/slurm/config.yaml (docs/guide/slurm.md)")
     params = from_dict(Params, merge_distributed(data, where), where)
     for stage in ("sft", "reward"):
         try:

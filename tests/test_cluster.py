@@ -23,7 +23,8 @@ from snakemake_executor_plugin_slurm.utils import set_gres_string
 
 from conftest import BIN, REPO, TINY, bare_env, copy_repo, flat, merge, run, write_params
 from pipeline.workflow import stage_graph
-from pipeline.workflow.cluster import check_shape, expand_first, job_command, slurm_node, slurm_resources
+from pipeline.workflow.cluster import (JobShape, check_shape, expand_first, job_command, job_shape, shapes_in_profile,
+                                       slurm_node, slurm_resources)
 from pipeline.config import Params, from_dict, merge_distributed
 from pipeline.errors import ConfigError
 
@@ -31,9 +32,17 @@ STAGES = ("prepare", "sft", "reward", "ppo", "evaluate")
 TIMING = ("time", "seconds", "tokens_per_second", "peak_rss")   # what the process spent, not what it computed
 
 
-def _repo(tmp_path: Path, name: str, override: dict | None = None) -> Path:
+def _repo(tmp_path: Path, name: str, override: dict | None = None, jobs: dict | None = None) -> Path:
+    """A copy of the project on the tiny params; `jobs` merged into its SLURM profile's set-resources."""
     repo = copy_repo(tmp_path / name)
     write_params(repo / "params.yaml", merge(TINY, override or {}))
+    if jobs:
+        profile = repo / "profiles/slurm/config.yaml"
+        doc = YAML(typ="safe", pure=True).load(profile.read_text())
+        doc["set-resources"] = merge(doc.get("set-resources") or {}, jobs)
+        yaml = YAML()
+        with profile.open("w") as f:
+            yaml.dump(doc, f)
     return repo
 
 
@@ -246,12 +255,24 @@ class _Resources(dict):
 def _gpu_params() -> Params:
     raw = {"distributed": {"backend": "deepspeed", "num_processes": 8, "num_nodes": 2, "zero_stage": 3,
                            "precision": "bf16"},
-           "cluster": {"partition": "gpu", "account": "proj",
-                       **{s: {"gpus": 8, "nodes": 2, "cpus_per_task": 16, "mem_mb": 200000, "runtime": 240}
-                          for s in ("sft", "reward", "ppo", "evaluate")}},
            "sft": {"batch_size": 64}, "reward": {"batch_size": 64},
            "ppo": {"rollout_batch_size": 512, "minibatch_size": 128, "micro_batch_size": 8}}
     return from_dict(Params, merge_distributed(raw, "params.yaml: "), "params.yaml: ")
+
+
+# A profile for that setup, as a user writes it: GPU jobs on two nodes, a partition and an account.
+GPU_PROFILE = {"default-resources": {"cpus_per_task": 2, "mem_mb": 8000, "runtime": 60, "slurm_partition": "gpu",
+                                     "slurm_account": "proj"},
+               "set-resources": {"prepare": {"cpus_per_task": 1},
+                                 **{s: {"gpus": 8, "nodes": 2, "cpus_per_task": 16, "mem_mb": 200000, "runtime": 240}
+                                    for s in ("sft", "reward", "ppo", "evaluate")}}}
+
+
+def _job_resources(profile: dict, stage: str) -> dict:
+    """What Snakemake gives the job: default-resources, the rule's own (what the shape implies),
+    then the stage's set-resources."""
+    shape = shapes_in_profile(profile, (stage,))[stage]
+    return {**profile["default-resources"], **slurm_resources(shape), **profile["set-resources"].get(stage, {})}
 
 
 def _sbatch(resources: dict, threads: int) -> str:
@@ -264,44 +285,61 @@ def _sbatch(resources: dict, threads: int) -> str:
 
 
 def test_sbatch_for_multi_node_gpu_stages():
-    params = _gpu_params()
+    shapes = shapes_in_profile(GPU_PROFILE, STAGES)
+    check_shape(_gpu_params(), shapes)
     for stage in ("sft", "reward", "ppo", "evaluate"):   # evaluate samples on the GPUs too
-        res = slurm_resources(params, stage)
+        res = _job_resources(GPU_PROFILE, stage)
         line = _sbatch(res, res["cpus_per_task"])
         for flag in ("-A proj", "-p gpu", "-t 240", "--mem 200000", "--nodes=2", "--ntasks=2",
                      "--cpus-per-task=16", "--gres=gpu:8"):
             assert flag in line, (stage, flag, line)
         assert "--ntasks-per-gpu" not in line        # one task per node starts the 8 processes
         # The job starts the stage once per node; each copy finds its rank from SLURM.
-        assert job_command(params, stage, f"python -m pipeline {stage}") == \
+        assert job_command(shapes[stage], f"python -m pipeline {stage}") == \
             f"srun --ntasks-per-node=1 --nodes=2 python -m pipeline {stage}"
-    for stage in ("prepare",):                          # a CPU stage: no GPU, one node, no srun prefix
-        res = slurm_resources(params, stage)
-        line = _sbatch(res, res["cpus_per_task"])
-        assert "gres" not in line and "--nodes=1" in line and "--ntasks=1" in line
-        assert job_command(params, stage, "cmd") == "cmd"
+    res = _job_resources(GPU_PROFILE, "prepare")        # a CPU stage: no GPU, one node, no srun prefix
+    line = _sbatch(res, res["cpus_per_task"])
+    assert "gres" not in line and "--nodes=1" in line and "--cpus-per-task=1" in line
+    assert job_command(shapes["prepare"], "cmd") == "cmd"
+
+
+def test_the_shipped_profile_gives_every_stage_a_cpu_job_on_one_node():
+    profile = YAML(typ="safe", pure=True).load((REPO / "profiles/slurm/config.yaml").read_text())
+    shapes = shapes_in_profile(profile, tuple(s.name for s in stage_graph.load_all(REPO)))
+    assert set(shapes.values()) == {JobShape(gpus=0, nodes=1, cpus_per_task=2), JobShape(0, 1, 1)}
+    assert shapes["prepare"].cpus_per_task == 1
+    assert _job_resources(profile, "ppo")["runtime"] == 120 and _job_resources(profile, "sft")["runtime"] == 60
+    # params.yaml holds hyperparameters only: no job resources there.
+    assert "cluster" not in YAML(typ="safe", pure=True).load((REPO / "params.yaml").read_text())
 
 
 def test_cluster_resources_must_match_the_distributed_shape(tmp_path):
     def params(raw):
         return from_dict(Params, merge_distributed(raw, "params.yaml: "), "params.yaml: ")
-    with pytest.raises(ConfigError, match=r"cluster.ppo.gpus: 4 GPUs per node but ppo.distributed.num_processes=1"):
-        check_shape(params({"cluster": {"ppo": {"gpus": 4}}}))
-    with pytest.raises(ConfigError, match=r"cluster.sft.nodes: 2 must equal sft.distributed.num_nodes=1"):
-        check_shape(params({"cluster": {"sft": {"nodes": 2}}}))
-    check_shape(_gpu_params())
-    # Snakemake refuses such params before submitting anything.
-    repo = _repo(tmp_path, "shape")
-    write_params(repo / "params.yaml", {**TINY, "cluster": {"ppo": {"gpus": 4}}})
-    proc = run([str(BIN / "snakemake"), "-n"], repo, check=False)
-    assert proc.returncode != 0 and "cluster.ppo.gpus: 4 GPUs per node" in proc.stdout + proc.stderr
-    with pytest.raises(ConfigError, match=r"cluster.prepare: a CPU stage"):
-        params({"cluster": {"prepare": {"gpus": 1}}})
+    with pytest.raises(ConfigError, match=r"set-resources ppo.gpus: 4 GPUs per node but ppo.distributed.num_processes=1"):
+        check_shape(params({}), {"ppo": JobShape(gpus=4)})
+    with pytest.raises(ConfigError, match=r"set-resources sft.nodes: 2 must equal sft.distributed.num_nodes=1"):
+        check_shape(params({}), {"sft": JobShape(nodes=2)})
+    with pytest.raises(ConfigError, match=r"set-resources prepare: a CPU stage"):
+        check_shape(params({}), {"prepare": JobShape(gpus=1)})
+    with pytest.raises(ConfigError, match=r"set-resources ppo.gpus: expected a whole number >= 0, got 'eight'"):
+        job_shape("ppo", {}, {"gpus": "eight"})
     # evaluate and compare sample on GPUs too, sharded like the training stages.
-    with pytest.raises(ConfigError, match=r"cluster.evaluate.gpus: 2 GPUs per node but evaluate.distributed.num_processes=1"):
-        check_shape(params({"cluster": {"evaluate": {"gpus": 2}}}))
-    check_shape(params({"cluster": {"evaluate": {"gpus": 2}},
-                        "evaluate": {"distributed": {"backend": "deepspeed", "num_processes": 2}}}))
+    with pytest.raises(ConfigError, match=r"set-resources evaluate.gpus: 2 GPUs per node but evaluate.distributed.num_processes=1"):
+        check_shape(params({}), {"evaluate": JobShape(gpus=2)})
+    check_shape(params({"evaluate": {"distributed": {"backend": "deepspeed", "num_processes": 2}}}),
+                {"evaluate": JobShape(gpus=2)})
+    # Snakemake refuses such a profile before submitting anything, from the profile or the command line.
+    repo = _repo(tmp_path, "shape", jobs={"ppo": {"gpus": 4}})
+    proc = run([str(BIN / "snakemake"), "-n", "--profile", "profiles/slurm"], repo, check=False)
+    assert proc.returncode != 0 and "error: set-resources ppo.gpus: 4 GPUs per node" in proc.stdout + proc.stderr
+    proc = run([str(BIN / "snakemake"), "-n", "--set-resources", "sft:nodes=2"], repo, check=False)
+    assert proc.returncode != 0 and "error: set-resources sft.nodes: 2 must equal" in proc.stdout + proc.stderr
+    # A params file that still carries job resources is told where they live now.
+    write_params(repo / "params.yaml", {**TINY, "cluster": {"ppo": {"gpus": 4}}})
+    proc = run([str(BIN / "python"), "-m", "pipeline", "check"], repo, check=False)
+    assert proc.returncode != 0 and "params.yaml: cluster: job resources are Snakemake's" in proc.stderr
+    assert "profiles/slurm/config.yaml" in proc.stderr
 
 
 def test_node_rank_and_master_from_the_slurm_environment():
@@ -317,12 +355,11 @@ def test_node_rank_and_master_from_the_slurm_environment():
 @pytest.mark.slurm
 def test_tiny_pipeline_on_slurm_equals_dvc_repro(tmp_path, tiny_run):
     tiny_run.same_threads()
-    # Snakemake runs each job with OMP_NUM_THREADS set to its threads (cluster.<stage>.cpus_per_task),
+    # Snakemake runs each job with OMP_NUM_THREADS set to its threads (the profile's cpus_per_task),
     # and the thread count changes PPO's floating-point sums: the jobs get the shared run's count
-    # where one was set (make test's workers run at one thread). The cluster section is Snakemake's
-    # alone; no DVC stage reads it.
-    cpus = {"cluster": {s: {"cpus_per_task": int(tiny_run.threads)} for s in STAGES}} if tiny_run.threads else None
-    snake, dvc = _repo(tmp_path, "snake", cpus), tiny_run.repo        # dvc: the shared `dvc repro` of the same params
+    # where one was set (make test's workers run at one thread).
+    cpus = {s: {"cpus_per_task": int(tiny_run.threads)} for s in STAGES} if tiny_run.threads else None
+    snake, dvc = _repo(tmp_path, "snake", jobs=cpus), tiny_run.repo        # dvc: the shared `dvc repro` of the same params
     run([str(BIN / "snakemake"), "--profile", "profiles/slurm", "--slurm-init-seconds-before-status-checks", "1",
          "--seconds-between-status-checks", "2"], snake, timeout=1800)
     job_ids = {}

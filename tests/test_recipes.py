@@ -6,9 +6,11 @@ from __future__ import annotations
 
 import pytest
 
+from ruamel.yaml import YAML
+
 from conftest import BIN, REPO, copy_repo, run
 from pipeline.workflow import recipes, stage_graph
-from pipeline.workflow.cluster import check_shape, slurm_resources
+from pipeline.workflow.cluster import SHAPE_CHECKED, JobShape, check_shape, shapes_in_profile, slurm_resources
 from pipeline.errors import ConfigError
 
 
@@ -18,21 +20,24 @@ def test_recipes_exist():
 
 @pytest.mark.parametrize("name", ["hh-rlhf-pythia-1.4b", "tldr-pythia-1b"])
 def test_recipe_validates_and_gives_gpu_jobs(name):
-    _, params = recipes.render(name, REPO / "params.yaml")
-    check_shape(params)                           # nodes and GPUs match the distributed settings
-    for stage in ("sft", "reward", "ppo", "evaluate"):   # evaluate samples best-of-n on the GPUs too
-        res = slurm_resources(params, stage)
+    _, params, jobs = recipes.render(name, REPO / "params.yaml")
+    _, profile = recipes.profile_with(REPO / "profiles/slurm/config.yaml", jobs)
+    shapes = shapes_in_profile(profile, ("prepare", *SHAPE_CHECKED))
+    check_shape(params, shapes)                   # nodes and GPUs match the distributed settings
+    for stage in SHAPE_CHECKED:                   # evaluate samples best-of-n on the GPUs too
+        res = slurm_resources(shapes[stage])
         assert res["gres"] == "gpu:8" and res["nodes"] == 1
         assert getattr(params, stage).distributed.num_processes == 8
         assert getattr(params, stage).distributed.precision == "bf16"
-    assert "gres" not in slurm_resources(params, "prepare")
+    assert shapes["prepare"] == JobShape(gpus=0, nodes=1, cpus_per_task=1)
+    assert "gres" not in slurm_resources(shapes["prepare"])
     assert params.model.name_or_path.startswith("EleutherAI/pythia-")
 
 
 def test_tldr_recipe_has_the_published_values():
     """Huang et al. 2024 (N+ implementation details): lr 3e-6, 4 PPO epochs, KL 0.05, 53 response
     tokens at temperature 0.7, missing-EOS score -1, critic from the RM, rewards normalised."""
-    _, p = recipes.render("tldr-pythia-1b", REPO / "params.yaml")
+    _, p, _ = recipes.render("tldr-pythia-1b", REPO / "params.yaml")
     assert (p.sft.lr, p.reward.lr, p.ppo.lr) == (3e-6, 3e-6, 3e-6)
     assert (p.ppo.ppo_epochs, p.ppo.kl_coef, p.ppo.missing_eos_score, p.ppo.critic_init) == (4, 0.05, -1.0, "reward")
     assert (p.ppo.sampling.max_new_tokens, p.ppo.sampling.temperature) == (53, 0.7)
@@ -43,15 +48,27 @@ def test_tldr_recipe_has_the_published_values():
 def test_recipe_command_writes_params_and_snakemake_plans_the_stages(tmp_path):
     repo = copy_repo(tmp_path / "repo")
     proc = run([str(BIN / "python"), "-m", "pipeline", "recipe", "hh-rlhf-pythia-1.4b"], repo)
-    assert "wrote params.yaml" in proc.stdout
+    assert "wrote params.yaml and profiles/slurm/config.yaml" in proc.stdout
     text = (repo / "params.yaml").read_text()
-    assert "name_or_path: EleutherAI/pythia-1.4b-deduped" in text
+    assert "name_or_path: EleutherAI/pythia-1.4b-deduped" in text and "slurm" not in text
     assert "# Every hyperparameter of the pipeline" in text          # params.yaml's own comments kept
+    profile = (repo / "profiles/slurm/config.yaml").read_text()
+    assert "# snakemake --profile profiles/slurm" in profile          # the profile's comments kept too
+    resources = YAML(typ="safe", pure=True).load(profile)["set-resources"]
+    assert resources["ppo"] == {"runtime": 1440, "gpus": 8, "cpus_per_task": 32, "mem_mb": 384000}
+    assert resources["prepare"]["cpus_per_task"] == 1                 # stages the recipe leaves alone
     run([str(BIN / "python"), "-m", "pipeline", "check"], repo)
-    dry = run([str(BIN / "snakemake"), "-n", "-p", "--forceall"], repo).stdout
+    dry = run([str(BIN / "snakemake"), "-n", "-p", "--forceall", "--profile", "profiles/slurm"], repo).stdout
     for stage in stage_graph.load(repo / "dvc.yaml"):
         assert f"{stage.cmd} > logs/{stage.name}.log 2>&1" in dry
     assert "gres=gpu:8" in dry.replace(" ", "")          # the GPU stages' resources, as Snakemake plans them
+    # A recipe whose jobs do not fit its process shape writes neither file.
+    before = (repo / "params.yaml").read_text(), profile
+    (repo / "recipes/misfit.yaml").write_text("distributed: {backend: deepspeed, num_processes: 4}\n"
+                                              "slurm:\n  sft: {gpus: 8}\n")
+    proc = run([str(BIN / "python"), "-m", "pipeline", "recipe", "misfit"], repo, check=False)
+    assert proc.returncode != 0 and "set-resources sft.gpus: 8 GPUs per node but sft.distributed.num_processes=4" in proc.stderr
+    assert ((repo / "params.yaml").read_text(), (repo / "profiles/slurm/config.yaml").read_text()) == before
 
 
 def test_unknown_recipe_and_bad_recipe_values(tmp_path, monkeypatch):

@@ -29,7 +29,7 @@ def test_no_pickle_loading_and_no_shell_strings_in_our_code():
 def test_params_values_with_shell_metacharacters_never_reach_a_shell(tmp_path):
     repo = copy_repo(tmp_path / "repo")
     evil = "x'; touch PWNED; echo \"$(touch PWNED2)\" `touch PWNED3` #"
-    write_params(repo / "params.yaml", {**TINY, "cluster": {"partition": evil},
+    write_params(repo / "params.yaml", {**TINY,
                                         "sft": {**TINY["sft"], "dataset": {"prompt_column": evil}},
                                         "ppo": {**TINY["ppo"], "dataset": {"conversation_column": evil}}})
     run([str(BIN / "python"), "-m", "pipeline", "check"], repo)                  # valid strings

@@ -1,8 +1,11 @@
-"""SLURM: the resources each stage asks for, and where a job learns its node rank and master.
+"""SLURM: the shape of each stage's job, and where a job learns its node rank and master.
 
-The `cluster` section of params.yaml says, per stage, what one job needs (partition, account,
-GPUs per node, CPUs per task, memory, time limit, nodes, tasks). `slurm_resources` turns it into
-the resource names of `snakemake-executor-plugin-slurm`, which the Snakefile hands to each rule:
+A job's resources are Snakemake's, set where Snakemake users set them: `default-resources` and
+`set-resources` of the profile (profiles/slurm/config.yaml), or `--set-resources` on the command line;
+params.yaml holds hyperparameters only. Two resource names are this project's own, because the
+Snakefile must know them when it builds the rules: `gpus` (per node, one process each) and `nodes`.
+`JobShape` is what a rule asks for; `slurm_resources` adds the resources of
+`snakemake-executor-plugin-slurm` that follow from it:
 
 - GPUs are requested per node as GRES (`--gres=gpu:N`), so a multi-node job gets N on every node.
 - A multi-node stage is an "MPI" job for the plugin (no `srun` wrapped around it, `--ntasks` = nodes);
@@ -15,60 +18,93 @@ from __future__ import annotations
 
 import os
 import subprocess
-from typing import Any, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Mapping, Optional
 
-from ..config import Params, StageResources
+from ..config import Params
 from ..errors import ConfigError
 
 # Checked before Snakemake submits anything: the default pipeline's stages. The methods of
 # compare/dvc.yaml are left out, so a cluster setup for the default pipeline is not refused over
-# stages it does not run; scaling those out, set their `cluster.<stage>` to match too.
+# stages it does not run; scaling those out, set their resources to match too.
 SHAPE_CHECKED = ("sft", "reward", "ppo", "evaluate")
+SHAPE_KEYS = ("gpus", "nodes", "cpus_per_task")
+PROFILE = Path("profiles") / "slurm" / "config.yaml"
 
 
-def check_shape(params: Params, where: str = "params.yaml") -> None:
-    """A training stage's job must have the shape its `distributed` settings launch: as many nodes,
-    and (when it asks for GPUs) one GPU per process. Checked before Snakemake submits anything."""
+@dataclass(frozen=True)
+class JobShape:
+    """What a stage's job asks for that its rule depends on."""
+    gpus: int = 0                          # per node, one process each (= distributed.num_processes)
+    nodes: int = 1                         # (= distributed.num_nodes)
+    cpus_per_task: Optional[int] = None    # None: the rule's threads are the local cores
+
+
+def job_shape(rule: str, defaults: Optional[Mapping[str, Any]], overrides: Optional[Mapping[str, Any]]) -> JobShape:
+    """`rule`'s shape from Snakemake's resources: its `set-resources` entry over `default-resources`
+    (plain values, or Snakemake's `Resource` objects)."""
+    values: dict[str, Any] = {}
+    for source in (defaults or {}, overrides or {}):
+        for key in SHAPE_KEYS:
+            if key in source:
+                values[key] = getattr(source[key], "value", source[key])
+    lowest = {"gpus": 0, "nodes": 1, "cpus_per_task": 1}
+    for key, value in values.items():
+        if value is None and key == "cpus_per_task":
+            continue
+        if isinstance(value, bool) or not isinstance(value, int) or value < lowest[key]:
+            raise ConfigError(f"set-resources {rule}.{key}: expected a whole number >= {lowest[key]}, got {value!r}")
+    return JobShape(**values)
+
+
+def shapes_of(resource_settings: Any, rules: Mapping[str, str]) -> dict[str, JobShape]:
+    """Each stage's shape from Snakemake's resource settings (`workflow.resource_settings`), for
+    `rules` mapping stage name -> rule name."""
+    overwrite = resource_settings.overwrite_resources or {}
+    return {stage: job_shape(rule, resource_settings.default_resources, overwrite.get(rule))
+            for stage, rule in rules.items()}
+
+
+def shapes_in_profile(profile: Mapping[str, Any], stages: tuple[str, ...]) -> dict[str, JobShape]:
+    """The same from a profile's config.yaml as read (its `default-resources` and `set-resources`)."""
+    defaults, per_rule = profile.get("default-resources") or {}, profile.get("set-resources") or {}
+    return {stage: job_shape(stage, defaults, per_rule.get(stage)) for stage in stages}
+
+
+def check_shape(params: Params, shapes: Mapping[str, JobShape]) -> None:
+    """A stage's job must have the shape its `distributed` settings launch: as many nodes, and (when
+    it asks for GPUs) one GPU per process; `prepare` is a CPU job on one node. Checked before
+    Snakemake submits anything."""
+    prepare = shapes.get("prepare", JobShape())
+    if prepare.gpus or prepare.nodes > 1:
+        raise ConfigError("set-resources prepare: a CPU stage on one node: set gpus: 0 and nodes: 1")
     for stage in SHAPE_CHECKED:
-        res, dist = getattr(params.cluster, stage), getattr(params, stage).distributed
+        res, dist = shapes.get(stage, JobShape()), getattr(params, stage).distributed
         if res.nodes != dist.num_nodes:
-            raise ConfigError(f"{where}: cluster.{stage}.nodes: {res.nodes} must equal {stage}.distributed.num_nodes="
+            raise ConfigError(f"set-resources {stage}.nodes: {res.nodes} must equal {stage}.distributed.num_nodes="
                               f"{dist.num_nodes} (one launcher per node)")
         if res.gpus and res.gpus != dist.num_processes:
-            raise ConfigError(f"{where}: cluster.{stage}.gpus: {res.gpus} GPUs per node but {stage}.distributed."
+            raise ConfigError(f"set-resources {stage}.gpus: {res.gpus} GPUs per node but {stage}.distributed."
                               f"num_processes={dist.num_processes} processes per node (one per GPU)")
 
 
-def resources_of(params: Params, stage: str) -> StageResources:
-    """`cluster.<stage>` of params; a stage of the user's own (a `foreach` stage `train@a` reads
-    `cluster.train` if params has it) gets the defaults of a CPU job."""
-    return getattr(params.cluster, stage.split("@")[0], None) or StageResources()
-
-
-def slurm_resources(params: Params, stage: str) -> dict[str, Any]:
-    """Snakemake resources for one stage's job (names of snakemake-executor-plugin-slurm)."""
-    res = resources_of(params, stage)
-    out: dict[str, Any] = {"cpus_per_task": res.cpus_per_task, "mem_mb": res.mem_mb, "runtime": res.runtime,
-                           "nodes": res.nodes}
-    if params.cluster.partition is not None:
-        out["slurm_partition"] = params.cluster.partition
-    if params.cluster.account is not None:
-        out["slurm_account"] = params.cluster.account
-    if res.gpus > 0:
-        out["gres"] = f"gpu:{res.gpus}"
+def slurm_resources(shape: JobShape) -> dict[str, Any]:
+    """The plugin's resources that follow from a job's shape (the rest, memory, time, partition,
+    come from the profile as they are)."""
+    out: dict[str, Any] = {"nodes": shape.nodes}
+    if shape.gpus > 0:
+        out["gres"] = f"gpu:{shape.gpus}"
         out["tasks_per_gpu"] = 0           # one task drives all GPUs of its node (torchrun starts the rest)
-    if res.nodes > 1:
+    if shape.nodes > 1:
         out["mpi"] = "srun"                # we start the per-node copies ourselves (see module doc)
-        out["tasks"] = res.nodes
-    else:
-        out["tasks"] = res.tasks
+        out["tasks"] = shape.nodes
     return out
 
 
-def job_command(params: Params, stage: str, cmd: str) -> str:
+def job_command(shape: JobShape, cmd: str) -> str:
     """The stage's command as a job runs it: the same command, started once per node."""
-    nodes = resources_of(params, stage).nodes
-    return f"srun --ntasks-per-node=1 --nodes={nodes} {cmd}" if nodes > 1 else cmd
+    return f"srun --ntasks-per-node=1 --nodes={shape.nodes} {cmd}" if shape.nodes > 1 else cmd
 
 
 def slurm_node(env: Mapping[str, str] | None = None) -> tuple[int | None, str | None]:

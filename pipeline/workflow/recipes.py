@@ -3,7 +3,9 @@
 A recipe holds only the keys it changes. `python -m pipeline recipe <name>` merges it over
 params.yaml (keeping params.yaml's comments and order) and writes the result back, after
 validating it in full; then `dvc repro` or `dvc exp run` runs it, and `git checkout params.yaml`
-goes back to the default.
+goes back to the default. A recipe's `slurm` section is not params: it is the SLURM jobs its setup
+needs (Snakemake resources per stage), merged into `set-resources` of profiles/slurm/config.yaml
+beside the params file, and checked against the recipe's process shape first.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ from typing import Any, Mapping
 from ruamel.yaml import YAML
 
 from ..config import Params, from_dict, merge_distributed, read_yaml
+from . import cluster
 from ..errors import ConfigError
 from ..data.io import atomic_write_text
 
@@ -42,25 +45,66 @@ def _merge(base: Any, override: Mapping[str, Any]) -> Any:
     return base
 
 
-def render(name: str, params_path: Path) -> tuple[str, Params]:
-    """The params file with recipe `name` merged in, as text, and its validated Params."""
+def _round_trip() -> YAML:
+    yaml = YAML()                       # round trip: comments and key order survive
+    yaml.representer.add_representer(type(None), lambda r, _: r.represent_scalar("tag:yaml.org,2002:null", "null"))
+    return yaml
+
+
+def _dump(yaml: YAML, doc: Any) -> str:
+    buf = io.StringIO()
+    yaml.dump(doc, buf)
+    return buf.getvalue()
+
+
+def render(name: str, params_path: Path) -> tuple[str, Params, dict[str, Any]]:
+    """The params file with recipe `name` merged in, as text, its validated Params, and the
+    recipe's SLURM jobs (`slurm`: Snakemake resources per stage; empty when it has none)."""
     recipe = FOLDER / f"{name}.yaml"
     if not recipe.is_file():
         raise ConfigError(f"recipe {name!r}: no such recipe (known: {', '.join(names())})")
-    yaml = YAML()                       # round trip: comments and key order of params.yaml survive
-    yaml.representer.add_representer(type(None), lambda r, _: r.represent_scalar("tag:yaml.org,2002:null", "null"))
+    yaml = _round_trip()
     base = yaml.load(Path(params_path).read_text(encoding="utf-8"))
-    _merge(base, read_yaml(recipe) or {})
-    buf = io.StringIO()
-    yaml.dump(base, buf)
-    text = buf.getvalue()
+    changes = dict(read_yaml(recipe) or {})
+    jobs = changes.pop("slurm", None) or {}
+    _merge(base, changes)
+    text = _dump(yaml, base)
     plain = YAML(typ="safe", pure=True).load(text)
     where = f"{recipe.name} over {Path(params_path).name}: "
     params = from_dict(Params, merge_distributed(plain, where), where)
-    return text, params
+    if not isinstance(jobs, Mapping) or not all(isinstance(v, Mapping) for v in jobs.values()):
+        raise ConfigError(f"{recipe.name}: slurm: expected a mapping of stage -> resources")
+    return text, params, {k: dict(v) for k, v in jobs.items()}
 
 
-def apply(name: str, params_path: Path, out: Path) -> Params:
-    text, params = render(name, params_path)
+def profile_with(profile_path: Path, jobs: Mapping[str, Mapping[str, Any]]) -> tuple[str, dict[str, Any]]:
+    """The SLURM profile with `jobs` merged into its `set-resources`, as text, and as plain data."""
+    yaml = _round_trip()
+    doc = yaml.load(profile_path.read_text(encoding="utf-8"))
+    resources = doc.setdefault("set-resources", {})
+    for stage, res in jobs.items():
+        if isinstance(resources.get(stage), Mapping):
+            resources[stage].update(res)
+        else:
+            resources[stage] = dict(res)
+    text = _dump(yaml, doc)
+    return text, YAML(typ="safe", pure=True).load(text)
+
+
+def apply(name: str, params_path: Path, out: Path) -> list[Path]:
+    """Write the merged params to `out`; a recipe's SLURM jobs go into the profile beside `out`
+    (profiles/slurm/config.yaml), after the shape check, so neither file is written when it fails.
+    Returns the files written."""
+    text, params, jobs = render(name, params_path)
+    profile = Path(out).parent / cluster.PROFILE
+    profile_text = None
+    if jobs:
+        if not profile.is_file():
+            raise ConfigError(f"recipe {name}: its SLURM jobs go to {profile}, which is not there")
+        profile_text, plain = profile_with(profile, jobs)
+        cluster.check_shape(params, cluster.shapes_in_profile(plain, ("prepare", *cluster.SHAPE_CHECKED)))
     atomic_write_text(out, f"# params.yaml with recipes/{name}.yaml merged in (python -m pipeline recipe {name})\n" + text)
-    return params
+    if profile_text is None:
+        return [Path(out)]
+    atomic_write_text(profile, profile_text)
+    return [Path(out), profile]
