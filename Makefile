@@ -105,11 +105,13 @@ gpu-check: install
 
 # Benchmarks (not part of the tests): PPO vs TRL on identical work, GAE vs the seed's loop, stage times.
 bench: install
-	$(BIN)/pip install -q -c requirements.lock -e '.[dev,bench]'
+	$(BIN)/pip install -q -c requirements.lock -c requirements-dev.lock -c requirements-bench.lock -e '.[dev,bench]'
 	$(BIN)/python benchmarks/gae.py
 	$(BIN)/python benchmarks/ppo_vs_trl.py
 	$(BIN)/python benchmarks/stages.py
 
+# The locks from what is installed: requirements.lock (the pipeline), requirements-<extra>.lock (what
+# each extra adds). Upgrade a pin in pyproject.toml, install without the locks, then run this.
 lock: install
-	$(BIN)/pip freeze --exclude-editable | sed 's/^torch==\(.*\)+cpu/torch==\1/' > requirements.lock.new
-	mv requirements.lock.new requirements.lock
+	$(BIN)/pip install -q -e '.[dev,bench]'
+	$(BIN)/python scripts/lock.py

@@ -11,7 +11,7 @@
 #
 # A venv made by an unsupported Python, one that no longer runs (its interpreter moved or was
 # removed), or one of another Python than PYTHON asks for is removed and rebuilt, with one line
-# saying why. A .venv that is a link (to another checkout's venv) is used as it is, never installed into. Packages are installed again when pyproject.toml or requirements.lock changed, or when
+# saying why. A .venv that is a link (to another checkout's venv) is used as it is, never installed into. Packages are installed again when pyproject.toml or a lock (requirements*.lock) changed, or when
 # TORCH asks for another build than the venv has.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -65,11 +65,12 @@ stamp=$VENV/.installed
 recorded=$(cat "$stamp" 2>/dev/null || true)
 recorded=${recorded:-torch=}      # an empty stamp: made before TORCH existed, with pip's default build
 if [ -f "$stamp" ] && [ "$stamp" -nt pyproject.toml ] && [ "$stamp" -nt requirements.lock ] \
+        && [ "$stamp" -nt requirements-dev.lock ] \
         && [ "$recorded" = "torch=${TORCH:-}" ]; then
     exit 0
 fi
 "$VENV/bin/python" -m pip install -q --upgrade pip
-"$VENV/bin/python" -m pip install -q "${torch_args[@]}" -c requirements.lock -e '.[dev]'
+"$VENV/bin/python" -m pip install -q "${torch_args[@]}" -c requirements.lock -c requirements-dev.lock -e '.[dev]'
 if [ -f "$stamp" ] && [ "$recorded" != "torch=${TORCH:-}" ]; then
     # The pinned version is already there, as the other build: pip would keep it.
     echo "venv: replacing torch with the ${TORCH:-default} build"

@@ -78,7 +78,7 @@ def _venv_script(tmp_path: Path, env: dict[str, str]) -> subprocess.CompletedPro
     recorder, so what it would create and install is seen without installing anything."""
     work = tmp_path / "proj"
     (work / "scripts").mkdir(parents=True, exist_ok=True)
-    for name in ("pyproject.toml", "requirements.lock", "scripts/venv.sh"):
+    for name in ("pyproject.toml", "requirements.lock", "requirements-dev.lock", "scripts/venv.sh"):
         if not (work / name).exists():   # copied once: a newer pyproject.toml means "install again"
             (work / name).write_bytes((REPO / name).read_bytes())
     return subprocess.run(["bash", "scripts/venv.sh", ".venv"], cwd=work, capture_output=True, text=True,
@@ -113,7 +113,7 @@ def test_venv_picks_the_newest_supported_python_and_rebuilds_a_stale_venv(tmp_pa
     assert proc.returncode == 0, proc.stderr
     assert subprocess.run([str(venv / "bin/python"), "-c", ""], capture_output=True, text=True).stdout.strip() == "3.12"
     log = (venv / "pip.log").read_text()
-    assert "install -q -c requirements.lock -e .[dev]" in log and "download.pytorch.org" not in log
+    assert "install -q -c requirements.lock -c requirements-dev.lock -e .[dev]" in log and "download.pytorch.org" not in log
     assert (venv / ".installed").read_text().strip() == "torch="
     # Up to date: nothing runs again.
     (venv / "pip.log").unlink()
@@ -140,7 +140,7 @@ def test_venv_torch_build_choice_and_refusals(tmp_path):
     proc = _venv_script(tmp_path, {"PATH": path, "TORCH": "cpu"})
     assert proc.returncode == 0 and "venv: replacing torch with the cpu build" in proc.stdout
     log = (venv / "pip.log").read_text()
-    assert "--extra-index-url https://download.pytorch.org/whl/cpu -c requirements.lock -e .[dev]" in log
+    assert "--extra-index-url https://download.pytorch.org/whl/cpu -c requirements.lock -c requirements-dev.lock -e .[dev]" in log
     pinned = next(line for line in (REPO / "requirements.lock").read_text().splitlines() if line.startswith("torch=="))
     assert f"--force-reinstall --no-deps --extra-index-url https://download.pytorch.org/whl/cpu {pinned}" in log
     assert (venv / ".installed").read_text().strip() == "torch=cpu"
@@ -165,3 +165,25 @@ def test_a_linked_venv_is_used_as_it_is_never_installed_into(tmp_path):
     (tmp_path / "proj" / ".venv").symlink_to(other / ".venv")
     proc = _venv_script(tmp_path, {"PATH": path})
     assert proc.returncode == 0 and proc.stdout == "" and not (other / ".venv" / "pip.log").exists()
+
+
+def test_one_lock_per_part_of_the_install_and_each_matches_this_environment():
+    """requirements.lock pins the pipeline's own closure; each extra's lock pins only what it adds;
+    the committed pipeline and dev locks are what scripts/lock.py writes from this (tested) environment."""
+    import importlib.util
+    spec = importlib.util.spec_from_file_location("lock", REPO / "scripts" / "lock.py")
+    lock = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(lock)
+    assert lock.extras() == ["bench", "dev"]
+
+    def pins(text: str) -> dict[str, str]:
+        return dict(line.split("==") for line in text.splitlines() if line and not line.startswith("#"))
+    written = lock.locks(["dev"])
+    for name, text in written.items():
+        assert (REPO / name).read_text() == text, f"{name} differs from this environment: make lock"
+    core, dev = pins(written["requirements.lock"]), pins(written["requirements-dev.lock"])
+    bench = pins((REPO / "requirements-bench.lock").read_text())
+    assert {"torch", "transformers", "dvc", "mlflow", "snakemake", "deepspeed", "peft"} <= core.keys()
+    assert {"pytest", "pytest-xdist"} <= dev.keys() and "trl" in bench
+    assert not (core.keys() & dev.keys()) and not (core.keys() & bench.keys())   # an extra adds, never repeats
+    assert "pip" not in core and not any("+" in v for v in core.values())       # releases, not local builds

@@ -1,0 +1,120 @@
+"""Write the locks: one per part of the install, from the packages installed in this environment.
+
+    .venv/bin/python scripts/lock.py            # make lock (after installing every extra)
+    .venv/bin/python scripts/lock.py --check    # exit 1 when a lock differs from what it would write
+
+`requirements.lock` pins what the pipeline itself needs (pyproject's `dependencies` and everything
+they pull in); `requirements-<extra>.lock` pins what one optional extra adds on top of it (`dev`:
+the tests; `bench`: TRL for the benchmarks). Each holds exact versions, as pip freeze names them,
+of the packages reachable from its requirements through the installed packages' own metadata, so a
+user who installs the pipeline alone is pinned to the same versions as the tests, and an extra's
+packages never creep into the pipeline's lock. The installs pass the locks as constraints
+(`pip install -c requirements.lock -c requirements-dev.lock -e '.[dev]'`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.metadata as md
+import re
+import sys
+import tomllib
+from pathlib import Path
+
+from packaging.markers import default_environment
+from packaging.requirements import Requirement
+
+ROOT = Path(__file__).resolve().parents[1]
+HEAD = ("# Exact versions of {what}.\n"
+        "# pip constraints of 'make install', so that a fresh install is repeatable.\n"
+        "# Written by scripts/lock.py ('make lock'); do not edit by hand.\n")
+# The installer's own tools, which pip freeze leaves out too: the venv brings its own.
+INSTALLER = {"pip", "setuptools", "wheel"}
+
+
+def canonical(name: str) -> str:
+    return re.sub(r"[-_.]+", "-", name).lower()
+
+
+def _applies(req: Requirement, extras: set[str]) -> bool:
+    if req.marker is None:
+        return True
+    env = default_environment()
+    return any(req.marker.evaluate({**env, "extra": e}) for e in (extras or {""}))
+
+
+def closure(roots: list[Requirement]) -> dict[str, str]:
+    """canonical name -> installed version of every package `roots` reach through the installed
+    packages' requirements (extras followed)."""
+    seen: dict[str, str] = {}
+    todo = [(r, set(r.extras)) for r in roots if _applies(r, set())]
+    wanted_extras: dict[str, set[str]] = {}
+    while todo:
+        req, extras = todo.pop()
+        name = canonical(req.name)
+        if name in INSTALLER:
+            continue
+        known = wanted_extras.setdefault(name, set())
+        if name in seen and extras <= known:
+            continue
+        known |= extras
+        try:
+            dist = md.distribution(req.name)
+        except md.PackageNotFoundError:
+            sys.exit(f"lock: {req.name} is required but not installed here (make install first, with every extra)")
+        seen[name] = dist.version
+        for text in dist.requires or []:
+            sub = Requirement(text)
+            if _applies(sub, known):
+                todo.append((sub, set(sub.extras)))
+    return seen
+
+
+def extras() -> list[str]:
+    return sorted(tomllib.loads((ROOT / "pyproject.toml").read_text())["project"].get("optional-dependencies", {}))
+
+
+def locks(only: list[str] | None = None) -> dict[str, str]:
+    """File name -> text of the pipeline's lock and of each extra's (`only` these extras)."""
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    core = closure([Requirement(r) for r in project["dependencies"]])
+    out = {"requirements.lock": _text("every package the pipeline needs", core)}
+    for extra, reqs in sorted(project.get("optional-dependencies", {}).items()):
+        if only is not None and extra not in only:
+            continue
+        added = {k: v for k, v in closure([Requirement(r) for r in reqs]).items() if k not in core}
+        out[f"requirements-{extra}.lock"] = _text(f"what the '{extra}' extra adds to requirements.lock", added)
+    return out
+
+
+def _text(what: str, pins: dict[str, str]) -> str:
+    # A local version tag (torch's +cpu, +cu130) names a build, not a release: the lock pins the
+    # release, and the install picks the build (scripts/venv.sh, TORCH=).
+    lines = [f"{md.distribution(name).metadata['Name']}=={version.split('+')[0]}" for name, version in pins.items()]
+    return HEAD.format(what=what) + "".join(f"{line}\n" for line in sorted(lines, key=str.lower))
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--check", action="store_true", help="compare with the committed locks; write nothing")
+    ap.add_argument("--extras", nargs="*", default=None, help="only these extras' locks (default: every extra)")
+    args = ap.parse_args()
+    stale = []
+    for name, text in locks(args.extras).items():
+        path = ROOT / name
+        if args.check:
+            if not path.is_file() or path.read_text() != text:
+                stale.append(name)
+            continue
+        tmp = path.with_suffix(".lock.tmp")
+        tmp.write_text(text)
+        tmp.replace(path)
+        print(f"lock: wrote {name} ({text.count(chr(10)) - HEAD.count(chr(10))} packages)")
+    if stale:
+        print(f"lock: {', '.join(stale)} differ from this environment (make lock)", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
