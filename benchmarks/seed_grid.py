@@ -39,8 +39,9 @@ sys.path.insert(0, str(ROOT))
 from pipeline.measurement.collapse import collapse_iteration, gold_per_iteration  # noqa: E402
 
 DEFAULT_RUNS = [f"{u}:{p}" for u in (0, 1) for p in range(5)] + ["0:0:1", "0:1:1"]
-COLUMNS = ["run", "gold_win", "rm_win", "ppo_gold", "sft_gold", "ppo_rm", "ppo_kl", "detector_first_fire",
-           "collapse_iteration", "ppo_seconds"]
+COLUMNS = ["run", "gold_win", "gold_win_low", "gold_win_high", "rm_win", "ppo_gold", "sft_gold", "ppo_rm", "ppo_kl",
+           "rm_accuracy", "rm_accuracy_of_ceiling", "detector_first_fire", "collapse_iteration",
+           "sft_seconds", "reward_seconds", "ppo_seconds", "evaluate_seconds"]
 
 
 def copy_tree(dest: Path) -> None:
@@ -84,7 +85,8 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--runs", nargs="+", default=DEFAULT_RUNS, help="UPSTREAM:PPO[:THREADS] per run")
     ap.add_argument("-S", dest="set", action="append", default=[], help="params override KEY=VALUE (as dvc exp run -S)")
-    ap.add_argument("--out", type=Path, default=Path("/tmp/seed_grid.tsv"), help="per-run table (TSV)")
+    ap.add_argument("--out", type=Path, default=Path("/tmp/seed_grid.tsv"),
+                    help="per-run table: TSV, or JSON with the machine and date when it ends in .json")
     ap.add_argument("--keep", type=Path, default=None,
                     help="work folder to keep (default: a temporary one); its SFT and RM models are reused")
     ap.add_argument("--tag", default="", help="suffix of the runs' folder names (runs with other -S values)")
@@ -106,28 +108,49 @@ def main() -> int:
                                                     "ppo.seed": ppo_seed})
         common = ["--params", str(params), "--data", "data/prepared"]
         if not (up / "reward" / "model").is_dir():
-            stage(["sft", *common, "--out", str(up / "sft")], work, threads, log)
-            stage(["reward", *common, "--sft", str(up / "sft/model"), "--out", str(up / "reward")], work, threads, log)
+            sft_s = stage(["sft", *common, "--out", str(up / "sft")], work, threads, log)
+            reward_s = stage(["reward", *common, "--sft", str(up / "sft/model"), "--out", str(up / "reward")],
+                             work, threads, log)
+            upstream_seconds = {"sft": round(sft_s, 1), "reward": round(reward_s, 1)}
+            (up / "seconds.json").write_text(json.dumps(upstream_seconds))
+        upstream_seconds = json.loads((up / "seconds.json").read_text()) if (up / "seconds.json").exists() else {}
         out = work / name
         models = ["--sft", str(up / "sft/model"), "--reward", str(up / "reward/model")]
         seconds = stage(["ppo", *common, *models, "--out", str(out / "ppo")], work, threads, log)
-        stage(["evaluate", *common, *models, "--ppo", str(out / "ppo/model"), "--out", str(out / "evaluate")],
-              work, threads, log)
+        eval_seconds = stage(["evaluate", *common, *models, "--ppo", str(out / "ppo/model"),
+                              "--out", str(out / "evaluate")], work, threads, log)
         ev = json.loads((out / "evaluate/metrics.json").read_text())
         ppo = json.loads((out / "ppo/metrics.json").read_text())
+        rm = json.loads((up / "reward/metrics.json").read_text())["eval"]
         get = lambda d, path: d[path.split("/")[0]][path.split("/")[1]]   # noqa: E731
         row = {"run": f"{upstream}:{ppo_seed}:{threads}", "gold_win": get(ev, "win_rate/ppo_vs_sft_gold"),
+               "gold_win_low": get(ev, "win_rate/ppo_vs_sft_gold_low"),
+               "gold_win_high": get(ev, "win_rate/ppo_vs_sft_gold_high"),
                "rm_win": get(ev, "win_rate/ppo_vs_sft_rm"), "ppo_gold": get(ev, "ppo/gold"),
                "sft_gold": get(ev, "sft/gold"), "ppo_rm": get(ev, "ppo/rm"), "ppo_kl": get(ev, "ppo/kl"),
+               "rm_accuracy": rm["accuracy"], "rm_accuracy_of_ceiling": rm["accuracy_of_ceiling"],
                "detector_first_fire": ppo.get("detector", {}).get("first_fire", ""),
                "collapse_iteration": collapse_iteration(gold_per_iteration(out / "ppo/train.tsv"), get(ev, "sft/gold")),
-               "ppo_seconds": round(seconds, 1)}
+               "sft_seconds": upstream_seconds.get("sft"),
+               "reward_seconds": upstream_seconds.get("reward"),
+               "ppo_seconds": round(seconds, 1), "evaluate_seconds": round(eval_seconds, 1)}
         rows.append(row)
         print("\t".join(f"{row[c]:.3f}" if isinstance(row[c], float) else str(row[c]) for c in COLUMNS), flush=True)
-    with args.out.open("w") as f:
-        w = csv.DictWriter(f, COLUMNS, delimiter="\t")
-        w.writeheader()
-        w.writerows(rows)
+    if args.out.suffix == ".json":   # with the machine and date, for the pages that render it (make docs)
+        import datetime
+
+        from demo_seeds import machine
+        threads = sorted({r["run"].split(":")[2] for r in rows})
+        result = {"machine": machine(), "threads": ",".join(threads), "date": datetime.date.today().isoformat(),
+                  "overrides": args.set, "runs": rows}
+        tmp = args.out.with_suffix(".json.tmp")
+        tmp.write_text(json.dumps(result, indent=1, allow_nan=False) + "\n")
+        tmp.replace(args.out)
+    else:
+        with args.out.open("w") as f:
+            w = csv.DictWriter(f, COLUMNS, delimiter="\t")
+            w.writeheader()
+            w.writerows(rows)
     for col in ("gold_win", "rm_win", "ppo_gold", "ppo_rm", "ppo_kl"):
         xs = [r[col] for r in rows]
         print(f"{col:10s} median {statistics.median(xs):.3f}  range {min(xs):.3f} .. {max(xs):.3f}")

@@ -10,7 +10,7 @@ A rendered block is written between two HTML comments, which Markdown does not s
     <!-- /rendered -->
 
 NAME is one of `RENDERERS` below; each reads only committed files (the default run in outputs/,
-docs/compare_methods.tsv, docs/frontier.md, docs/data/demo.json) and writes the same text for the
+docs/compare_methods.tsv, docs/frontier.md, docs/data/*.json) and writes the same text for the
 same files: the output is deterministic and a second run changes nothing. A number measured by a
 run belongs in such a block, or in a dated record of docs/decisions/; tests/test_docs.py checks
 that the pages equal their rendering and that no measured number is written by hand elsewhere.
@@ -180,6 +180,36 @@ def render_demo(root: Path) -> str:
     return "\n".join(lines)
 
 
+def render_seeds(root: Path) -> str:
+    """README: the full default over seeds (docs/data/seed-grid.json, written by benchmarks/seed_grid.py)."""
+    grid = read_json(root, "docs/data/seed-grid.json")
+    if grid is None or not grid.get("runs"):
+        return ("The default has not been measured over seeds on this commit: `benchmarks/seed_grid.py --out "
+                "docs/data/seed-grid.json` runs it, and `make docs` renders it here.")
+    runs = grid["runs"]
+    threads = grid.get("threads")
+    lines = [f"The full default (`dvc repro`, every stage) once per seed, measured on "
+             f"{grid.get('machine', 'an unrecorded machine')} at {threads if threads else 'an unrecorded number of'} "
+             f"threads, {grid.get('date', 'undated')}; seed `s:p` sets `sft.seed` and `reward.seed` to s and "
+             f"`ppo.seed` to p:", "",
+             "| seed | PPO beats SFT, gold (95% CI) | by the RM | gold: SFT → PPO | KL to SFT, nats | "
+             "RM accuracy (share of ceiling) | wall time: sft + reward + ppo + evaluate |",
+             "| --- | --- | --- | --- | --- | --- | --- |"]
+    for r in runs:
+        stages = [r.get(f"{s}_seconds") for s in DEFAULT_STAGES]
+        known = [v for v in stages if isinstance(v, (int, float))]
+        wall = " + ".join(num(v, ".0f") for v in stages) + " s" + (f" = {minutes(sum(known))}" if len(known) == len(stages) else "")
+        lines.append(f"| {':'.join(str(r.get('run', NA)).split(':')[:2])} | {pct(r.get('gold_win'))} "
+                     f"({interval(r.get('gold_win_low'), r.get('gold_win_high'))}) | {pct(r.get('rm_win'))} | "
+                     f"{num(r.get('sft_gold'), '.2f')} → {num(r.get('ppo_gold'), '.2f')} | {num(r.get('ppo_kl'), '.2f')} | "
+                     f"{num(r.get('rm_accuracy'), '.3f')} ({pct(r.get('rm_accuracy_of_ceiling'))}) | {wall} |")
+    wins = [r["gold_win"] for r in runs if isinstance(r.get("gold_win"), (int, float))]
+    if wins:
+        lines += ["", f"PPO beats SFT by gold on {pct(min(wins))} to {pct(max(wins))} of the held-out prompts "
+                      f"over these {len(runs)} seeds (median {pct(statistics.median(wins))})."]
+    return "\n".join(lines)
+
+
 def render_stage_resources(root: Path) -> str:
     """docs/guide/benchmarks.md: each committed stage's wall time and peak memory."""
     lines = ["| stage | wall time | peak resident memory | device |", "| --- | --- | --- | --- |"]
@@ -318,6 +348,7 @@ def render_frontier(root: Path) -> str:
 
 RENDERERS: dict[str, Callable[[Path], str]] = {
     "headline": render_headline,
+    "seeds": render_seeds,
     "demo": render_demo,
     "stage-resources": render_stage_resources,
     "compare-run": render_compare_run,
