@@ -44,8 +44,11 @@ def copy_tree(dest: Path, base: str | None) -> None:
                 shutil.copy2(ROOT / rel, dest / rel)     # keeps bin/pipeline executable
     else:
         archive = subprocess.run(["git", "archive", base], cwd=ROOT, capture_output=True, check=True).stdout
+        # The "tar" filter (no absolute paths, nothing outside dest) where this Python has filters
+        # (3.11.4 and later; Debian 12's 3.11.2 has none). The archive is git's of our own commit.
+        safe = {"filter": "tar"} if hasattr(tarfile, "tar_filter") else {}
         with tarfile.open(fileobj=io.BytesIO(archive)) as tar:
-            tar.extractall(dest, filter="tar")
+            tar.extractall(dest, **safe)
     shutil.rmtree(dest / "outputs", ignore_errors=True)
     (dest / "dvc.lock").unlink(missing_ok=True)
 

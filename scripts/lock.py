@@ -30,6 +30,9 @@ HEAD = ("# Exact versions of {what}.\n"
         "# Written by scripts/lock.py ('make lock'); do not edit by hand.\n")
 # The installer's own tools, which pip freeze leaves out too: the venv brings its own.
 INSTALLER = {"pip", "setuptools", "wheel"}
+# What one build of torch brings and another does not (the CUDA build's runtime libraries and its
+# compiler): the build a user installs (scripts/venv.sh, TORCH=) picks them, the lock does not.
+BUILD_SPECIFIC = re.compile(r"^(nvidia-.*|cuda-.*|triton)$")
 
 
 def canonical(name: str) -> str:
@@ -52,7 +55,7 @@ def closure(roots: list[Requirement]) -> dict[str, str]:
     while todo:
         req, extras = todo.pop()
         name = canonical(req.name)
-        if name in INSTALLER:
+        if name in INSTALLER or BUILD_SPECIFIC.match(name):
             continue
         known = wanted_extras.setdefault(name, set())
         if name in seen and extras <= known:

@@ -159,6 +159,10 @@ def copy_repo(dest: Path) -> Path:
             (dest / rel).parent.mkdir(parents=True, exist_ok=True)
             shutil.copy2(src, dest / rel)
     run(["git", "init", "-q", "-b", "main"], dest)
+    # An identity of its own: `dvc exp run` commits, and a user without a global git identity
+    # (a fresh account) would otherwise see it refused.
+    run(["git", "config", "user.name", "pipeline tests"], dest)
+    run(["git", "config", "user.email", "tests@localhost"], dest)
     run(["git", "-c", "user.name=t", "-c", "user.email=t@t", "add", "-A"], dest)
     run(["git", "-c", "user.name=t", "-c", "user.email=t@t", "commit", "-q", "-m", "copy"], dest)
     return dest

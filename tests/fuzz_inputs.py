@@ -16,6 +16,12 @@ from pathlib import Path
 
 from pipeline.__main__ import main
 
+import safetensors.torch  # noqa: E402,F401 - the libraries' own footprint is the baseline of the memory bound
+import torch  # noqa: E402,F401
+import transformers  # noqa: E402,F401
+
+BASE_KB = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+
 FILES = ("sft_train.jsonl", "sft_eval.jsonl", "pairs_train.jsonl", "pairs_eval.jsonl", "ppo_prompts.jsonl",
          "eval_prompts.jsonl", "stats.json", "params.yaml")
 ODD_VALUES = [None, True, 0, -1, 3.5, "", " ", "x" * 5000, [], {}, [1, "a"], {"role": "user"}, 1e308, -1e308,
@@ -90,7 +96,7 @@ def run(params: Path, data: Path, seed: int, n: int) -> None:
         print("CASE" + json.dumps({"case": case, "file": name, "mutation": kind, "rc": rc,
                                    "stderr": err.getvalue()[-2000:], "seconds": time.perf_counter() - t0}), flush=True)
     shutil.rmtree(work, ignore_errors=True)
-    print("PEAK_KB", resource.getrusage(resource.RUSAGE_SELF).ru_maxrss, flush=True)
+    print("GROWTH_KB", resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - BASE_KB, flush=True)
 
 
 if __name__ == "__main__":

@@ -15,7 +15,7 @@ from pathlib import Path
 from conftest import REPO
 
 LOCAL = {"pipeline", "conftest", "fake_device", "real_checkpoints", "measure_ranks", "zero3_load_ranks",
-         "memory_probe", "fuzz_inputs", "seed_grid", "benchmarks", "gpu_check"}
+         "memory_probe", "fuzz_inputs", "seed_grid", "demo_seeds", "benchmarks", "gpu_check"}
 
 
 def _norm(name: str) -> str:
