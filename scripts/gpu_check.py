@@ -38,7 +38,6 @@ import argparse
 import csv
 import json
 import os
-import socket
 import subprocess
 import sys
 import tempfile
@@ -95,13 +94,6 @@ def runs() -> list[Run]:
         Run("dpo+lora", "dpo", {"data": "data", "sft": "base"}, {"dpo": {"lora": lora}}, lora=True),
         Run("evaluate", "evaluate", {"data": "data", "sft": "base", "reward": "reward/model", "ppo": "ppo/model"}),
     ]
-
-
-def free_port() -> int:
-    """A TCP port nothing listens on now (the kernel's pick)."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def say(*parts: object) -> None:
@@ -271,6 +263,7 @@ def run_suite(processes: int, size: Size, cuda: bool, root: Path, deadline: floa
     """Every run of `runs()` with `processes` processes; returns (failed, skipped) names."""
     from pipeline.config import load_params
     from pipeline.data.io import atomic_write_text
+    from pipeline.training.distributed import _free_port   # each run its own port (see below)
 
     say(f"\n== {processes} process{'es' if processes > 1 else ''}: "
         + ("backend none (plain PyTorch)" if processes == 1 else "DeepSpeed ZeRO-3")
@@ -304,7 +297,7 @@ def run_suite(processes: int, size: Size, cuda: bool, root: Path, deadline: floa
         values = merge(merge(repo_params, shared), run.params)
         # Each run its own free port: a launcher still releasing the last one, or another job on
         # this machine, must not meet this one.
-        values["distributed"]["master_port"] = free_port()
+        values["distributed"]["master_port"] = _free_port()
         path = root / f"params-{processes}p-{run.name.replace('+', '-')}.yaml"
         atomic_write_text(path, json.dumps(values, indent=1) + "\n")   # JSON is YAML
         params = load_params(path)

@@ -73,13 +73,17 @@ def closure(roots: list[Requirement]) -> dict[str, str]:
     return seen
 
 
+def _project() -> dict:
+    return tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+
+
 def extras() -> list[str]:
-    return sorted(tomllib.loads((ROOT / "pyproject.toml").read_text())["project"].get("optional-dependencies", {}))
+    return sorted(_project().get("optional-dependencies", {}))
 
 
 def locks(only: list[str] | None = None) -> dict[str, str]:
     """File name -> text of the pipeline's lock and of each extra's (`only` these extras)."""
-    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    project = _project()
     core = closure([Requirement(r) for r in project["dependencies"]])
     out = {"requirements.lock": _text("every package the pipeline needs", core)}
     for extra, reqs in sorted(project.get("optional-dependencies", {}).items()):

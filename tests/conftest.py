@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import os
 import shutil
-import socket
 import subprocess
 import sys
 import time
@@ -31,6 +30,11 @@ if os.environ.get("PYTEST_XDIST_WORKER"):
 import fake_device  # noqa: E402
 
 fake_device.install()
+
+# Rendezvous ports are never fixed numbers: the test workers run process groups side by side, and two
+# groups meeting on one port wreck each other (the symptom is an abort at exit, far from the cause).
+# The pipeline's own pick of a free port serves (it is what a launcher-less stage uses).
+from pipeline.training.distributed import _free_port as free_port  # noqa: E402,F401
 
 REPO = Path(__file__).resolve().parents[1]
 BIN = Path(sys.executable).parent
@@ -88,15 +92,6 @@ def pytest_runtest_setup(item: pytest.Item) -> None:
     if "slurm" in os.environ.get("PIPELINE_TESTS_REQUIRE", "").split(","):
         pytest.fail(f"{why} (PIPELINE_TESTS_REQUIRE=slurm: this machine must run the SLURM tier)")
     pytest.skip(why)
-
-
-def free_port() -> int:
-    """A TCP port nothing listens on now. Rendezvous ports are never fixed numbers: the test workers
-    run side by side, and two process groups meeting on one port wreck each other (a rank of one
-    joins the other's store; the symptom is an abort at exit, far from the cause)."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def merge(base: dict, override: dict) -> dict:

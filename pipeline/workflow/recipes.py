@@ -80,13 +80,7 @@ def render(name: str, params_path: Path) -> tuple[str, Params, dict[str, Any]]:
 def profile_with(profile_path: Path, jobs: Mapping[str, Mapping[str, Any]]) -> tuple[str, dict[str, Any]]:
     """The SLURM profile with `jobs` merged into its `set-resources`, as text, and as plain data."""
     yaml = _round_trip()
-    doc = yaml.load(profile_path.read_text(encoding="utf-8"))
-    resources = doc.setdefault("set-resources", {})
-    for stage, res in jobs.items():
-        if isinstance(resources.get(stage), Mapping):
-            resources[stage].update(res)
-        else:
-            resources[stage] = dict(res)
+    doc = _merge(yaml.load(profile_path.read_text(encoding="utf-8")), {"set-resources": jobs})
     text = _dump(yaml, doc)
     return text, YAML(typ="safe", pure=True).load(text)
 
