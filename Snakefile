@@ -20,17 +20,17 @@
 import sys
 
 from pipeline.workflow import cluster, stage_graph
-from pipeline.config import load_params
 from pipeline.errors import UserError
+from pipeline.stages import registry
 
 configfile: "params.yaml"
 
 try:
     stage_graph.check_no_overrides(workflow.config_settings.overwrite_config)
-    PARAMS = load_params("params.yaml")      # validated before any job is submitted
+    PARAMS = registry.load_params("params.yaml")   # validated before any job is submitted
     STAGES = stage_graph.load_all()          # dvc.yaml, then compare/dvc.yaml (the methods side by side)
     SHAPES = cluster.shapes_of(workflow.resource_settings, {s.name: stage_graph.rule_name(s) for s in STAGES})
-    cluster.check_shape(PARAMS, SHAPES)
+    cluster.check_shape(PARAMS, SHAPES, registry.cluster_checked())
     if workflow.is_main_process:             # not again inside each job (a SLURM job parses this file too)
         stage_graph.write_param_files(STAGES, "params.yaml")
         stage_graph.drop_stale_benchmarks(STAGES)

@@ -31,8 +31,10 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 
 from seed_grid import copy_tree, stage, write_params   # noqa: E402
 
-# method -> the model folders its stage reads (after --data)
-METHODS = {"ppo": ("sft", "reward"), "dpo": ("sft",), "grpo": ("sft", "reward"), "rs": ("sft", "reward")}
+from pipeline.stages import registry   # noqa: E402
+
+# method -> the model folders its stage reads (after --data): every stage whose policy compare measures
+METHODS = registry.methods()
 SWEEPS = {"dpo": ("dpo.beta", (0.05, 0.1, 0.3, 2.0)), "ppo": ("ppo.kl_coef", (0.05, 0.1, 0.2))}
 COLUMNS = ["method", "seed", "sweep", "gold", "gold_ci95", "gold_win", "gold_win_low", "gold_win_high", "rm",
            "rm_win", "kl", "length", "wall_seconds", "peak_rss_gib"]

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import argparse
 import csv
-import importlib
 import importlib.metadata
 import logging
 import os
@@ -19,38 +18,33 @@ import sys
 from pathlib import Path
 
 from .training import distributed
-from .config import DEFERRED_SHAPE, check_process_shape, load_params
+from .config import check_process_shape
 from .errors import ConfigError, DataError, UserError
+from .stages import registry
+from .stages.spec import default_path
 
 
-DATA, SFT, RM, PPO = "data/prepared", "outputs/sft/model", "outputs/reward/model", "outputs/ppo/model"
-# stage -> (help, {path argument: default}); the defaults are the paths dvc.yaml passes.
-STAGES: dict[str, tuple[str, dict[str, str]]] = {
-    "prepare": ("write the default task's splits and tokenizer", {"out": DATA}),
-    "sft": ("supervised fine-tuning on demonstrations", {"data": DATA, "out": "outputs/sft"}),
-    "reward": ("reward model on preference pairs", {"data": DATA, "sft": SFT, "out": "outputs/reward"}),
-    "ppo": ("PPO against the reward model", {"data": DATA, "sft": SFT, "reward": RM, "out": "outputs/ppo"}),
-    "dpo": ("offline preference optimisation of the SFT policy on the pairs (DPO, IPO or SimPO)",
-            {"data": DATA, "sft": SFT, "out": "outputs/dpo"}),
-    "grpo": ("critic-free online RL against the reward model (GRPO, RLOO, REINFORCE++; the grpo section)",
-             {"data": DATA, "sft": SFT, "reward": RM, "out": "outputs/grpo"}),
-    "rs": ("rejection-sampling fine-tuning: best-of-n SFT samples by the reward model, then SFT on them",
-           {"data": DATA, "sft": SFT, "reward": RM, "out": "outputs/rs"}),
-    "evaluate": ("SFT, best-of-n and PPO on the held-out prompts",
-                 {"data": DATA, "sft": SFT, "reward": RM, "ppo": PPO, "out": "outputs/evaluate"}),
-    "compare": ("every alignment method (--policy NAME=FOLDER each), SFT and best-of-n on the held-out prompts",
-                {"data": DATA, "sft": SFT, "reward": RM, "out": "outputs/compare"}),
+# The commands that are not stages: name -> (help, default paths). The stages come from the registry
+# (pipeline/stages/registry.py): each stage module's SPEC gives its help, input folders and options.
+TOOLS: dict[str, tuple[str, dict[str, str]]] = {
     "frontier": ("plot gold and RM score against KL across DVC experiments", {"out": "outputs/frontier.png"}),
     "headline": ("print a finished run's headline in under 100 columns: verdict, win rates with their "
                  "intervals, gold, RM score and KL per policy, RM accuracy, stage times", {"outputs": "outputs"}),
     "check": ("validate the params file (and with --data the inputs every stage reads) and exit", {}),
     "recipe": ("merge recipes/<name>.yaml into the params file (validated first)", {}),
     "plan": ("print each stage's memory plan per rank against the device, and refuse one that does not fit",
-             {"data": DATA}),
+             {"data": default_path("data")}),
     "recover-lock": ("set aside a dvc.lock that a kill cut short (DVC rewrites it in place), so dvc repro "
                      "can run again", {}),
     "detect": ("replay the over-optimisation detector (params' ppo.detector) over a PPO train.tsv", {}),
 }
+
+
+def commands() -> dict[str, tuple[str, dict[str, str]]]:
+    """Every command: the stages in pipeline order, then the tools."""
+    stages = {name: (spec.help, {**{f: default_path(f) for f in spec.inputs}, "out": spec.output})
+              for name, spec in registry.specs().items()}
+    return {**stages, **TOOLS}
 
 
 def read_tsv(path: Path) -> list[dict[str, str]]:
@@ -66,7 +60,7 @@ def check_inputs(params, data_dir: Path) -> None:
     """Read every input the stages read, through the same loaders and checks they run before their
     first step (records, schemas, leakage, pairs, stats.json), without building a model."""
     from .data import inputs
-    from .stages import dpo, reward
+    from .stages import dpo, reward   # the pairs of the reward model and of the preference methods
 
     for split in ("train", "eval"):
         inputs.demonstrations(params, data_dir, split)
@@ -74,10 +68,6 @@ def check_inputs(params, data_dir: Path) -> None:
     _, held = reward.pair_sources(params, data_dir)
     reward.held_out(params, data_dir, held)
     dpo.pair_sources(params, data_dir)      # its own `dpo.dataset` (the same pairs by default)
-
-
-TRAINING = ("sft", "reward", "ppo", "dpo", "rs", "grpo")   # stages that train, each in its own distributed session
-DISTRIBUTED = (*TRAINING, "evaluate", "compare")           # stages that may run on several processes
 
 
 # What each path option names; its default is the path dvc.yaml passes.
@@ -91,6 +81,11 @@ PATH_HELP = {
 }
 OUT_HELP = {"prepare": "the folder the prepared splits and tokenizer are written to",
             "frontier": "the figure to write (a table of the points is printed)"}
+
+
+def path_help(name: str) -> str:
+    """An input folder's help: a known one's, or the folder a stage of that name writes."""
+    return PATH_HELP.get(name, f"the {name} stage's checkpoint (a Hugging Face model folder)")
 
 
 def package_version() -> str:
@@ -124,29 +119,30 @@ def _parser() -> argparse.ArgumentParser:
                     help="the pipeline's log level, overriding -v (default: $PIPELINE_LOG_LEVEL, which dvc "
                          "repro and snakemake pass to the stages, else WARNING)")
     sub = ap.add_subparsers(dest="stage", required=True, metavar="command")
-    for stage, (help_text, paths) in STAGES.items():
+    specs = registry.specs()
+    stages_planned = [n for n, s in specs.items() if s.plan is not None]
+    for stage, (help_text, paths) in commands().items():
         p = sub.add_parser(stage, help=help_text, description=help_text, formatter_class=_HelpFormatter)
         for name, default in paths.items():
-            what = OUT_HELP.get(stage, PATH_HELP[name]) if name == "out" else PATH_HELP[name]
+            what = OUT_HELP.get(stage, PATH_HELP["out"]) if name == "out" else path_help(name)
             p.add_argument(f"--{name}", type=Path, default=Path(default), help=what)
+        spec = specs.get(stage)
         if stage not in ("frontier", "recover-lock", "headline"):
             p.add_argument("--params", type=Path, default=Path("params.yaml"),
                            help="the params file, validated in full before anything runs")
             p.add_argument("--no-progress", action="store_true",
-                           help="no progress bar on a terminal, no progress lines in a log (sft, reward, ppo, "
-                                "dpo and rs show them; default: shown)")
+                           help="no progress bar on a terminal, no progress lines in a log (the training "
+                                "stages show them; default: shown)")
         if stage == "check":
             p.add_argument("--data", type=Path, default=None,
                            help="also read and validate every input the stages read from this prepared folder "
                                 "(and the datasets params name), as they do before training (default: the params "
                                 "file only)")
         if stage == "plan":
-            p.add_argument("--stage", dest="plan_stage", choices=("sft", "reward", "ppo", "dpo", "rs", "grpo", "evaluate", "compare"), default=None,
+            p.add_argument("--stage", dest="plan_stage", choices=stages_planned, default=None,
                            help="only this stage (default: all)")
-        if stage == "compare":
-            p.add_argument("--policy", action="append", default=[], metavar="NAME=FOLDER",
-                           help="a method's policy checkpoint, e.g. dpo=outputs/dpo/model (repeat for each; "
-                                "default: none, only SFT and best-of-n)")
+        if spec is not None and spec.add_options is not None:
+            spec.add_options(p)
         if stage == "recover-lock":
             p.add_argument("--lock", type=Path, default=Path("dvc.lock"), help="the lock file to check")
         if stage == "detect":
@@ -155,7 +151,7 @@ def _parser() -> argparse.ArgumentParser:
             p.add_argument("name", nargs="?", default=None, help="a file of recipes/ without .yaml")
             p.add_argument("--list", action="store_true", help="list the recipes with their first comment line and exit")
             p.add_argument("--out", type=Path, default=None, help="where to write (default: the params file)")
-        if stage in DISTRIBUTED:
+        if spec is not None and spec.distributed:
             # Per node on a cluster (the params file is shared): e.g. --node-rank $SLURM_NODEID.
             p.add_argument("--node-rank", type=int, default=None,
                            help="override distributed.node_rank (default: params', or SLURM_NODEID in a "
@@ -195,106 +191,98 @@ def configure_logging(level: str | None, verbose: int) -> None:
     os.environ["PIPELINE_LOG_LEVEL"] = name
 
 
+def run_tool(args: argparse.Namespace, argv: list[str] | None) -> int:
+    """The commands that are not stages."""
+    if args.stage == "headline":
+        from .measurement import headline
+        print("\n".join(headline.lines(args.outputs)))
+        return 0
+    if args.stage == "recover-lock":
+        from .workflow import lockfile
+        print(lockfile.recover(args.lock))
+        return 0
+    if args.stage == "recipe":
+        from .workflow import recipes
+        if args.list:
+            names = recipes.names()
+            width = max(map(len, names), default=0)
+            for name in names:
+                print(f"{name:<{width}}  {recipes.describe(name)}")
+            return 0
+        if args.name is None:
+            raise ConfigError("recipe: name a recipe (python -m pipeline recipe --list shows them)")
+        out = args.out or args.params
+        written = recipes.apply(args.name, args.params, out, registry.shape_checked("load"),
+                                registry.cluster_checked())
+        print(f"recipe {args.name}: wrote {' and '.join(map(str, written))}")
+        return 0
+    params = registry.load_params(args.params)
+    if args.stage == "detect":
+        from .ppo import detector
+        print(detector.summary(read_tsv(args.train_tsv), params.ppo.detector))
+        return 0
+    if args.stage == "plan":
+        from .training import memory_plan
+        plans = {n: s.plan for n, s in registry.specs().items() if s.plan is not None}
+        return memory_plan.main(params, args.data, {args.plan_stage: plans[args.plan_stage]} if args.plan_stage else plans)
+    if args.data is not None:   # check
+        check_inputs(params, args.data)
+    print(f"{args.params}: ok" + (f"; {args.data}: ok" if args.data is not None else ""))
+    return 0
+
+
+def run_stage(args: argparse.Namespace, argv: list[str] | None) -> int:
+    """A stage: its params checked, launched on its processes when it has several, then its
+    module's `run(params, *folders, out, progress=..., **options)` and its console summary."""
+    spec = registry.spec(args.stage)
+    params = registry.load_params(args.params)
+    if spec.distributed:
+        node_rank, master_addr = args.node_rank, args.master_addr
+        if node_rank is None and getattr(params, args.stage).distributed.num_nodes > 1:
+            # One copy per node of a SLURM job (see pipeline/workflow/cluster.py): rank and master from SLURM.
+            from .workflow.cluster import slurm_node
+            node_rank, slurm_master = slurm_node()
+            master_addr = master_addr or slurm_master
+        params = distributed.with_node(params, args.stage, node_rank, master_addr)
+        if spec.shape == "start":   # before launching: the method's batches against its processes
+            check_process_shape(params, args.stage)
+        dist = getattr(params, args.stage).distributed
+        if distributed.needs_launch(dist):
+            # Re-run this very command under the launcher, one copy per process.
+            cmd = distributed.launch_command(dist, sys.argv[1:] if argv is None else argv)
+            print(f"{args.stage}: launching {dist.world_size} processes: {' '.join(cmd)}", flush=True)
+            return subprocess.call(cmd)
+    out = args.out
+    if (out.exists() or out.is_symlink()) and not out.is_dir():
+        raise DataError(f"{out}: --out names an existing file; the {args.stage} stage writes a folder there")
+    module = registry.module(args.stage)   # this stage's code only
+    folders = {name: getattr(args, name) for name in spec.inputs}   # --data, --sft, ... as declared
+    options = {k: v for k, v in vars(args).items() if k not in _COMMON and k not in folders}
+    metrics = module.run(params, *folders.values(), out, progress=not args.no_progress, **options)
+    if not metrics:   # ranks other than 0 of a multi-process run
+        return 0
+    print("\n".join(spec.console(metrics, {**folders, "out": out})))
+    return 0
+
+
+# Arguments every stage command has, which are not the stage's own options.
+_COMMON = {"stage", "verbose", "log_level", "out", "params", "no_progress", "node_rank", "master_addr"}
+
+
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     configure_logging(args.log_level, args.verbose)
-    if args.stage in ("prepare", *TRAINING, "evaluate", "compare"):
+    if args.stage not in TOOLS:
         quiet_libraries()
     if args.stage == "frontier":
         from .measurement import frontier
         frontier.main(args.out)
         return 0
     try:
-        if args.stage == "headline":
-            from .measurement import headline
-            print("\n".join(headline.lines(args.outputs)))
-            return 0
-        if args.stage == "recover-lock":
-            from .workflow import lockfile
-            print(lockfile.recover(args.lock))
-            return 0
-        if args.stage == "recipe":
-            from .workflow import recipes
-            if args.list:
-                names = recipes.names()
-                width = max(map(len, names), default=0)
-                for name in names:
-                    print(f"{name:<{width}}  {recipes.describe(name)}")
-                return 0
-            if args.name is None:
-                raise ConfigError("recipe: name a recipe (python -m pipeline recipe --list shows them)")
-            out = args.out or args.params
-            written = recipes.apply(args.name, args.params, out)
-            print(f"recipe {args.name}: wrote {' and '.join(map(str, written))}")
-            return 0
-        params = load_params(args.params)
-        if args.stage == "detect":
-            from .ppo import detector
-            print(detector.summary(read_tsv(args.train_tsv), params.ppo.detector))
-            return 0
-        if args.stage == "plan":
-            from .training import memory_plan
-            return memory_plan.main(params, args.data, args.plan_stage)
-        if args.stage in DISTRIBUTED:
-            node_rank, master_addr = args.node_rank, args.master_addr
-            if node_rank is None and getattr(params, args.stage).distributed.num_nodes > 1:
-                # One copy per node of a SLURM job (see pipeline/workflow/cluster.py): rank and master from SLURM.
-                from .workflow.cluster import slurm_node
-                node_rank, slurm_master = slurm_node()
-                master_addr = master_addr or slurm_master
-            params = distributed.with_node(params, args.stage, node_rank, master_addr)
-            if args.stage in DEFERRED_SHAPE:   # before launching: the method's batches against its processes
-                check_process_shape(params, args.stage)
-            dist = getattr(params, args.stage).distributed
-            if distributed.needs_launch(dist):
-                # Re-run this very command under the launcher, one copy per process.
-                cmd = distributed.launch_command(dist, sys.argv[1:] if argv is None else argv)
-                print(f"{args.stage}: launching {dist.world_size} processes: {' '.join(cmd)}", flush=True)
-                return subprocess.call(cmd)
-        out = getattr(args, "out", None)
-        if args.stage in ("prepare", *TRAINING, "evaluate", "compare") and out is not None \
-                and (out.exists() or out.is_symlink()) and not out.is_dir():
-            raise DataError(f"{out}: --out names an existing file; the {args.stage} stage writes a folder there")
-        if args.stage == "prepare":
-            from .stages import prepare
-            stats = prepare.run(params.data, args.out)
-            print(f"prepare: wrote {args.out} (noise ceiling on held-out pairs "
-                  f"{stats['noise_ceiling']['pairs_eval']:.3f})")
-        elif args.stage in TRAINING:
-            module = importlib.import_module(f".stages.{args.stage}", __package__)   # this stage's code only
-            folders = [getattr(args, name) for name in module.SPEC.inputs]   # --data, --sft, ... as declared
-            metrics = module.run(params, *folders, args.out, progress=not args.no_progress)
-            if not metrics:   # ranks other than 0 of a multi-process run
-                return 0
-            print(f"{args.stage}: wrote {args.out}; " + ", ".join(f"{k}={v:.3f}" for k, v in metrics.items()
-                                                                 if k.startswith("eval/")))
-        elif args.stage == "evaluate":
-            from .stages import evaluate
-            metrics = evaluate.run(params, args.data, args.sft, args.reward, args.ppo, args.out)
-            if not metrics:   # ranks other than 0 of a multi-process run
-                return 0
-            print(f"evaluate: wrote {args.out}; report: {args.out / 'report.md'}")
-            for policy in evaluate.policies(params.evaluate):
-                if f"{policy}/gold" in metrics:
-                    print(f"  {policy}/gold = {metrics[f'{policy}/gold']:.3f} (KL {metrics[f'{policy}/kl']:.2f})")
-            if "win_rate/ppo_vs_sft_gold" in metrics:
-                print(f"  win_rate/ppo_vs_sft_gold = {metrics['win_rate/ppo_vs_sft_gold']:.3f}")
-            print(evaluate.verdict(metrics, evaluate.detector_record(args.ppo)))
-        elif args.stage == "compare":
-            from .stages import compare
-            metrics = compare.run(params, args.data, args.sft, args.reward, args.policy, args.out)
-            if not metrics:
-                return 0
-            print(f"compare: wrote {args.out}; report: {args.out / 'report.md'}")
-            print("\n".join(compare.console_lines(metrics)))
-        else:
-            if args.data is not None:
-                check_inputs(params, args.data)
-            print(f"{args.params}: ok" + (f"; {args.data}: ok" if args.data is not None else ""))
+        return run_tool(args, argv) if args.stage in TOOLS else run_stage(args, argv)
     except UserError as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
-    return 0
 
 
 if __name__ == "__main__":

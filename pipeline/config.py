@@ -438,8 +438,8 @@ class PPOConfig:
         return self.advantage == "gae"
 
     def __post_init__(self) -> None:
-        if self._section not in DEFERRED_SHAPE:
-            self.check_shape()
+        # Batch sizes against processes: check_process_shape, when the stage's SPEC says (at load
+        # for ppo, at start for grpo; pipeline/stages/registry.py).
         s = self._section
         if not self.uses_critic and self.samples_per_prompt < 2:
             raise ConfigError(f"{s}.samples_per_prompt: advantage: {self.advantage} takes each response's baseline "
@@ -570,10 +570,13 @@ class Params:
     distributed: DistributedConfig = field(default_factory=DistributedConfig)
 
 
-TRAINING_STAGES = ("sft", "reward", "ppo", "dpo", "rs", "grpo")
-# Stages that run in a distributed session of their own section's `distributed` settings: the
-# training stages, and the two that measure policies (on the GPUs, prompts shared over the ranks).
-DISTRIBUTED_STAGES = (*TRAINING_STAGES, "evaluate", "compare")
+def distributed_sections() -> tuple[str, ...]:
+    """The params sections with a `distributed` of their own (merged over the top level): the
+    sections of the stages that run in a distributed session (their SPECs say which)."""
+    hints = typing.get_type_hints(Params)
+    return tuple(f.name for f in dataclasses.fields(Params)
+                 if f.name != "distributed" and dataclasses.is_dataclass(hints[f.name])
+                 and "distributed" in {g.name for g in dataclasses.fields(hints[f.name])})
 
 
 def reward_function(spec: str) -> typing.Callable:
@@ -607,15 +610,9 @@ def reward_function(spec: str) -> typing.Callable:
     return fn
 
 
-# compare/dvc.yaml's methods: their batch sizes are checked against the process count when their
-# stage starts (before it builds a model), not when params.yaml is loaded, so a distributed setup
-# for the default pipeline is not refused over the sizes of stages it does not run.
-DEFERRED_SHAPE = ("dpo", "grpo", "rs")
-
-
 def check_process_shape(params: "Params", stage: str) -> None:
-    """A stage's batch sizes against its process count (at load for the default pipeline's
-    stages, at stage start for DEFERRED_SHAPE's)."""
+    """A stage's batch sizes against its process count (when its SPEC's `shape` says: at load for
+    the default pipeline's stages, at stage start for compare/dvc.yaml's methods)."""
     section = getattr(params, stage)
     if isinstance(section, PPOConfig):
         section.check_shape()
@@ -728,7 +725,7 @@ def from_dict(cls: type, data: Any, where: str) -> Any:
 
 def read_yaml(path: str | Path) -> Any:
     """Read a YAML file with the YAML 1.2 loader; a file that is not YAML is a ConfigError."""
-    from .data.io import decode_utf8, read_input
+    from .files import decode_utf8, read_input
     path = Path(path)
     text = decode_utf8(read_input(path, "params file", ConfigError, MAX_PARAMS_BYTES), str(path), ConfigError)
     yaml = YAML(typ="safe", pure=True)
@@ -769,7 +766,7 @@ def merge_distributed(data: Any, where: str) -> Any:
     top = data.get("distributed", {})
     from_dict(DistributedConfig, top, f"{where}distributed")
     merged = dict(data)
-    for stage in DISTRIBUTED_STAGES:
+    for stage in distributed_sections():
         section = merged.get(stage, {})
         if not isinstance(section, typing.Mapping):
             continue  # from_dict reports it
@@ -783,8 +780,10 @@ def merge_distributed(data: Any, where: str) -> Any:
     return merged
 
 
-def load_params(path: str | Path) -> Params:
-    """Load and validate the whole params file before any compute."""
+def load_params(path: str | Path, shapes: typing.Sequence[str] = ()) -> Params:
+    """Load and validate the whole params file before any compute; `shapes`: the stages whose
+    batch sizes are checked against their processes now (pipeline.stages.registry.load_params
+    passes the stages whose SPEC says "load")."""
     where = f"{Path(path).name}: "
     data = read_yaml(path)
     if data is None:
@@ -794,7 +793,7 @@ def load_params(path: str | Path) -> Params:
         raise ConfigError(f"{where}cluster: job resources are Snakemake's, not hyperparameters: move them to "
                           "default-resources/set-resources of profiles/slurm/config.yaml (docs/guide/slurm.md)")
     params = from_dict(Params, merge_distributed(data, where), where)
-    for stage in ("sft", "reward"):
+    for stage in shapes:
         try:
             check_process_shape(params, stage)
         except ConfigError as err:

@@ -122,7 +122,7 @@ def main() -> int:
             return 1
         return 0
     sys.path.insert(0, str(REPO))
-    from pipeline.data.io import atomic_write_text
+    from pipeline.files import atomic_write_text
 
     for path, text in ((PAGE, page), (NOTICE, notice)):
         atomic_write_text(path, text)

@@ -168,7 +168,7 @@ def build_base(size: Size, folder: Path) -> dict[str, int]:
 
 def mean_tokens(data: Path, base: Path, stage: str) -> float:
     """Mean tokens of one training example of `stage` (a pair's two sequences for reward and DPO)."""
-    from pipeline.data.io import read_jsonl
+    from pipeline.files import read_jsonl
     from pipeline.data.tokenizer import load_tokenizer
 
     tok = load_tokenizer(base)
@@ -233,8 +233,9 @@ def throughput(run: Run, out: Path, params: Any, n: int, tokens_per_example: flo
 
 def planned_gib(stage: str, params: Any, inputs: dict[str, Path]) -> Optional[float]:
     """`python -m pipeline plan`'s total per rank for the stage (None while an input is missing)."""
+    from pipeline.stages import registry
     from pipeline.training import memory_plan
-    plan = memory_plan.stage_plan(stage, params, inputs)
+    plan = memory_plan.stage_plan(stage, registry.spec(stage).plan, params, inputs)
     return None if plan is None else plan.total / GIB
 
 
@@ -262,7 +263,7 @@ def run_suite(processes: int, size: Size, cuda: bool, root: Path, deadline: floa
               save) -> tuple[list[str], list[str]]:
     """Every run of `runs()` with `processes` processes; returns (failed, skipped) names."""
     from pipeline.config import load_params
-    from pipeline.data.io import atomic_write_text
+    from pipeline.files import atomic_write_text
     from pipeline.training.distributed import _free_port   # each run its own port (see below)
 
     say(f"\n== {processes} process{'es' if processes > 1 else ''}: "
@@ -393,7 +394,7 @@ def main(argv: Optional[list[str]] = None) -> int:
 
     def save() -> None:
         if args.out is not None:
-            from pipeline.data.io import atomic_write_json
+            from pipeline.files import atomic_write_json
             atomic_write_json(args.out, results)
 
     failed: list[str] = []
@@ -407,7 +408,7 @@ def main(argv: Optional[list[str]] = None) -> int:
             f"{m['parameters'] / 1e6:.1f}M parameters ({m['parameters_counted'] / 1e6:.1f}M counted for MFU); "
             f"responses of {size.new_tokens} tokens")
         from pipeline.config import load_params
-        from pipeline.data.io import atomic_write_text
+        from pipeline.files import atomic_write_text
         from pipeline.stages.prepare import run as prepare
         from ruamel.yaml import YAML
         values = merge(YAML(typ="safe", pure=True).load((REPO / "params.yaml").read_text()),

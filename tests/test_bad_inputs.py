@@ -22,7 +22,7 @@ from ruamel.yaml import YAML
 from conftest import REPO, TINY, merge, run_env, write_params
 from pipeline.__main__ import main
 from pipeline.config import Params, from_dict
-from pipeline.stages.prepare import run as prepare_run
+from pipeline.stages.prepare import write as prepare_run
 from pipeline.config import DataConfig
 
 CORPUS = Path(__file__).parent / "bad_inputs"

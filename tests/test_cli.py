@@ -14,7 +14,7 @@ import tomllib
 import pytest
 
 from conftest import BIN, REPO, run
-from pipeline.__main__ import STAGES, _parser, main
+from pipeline.__main__ import _parser, commands, main
 from pipeline.progress import Progress, track
 
 
@@ -25,7 +25,7 @@ def _subparsers() -> dict[str, argparse.ArgumentParser]:
 
 def test_every_option_has_help_and_says_its_default():
     subs = _subparsers()
-    assert set(subs) == set(STAGES)
+    assert set(subs) == set(commands())
     for name, sub in subs.items():
         text = sub.format_help().split("\noptions:\n")[1]
         for action in sub._actions:

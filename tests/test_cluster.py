@@ -27,8 +27,10 @@ from pipeline.workflow.cluster import (JobShape, check_shape, expand_first, job_
                                        slurm_node, slurm_resources)
 from pipeline.config import Params, from_dict, merge_distributed
 from pipeline.errors import ConfigError
+from pipeline.stages import registry
 
 STAGES = ("prepare", "sft", "reward", "ppo", "evaluate")
+CHECKED = registry.cluster_checked()   # the default pipeline's distributed stages
 TIMING = ("time", "seconds", "tokens_per_second", "peak_rss")   # what the process spent, not what it computed
 
 
@@ -286,7 +288,7 @@ def _sbatch(resources: dict, threads: int) -> str:
 
 def test_sbatch_for_multi_node_gpu_stages():
     shapes = shapes_in_profile(GPU_PROFILE, STAGES)
-    check_shape(_gpu_params(), shapes)
+    check_shape(_gpu_params(), shapes, CHECKED)
     for stage in ("sft", "reward", "ppo", "evaluate"):   # evaluate samples on the GPUs too
         res = _job_resources(GPU_PROFILE, stage)
         line = _sbatch(res, res["cpus_per_task"])
@@ -317,18 +319,18 @@ def test_cluster_resources_must_match_the_distributed_shape(tmp_path):
     def params(raw):
         return from_dict(Params, merge_distributed(raw, "params.yaml: "), "params.yaml: ")
     with pytest.raises(ConfigError, match=r"set-resources ppo.gpus: 4 GPUs per node but ppo.distributed.num_processes=1"):
-        check_shape(params({}), {"ppo": JobShape(gpus=4)})
+        check_shape(params({}), {"ppo": JobShape(gpus=4)}, CHECKED)
     with pytest.raises(ConfigError, match=r"set-resources sft.nodes: 2 must equal sft.distributed.num_nodes=1"):
-        check_shape(params({}), {"sft": JobShape(nodes=2)})
+        check_shape(params({}), {"sft": JobShape(nodes=2)}, CHECKED)
     with pytest.raises(ConfigError, match=r"set-resources prepare: a CPU stage"):
-        check_shape(params({}), {"prepare": JobShape(gpus=1)})
+        check_shape(params({}), {"prepare": JobShape(gpus=1)}, CHECKED)
     with pytest.raises(ConfigError, match=r"set-resources ppo.gpus: expected a whole number >= 0, got 'eight'"):
         job_shape("ppo", {}, {"gpus": "eight"})
     # evaluate and compare sample on GPUs too, sharded like the training stages.
     with pytest.raises(ConfigError, match=r"set-resources evaluate.gpus: 2 GPUs per node but evaluate.distributed.num_processes=1"):
-        check_shape(params({}), {"evaluate": JobShape(gpus=2)})
+        check_shape(params({}), {"evaluate": JobShape(gpus=2)}, CHECKED)
     check_shape(params({"evaluate": {"distributed": {"backend": "deepspeed", "num_processes": 2}}}),
-                {"evaluate": JobShape(gpus=2)})
+                {"evaluate": JobShape(gpus=2)}, CHECKED)
     # Snakemake refuses such a profile before submitting anything, from the profile or the command line.
     repo = _repo(tmp_path, "shape", jobs={"ppo": {"gpus": 4}})
     proc = run([str(BIN / "snakemake"), "-n", "--profile", "profiles/slurm"], repo, check=False)

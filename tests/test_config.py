@@ -10,9 +10,10 @@ from pathlib import Path
 import pytest
 
 from pipeline.config import (
-    DataConfig, ModelConfig, Params, SamplingConfig, SFTConfig, flatten, from_dict, load_params, read_yaml, to_dict,
+    DataConfig, ModelConfig, Params, SamplingConfig, SFTConfig, flatten, from_dict, read_yaml, to_dict,
 )
 from pipeline.errors import ConfigError, UserError
+from pipeline.stages.registry import load_params   # the whole check, stage batch shapes included
 
 ROOT = Path(__file__).resolve().parents[1]
 SHIPPED = ROOT / "params.yaml"

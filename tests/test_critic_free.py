@@ -20,7 +20,8 @@ from pipeline.ppo import group_advantages as group
 from pipeline.ppo.placement import place_models
 from pipeline.ppo.trainer import PPOTrainer
 from pipeline.stages import grpo as stage
-from pipeline.stages.prepare import run as prepare_run
+from pipeline.stages import registry
+from pipeline.stages.prepare import write as prepare_run
 from pipeline.training import memory_plan
 
 # 8 responses per iteration = 2 prompts x k = 4; minibatches of 4 rows, micro-batches of 2.
@@ -137,13 +138,14 @@ def test_group_estimator_config_is_checked():
         load("grpo", samples_per_prompt=1)
     with pytest.raises(ConfigError, match=r"grpo.kl_loss_coef: .*never both"):
         load("grpo", kl_coef=0.1)   # the grpo default has kl_loss_coef 0.05
-    # Batch sizes against processes: checked when the grpo stage starts (config.DEFERRED_SHAPE), so a
+    # Batch sizes against processes: checked when the grpo stage starts (its SPEC's shape), so a
     # distributed setup for the default pipeline loads whatever the comparison's sizes; ppo's at load.
+    assert (stage.SPEC.shape, registry.spec("ppo").shape) == ("start", "load")
     split = load("grpo", rollout_batch_size=10, minibatch_size=5, micro_batch_size=5)
     with pytest.raises(ConfigError, match=r"grpo.rollout_batch_size: 10 responses must be divisible by .* = 4"):
         check_process_shape(split, "grpo")
-    with pytest.raises(ConfigError, match=r"params.yaml: ppo.minibatch_size: 48 must divide ppo.rollout_batch_size"):
-        load("ppo", minibatch_size=48)
+    with pytest.raises(ConfigError, match=r"^ppo.minibatch_size: 48 must divide ppo.rollout_batch_size"):
+        check_process_shape(load("ppo", minibatch_size=48), "ppo")
     with pytest.raises(ConfigError, match=r"grpo.dataset: .*ppo.dataset"):
         load("grpo", dataset={"path": "prompts.jsonl"})
     with pytest.raises(ConfigError, match=r"grpo.whiten_rewards"):
@@ -160,13 +162,13 @@ def test_memory_plan_counts_three_models(dirs):
     actor, rm = shape(dirs / "sft", False), shape(dirs / "rm", True)
     folders = {"data": dirs / "data", "sft": dirs / "sft", "reward": dirs / "rm"}
     params = _params()
-    plan = memory_plan.stage_plan("grpo", params, folders)
+    plan = memory_plan.stage_plan("grpo", stage.SPEC.plan, params, folders)
     assert plan.stage == "grpo"
     assert plan.device["weights"] == 4 * actor.params                 # one trained model: the actor
     assert plan.device["frozen"] == 4 * (actor.params + rm.params)    # reference and reward
     gae = dataclasses.replace(params, grpo=dataclasses.replace(params.grpo, advantage="gae", kl_coef=0.2,
                                                               kl_loss_coef=0.0))
-    four = memory_plan.stage_plan("grpo", gae, folders)
+    four = memory_plan.stage_plan("grpo", stage.SPEC.plan, gae, folders)
     assert four.device["weights"] == 4 * (actor.params + rm.params)   # actor and critic (from the RM)
     assert plan.total < four.total
 

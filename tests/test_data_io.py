@@ -13,7 +13,7 @@ import torch
 
 from pipeline.data.records import IGNORE, Example, collate_sft, load_demonstrations, tokenize_demonstrations
 from pipeline.errors import DataError
-from pipeline.data.io import atomic_dir, atomic_write_json, atomic_write_text, read_jsonl, write_jsonl
+from pipeline.files import atomic_dir, atomic_write_json, atomic_write_text, read_jsonl, write_jsonl
 from pipeline.tasks import reviews
 from pipeline.data.tokenizer import (
     BOS, EOS, PAD, build_word_tokenizer, decode_response, encode_prompt, encode_response,
@@ -293,6 +293,9 @@ def test_long_prompt_keeps_bos_and_the_format_and_loses_the_texts_left_end(tok, 
     kept, truncated, dropped = tokenize_demonstrations(rows, tok, max_length=22, source=tmp_path / "d.jsonl",
                                                        overlong="drop")
     assert (len(kept), truncated, dropped) == (1, 0, 1) and kept[0].n_prompt == 16
+    # The errors name the keys of the section the lengths come from (rs fine-tunes with its own).
+    with pytest.raises(DataError, match=r"exceed rs\.max_length=22 \(rs\.overlong: truncate or drop"):
+        tokenize_demonstrations(rows, tok, max_length=22, source=tmp_path / "d.jsonl", overlong="error", section="rs")
 
 
 def test_response_longer_than_max_length(tok, tmp_path):
@@ -331,7 +334,7 @@ def test_reading_an_input_allocates_what_the_file_holds(tmp_path):
     from conftest import REPO
     (tmp_path / "small.txt").write_text("hello")
     code = ("import resource; resource.setrlimit(resource.RLIMIT_AS, (1 << 30, 1 << 30)); "
-            "from pipeline.data.io import read_input; print(read_input(%r, limit=1 << 33))" % str(tmp_path / "small.txt"))
+            "from pipeline.files import read_input; print(read_input(%r, limit=1 << 33))" % str(tmp_path / "small.txt"))
     proc = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr[-1000:]
     assert proc.stdout.strip() == "b'hello'"

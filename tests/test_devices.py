@@ -22,7 +22,7 @@ from pipeline.ppo.placement import place_models
 from pipeline.ppo.rollout import Rollout, rollout
 from pipeline.ppo.scoring import score_rollout
 from pipeline.ppo.trainer import PPOTrainer
-from pipeline.stages.prepare import run as prepare_run
+from pipeline.stages.prepare import write as prepare_run
 from pipeline.training import distributed
 from pipeline.training.distributed import Context
 

@@ -336,7 +336,7 @@ def test_zero3_partitions_each_model_as_it_loads(tmp_path):
     rank materialises a whole weight; a fresh reward head still gets its seeded initialisation."""
     from conftest import tiny_policy_and_reward_model
     from pipeline.config import DataConfig
-    from pipeline.stages.prepare import run as prepare_run
+    from pipeline.stages.prepare import write as prepare_run
     prepare_run(DataConfig(n_sft=8, n_sft_eval=4, n_pairs=8, n_pairs_eval=4, n_ppo_prompts=8, n_eval_prompts=4),
                 tmp_path / "data")
     sft, _ = tiny_policy_and_reward_model(tmp_path, tmp_path / "data")

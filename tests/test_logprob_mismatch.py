@@ -17,7 +17,7 @@ from pipeline.ppo.losses import policy_loss, truncated_is_weights
 from pipeline.ppo.mismatch import logprob_diff, ratio_deviation, resolve_recompute
 from pipeline.ppo.placement import place_models
 from pipeline.ppo.trainer import PPOTrainer
-from pipeline.stages.prepare import run as prepare_run
+from pipeline.stages.prepare import write as prepare_run
 
 TINY = dict(iterations=2, rollout_batch_size=8, minibatch_size=4, micro_batch_size=2, ppo_epochs=1,
             lr=1e-3, critic_lr=1e-3, sampling=SamplingConfig(max_new_tokens=10))

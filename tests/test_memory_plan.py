@@ -19,7 +19,7 @@ from transformers import AutoModelForCausalLM, AutoModelForSequenceClassificatio
 
 from conftest import REPO, run_env
 from pipeline.config import (
-    TRAINING_STAGES, CompareConfig, DataConfig, DistributedConfig, EvaluateConfig, LoraConfig, ModelConfig, Params,
+    CompareConfig, DataConfig, DistributedConfig, EvaluateConfig, LoraConfig, ModelConfig, Params,
     PPOConfig, PreferenceOptConfig, SamplingConfig, SFTConfig, check_process_shape, load_params,
 )
 from pipeline.errors import MAX_MESSAGE, ConfigError
@@ -27,12 +27,22 @@ from pipeline.models import lora as lora_mod
 from pipeline.models import reward_model as rm
 from pipeline.models.checkpoints import init_policy, save_checkpoint
 from pipeline.ppo.placement import SharedValueHead
-from pipeline.stages.prepare import run as prepare_run
+from pipeline.stages.prepare import write as prepare_run
+from pipeline.stages import registry
 from pipeline.training import memory_plan as mp
 from pipeline.training import memory_terms as mt
 from pipeline.training.engines import enable_checkpointing
 
 GIB = 2 ** 30
+
+
+def plan_of(stage: str):
+    """The stage's SPEC.plan."""
+    return registry.spec(stage).plan
+
+
+def plans(*stages: str) -> dict:
+    return {s: plan_of(s) for s in stages}
 # Llama-3.2-1B's shape (its vocabulary, GQA with 8 key/value heads, tied embeddings): 1.236e9 parameters.
 LLAMA_1B = LlamaConfig(vocab_size=128256, hidden_size=2048, intermediate_size=8192, num_hidden_layers=16,
                        num_attention_heads=32, num_key_value_heads=8, head_dim=64, tie_word_embeddings=True)
@@ -237,7 +247,7 @@ def test_predicted_peak_matches_measured_rss(tiny_default, stage):
     ckpt = stage == "sft-checkpointing"
     params = Params(ppo=PPOConfig(max_prompt_length=16, iterations=1, sampling=SamplingConfig(max_new_tokens=48)),
                     sft=SFTConfig(distributed=DistributedConfig(gradient_checkpointing=ckpt)))
-    plan = mp.stage_plan("sft" if ckpt else stage, params,
+    plan = mp.stage_plan("sft" if ckpt else stage, plan_of("sft" if ckpt else stage), params,
                          {"data": root / "data", "sft": root / "sft", "reward": root / "rm"})
     assert plan.peak_phase == "update"   # what the probe measures is the planned peak
     predicted = plan.total
@@ -273,7 +283,7 @@ def test_cli_refuses_a_plan_that_cannot_fit(tiny_default, tmp_path):
     assert len(lines) == 1 and lines[0].startswith("error: ppo: plan 0.")
     # The suggestions as advice() works them out for the same params, largest saving first.
     loaded = load_params(params)
-    planner = mp.planners(loaded, tiny_default / "data", ("ppo",))["ppo"]
+    planner = mp.planners(loaded, tiny_default / "data", plans("ppo"))["ppo"]
     tips = mp.advice("ppo", loaded.ppo, planner, mp.runs_on_cpu(loaded.ppo.distributed))
     assert "> 0.001 GiB device (distributed.device_memory_gb): " + str(tips[0]) in lines[0]
     check_refusal(lines[0][len("error: "):], "ppo", tips)
@@ -301,18 +311,18 @@ def test_stage_refuses_before_building_a_model(tiny_default, tmp_path):
 def test_warning_within_ten_percent(tiny_default, caplog):
     params = Params()
     folders = {"data": tiny_default / "data"}
-    total = mp.stage_plan("sft", params, folders).total
+    total = mp.stage_plan("sft", plan_of("sft"), params, folders).total
     near = Params(sft=SFTConfig(distributed=DistributedConfig(device_memory_gb=total * 1.05 / GIB)))
     with caplog.at_level(logging.WARNING, logger="pipeline.training.memory_plan"):
-        mp.check_stage("sft", near, folders)
+        mp.check_stage("sft", plan_of("sft"), near, folders)
     assert len(caplog.records) == 1 and "within 10% of the" in caplog.records[0].getMessage()
     caplog.clear()
     roomy = Params(sft=SFTConfig(distributed=DistributedConfig(device_memory_gb=total * 1.2 / GIB)))
-    mp.check_stage("sft", roomy, folders)
-    mp.check_stage("sft", roomy, folders, is_main=False)
+    mp.check_stage("sft", plan_of("sft"), roomy, folders)
+    mp.check_stage("sft", plan_of("sft"), roomy, folders, is_main=False)
     assert caplog.records == []
     with pytest.raises(ConfigError):
-        mp.check_stage("sft", Params(sft=SFTConfig(
+        mp.check_stage("sft", plan_of("sft"), Params(sft=SFTConfig(
             distributed=DistributedConfig(device_memory_gb=total * 0.99 / GIB))), folders)
 
 
@@ -387,7 +397,7 @@ def test_score_micro_batch_size_sizes_the_scoring_phase(tiny_default):
     policy, rm = mt.shape_of(hf), mt.shape_of(hf, scalar_head=True)
     reward = mt.forward_bytes(rm, 32, 96, 48, 4)
     for b in (None, 4):
-        plan = mp.planned(Params(ppo=PPOConfig(score_micro_batch_size=b)), data, ("ppo",))[0]
+        plan = mp.planned(Params(ppo=PPOConfig(score_micro_batch_size=b)), data, plans("ppo"))[0]
         n = b or 16
         lm, critic = mt.forward_bytes(policy, n, 304, 48, 4), mt.forward_bytes(rm, n, 304, 48, 4)
         assert plan.device["scoring"] == max(lm, critic, reward)
@@ -442,7 +452,7 @@ def test_checkpoint_read_per_node(tiny_default):
     params = Params(sft=SFTConfig(distributed=DistributedConfig(**two, precision="bf16")),
                     dpo=PreferenceOptConfig(distributed=DistributedConfig(**two)),
                     ppo=PPOConfig(distributed=DistributedConfig(**two)))
-    sft, dpo, ppo = mp.planned(params, data, ("sft", "dpo", "ppo"))
+    sft, dpo, ppo = mp.planned(params, data, plans("sft", "dpo", "ppo"))
     hf = mt.policy_config(params, data)
     policy, rm = mt.shape_of(hf), mt.shape_of(hf, scalar_head=True)
     assert sft.cpu["loading"] == 0
@@ -480,7 +490,7 @@ def test_evaluate_and_compare_where_they_run(tiny_default, capsys):
     data = tiny_default / "data"
     params = Params(evaluate=EvaluateConfig(distributed=ds(num_processes=2, precision="bf16")),
                     compare=CompareConfig(distributed=DistributedConfig(precision="bf16")))
-    evaluate, compare = mp.planned(params, data, ("evaluate", "compare"))
+    evaluate, compare = mp.planned(params, data, plans("evaluate", "compare"))
     hf = mt.policy_config(params, data)
     policy, rm = mt.shape_of(hf), mt.shape_of(hf, scalar_head=True)
     work = max(mt.sampling_bytes(policy, 64, 256, 48, 2), mt.forward_bytes(policy, 32, 304, 48, 2))
@@ -488,7 +498,7 @@ def test_evaluate_and_compare_where_they_run(tiny_default, capsys):
     assert evaluate.device["measurement"] == work and evaluate.total == evaluate.device["frozen"] + work
     assert compare.device["frozen"] == evaluate.device["frozen"] and compare.total == evaluate.total
     assert evaluate.cpu["loading"] == 2 * 4 * rm.params and compare.cpu["loading"] == 4 * rm.params
-    assert mp.planned(Params(), data, ("evaluate",))[0].device["frozen"] == 2 * evaluate.device["frozen"]   # fp32
+    assert mp.planned(Params(), data, plans("evaluate"))[0].device["frozen"] == 2 * evaluate.device["frozen"]   # fp32
     from pipeline.__main__ import main
     assert main(["plan", "--params", str(REPO / "params.yaml"), "--stage", "compare", "--data", str(data)]) == 0
     out = capsys.readouterr().out
@@ -556,7 +566,7 @@ def test_every_suggestion_loads_and_shrinks_the_plan(tiny_default, tmp_path, sta
     base = {stage: {"distributed": {"device": "cuda", "device_memory_gb": 0.001, **VARIANTS[variant]}}}
     params = load_params(write_params(tmp_path / "params.yaml", base))
     cfg = getattr(params, stage)
-    planner = mp.planners(params, data, (stage,))[stage]
+    planner = mp.planners(params, data, plans(stage))[stage]
     plan = planner(cfg)
     tips = mp.advice(stage, cfg, planner)
     with pytest.raises(ConfigError) as refusal:
@@ -572,9 +582,9 @@ def test_every_suggestion_loads_and_shrinks_the_plan(tiny_default, tmp_path, sta
         for key, value in tip.settings.items():
             set_dotted(changed, key, value)
         loaded = load_params(write_params(tmp_path / f"{tip.key}.yaml", changed))
-        if stage in TRAINING_STAGES:
+        if registry.spec(stage).training:
             check_process_shape(loaded, stage)
-        after = mp.planned(loaded, data, (stage,))[0]
+        after = mp.planned(loaded, data, plans(stage))[0]
         assert after.total < plan.total and after.total == pytest.approx(plan.total - tip.saves)
         if tip.key.endswith("gradient_checkpointing"):   # the models this stage trains take it
             hf = mt.policy_config(loaded, data)
@@ -591,7 +601,7 @@ def test_no_checkpointing_suggested_for_a_shared_value_head(tiny_default):
     keys = {}
     for shared in (True, False):
         params = Params(ppo=PPOConfig(shared_backbone=shared, distributed=DistributedConfig(device="cuda")))
-        planner = mp.planners(params, data, ("ppo",))["ppo"]
+        planner = mp.planners(params, data, plans("ppo"))["ppo"]
         keys[shared] = {t.key for t in mp.advice("ppo", params.ppo, planner)}
     assert "ppo.distributed.gradient_checkpointing" in keys[False] - keys[True]
     assert "ppo.distributed.offload_optimizer" in keys[False]
@@ -606,7 +616,7 @@ def test_on_the_cpu_nothing_is_moved_to_ram(tiny_default):
     the model: neither is suggested; what shrinks RAM still is (16 bit, partitions over ranks)."""
     data = tiny_default / "data"
     params = Params(sft=SFTConfig(distributed=DistributedConfig(device="cpu", backend="deepspeed", num_processes=2)))
-    planner = mp.planners(params, data, ("sft",))["sft"]
+    planner = mp.planners(params, data, plans("sft"))["sft"]
     keys = [t.key for t in mp.advice("sft", params.sft, planner, on_cpu=True)]
     assert keys and not [k for k in keys if "offload" in k or "num_processes" in k]
     assert {"sft.distributed.precision", "sft.distributed.zero_stage"} <= set(keys)

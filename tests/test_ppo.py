@@ -20,7 +20,7 @@ from pipeline.ppo.rollout import rollout
 from pipeline.ppo.scoring import policy_logprobs, score_rollout
 from pipeline.errors import NumericalError
 from pipeline.ppo.trainer import PPOTrainer
-from pipeline.stages.prepare import run as prepare_run
+from pipeline.stages.prepare import write as prepare_run
 from pipeline.data.tokenizer import encode_prompt
 
 TINY_PPO = dict(iterations=4, rollout_batch_size=8, minibatch_size=4, micro_batch_size=2, ppo_epochs=2,

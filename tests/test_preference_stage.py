@@ -20,7 +20,7 @@ from pipeline.models.checkpoints import load_policy
 from pipeline.preference.logprobs import TokenPair, pair_logprobs, response_lengths
 from pipeline.preference.losses import ipo_loss, simpo_loss
 from pipeline.stages import dpo
-from pipeline.stages.prepare import run as prepare_run
+from pipeline.stages.prepare import write as prepare_run
 from pipeline.training import supervised
 
 TIME_KEYS = ("seconds", "time", "tokens_per_second", "resources")

@@ -10,7 +10,10 @@ from ruamel.yaml import YAML
 
 from conftest import BIN, REPO, copy_repo, run
 from pipeline.workflow import recipes, stage_graph
-from pipeline.workflow.cluster import SHAPE_CHECKED, JobShape, check_shape, shapes_in_profile, slurm_resources
+from pipeline.stages import registry
+from pipeline.workflow.cluster import JobShape, check_shape, shapes_in_profile, slurm_resources
+
+SHAPE_CHECKED = registry.cluster_checked()
 from pipeline.errors import ConfigError
 
 
@@ -23,7 +26,7 @@ def test_recipe_validates_and_gives_gpu_jobs(name):
     _, params, jobs = recipes.render(name, REPO / "params.yaml")
     _, profile = recipes.profile_with(REPO / "profiles/slurm/config.yaml", jobs)
     shapes = shapes_in_profile(profile, ("prepare", *SHAPE_CHECKED))
-    check_shape(params, shapes)                   # nodes and GPUs match the distributed settings
+    check_shape(params, shapes, SHAPE_CHECKED)    # nodes and GPUs match the distributed settings
     for stage in SHAPE_CHECKED:                   # evaluate samples best-of-n on the GPUs too
         res = slurm_resources(shapes[stage])
         assert res["gres"] == "gpu:8" and res["nodes"] == 1

@@ -26,7 +26,7 @@ from pipeline.training import resume, supervised
 from pipeline.stages import reward, sft
 from pipeline.config import DataConfig, Params, from_dict
 from pipeline.errors import ConfigError, NumericalError
-from pipeline.stages.prepare import run as prepare_run
+from pipeline.stages.prepare import write as prepare_run
 
 TIME_KEYS = ("seconds", "time", "tokens_per_second", "peak_rss")
 

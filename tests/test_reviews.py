@@ -16,7 +16,7 @@ import pytest
 
 from pipeline.config import DataConfig
 from pipeline.stages.prepare import SPLITS, bradley_terry_label, build_splits, check_leakage, make_pairs, run
-from pipeline.data.io import read_jsonl
+from pipeline.files import read_jsonl
 from pipeline.tasks import reviews as R
 
 PROMPT = "Write a review of the film Crimson Harbor . Discuss the music ."

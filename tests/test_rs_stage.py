@@ -20,7 +20,7 @@ from pipeline.errors import ConfigError, DataError
 from pipeline.models import reward_model as rm
 from pipeline.models.checkpoints import load_policy
 from pipeline.stages import rs
-from pipeline.stages.prepare import run as prepare_run
+from pipeline.stages.prepare import write as prepare_run
 from pipeline.training import supervised
 
 TIME_KEYS = ("seconds", "time", "tokens_per_second", "resources")
@@ -184,7 +184,7 @@ def test_config_errors_name_the_file_and_key(section, message, tmp_path):
 
 
 def test_batch_split_is_checked_when_the_stage_starts(tmp_path):
-    # Not at load (config.DEFERRED_SHAPE): a distributed setup for the default pipeline must not be
+    # Not at load (its SPEC's shape: "start"): a distributed setup for the default pipeline must not be
     # refused over the sizes of a comparison stage it does not run.
     path = tmp_path / "params.yaml"
     path.write_text(json.dumps({"rs": {"batch_size": 3, "distributed": {"gradient_accumulation_steps": 2}}}))

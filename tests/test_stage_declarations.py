@@ -12,11 +12,11 @@ from ruamel.yaml import YAML
 from conftest import REPO
 from pipeline.config import Params
 from pipeline.data import inputs
-from pipeline.stages import compare, dpo, evaluate, grpo, ppo, prepare, reward, rs, sft
+from pipeline.stages import registry
 from pipeline.stages.spec import StageSpec, UndeclaredParam, declared, resolve
 from pipeline.workflow import code_deps, stage_graph
 
-SPECS = {m.SPEC.name: m.SPEC for m in (prepare, sft, reward, ppo, evaluate, dpo, grpo, rs, compare)}
+SPECS = registry.specs()   # every stage module's SPEC
 # Every pipeline file's stages: the default pipeline and the methods compared on its outputs.
 DVC = {name: spec for f in stage_graph.PIPELINE_FILES
        for name, spec in YAML(typ="safe").load((REPO / f).read_text())["stages"].items()}
@@ -30,6 +30,18 @@ def test_every_dvc_stage_has_a_declaration_and_dvc_params_are_it():
     assert set(DVC) == set(SPECS)
     for name, spec in SPECS.items():
         assert sorted(DVC[name]["params"]) == sorted(spec.reads), name
+
+
+def test_each_stage_sits_in_the_pipeline_file_its_spec_names_with_the_folders_it_declares():
+    """dvc.yaml is hand-written; the registry's facts about a stage hold there: which file, the
+    output folder, and (for a method) that compare measures its policy."""
+    files = {f: YAML(typ="safe").load((REPO / f).read_text())["stages"] for f in stage_graph.PIPELINE_FILES}
+    compare_cmd = DVC["compare"]["cmd"]
+    for name, spec in SPECS.items():
+        where = next(f for f, stages in files.items() if name in stages)
+        assert where == ("dvc.yaml" if spec.pipeline == "default" else "compare/dvc.yaml"), name
+        assert f"--out {spec.output}" in DVC[name]["cmd"], name
+        assert (f"--policy {name}={spec.output}/model" in compare_cmd) == spec.policy, name
 
 
 def test_reading_an_undeclared_param_raises_and_names_the_key():
@@ -102,9 +114,9 @@ def test_exempt_files_are_listed_with_a_reason():
 
 
 def test_declared_inputs_are_the_command_line_folders_dvc_passes():
-    from pipeline.__main__ import STAGES
+    from pipeline.__main__ import commands
     for name, spec in SPECS.items():
-        assert spec.inputs == tuple(k for k in STAGES[name][1] if k != "out"), name
+        assert spec.inputs == tuple(k for k in commands()[name][1] if k != "out"), name
         for folder in spec.inputs:
             assert f"--{folder} " in DVC[name]["cmd"], (name, folder)
 

@@ -32,7 +32,7 @@ from pipeline.config import DataConfig, ModelConfig, Params, PPOConfig, Sampling
 from pipeline.errors import ConfigError
 from pipeline.tracking.mlflow_sink import deps_hash, lock_deps_hash, stage_tracking, tracking_uri
 from pipeline.stages import ppo as ppo_stage
-from pipeline.stages.prepare import run as prepare_run
+from pipeline.stages.prepare import write as prepare_run
 from pipeline.models.checkpoints import load_policy
 from pipeline.models.reward_model import load_reward_model, score_texts
 from pipeline.tracking.mlflow_models import REGISTERED

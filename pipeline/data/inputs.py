@@ -25,7 +25,7 @@ from typing import Any, Callable, Hashable, TypeVar, Union
 from ..config import Params, PreferenceDataConfig, PromptDatasetConfig, SFTDatasetConfig
 from .records import load_demonstrations, load_prompts
 from ..errors import DataError
-from .io import nonempty_text
+from ..files import nonempty_text
 from .preferences import ASSISTANT_TURN, Pair, _rows, load_pairs
 
 Prompt = Union[str, list[dict[str, str]]]

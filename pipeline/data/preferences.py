@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Any, Literal, Optional, Sequence
 
 from ..errors import DataError, shown
-from .io import MAX_RECORD_BYTES, check_fields, check_ids, check_unicode, nonempty_text, numbered_jsonl, regular_file
+from ..files import MAX_RECORD_BYTES, check_fields, check_ids, check_unicode, nonempty_text, numbered_jsonl, regular_file
 
 Layout = Literal["auto", "text", "conversation", "messages"]
 ASSISTANT_TURN = "\n\nAssistant:"

@@ -13,7 +13,7 @@ import torch
 from transformers import PreTrainedTokenizerBase
 
 from ..errors import DataError
-from .io import read_records
+from ..files import read_records
 from .padding import right_pad
 from .tokenizer import cut_prompt, encode_prompt, encode_response
 
@@ -41,13 +41,15 @@ class Example:
 
 
 def tokenize_demonstrations(rows: list[dict], tok: PreTrainedTokenizerBase, max_length: int,
-                            source: Path | str, overlong: str = "truncate") -> tuple[list[Example], int, int]:
+                            source: Path | str, overlong: str = "truncate",
+                            section: str = "sft") -> tuple[list[Example], int, int]:
     """Tokenize. A demonstration longer than `max_length` keeps its response and the prompt's
     template (bos, system block, headers) and loses the left end of the user text (`overlong:
     truncate`: the instruction's tail and the response matter most; tokenizer.cut_prompt),
     or is left out (`drop`), or is an error naming it (`error`). Returns examples and how many were
     truncated and dropped. A response alone longer than the limit is an error under `truncate`
-    (nothing sensible is left)."""
+    (nothing sensible is left). `section`: the params section whose `max_length` and `overlong`
+    these are (the errors name its keys)."""
     examples, truncated, dropped = [], 0, 0
     for i, row in enumerate(rows):
         p, r = encode_prompt(tok, row["prompt"]), encode_response(tok, row["response"])
@@ -55,18 +57,18 @@ def tokenize_demonstrations(rows: list[dict], tok: PreTrainedTokenizerBase, max_
             where = row.get("where", f"{source}: record {i + 1}")
             if overlong == "error":
                 raise DataError(f"{where}: prompt + response of "
-                                f"{len(p) + len(r)} tokens exceed sft.max_length={max_length} (sft.overlong: "
+                                f"{len(p) + len(r)} tokens exceed {section}.max_length={max_length} ({section}.overlong: "
                                 f"truncate or drop accepts such records)")
             if overlong == "drop":
                 dropped += 1
                 continue
             if len(r) >= max_length:
                 raise DataError(f"{where}: response of {len(r)} tokens exceeds "
-                                f"sft.max_length={max_length} (sft.overlong: drop skips such records)")
+                                f"{section}.max_length={max_length} ({section}.overlong: drop skips such records)")
             p, truncated = cut_prompt(tok, row["prompt"], max_length - len(r), p), truncated + 1
         examples.append(Example(p + r, len(p)))
     if not examples:
-        raise DataError(f"{source}: every record is longer than sft.max_length={max_length}")
+        raise DataError(f"{source}: every record is longer than {section}.max_length={max_length}")
     return examples, truncated, dropped
 
 

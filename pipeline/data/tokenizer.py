@@ -28,7 +28,7 @@ from tokenizers import Tokenizer, models, pre_tokenizers, processors
 from transformers import AutoTokenizer, PreTrainedTokenizerBase, PreTrainedTokenizerFast
 
 from ..errors import CheckpointError, DataError, loading
-from .io import check_folder
+from ..files import check_folder
 
 log = logging.getLogger(__name__)
 

@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any, Mapping, Optional
 
 from ..config import read_yaml
-from ..data.io import atomic_write_text
+from ..files import atomic_write_text
 from .comparison_plots import frontier_plot
 
 METRICS = {"kl": "ppo.kl", "rm": "ppo.rm", "gold": "ppo.gold"}

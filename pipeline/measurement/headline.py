@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any, Optional
 
 from ..errors import DataError
+from .verdict import detector_record, verdict
 
 WIDTH = 99
 STAGES = ("prepare", "sft", "reward", "ppo", "evaluate")
@@ -42,7 +43,6 @@ def _duration(seconds: Any) -> str:
 
 def lines(outputs: Path) -> list[str]:
     """The headline of the run whose stage folders are in `outputs` (each at most WIDTH columns)."""
-    from ..stages.evaluate import detector_record, verdict
     ev = _read(outputs / "evaluate" / "metrics.json")
     if ev is None:
         raise DataError(f"{outputs / 'evaluate' / 'metrics.json'}: no such file (run the pipeline first: make pipeline)")

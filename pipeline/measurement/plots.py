@@ -10,7 +10,7 @@ from pathlib import Path
 
 import matplotlib
 
-from ..data.io import umask_mode
+from ..files import umask_mode
 
 matplotlib.use("Agg")  # no display, no network: DVC's own renderer loads its JS from the web
 import matplotlib.pyplot as plt  # noqa: E402

@@ -17,7 +17,7 @@ from transformers import AutoModelForCausalLM, GPT2Config, LlamaConfig, PreTrain
 from transformers import PreTrainedTokenizerBase
 
 from ..config import ModelConfig
-from ..data.io import check_folder, read_json_object
+from ..files import check_folder, read_json_object
 from ..errors import CheckpointError, loading
 from ..data.tokenizer import load_tokenizer
 

@@ -13,7 +13,7 @@ from pathlib import Path
 import torch
 
 from ..config import LoraConfig
-from ..data.io import atomic_dir
+from ..files import atomic_dir
 
 
 def targets(cfg: LoraConfig) -> str | list[str]:

@@ -22,11 +22,11 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Optional, Sequence
 
 from ..config import Params
 from ..data import inputs
-from ..data.io import atomic_write_text
+from ..files import atomic_write_text
 from ..errors import ConfigError
 from ..measurement.plots import close_figure, plt, save_figure
 from ..measurement.policy import Measured, Policy, best_of_n, candidates, measure_policies, summary
@@ -34,12 +34,32 @@ from ..measurement.stats import win_rate
 from ..models.checkpoints import load_policy
 from ..models.reward_source import RewardModelSource
 from ..tracking.sinks import StepLog
-from ..training import loading
+from ..training import loading, memory_plan
 from ..training.distributed import SINGLE, Context
 from .skeleton import stage_run
+from ..tracking import metric_names
 from .spec import StageSpec
 
-SPEC = StageSpec("compare", inputs=("data", "sft", "reward"), measuring=True, reads=(
+# docs/metrics.md: the note under each file the stage writes
+METRIC_FILES = {
+    "methods.tsv": "one row per policy, in report order",
+    "metrics.json": "per policy (`sft`, `best_of_<n>` for each n of `compare.best_of_n`, each method "
+                    "given by `--policy`) on the held-out prompts, then each one's win rates over SFT",
+}
+
+SPEC = StageSpec(
+    "compare", help="every alignment method (--policy NAME=FOLDER each), SFT and best-of-n on the held-out prompts",
+    inputs=("data", "sft", "reward"), measuring=True, pipeline="compare",
+    headline=("*/gold", "*/rm", "*/kl", "win_rate/*_vs_sft_gold", "win_rate/*_vs_sft_rm"),
+    metrics=metric_names.compare, files=METRIC_FILES,
+    plan=lambda params, shapes: memory_plan_of(params, shapes),
+    summary=lambda metrics, folders: [f"compare: wrote {folders['out']}; report: {folders['out'] / 'report.md'}",
+                                      *console_lines(metrics)],
+    add_options=lambda parser: parser.add_argument(
+        "--policy", action="append", default=[], metavar="NAME=FOLDER",
+        help="a method's policy checkpoint, e.g. dpo=outputs/dpo/model (repeat for each; default: none, only SFT "
+             "and best-of-n)"),
+    reads=(
     "data.task", "model.trust_remote_code",
     "reward.max_length",         # the reward model scores as it was trained
     "ppo.sampling",              # every policy samples as PPO's rollouts did
@@ -186,10 +206,27 @@ def gold_vs_kl_plot(m: dict[str, Any], names: tuple[str, ...], has_gold: bool, p
     return save_figure(fig, path, close=False)
 
 
-def run(params: Params, data_dir: Path, sft_dir: Path, reward_dir: Path, policies: list[str],
-        out: Path) -> dict[str, Any]:
-    """The stage: measure every policy, write the table, the plot and the metrics."""
-    methods = parse_policies(policies)
+def memory_plan_of(params: Params, shapes: memory_plan.Shapes) -> Optional[memory_plan.Planner]:
+    """SFT, one method's policy at a time and the reward model whole on every rank. Before any
+    checkpoint (shapes.predicted): every method the registry lists, each saved by its own stage;
+    from the folders: the policies given, the largest resident."""
+    if not shapes.ready("sft", "reward"):
+        return None
+    sft, rm = shapes.model("sft"), shapes.model("reward", True)
+    if shapes.predicted:
+        from . import registry   # every method's stage (a module of this package)
+        methods = tuple(shapes.model(name) for name in registry.methods())
+        return memory_plan.measuring_planner("compare", params, (sft, sft, rm), (sft, *methods, rm))
+    policies = tuple(shapes.model(k) for k in shapes.folders if k not in ("data", "sft", "reward"))
+    resident = (sft, *(policies and (max(policies, key=lambda m: m.params),)), rm)
+    return memory_plan.measuring_planner("compare", params, resident, (*resident, *policies))
+
+
+def run(params: Params, data_dir: Path, sft_dir: Path, reward_dir: Path, out: Path, progress: bool = True,
+        policy: Sequence[str] = ()) -> dict[str, Any]:
+    """The stage: measure every policy (`policy`: NAME=FOLDER each, as --policy gives them), write
+    the table, the plot and the metrics."""
+    methods = parse_policies(list(policy))
     for name, folder in methods.items():
         if not folder.is_dir():
             raise ConfigError(f"--policy {name}={folder}: no such folder (has that method's stage run?)")

@@ -26,7 +26,7 @@ from __future__ import annotations
 import contextlib
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Optional
 
 import torch
 
@@ -40,15 +40,28 @@ from ..models import lora
 from ..models.checkpoints import load_policy
 from ..preference.logprobs import TokenPair, pair_logprobs, reference_logprobs, response_lengths
 from ..preference.losses import dpo_loss, ipo_loss, simpo_loss
-from ..training import loading, supervised
+from ..training import loading, memory_plan, supervised
 from ..training.batches import total_steps
 from ..training.distributed import SINGLE, Context
 from ..training.engines import TrainEngine, supervised_engine, write_deepspeed_config
 from ..training.supervised import SupervisedTask
 from .skeleton import StageRun, stage_run
+from ..tracking import metric_names
 from .spec import StageSpec
 
-SPEC = StageSpec("dpo", inputs=("data", "sft"), training=True, reads=(
+# docs/metrics.md: the note under each file the stage writes
+METRIC_FILES = {
+    "train.tsv": "one row per optimizer step",
+    "eval.tsv": "held-out pairs during training, with the log-prob drift from the reference",
+    "metrics.json": "after training, then the trained policy sampled on the held-out prompts",
+}
+
+SPEC = StageSpec(
+    "dpo", help="offline preference optimisation of the SFT policy on the pairs (DPO, IPO or SimPO)",
+    inputs=("data", "sft"), training=True, shape="start", pipeline="compare", policy=True,
+    headline=("eval/accuracy", "eval/margin", "eval/gold_sampled", "eval/kl_sampled"),
+    metrics=metric_names.dpo, files=METRIC_FILES,
+    plan=lambda params, shapes: memory_plan_of(params, shapes), reads=(
     "data.task", "model.trust_remote_code",
     "dpo", "distributed",
     "ppo.dataset",               # held-out prompts of the final measurement
@@ -235,6 +248,15 @@ def train(run: StageRun, data_dir: Path, sft_dir: Path, progress: bool = True) -
     metrics.update(final_metrics(result.eval_log.rows[-1], result.train_log.rows[-1]))
     metrics.update(measured)
     return model, tok, metrics
+
+
+def memory_plan_of(params: Params, shapes: memory_plan.Shapes) -> Optional[memory_plan.Planner]:
+    """The SFT policy trained on pairs (two sequences per pair in one forward); its reference
+    log-probs come from the same engine, so no second model."""
+    if not shapes.ready("sft"):
+        return None
+    sft = shapes.model("sft")
+    return memory_plan.supervised_planner("dpo", params, sft, (sft,))
 
 
 def run(params: Params, data_dir: Path, sft_dir: Path, out: Path, progress: bool = True) -> dict[str, Any]:

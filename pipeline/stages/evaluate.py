@@ -18,26 +18,46 @@ description) says in one paragraph whether PPO beat SFT and whether the RM was g
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Any, Callable, Optional
 
 from ..config import EvaluateConfig, Params
 from ..data import inputs
-from ..data.io import atomic_write_text
+from ..files import atomic_write_text
 from ..measurement.comparison_plots import evaluation_plots
 from ..measurement.plots import close_figure
 from ..measurement.policy import Measured, Policy, best_of_n, candidates, measure_policies, summary
 from ..measurement.stats import win_rate
+from ..measurement.verdict import detector_record, verdict
 from ..models.checkpoints import load_policy
 from ..models.reward_source import RewardModelSource
 from ..tracking.sinks import StepLog
-from ..training import loading
+from ..training import loading, memory_plan
 from ..training.distributed import SINGLE, Context
 from .skeleton import stage_run
+from ..tracking import metric_names
 from .spec import StageSpec
 
-SPEC = StageSpec("evaluate", inputs=("data", "sft", "reward", "ppo"), measuring=True, reads=(
+# docs/metrics.md: the note under each file the stage writes
+METRIC_FILES = {
+    "policies.tsv": "one row per policy, in report order",
+    "metrics.json": "per policy (`sft`, `best_of_<n>` for each n of `evaluate.best_of_n`, `ppo`) on "
+                    "the held-out prompts, then the win rates",
+}
+METRIC_NOTES = """\
+`best_of_<n>` keeps the reward model's favourite among the first n of max(n) SFT samples per prompt
+(nested: one draw serves every n). `report.md` opens with the verdict (did PPO beat SFT by the gold
+annotator, is the RM-vs-gold gap above 20 points, what the PPO detector recorded; also printed last
+by the stage and set as the MLflow parent run's description), compares PPO with each best-of-n at
+their KLs, and shows `scores.png` and `kl_frontier.png` (best-of-n points joined as a curve).
+"""
+
+SPEC = StageSpec(
+    "evaluate", help="SFT, best-of-n and PPO on the held-out prompts", inputs=("data", "sft", "reward", "ppo"),
+    measuring=True, headline=("*/gold", "*/rm", "*/kl", "win_rate/ppo_vs_sft_gold", "win_rate/ppo_vs_sft_rm"),
+    metrics=metric_names.evaluate, files=METRIC_FILES, notes=METRIC_NOTES,
+    plan=lambda params, shapes: memory_plan_of(params, shapes),
+    summary=lambda metrics, folders: console_lines(metrics, folders), reads=(
     "data.task", "model.trust_remote_code",
     "reward.max_length",         # the reward model scores as it was trained
     "ppo.sampling",              # every policy samples as PPO's rollouts did
@@ -131,41 +151,6 @@ def ppo_vs_best_of_n(m: dict[str, Any], ns: tuple[int, ...], key: str) -> list[s
     return lines
 
 
-def verdict(m: dict[str, Any], detector: Optional[dict[str, Any]]) -> str:
-    """One paragraph: did PPO beat SFT, and was the reward model gamed. `m` is evaluate's metrics;
-    `detector` the `detector` section of outputs/ppo/metrics.json (None: no record). With a gold
-    judge, an RM-vs-gold win-rate gap above 20 points is called over-optimisation."""
-    rm = m["win_rate/ppo_vs_sft_rm"]
-    if detector is None:
-        alarm = "detector: no record"
-    elif detector.get("first_fire"):
-        stopped = (f", training stopped there and kept iteration {int(detector['kept_iteration'])}'s weights"
-                   if detector.get("stopped_at") else "")
-        alarm = f"the over-optimisation detector fired at iteration {int(detector['first_fire'])}{stopped}"
-    else:
-        alarm = "the over-optimisation detector stayed quiet"
-    if "win_rate/ppo_vs_sft_gold" not in m:
-        return (f"No gold annotator for this task: the reward model prefers PPO over SFT in {rm:.0%} of "
-                f"held-out prompts; {alarm}.")
-    gold = m["win_rate/ppo_vs_sft_gold"]
-    if gold <= 0.5:
-        head = (f"PPO does NOT beat SFT by the gold annotator ({gold:.0%} win rate; the reward model "
-                f"prefers PPO in {rm:.0%} of prompts)")
-    elif abs(rm - gold) > 0.20:
-        head = f"over-optimisation: the reward model prefers PPO in {rm:.0%} of prompts, the gold annotator in {gold:.0%}"
-    else:
-        head = f"OK: PPO beats SFT in {gold:.0%} of prompts by the gold annotator and {rm:.0%} by the reward model"
-    return f"{head}; {alarm}."
-
-
-def detector_record(ppo_model_dir: Path) -> Optional[dict[str, Any]]:
-    """The detector's section of the ppo stage's metrics.json, next to its model folder."""
-    path = Path(ppo_model_dir).parent / "metrics.json"
-    if not path.is_file():
-        return None
-    return json.loads(path.read_text(encoding="utf-8")).get("detector")
-
-
 def report_markdown(m: dict[str, Any], samples: str, has_gold: bool, names: tuple[str, ...],
                     ns: tuple[int, ...], verdict_text: str) -> str:
     rows = ["| policy | RM score | gold score | KL to SFT (nats) | length | eos rate | distinct-2 |",
@@ -190,7 +175,29 @@ def report_markdown(m: dict[str, Any], samples: str, has_gold: bool, names: tupl
         "![scores](scores.png)", "", "![KL vs score](kl_frontier.png)", "", "## Sample responses", "", samples])
 
 
-def run(params: Params, data_dir: Path, sft_dir: Path, reward_dir: Path, ppo_dir: Path, out: Path) -> dict[str, Any]:
+def memory_plan_of(params: Params, shapes: memory_plan.Shapes) -> Optional[memory_plan.Planner]:
+    """SFT, PPO and the reward model whole on every rank."""
+    if not shapes.ready("sft", "reward", "ppo"):
+        return None
+    sft, ppo, rm = shapes.model("sft"), shapes.model("ppo"), shapes.model("reward", True)
+    return memory_plan.measuring_planner("evaluate", params, (sft, ppo, rm),
+                                         (sft, ppo, rm) if shapes.predicted else (sft, ppo, rm, ppo))
+
+
+def console_lines(m: dict[str, Any], folders: dict[str, Path]) -> list[str]:
+    """The report's place, each policy's gold score and KL, PPO's gold win rate, the verdict."""
+    out = folders["out"]
+    lines = [f"evaluate: wrote {out}; report: {out / 'report.md'}"]
+    names = sorted((k[:-len("/gold")] for k in m if k.endswith("/gold")),
+                   key=lambda n: (n != "sft", n == "ppo", int(n[len("best_of_"):]) if n.startswith("best_of_") else 0))
+    lines += [f"  {n}/gold = {m[f'{n}/gold']:.3f} (KL {m[f'{n}/kl']:.2f})" for n in names]
+    if "win_rate/ppo_vs_sft_gold" in m:
+        lines.append(f"  win_rate/ppo_vs_sft_gold = {m['win_rate/ppo_vs_sft_gold']:.3f}")
+    return [*lines, verdict(m, detector_record(folders["ppo"]))]
+
+
+def run(params: Params, data_dir: Path, sft_dir: Path, reward_dir: Path, ppo_dir: Path, out: Path,
+        progress: bool = True) -> dict[str, Any]:
     """The stage: measure every policy, write the report, its plots and metrics; the verdict
     becomes the description of the pipeline's MLflow parent run."""
     with stage_run(SPEC, params, out, [data_dir, sft_dir, reward_dir, ppo_dir, params.ppo.dataset.path]) as run:

@@ -18,10 +18,26 @@ from pathlib import Path
 from typing import Any
 
 from ..config import Params
+from ..training import memory_plan
 from . import ppo
+from ..tracking import metric_names
 from .spec import StageSpec
 
-SPEC = StageSpec("grpo", inputs=("data", "sft", "reward"), training=True, reads=(
+# docs/metrics.md: the note under each file the stage writes
+METRIC_FILES = {
+    "train.tsv": "one row per iteration, as ppo's without the critic's columns (`grpo.advantage: "
+                 "rloo` writes `objective/baseline`, `reinforce_baseline` `objective/batch_std` "
+                 "instead of the group columns)",
+    "metrics.json": "as ppo's: the last row of `train.tsv` under `train/`, the detector's record, and"
+                    " the held-out comparison with SFT under `eval/` (`*_grpo`)",
+}
+
+SPEC = StageSpec(
+    "grpo", help="critic-free online RL against the reward model (GRPO, RLOO, REINFORCE++; the grpo section)",
+    inputs=("data", "sft", "reward"), training=True, shape="start", pipeline="compare", policy=True,
+    headline=("eval/gold_grpo", "eval/rm_grpo", "eval/kl_grpo", "detector/fired"),
+    metrics=lambda: metric_names.rl("grpo"), files=METRIC_FILES,
+    plan=lambda params, shapes: memory_plan.rl_planner(params, "grpo", shapes), reads=(
     "data.task", "model.trust_remote_code",
     "reward.max_length",         # the reward model scores as it was trained
     "grpo", "distributed",

@@ -30,11 +30,37 @@ from ..ppo.placement import PPOModels, place_models
 from ..ppo.trainer import PPOTrainer
 from ..progress import Progress
 from ..tracking.sinks import StepLog
+from ..training import memory_plan
 from ..training.engines import write_deepspeed_config
 from .skeleton import StageRun, stage_run
+from ..tracking import metric_names
 from .spec import StageSpec
 
-SPEC = StageSpec("ppo", inputs=("data", "sft", "reward"), training=True, reads=(
+# docs/metrics.md: the note under each file the stage writes
+METRIC_FILES = {
+    "train.tsv": "one row per iteration; statistics are averaged over processes unless said otherwise",
+    "metrics.json": "the last row of `train.tsv` under `train/`, the detector's record, and under "
+                    "`eval/` the held-out comparison of the PPO policy with the SFT policy, sampled "
+                    "as in PPO",
+}
+METRIC_NOTES = """\
+With `ppo.detector.action: warn` the first alarm logs one line naming the signals over their
+thresholds. `python -m pipeline detect outputs/ppo/train.tsv` replays the detector on a logged run
+(each signal's maximum, the first alarm) to calibrate the thresholds.
+
+Health warnings in the log: mean ratio more than 0.2 from 1, KL above 20 nats per response, more
+than 30% of tokens clipped, and (when the old log-probs are the sampler's) a sampler/trainer
+difference `val/logprob_diff_max` above 1e-4 nats. The log's first PPO line says whose log-probs
+are the old policy's (`ppo.recompute_logprobs`), why, and the difference measured.
+A NaN or infinite loss, gradient, reward or advantage stops the stage
+with the iteration and the quantity named; the last checkpoint is kept.
+"""
+
+SPEC = StageSpec(
+    "ppo", help="PPO against the reward model", inputs=("data", "sft", "reward"), training=True, shape="load",
+    policy=True, headline=("eval/gold_ppo", "eval/rm_ppo", "eval/kl_ppo", "detector/fired"),
+    metrics=lambda: metric_names.rl("ppo"), files=METRIC_FILES, notes=METRIC_NOTES,
+    plan=lambda params, shapes: memory_plan.rl_planner(params, "ppo", shapes), reads=(
     "data.task", "model.trust_remote_code",
     "reward.max_length",         # the reward model scores as it was trained
     "ppo", "distributed",

@@ -12,15 +12,17 @@ import random
 from pathlib import Path
 from typing import Any
 
-from ..config import DataConfig, to_dict
-from ..data.io import atomic_dir, atomic_write_json, write_jsonl
+from ..config import DataConfig, Params, to_dict
+from ..files import atomic_dir, atomic_write_json, write_jsonl
 from ..tasks import reviews
 from ..data.tokenizer import build_word_tokenizer
 from .spec import StageSpec
 
 # No model, metrics or tracking: the stage writes one folder atomically (splits, tokenizer,
 # stats.json and its config.json), so it needs none of the skeleton's other parts.
-SPEC = StageSpec("prepare", reads=("data",), inputs=())
+SPEC = StageSpec("prepare", help="write the default task's splits and tokenizer", reads=("data",), inputs=(),
+                 out="data/prepared", summary=lambda stats, folders: [
+                     f"prepare: wrote {folders['out']} (noise ceiling on held-out pairs {stats['noise_ceiling']['pairs_eval']:.3f})"])
 
 SPLITS = ("sft_train", "sft_eval", "pairs_train", "pairs_eval", "ppo_prompts", "eval_prompts")
 
@@ -148,7 +150,13 @@ def build_splits(cfg: DataConfig) -> tuple[dict[str, list[dict]], dict[str, Any]
     return splits, stats
 
 
-def run(cfg: DataConfig, out: Path) -> dict[str, Any]:
+def run(params: Params, out: Path, progress: bool = True) -> dict[str, Any]:
+    """The stage (the `data` section)."""
+    return write(params.data, out)
+
+
+def write(cfg: DataConfig, out: Path) -> dict[str, Any]:
+    """Write the splits, the tokenizer, stats.json and config.json under `out` atomically."""
     splits, stats = build_splits(cfg)
     with atomic_dir(out) as tmp:
         for name, rows in splits.items():

@@ -19,7 +19,7 @@ from scipy.stats import spearmanr
 
 from ..config import Params
 from ..data import inputs
-from ..data.io import read_json_object
+from ..files import read_json_object
 from ..errors import DataError, shown
 from ..data.preferences import Pair
 from ..measurement.plots import calibration_plot, close_figure
@@ -29,15 +29,31 @@ from ..models import reward_model as rm
 from ..models.checkpoints import load_kwargs, load_policy
 from ..models.reward_source import RewardModelSource
 from ..tracking.sinks import NO_TRACKER, StepLog, Tracker
-from ..training import loading, supervised
+from ..training import loading, memory_plan, supervised
+from ..training.memory_terms import checkpoint_shape, with_attention
 from ..training.batches import total_steps
 from ..training.distributed import SINGLE, Context
 from ..training.engines import supervised_engine, write_deepspeed_config
 from ..training.supervised import SupervisedTask
 from .skeleton import StageRun, stage_run
+from ..tracking import metric_names
 from .spec import StageSpec
 
-SPEC = StageSpec("reward", inputs=("data", "sft"), training=True, reads=(
+# docs/metrics.md: the note under each file the stage writes
+METRIC_FILES = {
+    "train.tsv": "one row per optimizer step",
+    "eval.tsv": "held-out pairs during training",
+    "calibration.tsv": "one row per bin of predicted preference probability; `calibration.png` plots "
+                       "it",
+    "metrics.json": "after training and normalisation; RM scores are normalised (held-out "
+                    "demonstrations average 0) unless `no_normalize`",
+}
+
+SPEC = StageSpec(
+    "reward", help="reward model on preference pairs", inputs=("data", "sft"), training=True, shape="load",
+    headline=("eval/accuracy", "eval/accuracy_of_ceiling", "eval/spearman_gold_sft_samples"),
+    metrics=metric_names.reward, files=METRIC_FILES,
+    plan=lambda params, shapes: memory_plan_of(params, shapes), reads=(
     "data.task", "model.trust_remote_code", "model.dtype", "model.attn_implementation",
     "sft.sampling",              # how the SFT policy samples for the RM-vs-gold correlation
     "sft.dataset",               # held-out demonstrations: the normalisation reference
@@ -257,6 +273,19 @@ def eval_pairs_loss(model, tok, pairs: list[Pair], max_length: int, ctx: Context
     model.train()
     sums = ctx.sum(sums)
     return {"loss": float(sums[0] / sums[2]), "accuracy": float(sums[1] / sums[2])}
+
+
+def memory_plan_of(params: Params, shapes: memory_plan.Shapes) -> Optional[memory_plan.Planner]:
+    """One trained scalar-head model: reward.name_or_path's checkpoint, or the SFT policy's trunk."""
+    name, attn = params.reward.name_or_path, params.model.attn_implementation
+    if shapes.predicted:   # before any checkpoint: the policy with a scalar head, reading the SFT checkpoint
+        return memory_plan.supervised_planner("reward", params, shapes.reward_start or shapes.scalar,
+                                              (shapes.reward_start or shapes.model("sft"),))
+    if name is None and not shapes.ready("sft"):
+        return None
+    rm = with_attention(checkpoint_shape(name, True, params.model.trust_remote_code) if name is not None
+                        else shapes.model("sft", True), attn)
+    return memory_plan.supervised_planner("reward", params, rm, (rm,))
 
 
 def run(params: Params, data_dir: Path, sft_dir: Path, out: Path, progress: bool = True) -> dict[str, Any]:

@@ -35,7 +35,7 @@ import torch
 
 from ..config import Params
 from ..data import inputs
-from ..data.io import parse_json, write_jsonl
+from ..files import parse_json, write_jsonl
 from ..errors import DataError, check_finite
 from ..data.records import Example, collate_sft, tokenize_demonstrations
 from ..measurement.policy import Measured, candidates, measure, measure_policies, summary
@@ -43,7 +43,7 @@ from ..measurement.stats import mean_ci
 from ..models import lora
 from ..models.checkpoints import load_policy
 from ..models.reward_source import RewardModelSource
-from ..training import supervised
+from ..training import memory_plan, supervised
 from ..training.batches import total_steps
 from ..training.distributed import SINGLE, Context, to_device
 from ..training.engines import supervised_engine, write_deepspeed_config
@@ -52,9 +52,23 @@ from ..training.supervised import SupervisedTask
 from ..workflow import code_deps
 from .sft import ce_sum, eval_loss, response_token_count
 from .skeleton import ROOT, StageRun, stage_run
+from ..tracking import metric_names
 from .spec import StageSpec
 
-SPEC = StageSpec("rs", inputs=("data", "sft", "reward"), training=True, reads=(
+# docs/metrics.md: the note under each file the stage writes
+METRIC_FILES = {
+    "train.tsv": "one row per optimizer step of the fine-tuning on the winners",
+    "eval.tsv": "held-out loss (SFT's held-out demonstrations) during the fine-tuning",
+    "metrics.json": "the sampling's statistics under `rs/`, the fine-tuning's, then the trained "
+                    "policy sampled on the held-out prompts",
+}
+
+SPEC = StageSpec(
+    "rs", help="rejection-sampling fine-tuning: best-of-n SFT samples by the reward model, then SFT on them",
+    inputs=("data", "sft", "reward"), training=True, shape="start", pipeline="compare", policy=True,
+    headline=("eval/gold_sampled", "eval/rm_sampled", "eval/kl_sampled"),
+    metrics=metric_names.rs, files=METRIC_FILES,
+    plan=lambda params, shapes: memory_plan_of(params, shapes), reads=(
     "data.task", "model.trust_remote_code",
     "rs", "distributed",
     "reward.max_length",         # the reward model scores as it was trained
@@ -204,8 +218,9 @@ def train(run: StageRun, data_dir: Path, sft_dir: Path, reward_dir: Path,
     rows, sampling_stats = winners(run, model, tok, prompts, reward_dir, fp)
     # 3. SFT on the winners, from the SFT weights.
     source = out / WINNERS
-    train_ex, n_trunc, n_drop = tokenize_demonstrations(rows, tok, cfg.max_length, source, cfg.overlong)
-    eval_ex, _, _ = tokenize_demonstrations(eval_rows, tok, cfg.max_length, "sft held-out demonstrations", cfg.overlong)
+    train_ex, n_trunc, n_drop = tokenize_demonstrations(rows, tok, cfg.max_length, source, cfg.overlong, "rs")
+    eval_ex, _, _ = tokenize_demonstrations(eval_rows, tok, cfg.max_length, "sft held-out demonstrations",
+                                            cfg.overlong, "rs")
     model = lora.wrap(model, cfg.lora, "CAUSAL_LM")
     torch.manual_seed(cfg.seed)
     engine, micro = supervised_engine(model, cfg, total_steps(len(train_ex), cfg.batch_size, cfg.epochs), ctx)
@@ -231,6 +246,14 @@ def train(run: StageRun, data_dir: Path, sft_dir: Path, reward_dir: Path,
     metrics.update(sampling_stats)
     metrics.update(measured)
     return model, tok, metrics
+
+
+def memory_plan_of(params: Params, shapes: memory_plan.Shapes) -> Optional[memory_plan.Planner]:
+    """The SFT policy fine-tuned, after it sampled the candidates the reward model scored."""
+    if not shapes.ready("sft", "reward"):
+        return None
+    sft = shapes.model("sft")
+    return memory_plan.supervised_planner("rs", params, sft, (sft, shapes.model("reward", True)))
 
 
 def run(params: Params, data_dir: Path, sft_dir: Path, reward_dir: Path, out: Path,

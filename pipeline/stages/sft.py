@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import contextlib
 from pathlib import Path
-from typing import Any
+from typing import Any, Optional
 
 import torch
 import torch.nn.functional as F
@@ -22,15 +22,28 @@ from ..measurement.policy import Policy, measure_policies, summary
 from ..models import lora
 from ..models.checkpoints import init_policy
 from ..tasks import reviews
-from ..training import loading, supervised
+from ..training import loading, memory_plan, supervised
 from ..training.batches import total_steps
 from ..training.distributed import SINGLE, Context, to_device
 from ..training.engines import supervised_engine, write_deepspeed_config
 from ..training.supervised import SupervisedTask
 from .skeleton import StageRun, stage_run
+from ..tracking import metric_names
 from .spec import StageSpec
 
-SPEC = StageSpec("sft", inputs=("data",), training=True, reads=(
+# docs/metrics.md: the note under each file the stage writes
+METRIC_FILES = {
+    "train.tsv": "one row per optimizer step",
+    "eval.tsv": "held-out loss during training",
+    "metrics.json": "after training; the `eval/*_greedy` and `eval/*_sampled` names judge responses "
+                    "to the evaluation prompts",
+}
+
+SPEC = StageSpec(
+    "sft", help="supervised fine-tuning on demonstrations", inputs=("data",), training=True, shape="load",
+    headline=("eval/loss", "eval/gold_sampled", "eval/well_formed_sampled"),
+    metrics=metric_names.sft, files=METRIC_FILES,
+    plan=lambda params, shapes: memory_plan_of(params, shapes), reads=(
     "data.task", "model", "sft", "distributed",
     "ppo.dataset",               # held-out prompts for the SFT policy's evaluation
     "ppo.max_prompt_length",
@@ -130,6 +143,15 @@ def evaluate_policy(model, tok, params: Params, prompts: list, demos: list[dict]
     if judge is not None:
         out["eval/gold_demonstrations"] = sum(judge(r["prompt"], r["response"]) for r in demos) / len(demos)
     return out
+
+
+def memory_plan_of(params: Params, shapes: memory_plan.Shapes) -> Optional[memory_plan.Planner]:
+    """One trained policy: the tiny model built on the prepared tokenizer, or model.name_or_path's
+    checkpoint (then read too)."""
+    if not shapes.ready("data"):
+        return None
+    base = shapes.policy()
+    return memory_plan.supervised_planner("sft", params, base, (base,) if params.model.name_or_path is not None else ())
 
 
 def run(params: Params, data_dir: Path, out: Path, progress: bool = True) -> dict[str, Any]:

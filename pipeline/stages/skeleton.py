@@ -38,8 +38,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterator, Sequence
 
-from ..config import DEFERRED_SHAPE, Params, check_process_shape
-from ..data.io import atomic_dir, atomic_write_json, atomic_write_text, stale_extras
+from ..config import Params, check_process_shape
+from ..files import atomic_dir, atomic_write_json, atomic_write_text, stale_extras
 from ..models.checkpoints import save_checkpoint
 from ..tracking.mlflow_sink import stage_tracking
 from ..tracking import model_card
@@ -48,6 +48,7 @@ from ..training import distributed, memory_plan
 from ..training.distributed import SINGLE, Context
 from ..training.resume import fingerprint, input_paths
 from ..workflow import code_deps
+from . import registry
 from .spec import StageSpec, declared, resolve
 
 ROOT = Path(__file__).resolve().parents[2]   # the folder holding the `pipeline` package
@@ -122,12 +123,14 @@ def stage_run(spec: StageSpec, params: Params, out: Path, inputs: Sequence[str |
                 stale_extras(out, section.lora.enabled,
                              ctx.world_size > 1 or section.distributed.backend != "none")
         ctx.barrier()
-        if spec.name in DEFERRED_SHAPE:   # a compare method's batch sizes against its processes (config.py)
+        if spec.shape == "start":   # a compare method's batch sizes against its processes (spec.py)
             check_process_shape(params, spec.name)
-        if spec.training:   # before any model is built: refuse a plan that cannot fit this rank's device
-            memory_plan.check_stage(spec.name, declared(params, spec), dict(zip(spec.inputs, inputs)), ctx.is_main)
-        code = [ROOT / f for f in sorted(code_deps.closure(ROOT, spec.name))]
+        if spec.training and spec.plan is not None:   # before any model is built: refuse a plan too big for the device
+            memory_plan.check_stage(spec.name, spec.plan, declared(params, spec), dict(zip(spec.inputs, inputs)),
+                                    ctx.is_main)
+        code = [ROOT / f for f in sorted(code_deps.closure(ROOT, spec.name, Path(registry.module(spec.name).__file__)))]
         fp = fingerprint(resolved, [*local, *code])
         # The fingerprint tags the MLflow run too: a resumed run finds the killed run it continues by it.
-        with stage_tracking(spec.name, resolved, local, enabled=ctx.is_main, fingerprint=fp) as tracker:
+        with stage_tracking(spec.name, resolved, local, enabled=ctx.is_main, fingerprint=fp,
+                            headline=spec.headline) as tracker:
             yield StageRun(spec, declared(params, spec), resolved, out, ctx, tracker, fp, started)

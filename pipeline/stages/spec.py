@@ -12,13 +12,23 @@ Each stage module has a `SPEC`: the params sections and dotted keys it reads (sp
 A distributed stage's own `<stage>.distributed` (the training stages', evaluate's and compare's) is
 merged over the top-level `distributed` section when params are loaded (config.merge_distributed),
 so such a stage declares `distributed` too.
+
+The SPEC is the stage's whole description, read by everything that lists stages
+(pipeline/stages/registry.py finds them): its command-line help and input folders (whose
+defaults are where the stage of that name writes, `default_path`), whether it trains or measures
+(and so runs on the section's devices), when its batch shape is checked, which pipeline it belongs
+to and whether it writes a policy that the compare stage measures, its MLflow headline metrics, its
+memory plan, its metric declarations and its console summary. Every stage module's `run` has one
+signature: `run(params, *folders, out, progress=True, **options)`, the folders in `inputs` order
+and `options` the stage's own command-line options (`add_options`).
 """
 
 from __future__ import annotations
 
 import dataclasses
-from dataclasses import dataclass
-from typing import Any
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable, Literal, Mapping, Optional
 
 from ..config import Params, to_dict
 
@@ -29,18 +39,56 @@ class UndeclaredParam(RuntimeError):
     """Stage code read a param its SPEC does not declare (a bug in the stage, not in params)."""
 
 
+def default_path(folder: str) -> str:
+    """Where an input folder is by default: what the stage of that name writes (`data` is the
+    prepare stage's output; a model is its stage's `model/`), as dvc.yaml passes it."""
+    return "data/prepared" if folder == "data" else f"outputs/{folder}/model"
+
+
 @dataclass(frozen=True)
 class StageSpec:
-    name: str                   # the DVC stage and `python -m pipeline <name>`
+    name: str                   # the DVC stage, `python -m pipeline <name>` and the params section
     reads: tuple[str, ...]      # params sections or dotted keys, as in dvc.yaml's `params:`
-    inputs: tuple[str, ...]     # command-line folders it reads (`--data`, `--sft`, ...)
+    inputs: tuple[str, ...]     # command-line folders it reads (`--data`, `--sft`, ...), defaults by default_path
     training: bool = False      # trains (a checkpointed loop, a memory plan checked before it builds a model)
     measuring: bool = False     # measures policies on its section's `distributed` devices without training
+    help: str = ""              # one line: `python -m pipeline --help`
+    out: Optional[str] = None   # its output folder by default (None: outputs/<name>)
+    # When its batch sizes are checked against its process count: "load" when the params file is
+    # loaded (the default pipeline's stages, so a bad setup fails before anything runs), "start"
+    # when the stage starts (compare/dvc.yaml's methods: a distributed setup for the default
+    # pipeline is not refused over the sizes of stages it does not run); None: no batches.
+    shape: Optional[Literal["load", "start"]] = None
+    pipeline: Literal["default", "compare"] = "default"   # dvc.yaml, or compare/dvc.yaml
+    policy: bool = False        # writes a policy (model/) that the compare stage measures as a method
+    headline: tuple[str, ...] = ()   # metrics.json names (fnmatch patterns) copied to the MLflow parent run
+    # (params, shapes) -> a memory_plan.Planner of its own section, or None while an input is missing;
+    # `shapes` gives the models by folder name (memory_plan.PredictedShapes / FolderShapes).
+    plan: Optional[Callable[..., Any]] = None
+    metrics: Optional[Callable[[], list]] = None   # () -> its metric_names.Metric declarations
+    files: Mapping[str, str] = field(default_factory=dict)   # docs/metrics.md: a note per file it writes
+    notes: str = ""             # docs/metrics.md: what follows the stage's tables
+    # (metrics, folders) -> the lines printed when it finishes (`folders`: its inputs by name and
+    # "out"); None: "wrote <out>" and its eval/* values
+    summary: Optional[Callable[[dict, dict], list[str]]] = None
+    add_options: Optional[Callable[[Any], None]] = None   # (argparse parser) -> its own options
 
     @property
     def distributed(self) -> bool:
-        """Runs in a distributed session of its own section's `distributed` settings."""
+        """Runs in a distributed session of its own section's `distributed` settings (and so on
+        the GPUs it is given)."""
         return self.training or self.measuring
+
+    @property
+    def output(self) -> str:
+        return self.out or f"outputs/{self.name}"
+
+    def console(self, metrics: dict, folders: dict[str, Path]) -> list[str]:
+        """What the command prints when the stage has finished (rank 0)."""
+        if self.summary is not None:
+            return self.summary(metrics, folders)
+        return [f"{self.name}: wrote {folders['out']}; " + ", ".join(f"{k}={v:.3f}" for k, v in metrics.items()
+                                                         if k.startswith("eval/") and isinstance(v, (int, float)))]
 
     def allowed(self) -> dict[str, Any]:
         """The declared keys as a tree: {"ppo": {"dataset": {"path": ALL}}, "sft": ALL}."""

@@ -1,11 +1,14 @@
-"""Every metric name a stage writes, in one registry; docs/metrics.md is generated from it.
+"""What a metric name is, and the names each kind of stage writes; docs/metrics.md is generated
+from them.
 
-`METRICS` holds one `Metric` per name (or pattern) a stage writes: the stage, the file it is written
-to (`metrics.json`, nested by the `/` in names, or a per-step TSV whose header holds the names),
-its meaning and the condition under which it is written. `render_markdown()` is the whole of
-docs/metrics.md; `check_run(outputs_dir)` compares a finished run's files with the registry.
+A `Metric` is one name (or pattern) a stage writes: the stage, the file it is written to
+(`metrics.json`, nested by the `/` in names, or a per-step TSV whose header holds the names), its
+meaning and the condition under which it is written. The builders here (`sft()`, `rl(stage)`,
+`resources(stage)`, ...) give a stage's declarations; each stage's SPEC names its own, and
+pipeline/stages/registry.py gathers them into the registry (`registry.metrics()`), renders
+docs/metrics.md (`render_markdown`) and compares a finished run's files with it (`check_run`):
 
-    python -m pipeline.tracking.metric_names > docs/metrics.md     # regenerate the docs after an edit here
+    python -m pipeline.stages.registry metrics > docs/metrics.md     # regenerate the docs after an edit
 
 Conditions: `None` means always written on the default task with the default params; `"key"` only
 when the run has `key`; `"!key"` always unless the run has `key` (the keys are `CONDITIONS`).
@@ -19,16 +22,22 @@ from __future__ import annotations
 
 import json
 import re
-import sys
 from dataclasses import dataclass
 from pathlib import Path
 from typing import AbstractSet, Iterable, Optional
 
-STAGES = ("sft", "reward", "ppo", "evaluate", "dpo", "grpo", "rs", "compare")
-# The stages of compare/dvc.yaml: a run's check expects their names only with the `compare` condition.
-COMPARE_STAGES = ("dpo", "grpo", "rs", "compare")
 METRICS_JSON = "metrics.json"
-REGENERATE = "python -m pipeline.tracking.metric_names > docs/metrics.md"
+
+
+@dataclass(frozen=True)
+class StageMetrics:
+    """One stage's part of the registry: its names and its sections of docs/metrics.md."""
+    stage: str
+    title: str                     # its heading
+    metrics: tuple["Metric", ...]
+    files: dict                    # file -> the note under its heading
+    notes: str = ""                # what follows its tables
+    compare: bool = False          # compare/dvc.yaml's: a run's check expects it only with `compare`
 
 
 @dataclass(frozen=True)
@@ -88,7 +97,7 @@ IMPLIES = {"custom_pairs": ("no_judge",)}
 # ---- The registry ---------------------------------------------------------------------------------
 
 
-def _supervised(stage: str, items: str, loss: str, eval_loss: str, trained: str) -> list[Metric]:
+def supervised(stage: str, items: str, loss: str, eval_loss: str, trained: str) -> list[Metric]:
     """What the one supervised loop (training/supervised.py) writes for SFT and the RM alike."""
     def m(file: str, name: str, meaning: str, condition: Optional[str] = None) -> Metric:
         return Metric(stage, file, name, meaning, condition)
@@ -113,11 +122,11 @@ def _supervised(stage: str, items: str, loss: str, eval_loss: str, trained: str)
     ]
 
 
-def _sft() -> list[Metric]:
+def sft() -> list[Metric]:
     def m(file: str, name: str, meaning: str, condition: Optional[str] = None) -> Metric:
         return Metric("sft", file, name, meaning, condition)
 
-    out = _supervised("sft", "demonstrations", "cross-entropy per response token of the step's global batch "
+    out = supervised("sft", "demonstrations", "cross-entropy per response token of the step's global batch "
                       "(prompt tokens are not targets)", "cross-entropy per response token on the held-out "
                       "demonstrations", "adapters")
     for tag, how in (("greedy", "greedy"), ("sampled", "sampled (`sft.sampling`)")):
@@ -134,11 +143,11 @@ def _sft() -> list[Metric]:
     return out
 
 
-def _reward() -> list[Metric]:
+def reward() -> list[Metric]:
     def m(file: str, name: str, meaning: str, condition: Optional[str] = None) -> Metric:
         return Metric("reward", file, name, meaning, condition)
 
-    return _supervised("reward", "pairs", "Bradley-Terry loss -log sigmoid(r_chosen - r_rejected - margin) of "
+    return supervised("reward", "pairs", "Bradley-Terry loss -log sigmoid(r_chosen - r_rejected - margin) of "
                        "the step's global batch", "Bradley-Terry loss on the held-out pairs",
                        "adapters and the score head") + [
         m("train.tsv", "accuracy", "fraction of the batch's pairs with r(chosen) > r(rejected)"),
@@ -263,7 +272,7 @@ _GROUP_TRAIN = (
 )
 
 
-def _ppo(stage: str = "ppo") -> list[Metric]:
+def rl(stage: str = "ppo") -> list[Metric]:
     """The PPO stage's names; `stage="grpo"`: the same trainer without a critic (compare/dvc.yaml)."""
     def m(file: str, name: str, meaning: str, condition: Optional[str] = None, copy_of: Optional[str] = None):
         if stage != "ppo":
@@ -313,7 +322,7 @@ def _ppo(stage: str = "ppo") -> list[Metric]:
     return out
 
 
-def _evaluate() -> list[Metric]:
+def evaluate() -> list[Metric]:
     def m(file: str, name: str, meaning: str, condition: Optional[str] = None) -> Metric:
         return Metric("evaluate", file, name, meaning, condition)
 
@@ -357,7 +366,7 @@ def _evaluate() -> list[Metric]:
     return out
 
 
-def _resources(stage: str, condition: Optional[str] = None) -> list[Metric]:
+def resources(stage: str, condition: Optional[str] = None) -> list[Metric]:
     """What the stage skeleton adds to every stage's metrics.json: what its process cost."""
     def m(name: str, meaning: str, cond: Optional[str] = condition) -> Metric:
         return Metric(stage, METRICS_JSON, name, meaning, cond)
@@ -374,11 +383,11 @@ def _resources(stage: str, condition: Optional[str] = None) -> list[Metric]:
     return out
 
 
-def _dpo() -> list[Metric]:
+def dpo() -> list[Metric]:
     def m(file: str, name: str, meaning: str) -> Metric:
         return Metric("dpo", file, name, meaning, "compare")
 
-    out = _supervised("dpo", "pairs", "the method's loss (`dpo.method`) over the step's pairs",
+    out = supervised("dpo", "pairs", "the method's loss (`dpo.method`) over the step's pairs",
                       "the method's loss on the held-out pairs", "adapters")
     out = [Metric("dpo", x.file, x.name, x.meaning, "compare" if x.condition is None else "method_lora") for x in out]
     columns = {"accuracy": "rate of pairs whose implicit reward (beta x log-ratio to the reference; SimPO: beta x "
@@ -406,15 +415,15 @@ def _dpo() -> list[Metric]:
     out += [m(METRICS_JSON, "eval/eos_rate_sampled", "rate of those responses that ended with eos or the stop token"),
             m(METRICS_JSON, "eval/length_sampled", "their mean length, words"),
             m(METRICS_JSON, "eval/distinct_2_sampled", "distinct bigrams / bigrams over them")]
-    return out + _resources("dpo", "compare")
+    return out
 
 
-def _rs() -> list[Metric]:
+def rs() -> list[Metric]:
     def m(file: str, name: str, meaning: str, condition: str = "compare") -> Metric:
         return Metric("rs", file, name, meaning, condition)
 
     out = [Metric("rs", x.file, x.name, x.meaning, "compare" if x.condition is None else "method_lora")
-           for x in _supervised("rs", "winners", "cross-entropy per response token of the step's winners",
+           for x in supervised("rs", "winners", "cross-entropy per response token of the step's winners",
                                 "cross-entropy per response token on SFT's held-out demonstrations", "adapters")]
     out += [m(METRICS_JSON, "data/prompts_truncated", "PPO training prompts longer than `ppo.max_prompt_length` "
                                                       "kept with their left end cut"),
@@ -437,10 +446,10 @@ def _rs() -> list[Metric]:
     out += [m(METRICS_JSON, "eval/eos_rate_sampled", "rate of those responses that ended with eos or the stop token"),
             m(METRICS_JSON, "eval/length_sampled", "their mean length, words"),
             m(METRICS_JSON, "eval/distinct_2_sampled", "distinct bigrams / bigrams over them")]
-    return out + _resources("rs", "compare")
+    return out
 
 
-def _compare() -> list[Metric]:
+def compare() -> list[Metric]:
     def m(file: str, name: str, meaning: str) -> Metric:
         return Metric("compare", file, name, meaning, "compare")
 
@@ -464,12 +473,7 @@ def _compare() -> list[Metric]:
                                                                        "response above SFT's (ties count 1/2)"),
                 m(METRICS_JSON, f"win_rate/{{policy}}_vs_sft_{judge}_low", "lower end of its bootstrap 95% interval"),
                 m(METRICS_JSON, f"win_rate/{{policy}}_vs_sft_{judge}_high", "upper end of that interval")]
-    return out + _resources("compare", "compare")
-
-
-METRICS: tuple[Metric, ...] = (*_sft(), *_resources("sft"), *_reward(), *_resources("reward"), *_ppo(),
-                               *_resources("ppo"), *_evaluate(), *_resources("evaluate"), *_dpo(), *_ppo("grpo"),
-                               *_resources("grpo", "compare"), *_rs(), *_compare())
+    return out
 
 
 # ---- docs/metrics.md ------------------------------------------------------------------------------
@@ -484,8 +488,9 @@ their names (`eval/accuracy` is `{"eval": {"accuracy": ...}}`). MLflow gets the 
 column as `<series>/<column>` (`train/loss`) unless it has a `/` of its own (`objective/kl`). Names
 follow TRL's PPO trainer where the quantity is the same.
 
-This file is generated from the registry in `pipeline/tracking/metric_names.py`; edit the registry and run
-`python -m pipeline.tracking.metric_names > docs/metrics.md`. `tests/test_metric_names.py` fails when the
+This file is generated from each stage's metric declarations (its SPEC's `metrics`, built with
+pipeline/tracking/metric_names.py); edit them and run
+`REGENERATE`. `tests/test_metric_names.py` fails when the
 two differ, or when the committed run in `outputs/` writes a name the registry does not define or
 lacks one it defines. The last column says when a name is written: always (default task, default
 params), `only with` or `unless` one of the conditions below.
@@ -498,91 +503,31 @@ CONDITIONS_HEADING = """\
 | --- | --- |
 """
 
-FILE_NOTES = {
-    ("sft", "train.tsv"): "one row per optimizer step",
-    ("sft", "eval.tsv"): "held-out loss during training",
-    ("sft", METRICS_JSON): "after training; the `eval/*_greedy` and `eval/*_sampled` names judge responses to "
-                           "the evaluation prompts",
-    ("reward", "train.tsv"): "one row per optimizer step",
-    ("reward", "eval.tsv"): "held-out pairs during training",
-    ("reward", "calibration.tsv"): "one row per bin of predicted preference probability; `calibration.png` "
-                                   "plots it",
-    ("reward", METRICS_JSON): "after training and normalisation; RM scores are normalised (held-out "
-                              "demonstrations average 0) unless `no_normalize`",
-    ("ppo", "train.tsv"): "one row per iteration; statistics are averaged over processes unless said otherwise",
-    ("ppo", METRICS_JSON): "the last row of `train.tsv` under `train/`, the detector's record, and under "
-                           "`eval/` the held-out comparison of the PPO policy with the SFT policy, sampled as in "
-                           "PPO",
-    ("evaluate", "policies.tsv"): "one row per policy, in report order",
-    ("dpo", "train.tsv"): "one row per optimizer step",
-    ("dpo", "eval.tsv"): "held-out pairs during training, with the log-prob drift from the reference",
-    ("dpo", METRICS_JSON): "after training, then the trained policy sampled on the held-out prompts",
-    ("grpo", "train.tsv"): "one row per iteration, as ppo's without the critic's columns (`grpo.advantage: rloo` "
-                           "writes `objective/baseline`, `reinforce_baseline` `objective/batch_std` instead of the "
-                           "group columns)",
-    ("grpo", METRICS_JSON): "as ppo's: the last row of `train.tsv` under `train/`, the detector's record, and the "
-                            "held-out comparison with SFT under `eval/` (`*_grpo`)",
-    ("rs", "train.tsv"): "one row per optimizer step of the fine-tuning on the winners",
-    ("rs", "eval.tsv"): "held-out loss (SFT's held-out demonstrations) during the fine-tuning",
-    ("rs", METRICS_JSON): "the sampling's statistics under `rs/`, the fine-tuning's, then the trained policy sampled "
-                          "on the held-out prompts",
-    ("compare", "methods.tsv"): "one row per policy, in report order",
-    ("compare", METRICS_JSON): "per policy (`sft`, `best_of_<n>` for each n of `compare.best_of_n`, each method "
-                               "given by `--policy`) on the held-out prompts, then each one's win rates over SFT",
-    ("evaluate", METRICS_JSON): "per policy (`sft`, `best_of_<n>` for each n of `evaluate.best_of_n`, `ppo`) on "
-                                "the held-out prompts, then the win rates",
-}
-
-STAGE_NOTES = {
-    "ppo": """\
-With `ppo.detector.action: warn` the first alarm logs one line naming the signals over their
-thresholds. `python -m pipeline detect outputs/ppo/train.tsv` replays the detector on a logged run
-(each signal's maximum, the first alarm) to calibrate the thresholds.
-
-Health warnings in the log: mean ratio more than 0.2 from 1, KL above 20 nats per response, more
-than 30% of tokens clipped, and (when the old log-probs are the sampler's) a sampler/trainer
-difference `val/logprob_diff_max` above 1e-4 nats. The log's first PPO line says whose log-probs
-are the old policy's (`ppo.recompute_logprobs`), why, and the difference measured.
-A NaN or infinite loss, gradient, reward or advantage stops the stage
-with the iteration and the quantity named; the last checkpoint is kept.
-""",
-    "evaluate": """\
-`best_of_<n>` keeps the reward model's favourite among the first n of max(n) SFT samples per prompt
-(nested: one draw serves every n). `report.md` opens with the verdict (did PPO beat SFT by the gold
-annotator, is the RM-vs-gold gap above 20 points, what the PPO detector recorded; also printed last
-by the stage and set as the MLflow parent run's description), compares PPO with each best-of-n at
-their KLs, and shows `scores.png` and `kl_frontier.png` (best-of-n points joined as a curve).
-""",
-}
-
-STAGE_TITLES = {"sft": "sft (`outputs/sft/`)", "reward": "reward (`outputs/reward/`)",
-                "ppo": "ppo (`outputs/ppo/`)", "evaluate": "evaluate (`outputs/evaluate/`)",
-                "dpo": "dpo (`outputs/dpo/`, compare/dvc.yaml)", "grpo": "grpo (`outputs/grpo/`, compare/dvc.yaml)",
-                "rs": "rs (`outputs/rs/`, compare/dvc.yaml)", "compare": "compare (`outputs/compare/`, compare/dvc.yaml)"}
-
-
 def _when(condition: Optional[str]) -> str:
     if condition is None:
         return "always"
     return f"unless `{condition[1:]}`" if condition.startswith("!") else f"only with `{condition}`"
 
 
-def _files(stage: str) -> list[str]:
-    """The stage's files in registry order, metrics.json last."""
-    files = list(dict.fromkeys(m.file for m in METRICS if m.stage == stage))
+def _files(metrics: Iterable[Metric]) -> list[str]:
+    """A stage's files in registry order, metrics.json last."""
+    files = list(dict.fromkeys(m.file for m in metrics))
     return [f for f in files if f != METRICS_JSON] + [METRICS_JSON]
 
 
-def render_markdown() -> str:
-    """The whole of docs/metrics.md."""
-    parts = [INTRO]
-    for stage in STAGES:
-        parts.append(f"## {STAGE_TITLES[stage]}\n")
-        for file in _files(stage):
-            parts.append(f"### `{file}`: {FILE_NOTES[(stage, file)]}\n")
+def render_markdown(stages: Iterable[StageMetrics], regenerate: str) -> str:
+    """The whole of docs/metrics.md (`regenerate`: the command that writes it)."""
+    stages = list(stages)
+    declared = [m for st in stages for m in st.metrics]
+    parts = [INTRO.replace("REGENERATE", regenerate)]
+    for st in stages:
+        stage = st.stage
+        parts.append(f"## {st.title}\n")
+        for file in _files(st.metrics):
+            parts.append(f"### `{file}`: {st.files[file]}\n")
             rows = ["| name | meaning | written |", "| --- | --- | --- |"]
             copies = []
-            for m in METRICS:
+            for m in declared:
                 if m.stage != stage or m.file != file:
                     continue
                 if m.copy_of is not None:
@@ -591,12 +536,12 @@ def render_markdown() -> str:
                 rows.append(f"| `{m.name}` | {m.meaning} | {_when(m.condition)} |")
             if copies:
                 source = {m.copy_of for m in copies}
-                tsv = next(m.file for m in METRICS if m.stage == stage and m.name in source and m.copy_of is None)
+                tsv = next(m.file for m in declared if m.stage == stage and m.name in source and m.copy_of is None)
                 rows.insert(2, f"| `train/<column>` | the last row's value of each column of `{tsv}` but `step`, "
                                f"its `/` written `_` (`train/objective_kl`); {len(copies)} names | as the column |")
             parts.append("\n".join(rows) + "\n")
-        if stage in STAGE_NOTES:
-            parts.append(STAGE_NOTES[stage])
+        if st.notes:
+            parts.append(st.notes)
     parts.append(CONDITIONS_HEADING + "\n".join(f"| `{k}` | {v} |" for k, v in CONDITIONS.items()) + "\n")
     return "\n".join(parts)
 
@@ -612,11 +557,11 @@ def _flatten(node: object, prefix: str = "") -> Iterable[str]:
         yield prefix[:-1]
 
 
-def emitted(outputs_dir: Path) -> dict[tuple[str, str], list[str]]:
+def emitted(outputs_dir: Path, stages: Iterable[str]) -> dict[tuple[str, str], list[str]]:
     """(stage, file) -> the names a finished run wrote: the flattened keys of each stage's
     metrics.json and the header of each of its TSV files."""
     out: dict[tuple[str, str], list[str]] = {}
-    for stage in STAGES:
+    for stage in stages:
         folder = Path(outputs_dir) / stage
         path = folder / METRICS_JSON
         if path.is_file():
@@ -639,7 +584,8 @@ def _placeholder_values(outputs_dir: Path) -> dict[str, list[str]]:
     return {"n": [str(n) for n in ns]}
 
 
-def check_run(outputs_dir: Path, conditions: AbstractSet[str] = frozenset()) -> tuple[list[str], list[str]]:
+def check_run(outputs_dir: Path, stages: Iterable[StageMetrics],
+              conditions: AbstractSet[str] = frozenset()) -> tuple[list[str], list[str]]:
     """Compare a finished run under `outputs_dir` (stage folders sft, reward, ppo, evaluate) with
     the registry. Returns (names written that the registry does not define, names the registry
     defines for a run with `conditions` that were not written), each as `<stage>/<file>: <name>`.
@@ -651,16 +597,19 @@ def check_run(outputs_dir: Path, conditions: AbstractSet[str] = frozenset()) -> 
     conditions = set(conditions)
     for key in list(conditions):
         conditions.update(IMPLIES.get(key, ()))
-    written = emitted(outputs_dir)
+    stages = list(stages)
+    declared = [m for st in stages for m in st.metrics]
+    compare_stages = {st.stage for st in stages if st.compare}
+    written = emitted(outputs_dir, [st.stage for st in stages])
     values = _placeholder_values(outputs_dir)
     undefined, missing = [], []
     for (stage, file), names in written.items():
-        entries = [m for m in METRICS if m.stage == stage and m.file == file]
+        entries = [m for m in declared if m.stage == stage and m.file == file]
         for name in names:
             if not any(m.regex().fullmatch(name) for m in entries):
                 undefined.append(f"{stage}/{file}: {name}")
-    for m in METRICS:
-        if not m.satisfied(conditions) or (m.stage in COMPARE_STAGES and "compare" not in conditions):
+    for m in declared:
+        if not m.satisfied(conditions) or (m.stage in compare_stages and "compare" not in conditions):
             continue
         names = written.get((m.stage, m.file), [])
         holes = m.placeholders
@@ -674,16 +623,3 @@ def check_run(outputs_dir: Path, conditions: AbstractSet[str] = frozenset()) -> 
             continue
         missing += [f"{m.stage}/{m.file}: {e}" for e in expected if e not in names]
     return undefined, missing
-
-
-if __name__ == "__main__":
-    if len(sys.argv) > 1:   # python -m pipeline.tracking.metric_names check OUTPUTS_DIR [CONDITION ...]
-        if sys.argv[1] != "check" or len(sys.argv) < 3:
-            sys.exit("usage: python -m pipeline.tracking.metric_names [check OUTPUTS_DIR [CONDITION ...]]")
-        undefined, missing = check_run(Path(sys.argv[2]), frozenset(sys.argv[3:]))
-        for line in undefined:
-            print(f"not in the registry: {line}")
-        for line in missing:
-            print(f"not written: {line}")
-        sys.exit(1 if undefined or missing else 0)
-    sys.stdout.write(render_markdown())

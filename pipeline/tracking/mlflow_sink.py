@@ -23,7 +23,7 @@ MLflow is a second sink, for browsing and comparing runs; it never delays or los
   ends a process without ending its run). A stage that resumes a checkpoint tags its run
   `resumed_from` = the killed run of the same stage and fingerprint, which gets `resumed_by`.
   Parent names carry their start time (UTC), so a resumed pipeline's parent is told from the killed one.
-- Parent run: the main params (`PARENT_PARAMS`) and headline metrics (`HEADLINE`) of each stage that
+- Parent run: the main params (`PARENT_PARAMS`) and headline metrics (its SPEC's `headline`) of each stage that
   ran, so the runs table compares pipelines without expanding each stage.
 - Models: `mlflow_models.py` logs and registers the stage's `model/` (transformers flavour for the
   policies, pyfunc for the RM). Figures go through `log_figure`, evaluate's samples through
@@ -75,16 +75,6 @@ PARENT_PARAMS = ("data.task", "data.seed", "model.name_or_path", "model.num_laye
                  "sft.seed", "sft.lr", "sft.epochs", "reward.seed", "reward.lr", "reward.epochs", "ppo.seed",
                  "ppo.lr", "ppo.kl_coef", "ppo.adaptive_kl", "ppo.iterations", "ppo.rollout_batch_size",
                  "evaluate.n_prompts", "evaluate.best_of_n")
-HEADLINE = {
-    "sft": ("eval/loss", "eval/gold_sampled", "eval/well_formed_sampled"),
-    "reward": ("eval/accuracy", "eval/accuracy_of_ceiling", "eval/spearman_gold_sft_samples"),
-    "ppo": ("eval/gold_ppo", "eval/rm_ppo", "eval/kl_ppo", "detector/fired"),
-    "evaluate": ("*/gold", "*/rm", "*/kl", "win_rate/ppo_vs_sft_gold", "win_rate/ppo_vs_sft_rm"),
-    "dpo": ("eval/accuracy", "eval/margin", "eval/gold_sampled", "eval/kl_sampled"),
-    "grpo": ("eval/gold_ppo", "eval/rm_ppo", "eval/kl_ppo", "detector/fired"),
-    "rs": ("eval/gold_sampled", "eval/rm_sampled", "eval/kl_sampled"),
-    "compare": ("*/gold", "*/rm", "*/kl", "win_rate/*_vs_sft_gold", "win_rate/*_vs_sft_rm"),
-}
 # Per-request limits of log_batch (mlflow/utils/validation.py).
 METRICS_PER_BATCH, PARAMS_PER_BATCH = 1000, 100
 
@@ -278,6 +268,7 @@ class MlflowTracker(Tracker):
         self.uri, self.enabled = uri, True
         self.client: Any = None
         self.stage = ""
+        self.headline: Sequence[str] = ()   # metrics.json names (fnmatch patterns) copied to the parent run
         self.config: Mapping[str, Any] = {}
         self.experiment_id: str | None = None
         self.run_id: str | None = None
@@ -316,8 +307,9 @@ class MlflowTracker(Tracker):
                      if str(err) else "")
             return None
 
-    def start(self, stage: str, config: Mapping[str, Any], inputs: Sequence[Path], fingerprint: str = "") -> None:
-        self.stage, self.config = stage, config
+    def start(self, stage: str, config: Mapping[str, Any], inputs: Sequence[Path], fingerprint: str = "",
+              headline: Sequence[str] = ()) -> None:
+        self.stage, self.config, self.headline = stage, config, tuple(headline)
         tags = self._guard("reading git and DVC state", lambda: {**join_tags(), "stage": stage})
         dvc = self._guard("reading DVC's hashes of the stage's deps", lambda: dvc_deps_of(stage)) or []
         digest = self._guard("hashing the stage's inputs", lambda: deps_hash(stage, inputs, dvc))
@@ -495,7 +487,7 @@ class MlflowTracker(Tracker):
         prefix = "" if self.stage == "evaluate" else f"{self.stage}/"
         now = int(time.time() * 1000)
         chosen = [Metric(prefix + k, float(v), now, 0) for k, v in metrics.items()
-                  if isinstance(v, numbers.Real) and any(fnmatch.fnmatchcase(k, pat) for pat in HEADLINE.get(self.stage, ()))
+                  if isinstance(v, numbers.Real) and any(fnmatch.fnmatchcase(k, pat) for pat in self.headline)
                   and not k.endswith("_ci95")]
         if chosen:
             self.client.log_batch(self.parent_id, metrics=chosen)
@@ -632,18 +624,19 @@ def json_source(path: Path) -> str:
 
 @contextlib.contextmanager
 def stage_tracking(stage: str, config: Mapping[str, Any], inputs: Sequence[Path] = (),
-                   enabled: bool = True, fingerprint: str = "") -> Iterator[Tracker]:
+                   enabled: bool = True, fingerprint: str = "", headline: Sequence[str] = ()) -> Iterator[Tracker]:
     """Around the body of a stage's `run`: yields the stage's MLflow tracker, or `NO_TRACKER` when
     tracking is off. `config` is the resolved config the stage writes as config.json (its flattened
     keys are the run's params); `inputs` are the stage's input paths, hashed when DVC isn't running
     the stage. `fingerprint` (the resume fingerprint) tags the run, to link a resumed run to the
-    killed one. The run ends FINISHED, FAILED (an exception) or KILLED (Ctrl-C). `enabled=False`
+    killed one. `headline`: the metrics (fnmatch patterns) copied to the parent run when the stage
+    logs its final metrics (its SPEC's). The run ends FINISHED, FAILED (an exception) or KILLED (Ctrl-C). `enabled=False`
     (ranks other than 0 of a multi-process run) yields `NO_TRACKER`."""
     if not enabled or not tracking_enabled():
         yield NO_TRACKER
         return
     tracker = MlflowTracker(tracking_uri())
-    tracker.start(stage, config, inputs, fingerprint)
+    tracker.start(stage, config, inputs, fingerprint, headline)
     status = "FAILED"
     try:
         yield tracker

@@ -15,7 +15,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any, Mapping
 
-from ..data.io import atomic_write_json, atomic_write_text
+from ..files import atomic_write_json, atomic_write_text
 
 
 # ---- Sinks ----------------------------------------------------------------------------------------

@@ -412,7 +412,7 @@ def write_deepspeed_config(path: Path, **engines: Any) -> Optional[dict]:
     configs = {name: getattr(e, "ds_config", None) for name, e in engines.items()}
     if all(c is None for c in configs.values()):
         return None
-    from ..data.io import atomic_write_json
+    from ..files import atomic_write_json
     out = next(iter(configs.values())) if len(configs) == 1 else configs
     atomic_write_json(path, out)
     return out

@@ -24,7 +24,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, Callable, Optional
 
-from ..config import TRAINING_STAGES, Params, PPOConfig, check_batch_split, from_dict, to_dict
+from ..config import Params, PPOConfig, check_batch_split, from_dict, to_dict
 from ..errors import MAX_MESSAGE, ConfigError
 from .memory_terms import (
     GIB, PHASES, STATES, ModelShape, Plan, as_saved_by, checkpoint_shape, inference_plan, policy_config, rl_plan,
@@ -34,7 +34,6 @@ from .memory_terms import (
 log = logging.getLogger(__name__)
 
 WARN_FRACTION = 0.9   # a plan above 90% of the device warns: allocator and CUDA context are not counted
-STAGES = ("sft", "reward", "ppo", "dpo", "rs", "grpo", "evaluate", "compare")
 Planner = Callable[[Any], Plan]   # the stage's params section -> its plan
 
 
@@ -109,7 +108,7 @@ def candidates(stage: str, cfg: Any, plan: Plan, on_cpu: bool = False) -> list[S
 
     if dist.precision == "fp32":   # bf16, never fp16: fp16 needs DeepSpeed's loss scaling
         suggest(f"{d}.precision", "bf16", "16-bit activations, caches, frozen weights")
-    if stage not in TRAINING_STAGES:   # evaluate, compare: every model whole on every rank
+    if not plan.trains:   # evaluate, compare: every model whole on every rank
         return out
     ppo = isinstance(cfg, PPOConfig)
     # A shared value head is no transformers model: engines.enable_checkpointing refuses it.
@@ -301,90 +300,109 @@ def measuring_planner(stage: str, params: Params, resident: tuple[ModelShape, ..
     return lambda cfg: inference_plan(stage, cfg.distributed, resident, resident[0], prompt, new, read)
 
 
-def planners(params: Params, data_dir: Optional[Path], stages: tuple[str, ...] = STAGES) -> dict[str, Planner]:
-    """Each stage's planner from the params alone (before any checkpoint exists): a checkpoint a
-    stage writes holds the dtype it trained in; the reward model is `reward.name_or_path` or the
-    policy with a scalar head; an auditor and every method's policy have their model's size."""
-    mc = params.model
-    base, scalar = (with_attention(shape_of(policy_config(params, data_dir), head), mc.attn_implementation)
-                    for head in (False, True))
-    start = base if mc.name_or_path is not None else None   # the checkpoint SFT reads, if any
-    name = params.reward.name_or_path
-    rm_start = (with_attention(checkpoint_shape(name, True, mc.trust_remote_code), mc.attn_implementation)
-                if name is not None else None)
-    sft = as_saved_by(base, params.sft.distributed)
-    rm = as_saved_by(rm_start or scalar, params.reward.distributed)
-    critic_from_sft = replace(scalar, saved_bytes=sft.saved_bytes)
+class PredictedShapes:
+    """The models of every stage from the params alone, before any checkpoint exists (`python -m
+    pipeline plan`): a checkpoint a stage writes holds the dtype it trained in; the reward model is
+    `reward.name_or_path` or the policy with a scalar head; an auditor and every method's policy
+    have their model's size."""
+    predicted = True
 
-    def rl(section: str) -> Planner:
-        critic = rm if getattr(params, section).critic_init == "reward" else critic_from_sft
-        return ppo_planner(params, sft, critic, rm, (rm,))
-    methods = tuple(as_saved_by(base, getattr(params, s).distributed) for s in ("ppo", "dpo", "grpo", "rs"))
-    build = {"sft": lambda: supervised_planner("sft", params, base, (start,) if start else ()),
-             "reward": lambda: supervised_planner("reward", params, rm_start or scalar, (rm_start or sft,)),
-             "ppo": lambda: rl("ppo"), "grpo": lambda: rl("grpo"),
-             "dpo": lambda: supervised_planner("dpo", params, sft, (sft,)),
-             "rs": lambda: supervised_planner("rs", params, sft, (sft, rm)),
-             "evaluate": lambda: measuring_planner("evaluate", params, (sft, methods[0], rm), (sft, methods[0], rm)),
-             "compare": lambda: measuring_planner("compare", params, (sft, sft, rm), (sft, *methods, rm))}
-    return {s: build[s]() for s in stages}
-
-
-def planned(params: Params, data_dir: Optional[Path], stages: tuple[str, ...] = STAGES) -> list[Plan]:
-    """Every stage's plan from the params alone."""
-    return [planner(getattr(params, s)) for s, planner in planners(params, data_dir, stages).items()]
-
-
-INPUTS = {"sft": ("data",), "reward": ("sft",), "ppo": ("sft", "reward"), "grpo": ("sft", "reward"),
-          "dpo": ("sft",), "rs": ("sft", "reward"), "evaluate": ("sft", "reward", "ppo"), "compare": ("sft", "reward")}
-
-
-def stage_planner(stage: str, params: Params, folders: dict[str, Any]) -> Optional[Planner]:
-    """A stage's planner from its input folders (`folders`: by name, as its SPEC lists them; for
-    compare, each further entry a method's policy folder); None while an input is missing (the
-    stage's own loading reports it). A training stage's planner reads only the params its SPEC
-    declares; evaluate's and compare's also read ppo.max_prompt_length, their prompts' bound."""
-    trust = params.model.trust_remote_code
-    needed = () if stage == "reward" and params.reward.name_or_path is not None else INPUTS[stage]
-    if not all(Path(folders[k], "tokenizer" if k == "data" else "config.json").exists() for k in needed):
-        return None
-
-    def ckpt(key: str, scalar_head: bool = False) -> ModelShape:
-        return checkpoint_shape(folders[key], scalar_head, trust)
-    if stage == "sft":
+    def __init__(self, params: Params, data_dir: Optional[Path]):
+        self.params, self.data_dir = params, data_dir
         mc = params.model
-        base = with_attention(shape_of(policy_config(params, folders["data"])), mc.attn_implementation)
-        return supervised_planner("sft", params, base, (base,) if mc.name_or_path is not None else ())
-    if stage == "reward":
-        name, attn = params.reward.name_or_path, params.model.attn_implementation
-        rm = with_attention(checkpoint_shape(name, True, trust) if name is not None else ckpt("sft", True), attn)
-        return supervised_planner("reward", params, rm, (rm,))
-    if stage in ("dpo", "rs"):
-        read = (ckpt("sft"),) + ((ckpt("reward", True),) if stage == "rs" else ())
-        return supervised_planner(stage, params, read[0], read)
-    if stage in ("evaluate", "compare"):
-        policies = tuple(ckpt(k) for k in folders if k not in ("data", "sft", "reward"))
-        resident = (ckpt("sft"), *(policies and (max(policies, key=lambda m: m.params),)), ckpt("reward", True))
-        return measuring_planner(stage, params, resident, (*resident, *policies))
-    cfg = getattr(params, stage)   # ppo, or grpo (the same trainer)
-    rm = ckpt("reward", True) if cfg.reward_source == "reward_model" else None
-    critic = ckpt("reward" if cfg.critic_init == "reward" else "sft", True) if cfg.uses_critic else None
-    det = cfg.detector
-    auditors = (checkpoint_shape(det.auditor, True, trust),) \
-        if det.enabled and det.auditor is not None and Path(det.auditor, "config.json").exists() else ()
-    return ppo_planner(params, ckpt("sft"), critic, rm, auditors)
+        self.base, self.scalar = (with_attention(shape_of(policy_config(params, data_dir), head), mc.attn_implementation)
+                                  for head in (False, True))
+        name = params.reward.name_or_path
+        self.reward_start = (with_attention(checkpoint_shape(name, True, mc.trust_remote_code), mc.attn_implementation)
+                             if name is not None else None)
+
+    def ready(self, *folders: str) -> bool:
+        return True
+
+    def policy(self) -> ModelShape:
+        """The untrained policy SFT builds (or starts from)."""
+        return self.base
+
+    def model(self, folder: str, scalar_head: bool = False) -> ModelShape:
+        """What the stage `folder` writes: a policy saved in its trained dtype; with a scalar head,
+        the reward model (`reward`) or a critic initialised from that policy."""
+        if folder == "reward":
+            return as_saved_by(self.reward_start or self.scalar, self.params.reward.distributed)
+        saved = as_saved_by(self.base, getattr(self.params, folder).distributed)
+        return replace(self.scalar, saved_bytes=saved.saved_bytes) if scalar_head else saved
+
+    def auditors(self, detector: Any) -> tuple[ModelShape, ...]:
+        return (self.model("reward", True),)   # an auditor is a reward model
 
 
-def stage_plan(stage: str, params: Params, folders: dict[str, Any]) -> Optional[Plan]:
+class FolderShapes:
+    """The models of one stage from its input folders (`folders`: by name, as its SPEC lists them;
+    for compare, each further entry a method's policy folder)."""
+    predicted = False
+
+    def __init__(self, params: Params, folders: dict[str, Any]):
+        self.params, self.folders = params, folders
+
+    def ready(self, *folders: str) -> bool:
+        """Whether the folders are there (else the stage's own loading reports it)."""
+        return all(Path(self.folders[k], "tokenizer" if k == "data" else "config.json").exists() for k in folders)
+
+    def policy(self) -> ModelShape:
+        mc = self.params.model
+        return with_attention(shape_of(policy_config(self.params, self.folders["data"])), mc.attn_implementation)
+
+    def model(self, folder: str, scalar_head: bool = False) -> ModelShape:
+        return checkpoint_shape(self.folders[folder], scalar_head, self.params.model.trust_remote_code)
+
+    def auditors(self, detector: Any) -> tuple[ModelShape, ...]:
+        trust = self.params.model.trust_remote_code
+        return (checkpoint_shape(detector.auditor, True, trust),) \
+            if detector.enabled and detector.auditor is not None and Path(detector.auditor, "config.json").exists() else ()
+
+
+Shapes = PredictedShapes | FolderShapes
+PlanFn = Callable[[Params, Shapes], Optional[Planner]]   # a stage's SPEC.plan
+
+
+def rl_planner(params: Params, section: str, shapes: Shapes) -> Optional[Planner]:
+    """ppo and grpo (the same trainer, each with its own section)."""
+    if not shapes.ready("sft", "reward"):
+        return None
+    cfg = getattr(params, section)
+    rm = shapes.model("reward", True)
+    critic = shapes.model("reward" if cfg.critic_init == "reward" else "sft", True)
+    return ppo_planner(params, shapes.model("sft"), critic, rm, shapes.auditors(cfg.detector))
+
+
+def planners(params: Params, data_dir: Optional[Path], plans: dict[str, PlanFn]) -> dict[str, Planner]:
+    """Each stage's planner from the params alone (`plans`: stage -> its SPEC.plan)."""
+    shapes = PredictedShapes(params, data_dir)
+    return {s: fn(params, shapes) for s, fn in plans.items()}
+
+
+def planned(params: Params, data_dir: Optional[Path], plans: dict[str, PlanFn]) -> list[Plan]:
+    """Every stage's plan from the params alone."""
+    return [planner(getattr(params, s)) for s, planner in planners(params, data_dir, plans).items()]
+
+
+def stage_planner(stage: str, plan: PlanFn, params: Params, folders: dict[str, Any]) -> Optional[Planner]:
+    """A stage's planner from its input folders; None while an input is missing (the stage's own
+    loading reports it). A training stage's planner reads only the params its SPEC declares;
+    evaluate's and compare's also read ppo.max_prompt_length, their prompts' bound."""
+    return plan(params, FolderShapes(params, folders))
+
+
+def stage_plan(stage: str, plan: PlanFn, params: Params, folders: dict[str, Any]) -> Optional[Plan]:
     """A stage's plan from its inputs (None while an input is missing)."""
-    planner = stage_planner(stage, params, folders)
+    planner = stage_planner(stage, plan, params, folders)
     return planner(getattr(params, stage)) if planner is not None else None
 
 
-def check_stage(stage: str, params: Params, folders: dict[str, Any], is_main: bool = True) -> Optional[Plan]:
+def check_stage(stage: str, plan_fn: PlanFn, params: Params, folders: dict[str, Any],
+                is_main: bool = True) -> Optional[Plan]:
     """Before a stage builds a model: refuse (ConfigError) a plan that does not fit the device,
     warn (rank 0) about one within 10% of it."""
-    planner = stage_planner(stage, params, folders)
+    planner = stage_planner(stage, plan_fn, params, folders)
     if planner is None:
         return None
     cfg = getattr(params, stage)
@@ -396,11 +414,11 @@ def check_stage(stage: str, params: Params, folders: dict[str, Any], is_main: bo
     return plan
 
 
-def main(params: Params, data_dir: Optional[Path], stage: Optional[str] = None) -> int:
-    """`python -m pipeline plan`: every stage's table (or one stage's); a stage that does not fit
-    raises ConfigError after all tables are printed (exit 2)."""
+def main(params: Params, data_dir: Optional[Path], plans: dict[str, PlanFn]) -> int:
+    """`python -m pipeline plan`: the table of every stage in `plans` (stage -> its SPEC.plan); a
+    stage that does not fit raises ConfigError after all tables are printed (exit 2)."""
     refusals = []
-    for name, planner in planners(params, data_dir, (stage,) if stage else STAGES).items():
+    for name, planner in planners(params, data_dir, plans).items():
         cfg = getattr(params, name)
         plan = planner(cfg)
         available, source, on_cpu, tips = assess(name, cfg, planner, plan)

@@ -191,6 +191,7 @@ class Plan:
     stage: str
     processes: int = 1   # processes per node: a rank's CPU bytes count this many times in the node's RAM
     checkpointing: bool = True   # every trained model's class supports gradient checkpointing
+    trains: bool = True          # False: a measuring stage's plan (no gradients, no optimizer)
     device: dict[str, float] = field(default_factory=lambda: dict.fromkeys(STATES + PHASES, 0.0))
     cpu: dict[str, float] = field(default_factory=lambda: dict.fromkeys(CPU_ROWS, 0.0))
 
@@ -395,7 +396,7 @@ def inference_plan(stage: str, dist: DistributedConfig, resident: tuple[ModelSha
                    prompt_length: int, response_length: int, read: tuple[ModelShape, ...] = ()) -> Plan:
     """evaluate and compare: the `resident` models whole (replicated) on every rank in the working
     dtype, `sampler` sampling GENERATION_BATCH prompts at a time and its KL forward."""
-    plan = Plan(stage, dist.num_processes)
+    plan = Plan(stage, dist.num_processes, trains=False)
     for model in resident:
         plan.add("frozen", weight_bytes(dist, trained=False) * model.params)
     plan.add("measurement", measurement_bytes(sampler, prompt_length, response_length, compute_bytes(dist)))

@@ -36,7 +36,7 @@ import torch
 
 from .distributed import Context
 from ..errors import CheckpointError, loading
-from ..data.io import MAX_FILE_BYTES, atomic_write_json, check_folder, read_json_object, swap_in
+from ..files import MAX_FILE_BYTES, atomic_write_json, check_folder, read_json_object, swap_in
 from ..tracking.sinks import StepLog
 from .batches import BatchSampler
 

@@ -20,15 +20,11 @@ import os
 import subprocess
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Mapping, Optional
+from typing import Any, Mapping, Optional, Sequence
 
 from ..config import Params
 from ..errors import ConfigError
 
-# Checked before Snakemake submits anything: the default pipeline's stages. The methods of
-# compare/dvc.yaml are left out, so a cluster setup for the default pipeline is not refused over
-# stages it does not run; scaling those out, set their resources to match too.
-SHAPE_CHECKED = ("sft", "reward", "ppo", "evaluate")
 SHAPE_KEYS = ("gpus", "nodes", "cpus_per_task")
 PROFILE = Path("profiles") / "slurm" / "config.yaml"
 
@@ -72,14 +68,16 @@ def shapes_in_profile(profile: Mapping[str, Any], stages: tuple[str, ...]) -> di
     return {stage: job_shape(stage, defaults, per_rule.get(stage)) for stage in stages}
 
 
-def check_shape(params: Params, shapes: Mapping[str, JobShape]) -> None:
+def check_shape(params: Params, shapes: Mapping[str, JobShape], stages: Sequence[str]) -> None:
     """A stage's job must have the shape its `distributed` settings launch: as many nodes, and (when
     it asks for GPUs) one GPU per process; `prepare` is a CPU job on one node. Checked before
-    Snakemake submits anything."""
+    Snakemake submits anything, for `stages` (the registry's cluster_checked: the default
+    pipeline's distributed stages; scaling compare/dvc.yaml's methods out, set their resources to
+    match too)."""
     prepare = shapes.get("prepare", JobShape())
     if prepare.gpus or prepare.nodes > 1:
         raise ConfigError("set-resources prepare: a CPU stage on one node: set gpus: 0 and nodes: 1")
-    for stage in SHAPE_CHECKED:
+    for stage in stages:
         res, dist = shapes.get(stage, JobShape()), getattr(params, stage).distributed
         if res.nodes != dist.num_nodes:
             raise ConfigError(f"set-resources {stage}.nodes: {res.nodes} must equal {stage}.distributed.num_nodes="

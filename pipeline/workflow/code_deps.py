@@ -4,7 +4,10 @@ A stage runs `python -m pipeline <stage>`: `pipeline/__main__.py` (its module-le
 other stages' imports are function-local and are not followed) and `pipeline/stages/<stage>.py`,
 then every project module either imports, at any depth, including imports inside functions (the
 gold judge is imported where it is needed). Found statically with `ast`, so nothing is executed.
-A package's `__init__.py` is reached with any of its modules.
+A package's `__init__.py` is reached with any of its modules. The command line finds the stages
+through pipeline/stages/registry.py, which imports every stage module to read its SPEC: a stage's
+process imports the others' code too, but runs only its own (`run` and its SPEC's functions), so
+the others are not its deps.
 
 dvc.yaml's code deps of a stage must cover this closure (a folder covers what is under it);
 tests/test_stage_declarations.py checks it. `EXEMPT` lists the only files that may stay out, each
@@ -23,11 +26,13 @@ EXEMPT = {
     "pipeline/tracking/mlflow_sink.py": "the MLflow sink: a copy of what the stage writes, never read back",
     "pipeline/progress.py": "progress bars and lines on stderr: what a person watches, never an output",
     "pipeline/tracking/mlflow_models.py": "MLflow models: a copy of the checkpoint the stage wrote, never read back",
+    "pipeline/tracking/metric_names.py": "the metric declarations (names, meanings, docs/metrics.md): never change "
+                                         "what a stage computes or writes",
 }
 
 
 def module_file(root: Path, module: str) -> Path | None:
-    """The file of a dotted project module (`pipeline.data.io`), or None when it is not one."""
+    """The file of a dotted project module (`pipeline.files`), or None when it is not one."""
     base = root / Path(*module.split("."))
     if base.with_suffix(".py").is_file():
         return base.with_suffix(".py")
@@ -44,7 +49,10 @@ def _module_name(root: Path, path: Path) -> str:
 def imports(root: Path, path: Path, top_level_only: bool = False) -> set[Path]:
     """Project files that `path` imports (with the `__init__.py` of each package on the way)."""
     tree = ast.parse(path.read_text(encoding="utf-8"), str(path))
-    package = _module_name(root, path) if path.name == "__init__.py" else _module_name(root, path).rpartition(".")[0]
+    if not path.is_relative_to(root):   # a stage module found on the stages package's path elsewhere
+        package = "pipeline.stages"
+    else:
+        package = _module_name(root, path) if path.name == "__init__.py" else _module_name(root, path).rpartition(".")[0]
     nodes = tree.body if top_level_only else ast.walk(tree)
     found: set[Path] = set()
     for node in nodes:
@@ -68,12 +76,14 @@ def imports(root: Path, path: Path, top_level_only: bool = False) -> set[Path]:
     return found
 
 
-def closure(root: Path, stage: str) -> set[str]:
+def closure(root: Path, stage: str, entry: Path | None = None) -> set[str]:
     """Repository-relative paths of every project file `python -m pipeline <stage>` can import (not
-    descending into EXEMPT files: what they alone import serves only them)."""
+    descending into EXEMPT files: what they alone import serves only them). `entry`: the stage's
+    module when it is not pipeline/stages/<stage>.py (a stage module outside the checkout is given
+    by its absolute path)."""
     root = Path(root)
     main = root / "pipeline" / "__main__.py"
-    entry = root / "pipeline" / "stages" / f"{stage}.py"
+    entry = Path(entry) if entry is not None else root / "pipeline" / "stages" / f"{stage}.py"
     packages = {module_file(root, "pipeline"), module_file(root, "pipeline.stages")} - {None}
     todo = {entry, *packages} | imports(root, main, top_level_only=True)
     seen: set[Path] = {main}
@@ -82,9 +92,9 @@ def closure(root: Path, stage: str) -> set[str]:
         if f in seen:
             continue
         seen.add(f)
-        if str(f.relative_to(root)) not in EXEMPT:   # what only an exempt file imports serves it alone
+        if not f.is_relative_to(root) or str(f.relative_to(root)) not in EXEMPT:   # what only an exempt file imports serves it alone
             todo |= imports(root, f) - seen
-    return {str(f.relative_to(root)) for f in seen}
+    return {str(f.relative_to(root)) if f.is_relative_to(root) else str(f) for f in seen}
 
 
 def empty_marker(root: Path, path: str) -> bool:

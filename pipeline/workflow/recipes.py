@@ -12,14 +12,14 @@ from __future__ import annotations
 
 import io
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any, Mapping, Sequence
 
 from ruamel.yaml import YAML
 
-from ..config import Params, from_dict, merge_distributed, read_yaml
+from ..config import Params, check_process_shape, from_dict, merge_distributed, read_yaml
 from . import cluster
 from ..errors import ConfigError
-from ..data.io import atomic_write_text
+from ..files import atomic_write_text
 
 FOLDER = Path(__file__).resolve().parents[2] / "recipes"
 
@@ -57,8 +57,9 @@ def _dump(yaml: YAML, doc: Any) -> str:
     return buf.getvalue()
 
 
-def render(name: str, params_path: Path) -> tuple[str, Params, dict[str, Any]]:
-    """The params file with recipe `name` merged in, as text, its validated Params, and the
+def render(name: str, params_path: Path, shapes: Sequence[str] = ()) -> tuple[str, Params, dict[str, Any]]:
+    """The params file with recipe `name` merged in, as text, its validated Params (`shapes`: the
+    stages whose batch sizes are checked against their processes, as loading checks them), and the
     recipe's SLURM jobs (`slurm`: Snakemake resources per stage; empty when it has none)."""
     recipe = FOLDER / f"{name}.yaml"
     if not recipe.is_file():
@@ -72,6 +73,11 @@ def render(name: str, params_path: Path) -> tuple[str, Params, dict[str, Any]]:
     plain = YAML(typ="safe", pure=True).load(text)
     where = f"{recipe.name} over {Path(params_path).name}: "
     params = from_dict(Params, merge_distributed(plain, where), where)
+    for stage in shapes:
+        try:
+            check_process_shape(params, stage)
+        except ConfigError as err:
+            raise ConfigError(f"{where}{err}") from None
     if not isinstance(jobs, Mapping) or not all(isinstance(v, Mapping) for v in jobs.values()):
         raise ConfigError(f"{recipe.name}: slurm: expected a mapping of stage -> resources")
     return text, params, {k: dict(v) for k, v in jobs.items()}
@@ -85,18 +91,19 @@ def profile_with(profile_path: Path, jobs: Mapping[str, Mapping[str, Any]]) -> t
     return text, YAML(typ="safe", pure=True).load(text)
 
 
-def apply(name: str, params_path: Path, out: Path) -> list[Path]:
+def apply(name: str, params_path: Path, out: Path, shapes: Sequence[str] = (),
+          cluster_stages: Sequence[str] = ()) -> list[Path]:
     """Write the merged params to `out`; a recipe's SLURM jobs go into the profile beside `out`
-    (profiles/slurm/config.yaml), after the shape check, so neither file is written when it fails.
-    Returns the files written."""
-    text, params, jobs = render(name, params_path)
+    (profiles/slurm/config.yaml), after the shape check of `cluster_stages`' jobs, so neither file
+    is written when it fails. Returns the files written. (`shapes` as for `render`.)"""
+    text, params, jobs = render(name, params_path, shapes)
     profile = Path(out).parent / cluster.PROFILE
     profile_text = None
     if jobs:
         if not profile.is_file():
             raise ConfigError(f"recipe {name}: its SLURM jobs go to {profile}, which is not there")
         profile_text, plain = profile_with(profile, jobs)
-        cluster.check_shape(params, cluster.shapes_in_profile(plain, ("prepare", *cluster.SHAPE_CHECKED)))
+        cluster.check_shape(params, cluster.shapes_in_profile(plain, ("prepare", *cluster_stages)), cluster_stages)
     atomic_write_text(out, f"# params.yaml with recipes/{name}.yaml merged in (python -m pipeline recipe {name})\n" + text)
     if profile_text is None:
         return [Path(out)]

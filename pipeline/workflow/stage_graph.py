@@ -29,7 +29,7 @@ from pathlib import Path
 from typing import Any, Mapping
 
 from ..config import read_yaml
-from ..data.io import atomic_write_text
+from ..files import atomic_write_text
 from ..errors import ConfigError
 
 PARAM_DIR = Path(".snakemake/params")      # one <stage>.json per stage (Snakemake's side only)

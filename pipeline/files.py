@@ -16,7 +16,7 @@ import tempfile
 from pathlib import Path
 from typing import Any, Iterator, Sequence
 
-from ..errors import CheckpointError, DataError, UserError, shown
+from .errors import CheckpointError, DataError, UserError, shown
 
 # One record (a JSONL line, a dataset row) may hold at most this many bytes. The longest sequence
 # any stage trains on is a few thousand tokens (tens of KB of text even for a hub model's

@@ -1,0 +1,128 @@
+"""A stage is one module: a throwaway stage module, put on the stages package's path and edited
+nowhere else, shows up in the command line, the memory plan, the metric registry, the MLflow
+headline and the methods benchmark. The one edit outside its module a real stage also needs is its
+params section (config.Params); here a Params subclass with a `toy` section stands in for it."""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib.util
+import sys
+from dataclasses import field
+from pathlib import Path
+
+import pytest
+
+import pipeline.stages
+from conftest import REPO
+from pipeline import config
+from pipeline.__main__ import _parser, commands, main
+from pipeline.config import DataConfig, SFTConfig
+from pipeline.stages import registry, skeleton
+from pipeline.stages.prepare import write as prepare_run
+
+TOY = '''
+"""A throwaway method: measures nothing, trains nothing."""
+from pathlib import Path
+
+from ..training import memory_plan
+from ..tracking.metric_names import Metric
+from .skeleton import stage_run
+from .spec import StageSpec
+
+
+def plan(params, shapes):
+    if not shapes.ready("sft"):
+        return None
+    sft = shapes.model("sft")
+    return memory_plan.supervised_planner("toy", params, sft, (sft,))
+
+
+SPEC = StageSpec(
+    "toy", help="a throwaway method", inputs=("data", "sft"), pipeline="compare", policy=True,
+    headline=("eval/toy_score",), plan=plan,
+    metrics=lambda: [Metric("toy", "metrics.json", "eval/toy_score", "how toy it is", "compare")],
+    files={"metrics.json": "the toy's score"}, reads=("toy.seed",))
+
+
+def run(params, data_dir, sft_dir, out, progress=True):
+    with stage_run(SPEC, params, out, [data_dir]) as run:
+        metrics = {"eval/toy_score": 0.25 + run.params.toy.seed}
+        run.finish(metrics)
+    return metrics
+'''
+
+
+@dataclasses.dataclass(frozen=True)
+class ToyParams(config.Params):
+    toy: SFTConfig = field(default_factory=SFTConfig)   # the toy's params section
+
+
+@pytest.fixture
+def toy_stage(tmp_path, monkeypatch):
+    folder = tmp_path / "more_stages"
+    folder.mkdir()
+    (folder / "toy.py").write_text(TOY)
+    monkeypatch.setattr(pipeline.stages, "__path__", [*pipeline.stages.__path__, str(folder)])
+    monkeypatch.setattr(config, "Params", ToyParams)
+    monkeypatch.setenv("PIPELINE_TRACKING", "off")
+    yield folder / "toy.py"
+    sys.modules.pop("pipeline.stages.toy", None)
+
+
+def test_a_new_stage_module_is_seen_everywhere_stages_are_listed(toy_stage, tmp_path, monkeypatch, capsys):
+    # The registry: a compare-pipeline method, ordered by what it reads (the SFT model, as dpo).
+    specs = registry.specs()
+    assert list(specs)[-5:] == ["dpo", "toy", "grpo", "rs", "compare"] and registry.methods()["toy"] == ("sft",)
+    # The command line: a subcommand with its folders, defaults from the stages that write them.
+    assert commands()["toy"] == ("a throwaway method", {"data": "data/prepared", "sft": "outputs/sft/model",
+                                                         "out": "outputs/toy"})
+    args = _parser().parse_args(["toy"])
+    assert (args.data, args.sft, args.out) == (Path("data/prepared"), Path("outputs/sft/model"), Path("outputs/toy"))
+
+    # Run through the one `run` signature, with the MLflow headline it declares passed to the tracker.
+    data = tmp_path / "data"
+    prepare_run(DataConfig(n_sft=8, n_sft_eval=4, n_pairs=8, n_pairs_eval=4, n_ppo_prompts=8, n_eval_prompts=4), data)
+    params = tmp_path / "params.yaml"
+    params.write_text("toy:\n  seed: 2\n")
+    seen = {}
+    real = skeleton.stage_tracking
+
+    def recording(stage, config_, inputs, **kw):
+        seen[stage] = kw["headline"]
+        return real(stage, config_, inputs, **kw)
+    monkeypatch.setattr(skeleton, "stage_tracking", recording)
+    out = tmp_path / "toy"
+    assert main(["toy", "--params", str(params), "--data", str(data), "--sft", str(tmp_path / "no-sft"),
+                 "--out", str(out)]) == 0
+    assert capsys.readouterr().out.strip() == f"toy: wrote {out}; eval/toy_score=2.250"
+    assert seen == {"toy": ("eval/toy_score",)}
+    assert (out / "metrics.json").read_text().count("2.25") == 1
+
+    # The memory plan: `python -m pipeline plan` prints the toy's table (planned from the params alone).
+    assert main(["plan", "--params", str(params), "--data", str(data), "--stage", "toy"]) == 0
+    assert capsys.readouterr().out.startswith("toy (GiB)")
+
+    # The metric registry and docs/metrics.md: its declaration, its section, its resources.
+    names = {(m.stage, m.name) for m in registry.metrics()}
+    assert {("toy", "eval/toy_score"), ("toy", "resources/wall_seconds")} <= names
+    assert "## toy (`outputs/toy/`, compare/dvc.yaml)\n" in registry.render_metrics()
+
+    # The methods benchmark lists it among the methods it runs.
+    spec = importlib.util.spec_from_file_location("compare_methods_toy", REPO / "benchmarks" / "compare_methods.py")
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    assert bench.METHODS["toy"] == ("sft",)
+
+
+def test_the_registry_is_the_shipped_stages_in_pipeline_order():
+    specs = registry.specs()
+    assert list(specs) == ["prepare", "sft", "reward", "ppo", "evaluate", "dpo", "grpo", "rs", "compare"]
+    assert registry.training() == ("sft", "reward", "ppo", "dpo", "grpo", "rs")
+    assert registry.shape_checked("load") == ("sft", "reward", "ppo")
+    assert registry.shape_checked("start") == ("dpo", "grpo", "rs")
+    assert registry.cluster_checked() == ("sft", "reward", "ppo", "evaluate")
+    assert registry.methods() == {"ppo": ("sft", "reward"), "dpo": ("sft",), "grpo": ("sft", "reward"),
+                                  "rs": ("sft", "reward")}
+    # Each section with `distributed` of its own is a distributed stage's, and the reverse.
+    assert set(config.distributed_sections()) == set(registry.distributed())
