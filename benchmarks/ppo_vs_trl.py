@@ -46,7 +46,7 @@ def build(out: Path, sft_epochs: float = 1.0) -> None:
     from pipeline.stages import sft
     from pipeline.config import DataConfig, ModelConfig, Params, SFTConfig
     from pipeline.models.checkpoints import init_policy, load_policy, save_checkpoint
-    from pipeline.stages.prepare import run as prepare
+    from pipeline.stages.prepare import write as prepare
 
     prepare(DataConfig(n_sft=2000, n_sft_eval=16, n_pairs=8, n_pairs_eval=4, n_ppo_prompts=1024, n_eval_prompts=8),
             out / "data")

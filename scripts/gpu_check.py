@@ -409,7 +409,7 @@ def main(argv: Optional[list[str]] = None) -> int:
             f"responses of {size.new_tokens} tokens")
         from pipeline.config import load_params
         from pipeline.files import atomic_write_text
-        from pipeline.stages.prepare import run as prepare
+        from pipeline.stages.prepare import write as prepare
         from ruamel.yaml import YAML
         values = merge(YAML(typ="safe", pure=True).load((REPO / "params.yaml").read_text()),
                        check_params(size, 1, cuda, root / "base"))

@@ -386,7 +386,9 @@ def test_tiny_pipeline_on_slurm_equals_dvc_repro(tmp_path, tiny_run):
 @pytest.mark.slurm
 def test_failed_job_names_its_log(tmp_path):
     repo = _repo(tmp_path, "fail")
-    (repo / "pipeline/stages/sft.py").write_text("raise SystemExit('boom: sft broke')\n")   # sft fails as a job
+    # sft fails as a job (its module still imports: the command line reads every stage's SPEC)
+    with open(repo / "pipeline/stages/sft.py", "a") as f:
+        f.write("\n\ndef run(*args, **kwargs):\n    raise SystemExit('boom: sft broke')\n")
     proc = run([str(BIN / "snakemake"), "--profile", "profiles/slurm", "--slurm-init-seconds-before-status-checks", "1",
                 "--seconds-between-status-checks", "2"], repo, check=False, timeout=1800)
     assert proc.returncode != 0

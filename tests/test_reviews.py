@@ -15,7 +15,7 @@ import random
 import pytest
 
 from pipeline.config import DataConfig
-from pipeline.stages.prepare import SPLITS, bradley_terry_label, build_splits, check_leakage, make_pairs, run
+from pipeline.stages.prepare import SPLITS, bradley_terry_label, build_splits, check_leakage, make_pairs, write
 from pipeline.files import read_jsonl
 from pipeline.tasks import reviews as R
 
@@ -488,7 +488,7 @@ def test_check_leakage_raises_on_leaky_splits(small_splits):
 def test_run_writes_every_split(tmp_path, small_splits):
     splits, stats = small_splits
     out = tmp_path / "prepared"
-    assert run(SMALL, out) == stats
+    assert write(SMALL, out) == stats
     for name in SPLITS:
         rows = read_jsonl(out / f"{name}.jsonl", required=("id", "prompt"))
         assert rows == splits[name]
