@@ -16,6 +16,8 @@ from pathlib import Path
 
 import pytest
 
+from pipeline.stages import registry
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -351,7 +353,7 @@ def fake_stages(calls: list, seconds: dict[str, float]):
         calls.append((cmd[0], threads))
         out = cwd / args.out
         out.mkdir(parents=True, exist_ok=True)
-        if cmd[0] in ("sft", "reward", "ppo", "dpo", "grpo", "rs"):
+        if cmd[0] in registry.training():   # a stage that writes a model
             (out / "model").mkdir()
         if cmd[0] in ("reward", "ppo", "evaluate"):
             shutil.copy(OUTPUTS / cmd[0] / "metrics.json", out / "metrics.json")

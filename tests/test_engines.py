@@ -13,12 +13,12 @@ import pytest
 import torch
 
 from conftest import REPO, run_env
-from pipeline.training.engines import StepResult, TrainEngine, warmup_cosine
+from pipeline.training.engines import StepResult, TorchEngine, warmup_cosine
 
 
-def tiny_engine(seed: int = 0) -> TrainEngine:
+def tiny_engine(seed: int = 0) -> TorchEngine:
     torch.manual_seed(seed)
-    return TrainEngine(torch.nn.Linear(4, 1), lr=0.1, weight_decay=0.0, schedule=warmup_cosine(1, 4), max_grad_norm=1.0)
+    return TorchEngine(torch.nn.Linear(4, 1), lr=0.1, weight_decay=0.0, schedule=warmup_cosine(1, 4), max_grad_norm=1.0)
 
 
 def test_plain_engine_backward_never_updates_and_step_reports_the_lr_it_used():
@@ -52,7 +52,7 @@ DEEPSPEED_SCRIPT = textwrap.dedent("""
     import json, sys, torch
     from pipeline.training import distributed
     from pipeline.config import DistributedConfig
-    from pipeline.training.engines import TrainEngine, DeepSpeedEngine, warmup_cosine
+    from pipeline.training.engines import TorchEngine, DeepSpeedEngine, warmup_cosine
     dist = DistributedConfig(backend="deepspeed", zero_stage=int(sys.argv[1]), gradient_accumulation_steps=2)
     out = {}
     with distributed.session(dist) as ctx:
@@ -61,7 +61,7 @@ DEEPSPEED_SCRIPT = textwrap.dedent("""
             torch.manual_seed(0)
             model = torch.nn.Linear(4, 1)
             kw = dict(lr=0.1, weight_decay=0.0, schedule=warmup_cosine(1, 4), max_grad_norm=1.0)
-            engines[name] = (TrainEngine(model, **kw) if name == "plain" else
+            engines[name] = (TorchEngine(model, **kw) if name == "plain" else
                              DeepSpeedEngine(model, **kw, dist=dist, ctx=ctx, micro_batch_size=2, accumulation_steps=2))
         gen = torch.Generator().manual_seed(1)
         batches = [torch.randn(4, 4, generator=gen) for _ in range(3)]

@@ -187,6 +187,20 @@ def measure(policy, tok, prompts: list, sampling: SamplingConfig, seed: int, *, 
                             judge=judge, ref=ref, max_prompt_length=max_prompt_length)["policy"]
 
 
+def sampled_metrics(policy, tok, prompts: list, sampling: SamplingConfig, seed: int, *, sft: Any,
+                    reward: Any = None, judge: Optional[Judge] = None, max_prompt_length: int | None = None,
+                    ctx: Context = SINGLE) -> dict[str, float]:
+    """Collective. A trained policy (a module or an engine) sampled on held-out `prompts`, with its
+    KL to `sft` (on this rank's device) and the RM and gold scores when given, every rank its share:
+    `eval/<key>_sampled` and `eval/<key>_sampled_ci95` for each measured value, and
+    `eval/<eos_rate|length|distinct_2>_sampled` (the names every offline method reports)."""
+    measured = measure(policy, tok, prompts, sampling, seed, reward=reward, judge=judge, ref=sft,
+                       max_prompt_length=max_prompt_length, ctx=ctx)
+    stats = summary(measured, lambda key: key)
+    return {f"eval/{k[:-len('_ci95')]}_sampled_ci95" if k.endswith("_ci95") else f"eval/{k}_sampled": v
+            for k, v in stats.items()}
+
+
 def sequence_kl(policy, ref, tok, prompts: list, responses: list[str], temperature: float) -> list[float]:
     """Per response: sum over its tokens of log pi(a_t) - log pi_ref(a_t) (the text re-encoded with eos
     appended). Its mean over responses sampled from pi estimates the sequence-level KL(pi || pi_ref):

@@ -44,10 +44,11 @@ def entropy_from_logits(
 
 
 def _hf_model(model) -> torch.nn.Module:
-    """The Hugging Face model behind a DeepSpeed engine's forward (its `module`), the LoRA
-    reference view (`AdapterOff`) or a PEFT wrapper."""
+    """The Hugging Face model behind a DeepSpeed engine's forward (its `module`), a view that runs
+    another model's forward (its `runs_forward_of`: the LoRA reference view of ppo/placement.py) or
+    a PEFT wrapper."""
     inner = getattr(model, "module", model)
-    inner = getattr(inner, "_actor", [inner])[0]
+    inner = getattr(inner, "runs_forward_of", inner)
     return lora.unwrap(inner)
 
 

@@ -71,6 +71,11 @@ class AdapterOff(torch.nn.Module):
     def actor(self) -> torch.nn.Module:
         return self._actor[0]
 
+    @property
+    def runs_forward_of(self) -> torch.nn.Module:
+        """The model whose forward this view runs (models/logprobs.py asks what it can compute)."""
+        return self._actor[0]
+
     def forward(self, **inputs: Any) -> Any:
         with self.actor.disable_adapter():
             return self.actor(**inputs)
@@ -105,6 +110,11 @@ class SharedValueHead(torch.nn.Module):
     @property
     def base_model(self) -> torch.nn.Module:
         return rm.unwrap(self._actor[0]).base_model
+
+    @property
+    def runs_forward_of(self) -> torch.nn.Module:
+        """The actor, whose trunk this head's forward runs."""
+        return self._actor[0]
 
 
 def _linear_decay(total: int, schedule: str):

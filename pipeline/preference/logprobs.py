@@ -17,7 +17,11 @@ from dataclasses import dataclass
 
 import torch
 
+from ..data.inputs import fit_lengths
 from ..data.padding import left_pad, positions, right_pad
+from ..data.preferences import Pair
+from ..data.tokenizer import cut_prompt, encode_prompt, encode_response
+from ..errors import DataError
 from ..models.logprobs import logprobs_from_logits, response_logits
 
 
@@ -32,6 +36,32 @@ class TokenPair:
     def __post_init__(self) -> None:
         if not self.prompt or not self.chosen or not self.rejected:
             raise ValueError("a preference pair needs a non-empty prompt, chosen and rejected response")
+
+
+def fit_pairs(pairs: list[Pair], tok, max_length: int, overlong: str,
+              section: str) -> tuple[list[tuple[Pair, TokenPair]], int, int]:
+    """Pairs as token ids, each with the pair it came from. One whose prompt + longer response
+    exceeds `max_length` keeps both responses whole and its prompt's template and loses the left
+    end of the user text (`truncate`, tokenizer.cut_prompt: the log-probs are of the whole
+    responses, as the losses need), is left out (`drop`), or is an error naming it (`error`); a
+    response that alone leaves no room for a prompt token is an error under `truncate`. Errors name
+    `section`'s keys (`<section>.max_length`, `<section>.overlong`). Returns the kept pairs and how
+    many were truncated and dropped."""
+    encoded = [(p, encode_prompt(tok, p.prompt), encode_response(tok, p.chosen), encode_response(tok, p.rejected))
+               for p in pairs]
+    kept, truncated, dropped = fit_lengths(encoded, lambda e: len(e[1]) + max(len(e[2]), len(e[3])),
+                                           max_length, overlong, f"{section}.max_length", where=lambda e: e[0].where)
+    out = []
+    for pair, prompt, chosen, rejected in kept:
+        room = max_length - max(len(chosen), len(rejected))
+        if room < 1:
+            raise DataError(f"{pair.where}: a response of {max(len(chosen), len(rejected))} tokens leaves no room "
+                            f"for the prompt within {section}.max_length={max_length} ({section}.overlong: drop "
+                            f"skips such pairs)")
+        if not prompt:
+            raise DataError(f"{pair.where}: the prompt encodes to no tokens")
+        out.append((pair, TokenPair(cut_prompt(tok, pair.prompt, room, prompt), chosen, rejected)))
+    return out, truncated, dropped
 
 
 def sequence_logprobs(

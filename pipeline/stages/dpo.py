@@ -33,12 +33,11 @@ import torch
 from ..config import Params, PreferenceOptConfig
 from ..data import inputs
 from ..data.preferences import Pair
-from ..data.tokenizer import cut_prompt, encode_prompt, encode_response
-from ..errors import DataError, check_finite
-from ..measurement.policy import measure, summary
+from ..errors import check_finite
+from ..measurement.policy import sampled_metrics
 from ..models import lora
 from ..models.checkpoints import load_policy
-from ..preference.logprobs import TokenPair, pair_logprobs, reference_logprobs, response_lengths
+from ..preference.logprobs import TokenPair, fit_pairs, pair_logprobs, reference_logprobs, response_lengths
 from ..preference.losses import dpo_loss, ipo_loss, simpo_loss
 from ..training import loading, memory_plan, supervised
 from ..training.batches import total_steps
@@ -93,26 +92,10 @@ def pair_sources(params: Params, data_dir: Path) -> tuple[list[Pair], list[Pair]
 
 
 def tokenize_pairs(pairs: list[Pair], tok, max_length: int, overlong: str) -> tuple[list[TokenPair], int, int]:
-    """Pairs as token ids. One whose prompt + longer response exceeds `max_length` keeps both
-    responses whole and its prompt's template and loses the left end of the user text
-    (`truncate`, tokenizer.cut_prompt: the log-probs are of the whole
-    responses, as the loss needs), is left out (`drop`), or is an error naming it (`error`); a
-    response that alone leaves no room for a prompt token is an error under `truncate`. Returns the
-    pairs and how many were truncated and dropped."""
-    encoded = [(p, encode_prompt(tok, p.prompt), encode_response(tok, p.chosen), encode_response(tok, p.rejected))
-               for p in pairs]
-    kept, truncated, dropped = inputs.fit_lengths(encoded, lambda e: len(e[1]) + max(len(e[2]), len(e[3])),
-                                                  max_length, overlong, "dpo.max_length", where=lambda e: e[0].where)
-    out = []
-    for pair, prompt, chosen, rejected in kept:
-        room = max_length - max(len(chosen), len(rejected))
-        if room < 1:
-            raise DataError(f"{pair.where}: a response of {max(len(chosen), len(rejected))} tokens leaves no room "
-                            f"for the prompt within dpo.max_length={max_length} (dpo.overlong: drop skips such pairs)")
-        if not prompt:
-            raise DataError(f"{pair.where}: the prompt encodes to no tokens")
-        out.append(TokenPair(cut_prompt(tok, pair.prompt, room, prompt), chosen, rejected))
-    return out, truncated, dropped
+    """The pairs as token ids within `dpo.max_length` (preference.logprobs.fit_pairs), and how many
+    were truncated and dropped."""
+    kept, truncated, dropped = fit_pairs(pairs, tok, max_length, overlong, "dpo")
+    return [tokens for _, tokens in kept], truncated, dropped
 
 
 def attach_reference(pairs: list[TokenPair], ref_chosen: torch.Tensor, ref_rejected: torch.Tensor) -> list[ScoredPair]:
@@ -193,11 +176,8 @@ def measure_policy(model, tok, params: Params, sft_dir: Path, prompts: list, ctx
     device): `eval/<gold|kl>_sampled` with `_ci95` half-widths, `eval/<eos_rate|length|distinct_2>_sampled`."""
     dtype = next(getattr(model, "model", model).parameters()).dtype
     sft, _ = load_policy(sft_dir, params.model.trust_remote_code, dtype)
-    measured = measure(model, tok, prompts, params.ppo.sampling, params.dpo.seed, judge=judge(params),
-                       ref=sft.to(ctx.device), max_prompt_length=params.ppo.max_prompt_length, ctx=ctx)
-    stats = summary(measured, lambda key: key)
-    return {f"eval/{k[:-len('_ci95')]}_sampled_ci95" if k.endswith("_ci95") else f"eval/{k}_sampled": v
-            for k, v in stats.items()}
+    return sampled_metrics(model, tok, prompts, params.ppo.sampling, params.dpo.seed, sft=sft.to(ctx.device),
+                           judge=judge(params), max_prompt_length=params.ppo.max_prompt_length, ctx=ctx)
 
 
 def final_metrics(eval_row: dict[str, Any], train_row: dict[str, Any]) -> dict[str, Any]:
@@ -256,7 +236,8 @@ def memory_plan_of(params: Params, shapes: memory_plan.Shapes) -> Optional[memor
     if not shapes.ready("sft"):
         return None
     sft = shapes.model("sft")
-    return memory_plan.supervised_planner("dpo", params, sft, (sft,))
+    return memory_plan.supervised_planner("dpo", params, sft, (sft,), rows=2,   # a pair: two sequences
+                                          sampled=lambda cfg: params.ppo.sampling.max_new_tokens)
 
 
 def run(params: Params, data_dir: Path, sft_dir: Path, out: Path, progress: bool = True) -> dict[str, Any]:

@@ -280,12 +280,12 @@ def memory_plan_of(params: Params, shapes: memory_plan.Shapes) -> Optional[memor
     name, attn = params.reward.name_or_path, params.model.attn_implementation
     if shapes.predicted:   # before any checkpoint: the policy with a scalar head, reading the SFT checkpoint
         return memory_plan.supervised_planner("reward", params, shapes.reward_start or shapes.scalar,
-                                              (shapes.reward_start or shapes.model("sft"),))
+                                              (shapes.reward_start or shapes.model("sft"),), rows=2)
     if name is None and not shapes.ready("sft"):
         return None
     rm = with_attention(checkpoint_shape(name, True, params.model.trust_remote_code) if name is not None
                         else shapes.model("sft", True), attn)
-    return memory_plan.supervised_planner("reward", params, rm, (rm,))
+    return memory_plan.supervised_planner("reward", params, rm, (rm,), rows=2)   # a pair: two sequences
 
 
 def run(params: Params, data_dir: Path, sft_dir: Path, out: Path, progress: bool = True) -> dict[str, Any]:

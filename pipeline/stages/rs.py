@@ -38,7 +38,7 @@ from ..data import inputs
 from ..files import parse_json, write_jsonl
 from ..errors import DataError, check_finite
 from ..data.records import Example, collate_sft, tokenize_demonstrations
-from ..measurement.policy import Measured, candidates, measure, measure_policies, summary
+from ..measurement.policy import Measured, candidates, measure_policies, sampled_metrics
 from ..measurement.stats import mean_ci
 from ..models import lora
 from ..models.checkpoints import load_policy
@@ -189,12 +189,9 @@ def measure_policy(model, tok, params: Params, sft_dir: Path, reward_dir: Path, 
     sft, _ = load_policy(sft_dir, params.model.trust_remote_code, dtype)
     reward = RewardModelSource(reward_dir, params.reward.max_length, params.model.trust_remote_code,
                                device=ctx.device, dtype=dtype)
-    measured = measure(model, tok, prompts, params.ppo.sampling, params.rs.seed, reward=reward,
-                       judge=inputs.judge(params), ref=sft.to(ctx.device),
-                       max_prompt_length=params.ppo.max_prompt_length, ctx=ctx)
-    stats = summary(measured, lambda key: key)
-    return {f"eval/{k[:-len('_ci95')]}_sampled_ci95" if k.endswith("_ci95") else f"eval/{k}_sampled": v
-            for k, v in stats.items()}
+    return sampled_metrics(model, tok, prompts, params.ppo.sampling, params.rs.seed, sft=sft.to(ctx.device),
+                           reward=reward, judge=inputs.judge(params), max_prompt_length=params.ppo.max_prompt_length,
+                           ctx=ctx)
 
 
 def train(run: StageRun, data_dir: Path, sft_dir: Path, reward_dir: Path,
@@ -253,7 +250,9 @@ def memory_plan_of(params: Params, shapes: memory_plan.Shapes) -> Optional[memor
     if not shapes.ready("sft", "reward"):
         return None
     sft = shapes.model("sft")
-    return memory_plan.supervised_planner("rs", params, sft, (sft, shapes.model("reward", True)))
+    return memory_plan.supervised_planner(
+        "rs", params, sft, (sft, shapes.model("reward", True)),   # then its candidates, with the same policy
+        sampled=lambda cfg: max(params.ppo.sampling.max_new_tokens, cfg.sampling.max_new_tokens))
 
 
 def run(params: Params, data_dir: Path, sft_dir: Path, reward_dir: Path, out: Path,

@@ -151,7 +151,8 @@ def memory_plan_of(params: Params, shapes: memory_plan.Shapes) -> Optional[memor
     if not shapes.ready("data"):
         return None
     base = shapes.policy()
-    return memory_plan.supervised_planner("sft", params, base, (base,) if params.model.name_or_path is not None else ())
+    return memory_plan.supervised_planner("sft", params, base, (base,) if params.model.name_or_path is not None else (),
+                                          sampled=lambda cfg: cfg.sampling.max_new_tokens)
 
 
 def run(params: Params, data_dir: Path, out: Path, progress: bool = True) -> dict[str, Any]:

@@ -408,14 +408,24 @@ def dpo() -> list[Metric]:
             m(METRICS_JSON, "train/margin", "`train.tsv`'s last `margin`"),
             m(METRICS_JSON, "data/eval_truncated", "held-out pairs kept with their prompt's left end cut"),
             m(METRICS_JSON, "data/eval_dropped", "held-out pairs left out (`dpo.overlong: drop`)")]
-    for key, meaning in (("gold", "mean gold score"), ("kl", "mean sequence-level sampled KL to SFT")):
-        out += [m(METRICS_JSON, f"eval/{key}_sampled", f"{meaning} of the trained policy's responses to the first "
-                                                       "`dpo.n_eval_prompts` held-out prompts (`ppo.sampling`)"),
-                m(METRICS_JSON, f"eval/{key}_sampled_ci95", "half-width of its 95% interval")]
-    out += [m(METRICS_JSON, "eval/eos_rate_sampled", "rate of those responses that ended with eos or the stop token"),
-            m(METRICS_JSON, "eval/length_sampled", "their mean length, words"),
-            m(METRICS_JSON, "eval/distinct_2_sampled", "distinct bigrams / bigrams over them")]
-    return out
+    return out + sampled("dpo", ("gold", "kl"))
+
+
+def sampled(stage: str, keys: tuple[str, ...]) -> list[Metric]:
+    """A trained policy sampled on the held-out prompts (measurement.policy.sampled_metrics): the
+    `keys` it is scored by, then its responses' end rate, length and distinct-2 (compare/dvc.yaml's)."""
+    meanings = {"rm": "mean RM score", "gold": "mean gold score", "kl": "mean sequence-level sampled KL to SFT"}
+
+    def m(name: str, meaning: str) -> Metric:
+        return Metric(stage, METRICS_JSON, name, meaning, "compare")
+    out = []
+    for key in keys:
+        out += [m(f"eval/{key}_sampled", f"{meanings[key]} of the trained policy's responses to the first "
+                                         f"`{stage}.n_eval_prompts` held-out prompts (`ppo.sampling`)"),
+                m(f"eval/{key}_sampled_ci95", "half-width of its 95% interval")]
+    return out + [m("eval/eos_rate_sampled", "rate of those responses that ended with eos or the stop token"),
+                  m("eval/length_sampled", "their mean length, words"),
+                  m("eval/distinct_2_sampled", "distinct bigrams / bigrams over them")]
 
 
 def rs() -> list[Metric]:
@@ -438,15 +448,7 @@ def rs() -> list[Metric]:
             m(METRICS_JSON, "rs/gold_candidates", "mean gold score of all candidates"),
             m(METRICS_JSON, "rs/gold_winners", "mean gold score of the winners"),
             m(METRICS_JSON, "rs/gold_winners_ci95", "half-width of its 95% interval")]
-    for key, meaning in (("rm", "mean RM score"), ("gold", "mean gold score"),
-                         ("kl", "mean sequence-level sampled KL to SFT")):
-        out += [m(METRICS_JSON, f"eval/{key}_sampled", f"{meaning} of the trained policy's responses to the first "
-                                                       "`rs.n_eval_prompts` held-out prompts (`ppo.sampling`)"),
-                m(METRICS_JSON, f"eval/{key}_sampled_ci95", "half-width of its 95% interval")]
-    out += [m(METRICS_JSON, "eval/eos_rate_sampled", "rate of those responses that ended with eos or the stop token"),
-            m(METRICS_JSON, "eval/length_sampled", "their mean length, words"),
-            m(METRICS_JSON, "eval/distinct_2_sampled", "distinct bigrams / bigrams over them")]
-    return out
+    return out + sampled("rs", ("rm", "gold", "kl"))
 
 
 def compare() -> list[Metric]:

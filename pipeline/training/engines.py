@@ -6,8 +6,10 @@ Every training loop (SFT, RM, PPO's actor and critic) talks to a `TrainEngine`:
     engine.backward(loss)          # once per micro-batch: gradients only, never an update
     result = engine.step()         # once per global batch: the update; StepResult(lr, grad_norm, skipped)
 
-so the *same* loop runs as plain PyTorch in one process (`TrainEngine`) or through
-`deepspeed.initialize` in N processes (`DeepSpeedEngine`). The two are siblings with one meaning
+so the *same* loop runs as plain PyTorch in one process (`TorchEngine`) or through
+`deepspeed.initialize` in N processes (`DeepSpeedEngine`). The two are siblings of `TrainEngine`,
+which holds what both share (the model, the forward, the mode, the schedule's learning rate) and
+names what each implements (backward, step, gathered, full_model, save, load), with one meaning
 per method; callers use `forward` for training forwards, `model` where they need the Hugging Face
 model's structure (its trunk and head), `train()`/`eval()` for the mode, and never the optimizer
 or the schedule. Ranks come from the distributed `Context` the engine was built with; what PEFT
@@ -116,25 +118,17 @@ class StepResult(NamedTuple):
 
 
 class TrainEngine:
-    """Plain PyTorch: AdamW, a schedule, gradient clipping, gradient accumulation by summation.
-    With `precision: bf16` the weights and AdamW stay fp32 and the forwards run under bf16 autocast
-    (`autocast`), the usual mixed precision without DeepSpeed."""
+    """What every training loop calls (module doc). `model`: the Hugging Face model (its structure,
+    its weights on this rank); `forward`: what training forwards call; `params`: the trained
+    parameters. Built by its two implementations, `TorchEngine` and `DeepSpeedEngine`."""
 
-    def __init__(self, model: torch.nn.Module, lr: float, weight_decay: float,
-                 schedule: Callable[[int], float], max_grad_norm: float, precision: str = "fp32"):
-        self.model = model
-        self.params = [p for p in model.parameters() if p.requires_grad]
-        self._optimizer = torch.optim.AdamW(self.params, lr=lr, weight_decay=weight_decay)
-        self._scheduler = torch.optim.lr_scheduler.LambdaLR(self._optimizer, schedule)
-        self.max_grad_norm = max_grad_norm
-        self.precision = precision
-        self.forward = model   # what training forwards call
+    def __init__(self, model: torch.nn.Module, forward: Callable[..., Any], params: list[torch.nn.Parameter],
+                 optimizer: Any, scheduler: Any):
+        self.model, self.forward, self.params = model, forward, params
+        self._optimizer, self._scheduler = optimizer, scheduler
 
     def autocast(self) -> contextlib.AbstractContextManager:
-        """The forward's precision context: bf16 autocast over fp32 weights when asked for; nothing
-        otherwise (fp32, or DeepSpeed, whose engine holds the 16-bit weights itself)."""
-        if type(self) is TrainEngine and self.precision == "bf16":
-            return torch.autocast(self.device.type, dtype=torch.bfloat16)
+        """The forward's precision context (none unless an implementation says otherwise)."""
         return contextlib.nullcontext()
 
     def train(self) -> None:
@@ -163,6 +157,51 @@ class TrainEngine:
     def lr(self) -> float:
         """The learning rate the next `step` will use."""
         return self._scheduler.get_last_lr()[0]
+
+    def backward(self, loss: torch.Tensor) -> None:
+        """Add this micro-batch's gradients; no update."""
+        raise NotImplementedError
+
+    def step(self) -> StepResult:
+        """Clip, update, advance the schedule, clear the gradients (once per global batch)."""
+        raise NotImplementedError
+
+    @contextlib.contextmanager
+    def gathered(self) -> Iterator[torch.nn.Module]:
+        """The whole model for generation."""
+        raise NotImplementedError
+        yield
+
+    def full_model(self) -> torch.nn.Module | None:
+        """Collective: the whole model on rank 0 (None on the others), in the dtype it trained in."""
+        raise NotImplementedError
+
+    def save(self, folder: Path, name: str) -> None:
+        """Write the resumable state (weights, optimizer, schedule) under `folder` as `name`."""
+        raise NotImplementedError
+
+    def load(self, folder: Path, name: str) -> None:
+        raise NotImplementedError
+
+
+class TorchEngine(TrainEngine):
+    """Plain PyTorch: AdamW, a schedule, gradient clipping, gradient accumulation by summation.
+    With `precision: bf16` the weights and AdamW stay fp32 and the forwards run under bf16 autocast
+    (`autocast`), the usual mixed precision without DeepSpeed."""
+
+    def __init__(self, model: torch.nn.Module, lr: float, weight_decay: float,
+                 schedule: Callable[[int], float], max_grad_norm: float, precision: str = "fp32"):
+        params = [p for p in model.parameters() if p.requires_grad]
+        optimizer = torch.optim.AdamW(params, lr=lr, weight_decay=weight_decay)
+        super().__init__(model, model, params, optimizer, torch.optim.lr_scheduler.LambdaLR(optimizer, schedule))
+        self.max_grad_norm = max_grad_norm
+        self.precision = precision
+
+    def autocast(self) -> contextlib.AbstractContextManager:
+        """bf16 autocast over fp32 weights when asked for; nothing in fp32."""
+        if self.precision == "bf16":
+            return torch.autocast(self.device.type, dtype=torch.bfloat16)
+        return contextlib.nullcontext()
 
     def backward(self, loss: torch.Tensor) -> None:
         """Add this micro-batch's gradients; no update."""
@@ -228,12 +267,10 @@ class DeepSpeedEngine(TrainEngine):
         # With optimizer offload the optimizer comes from the config (DeepSpeed's CPU Adam);
         # otherwise it is our torch AdamW.
         optimizer = None if dist.offload_optimizer else torch.optim.AdamW(params, lr=lr, weight_decay=weight_decay)
-        self.engine, self._optimizer, _, self._scheduler = deepspeed.initialize(
+        self.engine, ds_optimizer, _, ds_scheduler = deepspeed.initialize(
             model=model, optimizer=optimizer, model_parameters=params if optimizer is None else None,
             lr_scheduler=scheduler, config=self.ds_config)
-        self.model = self.engine.module
-        self.forward = self.engine
-        self.params = params
+        super().__init__(self.engine.module, self.engine, params, ds_optimizer, ds_scheduler)
         self._complete = False   # the last backward completed a global batch
 
     def backward(self, loss: torch.Tensor) -> None:
@@ -368,7 +405,7 @@ def make_engine(model: torch.nn.Module, *, lr: float, weight_decay: float, sched
     if dist.gradient_checkpointing:
         enable_checkpointing(model)
     if dist.backend == "none":
-        return TrainEngine(model.to(ctx.device), lr, weight_decay, schedule, max_grad_norm, dist.precision)
+        return TorchEngine(model.to(ctx.device), lr, weight_decay, schedule, max_grad_norm, dist.precision)
     return DeepSpeedEngine(model, lr, weight_decay, schedule, max_grad_norm, dist, ctx, micro_batch_size,
                            accumulation_steps)
 

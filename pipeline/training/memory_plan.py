@@ -253,22 +253,18 @@ def _micro(cfg: Any) -> int:
     return cfg.batch_size // (cfg.distributed.world_size * cfg.distributed.gradient_accumulation_steps)
 
 
-def supervised_planner(stage: str, params: Params, model: ModelShape, read: tuple[ModelShape, ...]) -> Planner:
-    """sft, reward, dpo, rs: one trained model. A preference pair is two sequences in one forward
-    (reward, dpo); sft samples its held-out prompts as sft.sampling, dpo and rs as ppo.sampling
-    (rs also its candidates, as rs.sampling, with the same policy)."""
-    rows = 2 if stage in ("reward", "dpo") else 1
-    if stage == "reward":   # measured by the SFT policy's samples, on the CPU
+def supervised_planner(stage: str, params: Params, model: ModelShape, read: tuple[ModelShape, ...], rows: int = 1,
+                       sampled: Optional[Callable[[Any], int]] = None) -> Planner:
+    """One trained model (sft, reward, dpo, rs, ...): `rows` sequences per example in one forward (a
+    preference pair is two); `sampled(cfg)`: the most new tokens the trained policy samples on the
+    held-out prompts (up to ppo.max_prompt_length long) with its own weights, or None when it
+    samples none on this device (the reward model is measured by the SFT policy's samples, on the CPU)."""
+    if sampled is None:
         return lambda cfg: supervised_plan(stage, model, cfg.distributed, rows * _micro(cfg), cfg.max_length,
                                            cfg.lora, read)
     prompt = params.ppo.max_prompt_length
-    held_out = params.ppo.sampling.max_new_tokens if stage != "sft" else 0
-
-    def plan(cfg: Any) -> Plan:
-        new = held_out if stage == "dpo" else max(held_out, cfg.sampling.max_new_tokens)
-        return supervised_plan(stage, model, cfg.distributed, rows * _micro(cfg), cfg.max_length, cfg.lora, read,
-                               (prompt, new))
-    return plan
+    return lambda cfg: supervised_plan(stage, model, cfg.distributed, rows * _micro(cfg), cfg.max_length, cfg.lora,
+                                       read, (prompt, sampled(cfg)))
 
 
 def ppo_planner(params: Params, actor: ModelShape, critic: Optional[ModelShape], reward: Optional[ModelShape],
