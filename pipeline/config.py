@@ -301,6 +301,39 @@ class PreferenceOptConfig:
 
 
 @dataclass(frozen=True)
+class KTOConfig:
+    """`kto`: Kahneman-Tversky Optimisation (Ethayarajh et al. 2024) of the SFT policy on unpaired
+    feedback made from the preference pairs: the chosen responses of one half of the pairs are
+    desirable examples, the rejected responses of the other half undesirable ones
+    (pipeline/stages/kto.py)."""
+    seed: int = num(0, ge=0)
+    # DPO's beta (2.0) in the same role: the scale of the implicit reward beta (log pi - log pi_ref) in
+    # the sigmoid; the paper's 0.1 is for 7B models, as DPO's is.
+    beta: float = num(2.0, gt=0.0, doc="scale of the implicit reward in the loss's sigmoid")
+    lambda_desirable: float = num(1.0, gt=0.0, doc="weight of a desirable example's loss (the paper's lambda_D)")
+    lambda_undesirable: float = num(1.0, gt=0.0, doc="weight of an undesirable example's loss (lambda_U)")
+    lr: float = num(1e-4, gt=0.0)       # as dpo.lr: the same small model moving a little from SFT
+    weight_decay: float = num(0.0, ge=0.0)
+    batch_size: int = num(32, ge=2, doc="examples per optimizer step (the KL reference point is estimated on them)")
+    epochs: float = num(1.0, gt=0.0, doc="passes over the examples")
+    warmup_ratio: float = num(0.1, ge=0.0, lt=1.0)
+    max_grad_norm: float = num(1.0, gt=0.0)
+    max_length: int = num(96, ge=8, doc="prompt + the longer of its own and its mismatched response, in tokens")
+    eval_every: int = num(100, ge=1)
+    save_every: int = num(100, ge=1, doc="steps between resumable checkpoints")
+    n_eval_prompts: int = num(200, ge=2, doc="held-out prompts the trained policy is measured on (as ppo.sampling)")
+    dataset: PreferenceDataConfig = field(default_factory=PreferenceDataConfig)   # the RM's pairs by default
+    overlong: Literal["truncate", "drop", "error"] = "truncate"   # truncate: the prompt loses its left end
+    lora: LoraConfig = field(default_factory=LoraConfig)
+    distributed: DistributedConfig = field(default_factory=DistributedConfig)  # merged over the top level
+
+    def __post_init__(self) -> None:
+        if self.dataset.margin_column is not None:
+            raise ConfigError(f"kto.dataset.margin_column: KTO uses no per-pair margin; set it to null "
+                              f"(got {self.dataset.margin_column!r})")
+
+
+@dataclass(frozen=True)
 class RejectionSamplingConfig:
     """`rs`: rejection-sampling fine-tuning (best-of-n, then SFT on the winners; Touvron et al. 2023,
     sec. 3.2.3; Dong et al. 2023, RAFT): `n` samples of the SFT policy per training prompt (the PPO
@@ -563,6 +596,7 @@ class Params:
     reward: RewardConfig = field(default_factory=RewardConfig)
     ppo: PPOConfig = field(default_factory=PPOConfig)
     dpo: PreferenceOptConfig = field(default_factory=PreferenceOptConfig)
+    kto: KTOConfig = field(default_factory=KTOConfig)
     rs: RejectionSamplingConfig = field(default_factory=RejectionSamplingConfig)
     grpo: GRPOConfig = field(default_factory=GRPOConfig)   # a subclass, so a partial section keeps GRPO's defaults
     evaluate: EvaluateConfig = field(default_factory=EvaluateConfig)

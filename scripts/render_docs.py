@@ -34,7 +34,7 @@ BLOCK = re.compile(r"(<!-- rendered: (?P<name>[\w-]+) -->\n)(?P<body>.*?)(<!-- /
 OPENING = re.compile(r"<!-- rendered: ([^ ]*) -->")
 FENCE = re.compile(r"^[ \t]*(```|~~~).*?^[ \t]*\1[^\n]*$", re.S | re.M)   # a fenced code block, indented in a list too
 DEFAULT_STAGES = ("sft", "reward", "ppo", "evaluate")
-METHOD_STAGES = ("dpo", "grpo", "rs", "compare")
+METHOD_STAGES = ("dpo", "kto", "grpo", "rs", "compare")   # compare/dvc.yaml's, in its order
 NA = "n/a"
 
 

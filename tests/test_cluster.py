@@ -90,7 +90,7 @@ def test_compare_pipeline_is_a_target_of_its_own_in_both_engines(tmp_path):
     dvc = {(a.split(":")[-1], b.split(":")[-1]) for a, b in re.findall(r'^"([^"]+)" -> "([^"]+)";', dot, flags=re.M)}
     graph = stage_graph.edges(stage_graph.load_all(repo))
     assert dvc == graph
-    assert {a for a, b in graph if b == "compare"} == {"prepare", "sft", "reward", "ppo", "dpo", "grpo", "rs"}
+    assert {a for a, b in graph if b == "compare"} == {"prepare", "sft", "reward", "ppo", "dpo", "kto", "grpo", "rs"}
     rulegraph = run([str(BIN / "snakemake"), "compare", "-n", "--rulegraph", "--quiet", "all"], repo).stdout
     labels = dict(re.findall(r'^\s*(\d+)\[label = "(\w+)"', rulegraph, flags=re.M))
     assert _dot_edges(rulegraph, labels) == {e for e in graph if e[1] != "evaluate"}   # what compare needs

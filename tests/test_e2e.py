@@ -13,6 +13,7 @@ from conftest import BIN, bare_env, run
 from pipeline.config import load_params
 from pipeline.stages import evaluate as evaluate_stage, ppo as ppo_stage, reward as reward_stage, sft as sft_stage
 from pipeline.stages.spec import resolve
+from pipeline.stages import registry
 from pipeline.stages.registry import check_run
 from pipeline.data.tokenizer import decode_response, encode_prompt
 
@@ -116,11 +117,13 @@ def test_dvc_repro_tiny_pipeline(tiny_run, tiny_run_copy):
     assert not (repo / "outputs/dpo").exists()
     proc = run([str(BIN / "dvc"), "repro", "compare/dvc.yaml"], repo, env=bare_env(repo))
     ran = re.findall(r"Running stage '([^']+)'", proc.stdout)
-    assert sorted(ran) == sorted(f"compare/dvc.yaml:{s}" for s in ("dpo", "grpo", "rs", "compare")), ran
+    compare_stages = [n for n, s in registry.specs().items() if s.pipeline == "compare"]
+    assert sorted(ran) == sorted(f"compare/dvc.yaml:{s}" for s in compare_stages), ran
     compared = json.loads((repo / "outputs/compare/metrics.json").read_text())
-    for policy in ("sft", "best_of_2", "ppo", "dpo", "grpo", "rs"):
+    methods = list(registry.methods())   # ppo, dpo, kto, grpo, rs
+    for policy in ("sft", "best_of_2", *methods):
         assert math.isfinite(compared[policy]["gold"]) and math.isfinite(compared[policy]["kl"]), policy
-    for policy in ("ppo", "dpo", "grpo", "rs"):
+    for policy in methods:
         assert 0.0 <= compared["win_rate"][f"{policy}_vs_sft_gold"] <= 1.0
         assert compared[policy]["stage_wall_seconds"] > 0 and compared[policy]["stage_peak_rss_gib"] > 0
     # The PPO policy is measured on the same prompts with the same seed as evaluate: same numbers.

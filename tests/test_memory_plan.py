@@ -267,7 +267,7 @@ def test_plan_command_prints_every_stage_and_the_default_fits(tiny_default, caps
     assert main(["plan", "--params", str(REPO / "params.yaml"), "--data", str(tiny_default / "data")]) == 0
     out = capsys.readouterr()
     planned = [name for name, spec in registry.specs().items() if spec.plan is not None]
-    assert planned == ["sft", "reward", "ppo", "evaluate", "dpo", "grpo", "rs", "compare"]
+    assert planned == ["sft", "reward", "ppo", "evaluate", "dpo", "kto", "grpo", "rs", "compare"]
     for stage in planned:
         assert f"{stage} (GiB)" in out.out
     assert out.out.count("headroom") == len(planned) and "warning" not in out.out + out.err   # the tiny default fits silently

@@ -73,7 +73,7 @@ def toy_stage(tmp_path, monkeypatch):
 def test_a_new_stage_module_is_seen_everywhere_stages_are_listed(toy_stage, tmp_path, monkeypatch, capsys):
     # The registry: a compare-pipeline method, ordered by what it reads (the SFT model, as dpo).
     specs = registry.specs()
-    assert list(specs)[-5:] == ["dpo", "toy", "grpo", "rs", "compare"] and registry.methods()["toy"] == ("sft",)
+    assert list(specs)[-6:] == ["dpo", "kto", "toy", "grpo", "rs", "compare"] and registry.methods()["toy"] == ("sft",)
     # The command line: a subcommand with its folders, defaults from the stages that write them.
     assert commands()["toy"] == ("a throwaway method", {"data": "data/prepared", "sft": "outputs/sft/model",
                                                          "out": "outputs/toy"})
@@ -117,12 +117,12 @@ def test_a_new_stage_module_is_seen_everywhere_stages_are_listed(toy_stage, tmp_
 
 def test_the_registry_is_the_shipped_stages_in_pipeline_order():
     specs = registry.specs()
-    assert list(specs) == ["prepare", "sft", "reward", "ppo", "evaluate", "dpo", "grpo", "rs", "compare"]
-    assert registry.training() == ("sft", "reward", "ppo", "dpo", "grpo", "rs")
+    assert list(specs) == ["prepare", "sft", "reward", "ppo", "evaluate", "dpo", "kto", "grpo", "rs", "compare"]
+    assert registry.training() == ("sft", "reward", "ppo", "dpo", "kto", "grpo", "rs")
     assert registry.shape_checked("load") == ("sft", "reward", "ppo")
-    assert registry.shape_checked("start") == ("dpo", "grpo", "rs")
+    assert registry.shape_checked("start") == ("dpo", "kto", "grpo", "rs")
     assert registry.cluster_checked() == ("sft", "reward", "ppo", "evaluate")
-    assert registry.methods() == {"ppo": ("sft", "reward"), "dpo": ("sft",), "grpo": ("sft", "reward"),
-                                  "rs": ("sft", "reward")}
+    assert registry.methods() == {"ppo": ("sft", "reward"), "dpo": ("sft",), "kto": ("sft",),
+                                  "grpo": ("sft", "reward"), "rs": ("sft", "reward")}
     # Each section with `distributed` of its own is a distributed stage's, and the reverse.
     assert set(config.distributed_sections()) == set(registry.distributed())
