@@ -34,7 +34,7 @@ log = logging.getLogger(__name__)
 
 REGISTERED = {"sft": "rlhf-sft-policy", "ppo": "rlhf-policy", "reward": "rlhf-reward-model",
               # the alignment methods of compare/dvc.yaml, each policy under its method's name
-              "dpo": "rlhf-dpo-policy", "grpo": "rlhf-grpo-policy", "rs": "rlhf-rs-policy"}
+              "dpo": "rlhf-dpo-policy", "kto": "rlhf-kto-policy", "grpo": "rlhf-grpo-policy", "rs": "rlhf-rs-policy"}
 # What a loader needs: the registry stores no environment, and inferring one would load the model
 # in a subprocess (mlflow's requirement inference), seconds to minutes per stage for nothing.
 REQUIREMENTS = ["torch", "transformers", "pandas"]
@@ -169,6 +169,8 @@ DESCRIPTIONS = {
               "normalised so held-out demonstrations average 0.",
     "dpo": "The SFT policy tuned offline on the preference pairs by DPO, IPO or SimPO (dpo.method; "
            "transformers text-generation).",
+    "kto": "The SFT policy tuned offline by KTO on unpaired desirable and undesirable responses made from "
+           "the preference pairs (transformers text-generation).",
     "grpo": "The SFT policy tuned online by a critic-free estimator (GRPO, RLOO, REINFORCE++; grpo.advantage) "
             "against the reward model (transformers text-generation).",
     "rs": "The SFT policy fine-tuned on its own best-of-n samples picked by the reward model (rejection "
