@@ -239,7 +239,7 @@ def batch_kl(model, items: list[Example], chunk: int, pad_id: int) -> torch.Tens
     kl_logp = torch.cat([sequence_logprobs(model, [e.tokens.prompt for e in items[s:s + chunk]],
                                            [e.tokens.rejected for e in items[s:s + chunk]], pad_id)[0].float().cpu()
                          for s in range(0, len(items), chunk)])   # (B,)
-    return reference_point(kl_logp, torch.tensor([e.kl_ref for e in items], dtype=kl_logp.dtype))
+    return reference_point(kl_logp, torch.tensor([e.kl_ref for e in items], dtype=kl_logp.dtype, device=kl_logp.device))
 
 
 def stats_sums(terms: torch.Tensor, rewards: torch.Tensor, logp: torch.Tensor, desirable: torch.Tensor,

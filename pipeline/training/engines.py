@@ -158,6 +158,10 @@ class TrainEngine:
         """The learning rate the next `step` will use."""
         return self._scheduler.get_last_lr()[0]
 
+    @property
+    def device(self) -> torch.device:
+        return next(self.model.parameters()).device
+
     def backward(self, loss: torch.Tensor) -> None:
         """Add this micro-batch's gradients; no update."""
         raise NotImplementedError
@@ -217,10 +221,6 @@ class TorchEngine(TrainEngine):
             self._scheduler.step()
         self._optimizer.zero_grad(set_to_none=True)
         return StepResult(lr, norm, skipped)
-
-    @property
-    def device(self) -> torch.device:
-        return next(self.model.parameters()).device
 
     @contextlib.contextmanager
     def gathered(self) -> Iterator[torch.nn.Module]:
