@@ -186,7 +186,7 @@ class SFTDatasetConfig:
 
 @dataclass(frozen=True)
 class PromptDatasetConfig:
-    """`ppo.dataset`: prompts for PPO (train split) and for every held-out measurement (eval split)."""
+    """`prompts.dataset`: prompts for the RL stages (train split) and for every held-out measurement (eval split)."""
     path: Optional[str] = None
     train_split: str = "train"
     eval_split: str = "test"
@@ -196,6 +196,20 @@ class PromptDatasetConfig:
     messages_column: str = "messages"
     conversation_column: str = "chosen"  # HH-RLHF style: the dialogue up to its last "Assistant:" turn
     leakage: Literal["error", "drop"] = "error"   # a held-out prompt also in the train split
+
+
+@dataclass(frozen=True)
+class PromptsConfig:
+    """`prompts`: the prompt set every method shares. Its train split is what ppo, grpo and rs sample
+    from (each cutting to its own prompt length where it has one), its eval split the held-out
+    prompts every stage's policy is measured on, sampled as `sampling` says, cut to `max_length`.
+    `gold_judge` scores those samples with the default task's gold annotator: it knows the default
+    task only, so it is refused with a dataset of your own (the stages then report RM scores)."""
+    dataset: PromptDatasetConfig = field(default_factory=PromptDatasetConfig)
+    max_length: int = num(256, ge=4, doc="held-out prompt tokens (after the chat template); longer ones follow `overlong`")
+    overlong: Literal["truncate", "drop", "error"] = "truncate"
+    sampling: SamplingConfig = field(default_factory=SamplingConfig)   # how every held-out measurement samples
+    gold_judge: bool = True
 
 
 @dataclass(frozen=True)
@@ -287,7 +301,7 @@ class PreferenceOptConfig:
     max_length: int = num(96, ge=8, doc="prompt + longer response tokens; longer pairs follow `overlong`")
     eval_every: int = num(100, ge=1)
     save_every: int = num(100, ge=1, doc="steps between resumable checkpoints")
-    n_eval_prompts: int = num(200, ge=2, doc="held-out prompts the trained policy is measured on (as ppo.sampling)")
+    n_eval_prompts: int = num(200, ge=2, doc="held-out prompts the trained policy is measured on (as prompts.sampling)")
     dataset: PreferenceDataConfig = field(default_factory=PreferenceDataConfig)   # the RM's pairs by default
     overlong: Literal["truncate", "drop", "error"] = "truncate"   # truncate: the prompt loses its left end
     lora: LoraConfig = field(default_factory=LoraConfig)
@@ -321,7 +335,7 @@ class KTOConfig:
     max_length: int = num(96, ge=8, doc="prompt + the longer of its own and its mismatched response, in tokens")
     eval_every: int = num(100, ge=1)
     save_every: int = num(100, ge=1, doc="steps between resumable checkpoints")
-    n_eval_prompts: int = num(200, ge=2, doc="held-out prompts the trained policy is measured on (as ppo.sampling)")
+    n_eval_prompts: int = num(200, ge=2, doc="held-out prompts the trained policy is measured on (as prompts.sampling)")
     dataset: PreferenceDataConfig = field(default_factory=PreferenceDataConfig)   # the RM's pairs by default
     overlong: Literal["truncate", "drop", "error"] = "truncate"   # truncate: the prompt loses its left end
     lora: LoraConfig = field(default_factory=LoraConfig)
@@ -336,12 +350,12 @@ class KTOConfig:
 @dataclass(frozen=True)
 class RejectionSamplingConfig:
     """`rs`: rejection-sampling fine-tuning (best-of-n, then SFT on the winners; Touvron et al. 2023,
-    sec. 3.2.3; Dong et al. 2023, RAFT): `n` samples of the SFT policy per training prompt (the PPO
-    prompts), the reward model's favourite kept, and a fresh copy of the SFT policy fine-tuned on
+    sec. 3.2.3; Dong et al. 2023, RAFT): `n` samples of the SFT policy per training prompt (the train
+    split of `prompts`, cut to prompts.max_length), the reward model's favourite kept, and a fresh copy of the SFT policy fine-tuned on
     the kept ones with SFT's loss (response tokens only)."""
     seed: int = num(0, ge=0)
     n: int = num(8, ge=2, doc="samples per prompt, the RM keeping the best; 1 would be SFT on its own samples")
-    n_prompts: Optional[int] = num(None, ge=1, doc="the first this many PPO train prompts are sampled; None: all")
+    n_prompts: Optional[int] = num(None, ge=1, doc="the first this many training prompts (prompts.dataset) are sampled; None: all")
     sampling: SamplingConfig = field(default_factory=SamplingConfig)   # how the SFT policy samples candidates
     min_score: Optional[float] = num(None, doc="a winner with an RM score below this is not kept; None: every winner")
     # Half of sft.lr: training continues from the SFT weights on the SFT policy's own samples. On the
@@ -357,7 +371,7 @@ class RejectionSamplingConfig:
     max_length: int = num(96, ge=8, doc="prompt + response tokens; longer winners follow `overlong`")
     eval_every: int = num(20, ge=1)
     save_every: int = num(20, ge=1, doc="steps between resumable checkpoints")
-    n_eval_prompts: int = num(200, ge=2, doc="held-out prompts the trained policy is measured on (as ppo.sampling)")
+    n_eval_prompts: int = num(200, ge=2, doc="held-out prompts the trained policy is measured on (as prompts.sampling)")
     overlong: Literal["truncate", "drop", "error"] = "truncate"   # truncate: the prompt loses its left end
     lora: LoraConfig = field(default_factory=LoraConfig)
     distributed: DistributedConfig = field(default_factory=DistributedConfig)  # merged over the top level
@@ -411,6 +425,7 @@ class PPOConfig:
     GRPO as published (each response's token mean, then the mean over responses); seq_sum_norm is
     Dr. GRPO (token sum / (responses * sampling.max_new_tokens), no length normalisation)."""
     _section: typing.ClassVar[str] = "ppo"   # the params section, for error messages (grpo reuses this class)
+    _moved: typing.ClassVar[dict[str, str]] = {"dataset": "prompts.dataset"}
     seed: int = num(0, ge=0)
     iterations: int = num(100, ge=1, doc="rollout + update rounds")
     rollout_batch_size: int = num(64, ge=2, doc="responses sampled per iteration (prompts x samples_per_prompt)")
@@ -448,8 +463,7 @@ class PPOConfig:
     score_micro_batch_size: Optional[int] = num(None, ge=1, doc="rollouts per scoring forward (reference, "
                                                 "critic, reward, recomputed log-probs); None: micro_batch_size")
     sampling: SamplingConfig = field(default_factory=SamplingConfig)
-    dataset: PromptDatasetConfig = field(default_factory=PromptDatasetConfig)
-    max_prompt_length: int = num(256, ge=4, doc="prompt tokens; longer ones follow `overlong`")
+    max_prompt_length: int = num(256, ge=4, doc="training prompt tokens; longer ones follow `overlong`")
     overlong: Literal["truncate", "drop", "error"] = "truncate"
     # pi_old's log-probs: from a training forward (true), the sampler's (false), or auto: recompute
     # wherever the two can differ (not fp32, or CUDA, or tis_cap set; pipeline/ppo/mismatch.py)
@@ -513,12 +527,12 @@ class PPOConfig:
             raise ConfigError(f"{s}.tis_cap: {self.tis_cap} weights tokens by pi_old / pi_sampler, which is 1 when "
                               f"pi_old is the sampler's; set {s}.recompute_logprobs: auto or true, or tis_cap: null")
         if self.reward_source != "reward_model":
-            reward_function(self.reward_source)   # importable, a Python function of (prompts, responses)
+            reward_function(self.reward_source, f"{s}.reward_source")   # importable, a function of (prompts, responses)
         det = self.detector
         if det.enabled and det.action == "stop" and self.save_every >= det.first_check:
             # The weights kept on an alarm are those of the last checkpoint before it: one must exist.
             raise ConfigError(f"{s}.detector.action: stop keeps the last checkpoint before the alarm, but the "
-                              f"first checkpoint (ppo.save_every={self.save_every}) comes no earlier than the "
+                              f"first checkpoint ({s}.save_every={self.save_every}) comes no earlier than the "
                               f"first possible alarm (warmup + 2 * window = {det.first_check}); lower save_every")
 
 
@@ -536,8 +550,7 @@ class GRPOConfig(PPOConfig):
     responses, with the same optimizer steps (4 epochs of 2 minibatches) and learning rate, as PPO's
     default: the two runs differ in the estimator and the KL's place only.
 
-    The prompts are `ppo.dataset`'s (training and held-out): every method is trained and measured
-    on the same prompts, so `grpo.dataset` must stay unset."""
+    The prompts are the `prompts` section's (training and held-out), as for every method."""
     _section: typing.ClassVar[str] = "grpo"
     advantage: Literal["gae", "grpo", "rloo", "reinforce_baseline"] = "grpo"
     samples_per_prompt: int = num(4, ge=1, doc="k responses per prompt, consecutive rows; >= 2 for group estimators")
@@ -546,16 +559,11 @@ class GRPOConfig(PPOConfig):
     kl_loss_coef: float = num(0.05, ge=0.0, doc="KL term in the loss instead (GRPO style)")
     kl_estimator: Literal["k1", "k2", "k3"] = "k3"
 
-    def __post_init__(self) -> None:
-        super().__post_init__()
-        if self.dataset != PromptDatasetConfig():
-            raise ConfigError("grpo.dataset: the grpo stage trains on and is measured on ppo.dataset's prompts "
-                              "(the same for every method); set the dataset there and remove grpo.dataset")
 
 
 @dataclass(frozen=True)
 class EvaluateConfig:
-    """`evaluate`: SFT, best-of-n and PPO policies on the held-out prompts (sampled as in `ppo.sampling`)."""
+    """`evaluate`: SFT, best-of-n and PPO policies on the held-out prompts (sampled as in `prompts.sampling`)."""
     seed: int = num(0, ge=0)
     n_prompts: int = num(200, ge=2)
     best_of_n: tuple[int, ...] = num((4, 16, 64), ge=2, doc="samples per prompt of each best-of-n baseline")
@@ -574,7 +582,7 @@ class EvaluateConfig:
 @dataclass(frozen=True)
 class CompareConfig:
     """`compare`: every alignment method of compare/dvc.yaml, SFT and best-of-n on the same held-out
-    prompts (sampled as in `ppo.sampling`), judged by the same reward model and gold annotator."""
+    prompts (sampled as in `prompts.sampling`), judged by the same reward model and gold annotator."""
     seed: int = num(0, ge=0)
     n_prompts: int = num(200, ge=2)
     best_of_n: tuple[int, ...] = num((4, 16, 64), ge=2, doc="best-of-n baselines from SFT; empty: none")
@@ -594,6 +602,7 @@ class Params:
     model: ModelConfig = field(default_factory=ModelConfig)
     sft: SFTConfig = field(default_factory=SFTConfig)
     reward: RewardConfig = field(default_factory=RewardConfig)
+    prompts: PromptsConfig = field(default_factory=PromptsConfig)
     ppo: PPOConfig = field(default_factory=PPOConfig)
     dpo: PreferenceOptConfig = field(default_factory=PreferenceOptConfig)
     kto: KTOConfig = field(default_factory=KTOConfig)
@@ -602,6 +611,14 @@ class Params:
     evaluate: EvaluateConfig = field(default_factory=EvaluateConfig)
     compare: CompareConfig = field(default_factory=CompareConfig)
     distributed: DistributedConfig = field(default_factory=DistributedConfig)
+
+    def __post_init__(self) -> None:
+        if self.prompts.gold_judge:
+            for key, path in (("sft.dataset.path", self.sft.dataset.path), ("reward.dataset.path", self.reward.dataset.path),
+                              ("prompts.dataset.path", self.prompts.dataset.path)):
+                if path is not None:
+                    raise ConfigError(f"prompts.gold_judge: the default task's gold annotator judges the default task's "
+                                      f"own data only, and {key} is set; set prompts.gold_judge: false")
 
 
 def distributed_sections() -> tuple[str, ...]:
@@ -613,7 +630,7 @@ def distributed_sections() -> tuple[str, ...]:
                  and "distributed" in {g.name for g in dataclasses.fields(hints[f.name])})
 
 
-def reward_function(spec: str) -> typing.Callable:
+def reward_function(spec: str, key: str = "ppo.reward_source") -> typing.Callable:
     """The function `module:function` names, checked the moment params are read, before any model
     is built: the module imports, the name is a Python function (not a builtin such as `os:system`
     nor a class), and it accepts `(prompts, responses)`. What it returns is checked on one probe
@@ -621,7 +638,6 @@ def reward_function(spec: str) -> typing.Callable:
     import importlib
     import inspect
 
-    key = "ppo.reward_source"
     module_name, sep, attr = spec.partition(":")
     if not sep or not module_name or not attr:
         raise ConfigError(f"{key}: expected 'reward_model' or 'module:function', got {shown(spec)!r}")
@@ -747,6 +763,9 @@ def from_dict(cls: type, data: Any, where: str) -> Any:
     fields = {f.name: f for f in dataclasses.fields(cls)}
     sep = "." if not where.endswith(": ") else ""
     for key in data:
+        moved = getattr(cls, "_moved", {}).get(key)
+        if key not in fields and moved is not None:
+            raise ConfigError(f"{where}{sep}{key}: moved to {moved}; write it there (the old key is not read)")
         if key not in fields:
             raise ConfigError(f"{where}{sep}{key}: unknown key (known: {', '.join(sorted(fields))})")
     kwargs = {name: _convert(data[name], hints[name], f.metadata, f"{where}{sep}{name}")

@@ -7,6 +7,7 @@ renamed into place, so a crash never leaves a half-written output that DVC would
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import json
 import math
 import os
@@ -25,6 +26,35 @@ from .errors import CheckpointError, DataError, UserError, shown
 MAX_RECORD_BYTES = 1 << 20
 # A whole input file: far more than any of ours; what is refused here is an endless stream.
 MAX_FILE_BYTES = 1 << 33
+
+
+def tree(path: str | Path) -> list[tuple[str, Path]]:
+    """The files under folder `path`, sorted, with their names relative to it; a file (or a path
+    that does not exist) is itself, named ""."""
+    path = Path(path)
+    if not path.is_dir():
+        return [("", path)]
+    return [(f.relative_to(path).as_posix(), f) for f in sorted(p for p in path.rglob("*") if p.is_file())]
+
+
+def file_sha256(path: str | Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+def content_hash(paths: Sequence[str | Path]) -> str:
+    """sha256 over the files under each path: its position in `paths`, each file's relative name
+    and the sha256 of its bytes ("missing" for a path that does not exist). Where the inputs lie
+    does not enter, so the same inputs in another folder hash the same. The one content hash of the
+    package: resume fingerprints and MLflow's lineage both use it."""
+    h = hashlib.sha256()
+    for i, path in enumerate(paths):
+        for rel, f in tree(path):
+            h.update(f"{i}/{rel}\t{file_sha256(f) if f.is_file() else 'missing'}\n".encode())
+    return h.hexdigest()
 
 
 def regular_file(path: str | Path, what: str = "file", error: type[UserError] = DataError) -> Path:

@@ -91,7 +91,8 @@ def ppo(params: Params, data_dir: Path, sft_dir: Path, rm_dir: Path) -> None:
     """One PPO iteration of the stage's trainer: rollout, scoring, ppo_epochs of updates."""
     prompts = inputs.prompt_records(params, data_dir, "train")
     models = place_models(params, sft_dir, rm_dir, SINGLE)
-    prompts, _, _ = inputs.fit_prompts(prompts, models.tok, params.ppo.max_prompt_length, params.ppo.overlong)
+    prompts, _, _ = inputs.fit_prompts(prompts, models.tok, params.ppo.max_prompt_length, params.ppo.overlong,
+                                      "ppo.max_prompt_length")
     PPOTrainer(params.ppo, models, prompts).step()
 
 

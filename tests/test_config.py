@@ -319,3 +319,47 @@ def test_ppo_logprob_settings(tmp_path):
     # TIS weights pi_old / pi_sampler: identically 1 when pi_old is the sampler's.
     assert load_error(tmp_path, "ppo:\n  tis_cap: 2.0\n  recompute_logprobs: false\n").startswith(
         "params.yaml: ppo.tis_cap: 2.0 weights tokens by pi_old / pi_sampler")
+
+
+# ---- The prompts section ------------------------------------------------------------------------
+
+
+def test_moved_keys_name_their_new_place(tmp_path):
+    for section in ("ppo", "grpo"):
+        message = load_error(tmp_path, f"{section}:\n  dataset:\n    path: prompts.jsonl\n")
+        assert message == (f"params.yaml: {section}.dataset: moved to prompts.dataset; write it there "
+                           "(the old key is not read)")
+
+
+def test_gold_judge_is_an_explicit_switch_refused_with_own_data(tmp_path):
+    from pipeline.data import inputs
+    assert inputs.judge(Params()) is not None                          # the default task's data: on
+    for key in ("sft", "reward", "prompts"):
+        text = f"{key}:\n  dataset:\n    path: mine.jsonl\n"
+        assert load_error(tmp_path, text) == (
+            f"params.yaml: prompts.gold_judge: the default task's gold annotator judges the default task's own "
+            f"data only, and {key}.dataset.path is set; set prompts.gold_judge: false")
+        own = load_params(write_params(tmp_path, text + "prompts:\n  gold_judge: false\n"
+                                       if key != "prompts" else text + "  gold_judge: false\n"))
+        assert inputs.judge(own) is None and getattr(own, key).dataset.path == "mine.jsonl"
+    # Off by choice on the default task: no gold metrics, nothing refused.
+    assert inputs.judge(load_params(write_params(tmp_path, "prompts:\n  gold_judge: false\n"))) is None
+
+
+def test_grpo_errors_name_grpo_keys(tmp_path):
+    """The grpo stage runs PPO's code from its own section: every error names `grpo.*`."""
+    from pipeline.data import inputs
+    from pipeline.models.reward_source import FunctionSource
+    message = load_error(tmp_path, "grpo:\n  reward_source: no_such_module_xyz:f\n")
+    assert message.startswith("params.yaml: grpo.reward_source: cannot import module 'no_such_module_xyz'")
+    with pytest.raises(ConfigError, match=r"^grpo.reward_source: 'pipeline.tasks.reviews:gold_scores' failed on a probe"):
+        FunctionSource("pipeline.tasks.reviews:gold_scores", probe=(None, None), key="grpo.reward_source")  # type: ignore[arg-type]
+    message = load_error(tmp_path, "grpo:\n  detector:\n    action: stop\n  save_every: 20\n")
+    assert "grpo.detector.action" in message and "grpo.save_every=20" in message and "ppo." not in message
+
+    class Tok:   # whitespace tokens, no chat template: a prompt's length is its word count
+        chat_template = None
+        def __call__(self, text, add_special_tokens=False):
+            return {"input_ids": list(range(len(text.split())))}
+    with pytest.raises(UserError, match=r"^p:1: \d+ tokens exceed grpo.max_prompt_length=4"):
+        inputs.fit_prompts([("p:1", "one two three four five six seven")], Tok(), 4, "error", "grpo.max_prompt_length")

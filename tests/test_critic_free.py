@@ -44,8 +44,8 @@ def _params(**grpo) -> Params:
 
 
 def _trainer(dirs, **grpo) -> PPOTrainer:
-    own = stage.ppo.as_ppo(_params(**grpo), "grpo")   # the params as the stage's code reads them
-    return PPOTrainer(own.ppo, place_models(own, dirs / "sft", dirs / "rm"), PROMPTS * 4)
+    params = _params(**grpo)   # the models as the grpo stage places them, from its own section
+    return PPOTrainer(params.grpo, place_models(params, dirs / "sft", dirs / "rm", section="grpo"), PROMPTS * 4)
 
 
 def _rows(path):
@@ -146,8 +146,10 @@ def test_group_estimator_config_is_checked():
         check_process_shape(split, "grpo")
     with pytest.raises(ConfigError, match=r"^ppo.minibatch_size: 48 must divide ppo.rollout_batch_size"):
         check_process_shape(load("ppo", minibatch_size=48), "ppo")
-    with pytest.raises(ConfigError, match=r"grpo.dataset: .*ppo.dataset"):
-        load("grpo", dataset={"path": "prompts.jsonl"})
+    # The prompts are the prompts section's: the old per-stage key names its new place.
+    for section in ("grpo", "ppo"):
+        with pytest.raises(ConfigError, match=rf"^params.yaml: {section}.dataset: moved to prompts.dataset"):
+            load(section, dataset={"path": "prompts.jsonl"})
     with pytest.raises(ConfigError, match=r"grpo.whiten_rewards"):
         load("grpo", whiten_rewards=True)
     # A partial section keeps GRPO's defaults; critic keys are accepted and unused.

@@ -20,7 +20,7 @@ from transformers import AutoModelForCausalLM, AutoModelForSequenceClassificatio
 from conftest import REPO, run_env
 from pipeline.config import (
     CompareConfig, DataConfig, DistributedConfig, EvaluateConfig, LoraConfig, ModelConfig, Params,
-    PPOConfig, PreferenceOptConfig, SamplingConfig, SFTConfig, check_process_shape, load_params,
+    PPOConfig, PreferenceOptConfig, PromptsConfig, SamplingConfig, SFTConfig, check_process_shape, load_params,
 )
 from pipeline.errors import MAX_MESSAGE, ConfigError
 from pipeline.models import lora as lora_mod
@@ -246,6 +246,7 @@ def test_predicted_peak_matches_measured_rss(tiny_default, stage):
     measured = measured["peak"] - measured["baseline"]
     ckpt = stage == "sft-checkpointing"
     params = Params(ppo=PPOConfig(max_prompt_length=16, iterations=1, sampling=SamplingConfig(max_new_tokens=48)),
+                    prompts=PromptsConfig(max_length=16),   # SFT's held-out measurement samples such prompts
                     sft=SFTConfig(distributed=DistributedConfig(gradient_checkpointing=ckpt)))
     plan = mp.stage_plan("sft" if ckpt else stage, plan_of("sft" if ckpt else stage), params,
                          {"data": root / "data", "sft": root / "sft", "reward": root / "rm"})

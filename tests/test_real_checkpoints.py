@@ -171,11 +171,11 @@ def test_a_prompt_whose_template_alone_is_over_the_limit_cannot_be_truncated(ckp
     records = [("p.jsonl:1", short), ("p.jsonl:2", long_user), ("p.jsonl:3", big_system)]
     with pytest.raises(DataError, match=r"^p.jsonl:3: the prompt template around the user text is \d+ \+ 8 tokens, "
                                         rf"over ppo.max_prompt_length={limit}, so truncation cannot fit it"):
-        inputs.fit_prompts(records, tok, limit, "truncate")
-    assert inputs.fit_prompts(records[:2], tok, limit, "truncate") == ([short, long_user], 1, 0)
-    assert inputs.fit_prompts(records, tok, limit, "drop") == ([short], 0, 2)
+        inputs.fit_prompts(records, tok, limit, "truncate", "ppo.max_prompt_length")
+    assert inputs.fit_prompts(records[:2], tok, limit, "truncate", "ppo.max_prompt_length") == ([short, long_user], 1, 0)
+    assert inputs.fit_prompts(records, tok, limit, "drop", "ppo.max_prompt_length") == ([short], 0, 2)
     with pytest.raises(DataError, match=rf"^p.jsonl:2: \d+ tokens exceed ppo.max_prompt_length={limit}"):
-        inputs.fit_prompts(records, tok, limit, "error")
+        inputs.fit_prompts(records, tok, limit, "error", "ppo.max_prompt_length")
     with pytest.raises(DataError, match=rf"cannot be cut to {limit}: its template around the user text alone"):
         encode_prompt(tok, big_system, limit)
 

@@ -45,7 +45,9 @@ def _examples(n: int, seed: int = 0) -> list[tuple[str, str]]:
 
 
 def _params(**sections) -> Params:
+    """Params with data of the user's own: the default task's gold judge is off, as it must be."""
     from pipeline.config import merge_distributed
+    sections = {**sections, "prompts": {"gold_judge": False, **sections.get("prompts", {})}}
     return from_dict(Params, merge_distributed(sections, "params.yaml: "), "params.yaml: ")
 
 
@@ -120,16 +122,16 @@ def test_sft_layouts_and_column_mapping(files):
 
 
 def test_prompt_layouts_and_split_placeholder(files):
-    p = _params(ppo={"dataset": {"path": str(files / "prompts_{split}.jsonl")}})
+    p = _params(prompts={"dataset": {"path": str(files / "prompts_{split}.jsonl")}})
     train, held_out = inputs.prompts(p, files, "train"), inputs.prompts(p, files, "eval")
     assert (len(train), len(held_out)) == (40, 8)
     assert train[0] == [{"role": "user", "content": _examples(1)[0][0]}]
-    hh = inputs.prompts(_params(ppo={"dataset": {"path": str(files / "hh.jsonl"), "layout": "conversation"}}), files, "train")
+    hh = inputs.prompts(_params(prompts={"dataset": {"path": str(files / "hh.jsonl"), "layout": "conversation"}}), files, "train")
     assert hh == ["Human: hi there\n\nAssistant:"]
     bad = files / "bad_prompts.jsonl"
     bad.write_text('{"messages": [{"role": "user", "content": "ok"}]}\n{"messages": "not a list"}\n')
     with pytest.raises(DataError, match=r"bad_prompts.jsonl:2: field 'messages' must be a non-empty list"):
-        inputs.prompts(_params(ppo={"dataset": {"path": str(bad)}}), files, "train")
+        inputs.prompts(_params(prompts={"dataset": {"path": str(bad)}}), files, "train")
 
 
 def test_chat_template_is_the_prompt_format_in_every_stage(files):
@@ -180,7 +182,8 @@ def _own_data_params(files: Path, model: str, path: Path, **extra) -> Path:
         "sft": {"dataset": {"path": str(files / "sft_chat"), "messages_column": "dialog"}, "max_length": 200},
         "reward": {"dataset": {"path": str(files / "pairs_{split}.jsonl"), "layout": "messages"}, "max_length": 200,
                    "batch_size": 8},
-        "ppo": {"dataset": {"path": str(files / "prompts_{split}.jsonl")}, "max_prompt_length": 128},
+        "ppo": {"max_prompt_length": 128},
+        "prompts": {"dataset": {"path": str(files / "prompts_{split}.jsonl")}, "max_length": 128, "gold_judge": False},
         **extra})
     write_params(path, override)
     return path
@@ -209,7 +212,7 @@ def test_policy_and_reward_model_with_different_tokenizers(files):
     if not (files / "gpt2_rm/model").exists() or not (files / "llama_sft/model").exists():
         pytest.fail("run after test_own_model_and_data_through_sft_rm_ppo (same module)")
     params = _own_data_params(files, "llama", files / "mixed.yaml", ppo={
-        "dataset": {"path": str(files / "prompts_{split}.jsonl")}, "critic_init": "sft", "iterations": 2})
+        "critic_init": "sft", "iterations": 2})
     ppo = _stage("ppo", params, files, "mixed_ppo", sft="llama_sft/model", reward="gpt2_rm/model")
     assert ppo["train"]["rollouts"] == 8 and abs(ppo["eval"]["rm_ppo"]) < 1e6
     # The reward model's own tokenizer is the one used: scoring a text equals scoring its BPE ids.

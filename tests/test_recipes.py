@@ -44,8 +44,10 @@ def test_tldr_recipe_has_the_published_values():
     assert (p.sft.lr, p.reward.lr, p.ppo.lr) == (3e-6, 3e-6, 3e-6)
     assert (p.ppo.ppo_epochs, p.ppo.kl_coef, p.ppo.missing_eos_score, p.ppo.critic_init) == (4, 0.05, -1.0, "reward")
     assert (p.ppo.sampling.max_new_tokens, p.ppo.sampling.temperature) == (53, 0.7)
+    assert p.prompts.sampling == p.ppo.sampling   # measured as trained
     assert p.reward.normalize is True
-    assert p.ppo.dataset.path == "trl-lib/tldr" and p.reward.dataset.path == "trl-lib/tldr-preference"
+    assert p.prompts.dataset.path == "trl-lib/tldr" and p.reward.dataset.path == "trl-lib/tldr-preference"
+    assert p.prompts.gold_judge is False
 
 
 def test_recipe_command_writes_params_and_snakemake_plans_the_stages(tmp_path):

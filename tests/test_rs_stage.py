@@ -75,16 +75,16 @@ def test_pick_winners_takes_the_first_of_tied_best():
 
 def test_winners_are_the_rm_argmax_of_each_prompts_candidates(done, data, models):
     """Candidates drawn again by hand (candidate k: prompt i alone from the stream of (rs.seed + k, i),
-    over the first rs.n_prompts PPO prompts) and scored with score_texts: each winner is the first highest-scoring one."""
+    over the first rs.n_prompts training prompts) and scored with score_texts: each winner is the first highest-scoring one."""
     out, _ = done
     params = _params()
     cfg = params.rs
     policy, tok = load_policy(models[0])
     reward, rtok = rm.load_reward_model(models[1])
     prompts, _, _ = inputs.fit_prompts(inputs.prompt_records(params, data, "train"), tok,
-                                       params.ppo.max_prompt_length, params.ppo.overlong)
+                                       params.prompts.max_length, params.prompts.overlong, "prompts.max_length")
     prompts = prompts[:cfg.n_prompts]
-    texts = [sampled_alone(policy, tok, prompts, cfg.sampling, cfg.seed + k, params.ppo.max_prompt_length)
+    texts = [sampled_alone(policy, tok, prompts, cfg.sampling, cfg.seed + k, params.prompts.max_length)
              for k in range(cfg.n)]
     scores = torch.stack([rm.score_texts(reward, rtok, prompts, t, params.reward.max_length) for t in texts])  # (n, N)
     best = [int(torch.nonzero(scores[:, i] == scores[:, i].max())[0]) for i in range(len(prompts))]
@@ -205,5 +205,5 @@ def test_a_min_score_above_every_winner_is_an_error_naming_it(data, models, tmp_
 
 
 def test_more_prompts_than_the_split_holds_is_an_error_naming_the_key(data, models, tmp_path):
-    with pytest.raises(DataError, match=r"^rs\.n_prompts: 17 prompts asked for, the PPO train split has 16"):
+    with pytest.raises(DataError, match=r"^rs\.n_prompts: 17 prompts asked for, the train split of prompts.dataset has 16"):
         rs.run(_params(n_prompts=17), data, *models, tmp_path, progress=False)

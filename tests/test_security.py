@@ -31,7 +31,7 @@ def test_params_values_with_shell_metacharacters_never_reach_a_shell(tmp_path):
     evil = "x'; touch PWNED; echo \"$(touch PWNED2)\" `touch PWNED3` #"
     write_params(repo / "params.yaml", {**TINY,
                                         "sft": {**TINY["sft"], "dataset": {"prompt_column": evil}},
-                                        "ppo": {**TINY["ppo"], "dataset": {"conversation_column": evil}}})
+                                        "prompts": {"dataset": {"conversation_column": evil}}})
     run([str(BIN / "python"), "-m", "pipeline", "check"], repo)                  # valid strings
     dvc_dry = run([str(BIN / "dvc"), "repro", "--dry", "--force"], repo).stdout
     snake_dry = run([str(BIN / "snakemake"), "-n", "-p", "--forceall"], repo).stdout

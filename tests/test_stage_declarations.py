@@ -48,22 +48,22 @@ def test_reading_an_undeclared_param_raises_and_names_the_key():
     params = Params()
     view = declared(params, SPECS["sft"])
     assert view.sft.lr == params.sft.lr                       # a declared section, whole
-    assert view.ppo.dataset.path is None                      # a declared key below a section
-    with pytest.raises(UndeclaredParam, match=r"the sft stage reads `ppo.lr`"):
+    assert view.prompts.dataset.path is None                 # a declared key below a section
+    with pytest.raises(UndeclaredParam, match=r"the sft stage reads `ppo`, which its SPEC"):
         view.ppo.lr
     with pytest.raises(UndeclaredParam, match=r"`evaluate`"):
         view.evaluate
-    # Real stage code through a declaration missing one key it needs: the gold judge's check.
-    spec = dataclasses.replace(SPECS["sft"], reads=tuple(k for k in SPECS["sft"].reads if k != "reward.dataset.path"))
-    with pytest.raises(UndeclaredParam, match=r"the sft stage reads `reward`"):
+    # Real stage code through a declaration missing one key it needs: the gold judge's switch.
+    spec = dataclasses.replace(SPECS["sft"], reads=tuple(k for k in SPECS["sft"].reads if k != "prompts.gold_judge"))
+    with pytest.raises(UndeclaredParam, match=r"the sft stage reads `prompts.gold_judge`"):
         inputs.judge(declared(params, spec))
 
 
 def test_resolved_config_holds_exactly_the_declared_keys():
     params = Params()
-    spec = StageSpec("x", reads=("model.dtype", "ppo.dataset.path", "evaluate"), inputs=())
+    spec = StageSpec("x", reads=("model.dtype", "prompts.dataset.path", "evaluate"), inputs=())
     assert resolve(params, spec) == {"evaluate": {**dataclasses.asdict(params.evaluate), "best_of_n": [4, 16, 64]},
-                                     "model": {"dtype": "auto"}, "ppo": {"dataset": {"path": None}}}
+                                     "model": {"dtype": "auto"}, "prompts": {"dataset": {"path": None}}}
     # The reward stage's config (and so its fingerprint) includes how its backbone is loaded.
     assert resolve(params, SPECS["reward"])["model"] == {"attn_implementation": None, "dtype": "auto",
                                                           "trust_remote_code": False}

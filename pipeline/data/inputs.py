@@ -4,7 +4,7 @@ user's own dataset named in params.
 - SFT demonstrations (`sft.dataset`): layouts `prompt_completion` (a prompt and a completion
   column), `text` (one text column; trained on every token), or `messages` (a list of chat
   messages whose last one is the assistant's answer), `auto` to detect from the columns.
-- PPO and evaluation prompts (`ppo.dataset`): layouts `prompt` (a text column) or `messages` (the
+- RL training and held-out prompts (`prompts.dataset`): layouts `prompt` (a text column) or `messages` (the
   conversation so far; a trailing assistant message is dropped).
 
 Column names are mappable in params. Sources go through `datasets` like the preference pairs (see
@@ -94,10 +94,10 @@ def to_prompt(row: dict[str, Any], layout: str, cfg: PromptDatasetConfig, where:
 
 
 def judge(params: Params):
-    """The task's gold annotator, only while every input is the default task's own data."""
+    """The task's gold annotator when `prompts.gold_judge` asks for it (config refuses it with a
+    dataset of the user's own); None: measurements report RM scores only."""
     from ..tasks import get_judge
-    own = params.sft.dataset.path is None and params.ppo.dataset.path is None and params.reward.dataset.path is None
-    return get_judge(params.data.task) if own else None
+    return get_judge(params.data.task) if params.prompts.gold_judge else None
 
 
 def fit_lengths(items: list[T], length: Callable[[T], int], max_length: int, overlong: str,
@@ -124,24 +124,24 @@ def fit_lengths(items: list[T], length: Callable[[T], int], max_length: int, ove
     return kept, truncated, dropped
 
 
-def fit_prompts(records: list[tuple[str, Prompt]], tok, max_length: int,
-                overlong: str) -> tuple[list[Prompt], int, int]:
+def fit_prompts(records: list[tuple[str, Prompt]], tok, max_length: int, overlong: str,
+                limit_key: str) -> tuple[list[Prompt], int, int]:
     """Prompts of `(where, prompt)` records within `max_length` tokens after the chat template.
     A longer one is cut where it is encoded (`overlong: truncate`; tokenizer.encode_prompt keeps
     the template's head and tail and the right end of the user text), left out (`drop`) or an
-    error (`error`). A prompt whose template around the user text is alone longer than the limit
+    error (`error`); `limit_key` names the limit's params key in errors. A prompt whose template around the user text is alone longer than the limit
     cannot be cut that way: an error naming it under `truncate` too, since leaving it out would
     quietly do what `drop` says (a long system message usually makes every prompt so)."""
     from .tokenizer import encode_prompt, prompt_parts
     sized = [(where, p, len(encode_prompt(tok, p))) for where, p in records]
-    kept, truncated, dropped = fit_lengths(sized, lambda r: r[2], max_length, overlong, "ppo.max_prompt_length",
+    kept, truncated, dropped = fit_lengths(sized, lambda r: r[2], max_length, overlong, limit_key,
                                            where=lambda r: r[0])
     for where, p, n in kept:
         if n > max_length:
             head, _, tail = prompt_parts(tok, p)
             if len(head) + len(tail) > max_length:
                 raise DataError(f"{where}: the prompt template around the user text is {len(head)} + {len(tail)} "
-                                f"tokens, over ppo.max_prompt_length={max_length}, so truncation cannot fit it "
+                                f"tokens, over {limit_key}={max_length}, so truncation cannot fit it "
                                 f"(raise the limit, or overlong: drop leaves such prompts out)")
     return [p for _, p, _ in kept], truncated, dropped
 
@@ -173,9 +173,9 @@ def demonstrations(params: Params, data_dir: Path, split: str) -> list[dict[str,
 
 
 def prompt_records(params: Params, data_dir: Path, split: str) -> list[tuple[str, Prompt]]:
-    """(where, prompt) of `split`: "train" (PPO's) or "eval" (held-out, for SFT/RM/PPO/evaluate
-    measurements; checked against the train split for leaked prompts, `ppo.dataset.leakage`)."""
-    cfg = params.ppo.dataset
+    """(where, prompt) of `split` of `prompts.dataset`: "train" (the RL stages') or "eval" (held-out,
+    for every measurement; checked against the train split for leaked prompts, `prompts.dataset.leakage`)."""
+    cfg = params.prompts.dataset
     if cfg.path is None:
         records = load_prompts(data_dir / ("ppo_prompts.jsonl" if split == "train" else "eval_prompts.jsonl"))
     else:
@@ -187,7 +187,7 @@ def prompt_records(params: Params, data_dir: Path, split: str) -> list[tuple[str
     if split == "eval":
         train = [(where, prompt_key(p)) for where, p in prompt_records(params, data_dir, "train")]
         records = held_out(train, records, [(where, prompt_key(p)) for where, p in records], cfg.leakage,
-                           "ppo.dataset.leakage", "prompt")
+                           "prompts.dataset.leakage", "prompt")
     return records
 
 

@@ -321,7 +321,7 @@ def pair_scores(model: PreTrainedModel, tok: PreTrainedTokenizerBase, triples: l
 
     shared_prompt: each pair is one row [prompt, chosen, rejected] (`branch_scores`), so the prompt
     is run once instead of twice; else 2B length-sorted sequences (`length_sorted_scores`). Both
-    give the same scores up to floating-point rounding (tests/test_reward.py). encoded: token ids
+    give the same scores up to floating-point rounding (tests/stages/test_reward.py). encoded: token ids
     kept from earlier calls (its max_length must be this one); None: encode afresh."""
     if encoded is None:
         encoded = EncodedPairs(tok, max_length)

@@ -63,16 +63,17 @@ class RewardModelSource:
 class FunctionSource:
     """Scores from `module:function(prompts, responses) -> sequence of floats`."""
 
-    def __init__(self, spec: str, probe: tuple[str, str] | None = None):
-        self.fn: Callable[[list[str], list[str]], Sequence[float]] = reward_function(spec)
-        self.spec = spec
+    def __init__(self, spec: str, probe: tuple[str, str] | None = None, key: str = "ppo.reward_source"):
+        """`key`: the params key that named the function (`<section>.reward_source`), for errors."""
+        self.fn: Callable[[list[str], list[str]], Sequence[float]] = reward_function(spec, key)
+        self.spec, self.key = spec, key
         if probe is not None:   # one call before any training: a wrong contract fails in seconds
             try:
                 self.score([probe[0]], [probe[1]])
             except ConfigError:
                 raise
             except Exception as err:   # noqa: BLE001 - the user's function failed on the probe
-                raise ConfigError(f"ppo.reward_source: {shown(spec)!r} failed on a probe pair "
+                raise ConfigError(f"{key}: {shown(spec)!r} failed on a probe pair "
                                   f"({type(err).__name__}: {shown(str(err), 120)})") from None
 
     def score(self, prompts: list[str], responses: list[str]) -> torch.Tensor:
@@ -80,17 +81,17 @@ class FunctionSource:
         try:
             values = [float(v) for v in out]
         except (TypeError, ValueError):
-            raise ConfigError(f"ppo.reward_source: {shown(self.spec)!r} returned {shown(out)}, not a sequence of "
+            raise ConfigError(f"{self.key}: {shown(self.spec)!r} returned {shown(out)}, not a sequence of "
                               "numbers") from None
         if len(values) != len(prompts) or not all(math.isfinite(v) for v in values):
-            raise ConfigError(f"ppo.reward_source: {shown(self.spec)!r} must return {len(prompts)} finite "
+            raise ConfigError(f"{self.key}: {shown(self.spec)!r} must return {len(prompts)} finite "
                               f"score(s) for {len(prompts)} pair(s), got {shown(values)}")
         return torch.tensor(values, dtype=torch.float32)
 
 
 def make_reward_source(spec: str, reward_dir: Path, max_length: int, trust_remote_code: bool,
                        place: Callable[[torch.nn.Module], Any] | None = None,
-                       dtype: torch.dtype | None = None) -> RewardSource:
+                       dtype: torch.dtype | None = None, key: str = "ppo.reward_source") -> RewardSource:
     if spec == "reward_model":
         return RewardModelSource(reward_dir, max_length, trust_remote_code, place, dtype=dtype)
-    return FunctionSource(spec)
+    return FunctionSource(spec, key=key)

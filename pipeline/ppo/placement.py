@@ -123,8 +123,12 @@ def _linear_decay(total: int, schedule: str):
     return lambda step: max(0.0, 1.0 - step / total)
 
 
-def place_models(params: Params, sft_dir: Path, reward_dir: Path, ctx: Context = SINGLE) -> PPOModels:
-    cfg, dist = params.ppo, params.ppo.distributed
+def place_models(params: Params, sft_dir: Path, reward_dir: Path, ctx: Context = SINGLE,
+                 section: str = "ppo") -> PPOModels:
+    """The four models of the RL stage whose params section is `section` (ppo, grpo), placed as its
+    `distributed` says."""
+    cfg: PPOConfig = getattr(params, section)
+    dist = cfg.distributed
     trust = params.model.trust_remote_code
     torch.manual_seed(cfg.seed)
     n_updates = cfg.iterations * cfg.ppo_epochs * (cfg.rollout_batch_size // cfg.minibatch_size)
@@ -165,7 +169,7 @@ def place_models(params: Params, sft_dir: Path, reward_dir: Path, ctx: Context =
             ref = ref_holder.model
         memory.mark("reference")
         reward = make_reward_source(cfg.reward_source, reward_dir, params.reward.max_length, trust, place_frozen,
-                                    frozen_dtype)
+                                    frozen_dtype, key=f"{section}.reward_source")
         memory.mark("reward")
         auditor = None
         if cfg.detector.enabled and cfg.detector.auditor is not None:
@@ -188,7 +192,7 @@ def _critic(cfg: PPOConfig, actor: TrainEngine, vocab_size: int, sft_dir: Path, 
         else:
             critic_model, _ = rm.init_reward_model(sft_dir, cfg.seed, None, trust, {"dtype": dtype})
         if critic_model.config.vocab_size != vocab_size:
-            raise CheckpointError(f"ppo.critic_init: the critic ({reward_dir}) and the actor ({sft_dir}) have "
+            raise CheckpointError(f"{cfg._section}.critic_init: the critic ({reward_dir}) and the actor ({sft_dir}) have "
                                   "different vocabularies; use critic_init: sft")
         critic_model = lora.wrap(critic_model, cfg.critic_lora, "SEQ_CLS")
     critic_model.eval()

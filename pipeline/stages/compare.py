@@ -4,7 +4,7 @@ measured on the same held-out prompts by the same judges.
 Policies arrive as `--policy name=folder` (ppo, dpo, grpo, rs, ...: whichever stages of
 compare/dvc.yaml ran), next to the SFT policy and best-of-n from it (`compare.best_of_n`, the
 KL-efficient baseline of Gao et al. 2023). Each is sampled on the first `compare.n_prompts`
-held-out prompts with `ppo.sampling` (as PPO's rollouts and the evaluate stage sample) and
+held-out prompts with `prompts.sampling` (as PPO's rollouts and the evaluate stage sample) and
 measured once by `measurement.policy.measure`: reward-model score, KL to the SFT policy, gold score
 where the task has an annotator, length, end-of-response rate, distinct-2. Win rates over SFT come
 per prompt (ties count half) with bootstrap intervals, by gold and by the RM.
@@ -62,10 +62,7 @@ SPEC = StageSpec(
     reads=(
     "data.task", "model.trust_remote_code",
     "reward.max_length",         # the reward model scores as it was trained
-    "ppo.sampling",              # every policy samples as PPO's rollouts did
-    "ppo.dataset",               # held-out prompts
-    "sft.dataset.path",          # the gold judge applies only to the default task's own data
-    "reward.dataset.path",
+    "prompts",                   # held-out prompts, how they are sampled, the gold judge switch
     "compare", "distributed",
 ))
 
@@ -104,7 +101,7 @@ def measure_all(params: Params, sft_dir: Path, methods: dict[str, Path], reward_
     """Collective. Every policy's responses and per-response measures, every rank its share of the
     prompts, the models on its device (one method's policy at a time); returns them and the policy
     names in report order (sft, best-of-n by n, the methods as given)."""
-    cfg, sampling, trust = params.compare, params.ppo.sampling, params.model.trust_remote_code
+    cfg, sampling, trust = params.compare, params.prompts.sampling, params.model.trust_remote_code
     dtype = loading.load_dtype(cfg.distributed, trained=False)
     sft, tok = load_policy(sft_dir, trust, dtype)
     sft = sft.to(ctx.device)
@@ -230,7 +227,7 @@ def run(params: Params, data_dir: Path, sft_dir: Path, reward_dir: Path, out: Pa
     for name, folder in methods.items():
         if not folder.is_dir():
             raise ConfigError(f"--policy {name}={folder}: no such folder (has that method's stage run?)")
-    with stage_run(SPEC, params, out, [data_dir, sft_dir, reward_dir, *methods.values(), params.ppo.dataset.path]) as run:
+    with stage_run(SPEC, params, out, [data_dir, sft_dir, reward_dir, *methods.values(), params.prompts.dataset.path]) as run:
         p = run.params
         judge = inputs.judge(p)
         prompts = inputs.prompts(p, data_dir, "eval")[:p.compare.n_prompts]

@@ -17,7 +17,7 @@ or SimPO, `dpo.method`), the RM's pairs by default.
    summed log-probs of the chosen and rejected responses, so the known failure where both fall
    while the margin grows (Pal et al. 2024) is visible; eval.tsv adds their drift from the reference.
 5. After training: the last held-out row as `eval/*`, and the policy sampled on the held-out prompts
-   as PPO and the evaluate stage sample (`ppo.sampling`): KL to the SFT policy, end-of-response
+   as PPO and the evaluate stage sample (`prompts.sampling`): KL to the SFT policy, end-of-response
    rate, length, distinct-2 and, with the task's gold judge, the gold score.
 """
 
@@ -63,11 +63,7 @@ SPEC = StageSpec(
     plan=lambda params, shapes: memory_plan_of(params, shapes), reads=(
     "data.task", "model.trust_remote_code",
     "dpo", "distributed",
-    "ppo.dataset",               # held-out prompts of the final measurement
-    "ppo.sampling",              # sampled as PPO and the evaluate stage sample, so the numbers compare
-    "ppo.max_prompt_length",
-    "sft.dataset.path",          # the gold judge applies only to the default task's own data
-    "reward.dataset.path",
+    "prompts",                   # held-out prompts, how they are sampled, the gold judge switch
 ))
 
 # train.tsv / eval.tsv column -> the losses' stat of the same meaning (pipeline/preference/losses.py)
@@ -172,12 +168,12 @@ def judge(params: Params):
 
 def measure_policy(model, tok, params: Params, sft_dir: Path, prompts: list, ctx: Context = SINGLE) -> dict[str, Any]:
     """Collective. The trained policy (a module or an engine) sampled on the held-out `prompts` as in
-    `ppo.sampling`, with its KL to the SFT policy (loaded now, after training, onto this rank's
+    `prompts.sampling`, with its KL to the SFT policy (loaded now, after training, onto this rank's
     device): `eval/<gold|kl>_sampled` with `_ci95` half-widths, `eval/<eos_rate|length|distinct_2>_sampled`."""
     dtype = next(getattr(model, "model", model).parameters()).dtype
     sft, _ = load_policy(sft_dir, params.model.trust_remote_code, dtype)
-    return sampled_metrics(model, tok, prompts, params.ppo.sampling, params.dpo.seed, sft=sft.to(ctx.device),
-                           judge=judge(params), max_prompt_length=params.ppo.max_prompt_length, ctx=ctx)
+    return sampled_metrics(model, tok, prompts, params.prompts.sampling, params.dpo.seed, sft=sft.to(ctx.device),
+                           judge=judge(params), max_prompt_length=params.prompts.max_length, ctx=ctx)
 
 
 def final_metrics(eval_row: dict[str, Any], train_row: dict[str, Any]) -> dict[str, Any]:
@@ -237,7 +233,7 @@ def memory_plan_of(params: Params, shapes: memory_plan.Shapes) -> Optional[memor
         return None
     sft = shapes.model("sft")
     return memory_plan.supervised_planner("dpo", params, sft, (sft,), rows=2,   # a pair: two sequences
-                                          sampled=lambda cfg: params.ppo.sampling.max_new_tokens)
+                                          sampled=lambda cfg: params.prompts.sampling.max_new_tokens)
 
 
 def run(params: Params, data_dir: Path, sft_dir: Path, out: Path, progress: bool = True) -> dict[str, Any]:

@@ -60,10 +60,7 @@ SPEC = StageSpec(
     summary=lambda metrics, folders: console_lines(metrics, folders), reads=(
     "data.task", "model.trust_remote_code",
     "reward.max_length",         # the reward model scores as it was trained
-    "ppo.sampling",              # every policy samples as PPO's rollouts did
-    "ppo.dataset",               # held-out prompts
-    "sft.dataset.path",          # the gold judge applies only to the default task's own data
-    "reward.dataset.path",
+    "prompts",                   # held-out prompts, how they are sampled, the gold judge switch
     "evaluate", "distributed",
 ))
 
@@ -80,7 +77,7 @@ def sample_policies(params: Params, sft_dir: Path, ppo_dir: Path, reward_dir: Pa
                     judge: Optional[Callable], ctx: Context = SINGLE) -> dict[str, Measured]:
     """Collective. Responses and per-response measurements of each policy on `prompts`, every rank
     its share, the models on its device (16-bit under `evaluate.distributed.precision` bf16/fp16)."""
-    cfg, sampling, trust = params.evaluate, params.ppo.sampling, params.model.trust_remote_code
+    cfg, sampling, trust = params.evaluate, params.prompts.sampling, params.model.trust_remote_code
     dtype = loading.load_dtype(cfg.distributed, trained=False)
     sft, tok = load_policy(sft_dir, trust, dtype)
     ppo, _ = load_policy(ppo_dir, trust, dtype)
@@ -200,7 +197,7 @@ def run(params: Params, data_dir: Path, sft_dir: Path, reward_dir: Path, ppo_dir
         progress: bool = True) -> dict[str, Any]:
     """The stage: measure every policy, write the report, its plots and metrics; the verdict
     becomes the description of the pipeline's MLflow parent run."""
-    with stage_run(SPEC, params, out, [data_dir, sft_dir, reward_dir, ppo_dir, params.ppo.dataset.path]) as run:
+    with stage_run(SPEC, params, out, [data_dir, sft_dir, reward_dir, ppo_dir, params.prompts.dataset.path]) as run:
         m, text, table, figures = _run(run.params, data_dir, sft_dir, reward_dir, ppo_dir, out, run.ctx)
         if not run.ctx.is_main:   # rank 0 writes the report
             return {}

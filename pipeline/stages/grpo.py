@@ -3,9 +3,10 @@ place of `ppo`, so a critic-free run (GRPO by default; RLOO, REINFORCE++ with ba
 by its `advantage`, `grpo_scale` and `loss_aggregation`) sits next to PPO in one DAG, fed by the same
 SFT and reward models and judged on the same prompts.
 
-The prompts, training and held-out, are `ppo.dataset`'s (a `grpo.dataset` is refused): every method
-is trained and measured on the same prompts. Everything else is the section's own: sampling,
-lengths, seed, iterations, the detector.
+The prompts, training and held-out, are the `prompts` section's, as every method's: every method is
+trained and measured on the same prompts, and measured as `prompts.sampling` says. Everything else
+is the section's own: rollout sampling, prompt length, seed, iterations, the detector; its errors
+name `grpo.*` keys.
 
 Outputs under `outputs/grpo/` as the PPO stage's: `model/`, `train.tsv`, `metrics.json` (its
 held-out metrics named `eval/<key>_grpo` next to `eval/<key>_sft`), `config.json`, `checkpoint/`
@@ -41,9 +42,7 @@ SPEC = StageSpec(
     "data.task", "model.trust_remote_code",
     "reward.max_length",         # the reward model scores as it was trained
     "grpo", "distributed",
-    "ppo.dataset",               # the prompts every method shares
-    "sft.dataset.path",          # the gold judge applies only to the default task's own data
-    "reward.dataset.path",
+    "prompts",                   # the prompts every method shares, and how they are measured
 ))
 
 

@@ -22,7 +22,7 @@ example has a partner to be compared with.
    implicit reward (beta (log pi - log pi_ref)) of each kind, their margin and each kind's mean
    summed log-prob.
 5. After training: the policy sampled on the held-out prompts as the other methods are
-   (`ppo.sampling`): KL to the SFT policy, end-of-response rate, length, distinct-2 and, with the
+   (`prompts.sampling`): KL to the SFT policy, end-of-response rate, length, distinct-2 and, with the
    task's gold judge, the gold score (`eval/*_sampled`).
 """
 
@@ -107,11 +107,7 @@ SPEC = StageSpec(
     plan=lambda params, shapes: memory_plan_of(params, shapes), reads=(
     "data.task", "model.trust_remote_code",
     "kto", "distributed",
-    "ppo.dataset",               # held-out prompts of the final measurement
-    "ppo.sampling",              # sampled as the other methods sample, so the numbers compare
-    "ppo.max_prompt_length",
-    "sft.dataset.path",          # the gold judge applies only to the default task's own data
-    "reward.dataset.path",
+    "prompts",                   # held-out prompts, how they are sampled, the gold judge switch
 ))
 
 
@@ -297,7 +293,7 @@ def memory_plan_of(params: Params, shapes: memory_plan.Shapes) -> Optional[memor
         return None
     sft = shapes.model("sft")
     return memory_plan.supervised_planner("kto", params, sft, (sft,), rows=2,
-                                          sampled=lambda cfg: params.ppo.sampling.max_new_tokens)
+                                          sampled=lambda cfg: params.prompts.sampling.max_new_tokens)
 
 
 def train(run: StageRun, data_dir: Path, sft_dir: Path, progress: bool = True) -> tuple[Any, Any, dict]:
@@ -337,9 +333,9 @@ def train(run: StageRun, data_dir: Path, sft_dir: Path, progress: bool = True) -
                           evaluate=lambda: eval_examples(engine.model, cfg, eval_items, pad, ctx, width))
     result = supervised.train(task, cfg, engine, micro, out, run.tracker, ctx, run.fingerprint, progress)
     sft, _ = load_policy(sft_dir, params.model.trust_remote_code, next(engine.model.parameters()).dtype)
-    measured = sampled_metrics(engine, tok, prompts, params.ppo.sampling, cfg.seed, sft=sft.to(ctx.device),
+    measured = sampled_metrics(engine, tok, prompts, params.prompts.sampling, cfg.seed, sft=sft.to(ctx.device),
                                judge=inputs.judge(params) if cfg.dataset.path is None else None,
-                               max_prompt_length=params.ppo.max_prompt_length, ctx=ctx)   # every rank
+                               max_prompt_length=params.prompts.max_length, ctx=ctx)   # every rank
     model, metrics = supervised.finish(engine, result, cfg.lora, out, {
         "data/desirable": sum(train_good), "data/undesirable": len(train_good) - sum(train_good),
         "data/truncated": n_trunc, "data/dropped": n_drop, "data/eval_truncated": e_trunc, "data/eval_dropped": e_drop})

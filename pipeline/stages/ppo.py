@@ -13,12 +13,11 @@ the latest weights whose rollouts had not yet tripped it.
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 from pathlib import Path
 from typing import Any, Callable, Optional
 
-from ..config import Params, PPOConfig
+from ..config import Params, PPOConfig, SamplingConfig
 from ..data import inputs
 from ..measurement.policy import Policy, measure_policies, summary
 from ..measurement.stats import mean_ci
@@ -64,25 +63,23 @@ SPEC = StageSpec(
     "data.task", "model.trust_remote_code",
     "reward.max_length",         # the reward model scores as it was trained
     "ppo", "distributed",
-    "sft.dataset.path",          # the gold judge applies only to the default task's own data
-    "reward.dataset.path",
+    "prompts",                   # training prompts (train split), held-out ones and how they are measured
 ))
 
 log = logging.getLogger(__name__)
 
 
-def compare_policies(models: PPOModels, params: Params, prompts: list[str], judge: Optional[Callable],
-                     policy_name: str = "ppo") -> dict[str, Any]:
+def compare_policies(models: PPOModels, cfg: PPOConfig, sampling: SamplingConfig, max_prompt_length: int,
+                     prompts: list[str], judge: Optional[Callable], policy_name: str = "ppo") -> dict[str, Any]:
     """Collective. The trained policy vs the SFT (reference) policy on the same held-out prompts,
-    sampled as in training, where the models are (every rank its share of the prompts):
-    `eval/<rm|kl|gold>_<policy>` with their 95% half-widths, `eval/eos_rate_<policy>`, and the
-    per-prompt gold gain over SFT. `policy_name`: the stage (ppo, grpo)."""
-    cfg = params.ppo
+    sampled as `sampling` says (`prompts.sampling`), where the models are (every rank its share of
+    the prompts): `eval/<rm|kl|gold>_<policy>` with their 95% half-widths, `eval/eos_rate_<policy>`,
+    and the per-prompt gold gain over SFT. `policy_name`: the stage (ppo, grpo), `cfg` its section."""
     m: dict[str, Any] = {}
     ref = models.reference()
     per = measure_policies([Policy("sft", ref, cfg.seed + 7), Policy(policy_name, models.actor, cfg.seed + 7)],
-                           models.tok, prompts, cfg.sampling, ctx=models.ctx, reward=models.reward, ref=ref,
-                           judge=judge, max_prompt_length=cfg.max_prompt_length)
+                           models.tok, prompts, sampling, ctx=models.ctx, reward=models.reward, ref=ref,
+                           judge=judge, max_prompt_length=max_prompt_length)
     for name in ("sft", policy_name):
         stats = summary(per[name], lambda key: key)
         m[f"eval/eos_rate_{name}"] = stats["eos_rate"]
@@ -94,8 +91,8 @@ def compare_policies(models: PPOModels, params: Params, prompts: list[str], judg
     return m
 
 
-def auditor_dirs(params: Params) -> list[Path]:
-    det = params.ppo.detector
+def auditor_dirs(cfg: PPOConfig) -> list[Path]:
+    det = cfg.detector
     return [Path(det.auditor)] if det.enabled and det.auditor is not None else []
 
 
@@ -136,34 +133,12 @@ def train(trainer: PPOTrainer, detector: Optional[Detector], step_log: StepLog, 
     return stopped_at
 
 
-class SectionAsPPO:
-    """The params of a stage that runs this stage's code with its own section (`grpo`): `ppo` reads
-    as that section, whose prompts are `ppo.dataset`'s, so every method trains and is measured on
-    the same prompts. Everything else reads through to `params` (a declared view stays one)."""
-
-    def __init__(self, params: Params, section: str):
-        own = getattr(params, section)
-        fields = {f.name: getattr(own, f.name) for f in dataclasses.fields(own)}
-        self._params = params
-        # A plain PPOConfig: the section was validated when read, and its `dataset` is left unset.
-        self.ppo = PPOConfig(**{**fields, "dataset": params.ppo.dataset})
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self._params, name)
-
-
-def as_ppo(params: Params, section: str) -> Params:
-    """`params` as this stage's code reads them when run as `section`."""
-    return params if section == "ppo" else SectionAsPPO(params, section)  # type: ignore[return-value]
-
-
 def run(params: Params, data_dir: Path, sft_dir: Path, reward_dir: Path, out: Path,
         progress: bool = True, spec: StageSpec = SPEC) -> dict[str, Any]:
     """The stage: place the models, run (or resume) the loop, compare with SFT, write the outputs.
     The auditor's weights are an input of the run like the SFT model and the RM. `spec`: the stage
     that runs this code with its own params section (grpo.SPEC), in place of `ppo`."""
-    own = as_ppo(params, spec.name)
-    inputs_ = [data_dir, sft_dir, reward_dir, *auditor_dirs(own), own.ppo.dataset.path]
+    inputs_ = [data_dir, sft_dir, reward_dir, *auditor_dirs(getattr(params, spec.name)), params.prompts.dataset.path]
     with stage_run(spec, params, out, inputs_) as run:
         model, tok, metrics = _run(run, data_dir, sft_dir, reward_dir, progress)
         run.finish(metrics, model, tok)
@@ -171,16 +146,19 @@ def run(params: Params, data_dir: Path, sft_dir: Path, reward_dir: Path, out: Pa
 
 
 def _run(run: StageRun, data_dir: Path, sft_dir: Path, reward_dir: Path, progress: bool):
-    params, ctx, out, fp = as_ppo(run.params, run.spec.name), run.ctx, run.out, run.fingerprint
-    cfg = params.ppo
+    params, ctx, out, fp, section = run.params, run.ctx, run.out, run.fingerprint, run.spec.name
+    cfg: PPOConfig = getattr(params, section)
+    held = params.prompts
     prompts = inputs.prompt_records(params, data_dir, "train")
     eval_prompts = inputs.prompt_records(params, data_dir, "eval")[:cfg.n_eval_prompts]
     judge = inputs.judge(params)
     if cfg.reward_source != "reward_model":   # its contract, on one probe pair, before any model is built
-        FunctionSource(cfg.reward_source, probe=(prompts[0][1], "a probe response ."))
-    models = place_models(params, sft_dir, reward_dir, ctx)
-    prompts, n_trunc, n_drop = inputs.fit_prompts(prompts, models.tok, cfg.max_prompt_length, cfg.overlong)
-    eval_prompts, _, _ = inputs.fit_prompts(eval_prompts, models.tok, cfg.max_prompt_length, cfg.overlong)
+        FunctionSource(cfg.reward_source, probe=(prompts[0][1], "a probe response ."), key=f"{section}.reward_source")
+    models = place_models(params, sft_dir, reward_dir, ctx, section)
+    prompts, n_trunc, n_drop = inputs.fit_prompts(prompts, models.tok, cfg.max_prompt_length, cfg.overlong,
+                                                  f"{section}.max_prompt_length")
+    eval_prompts, _, _ = inputs.fit_prompts(eval_prompts, models.tok, held.max_length, held.overlong,
+                                            "prompts.max_length")
     if ctx.is_main:
         critic = {"critic": models.critic} if models.critic is not None else {}
         write_deepspeed_config(out / "deepspeed_config.json", actor=models.actor, **critic, frozen=models.frozen)
@@ -198,7 +176,7 @@ def _run(run: StageRun, data_dir: Path, sft_dir: Path, reward_dir: Path, progres
     stopped_at = train(trainer, detector, step_log, out / "checkpoint", fp, progress and ctx.is_main, run.spec.name)
     kept = checkpoint.restore_actor(trainer, out / "checkpoint", fp) if stopped_at else trainer.iteration
 
-    held_out = compare_policies(models, params, eval_prompts, judge, run.spec.name)   # collective
+    held_out = compare_policies(models, cfg, held.sampling, held.max_length, eval_prompts, judge, section)   # collective
     full = models.actor.full_model()   # collective under ZeRO-3; None on ranks > 0
     if full is None:
         return None, models.tok, {}

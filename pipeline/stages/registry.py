@@ -4,7 +4,7 @@ A new method is one module here (its SPEC and its `run`), one params section and
 command line, the memory plan, the metric registry, the MLflow headline, the cluster's shape check
 and the methods benchmark list stages from `specs()`, so none of them names a stage. dvc.yaml and
 compare/dvc.yaml stay hand-written (a stage's command, deps and outs are read there by DVC and
-Snakemake) and tests/test_stage_declarations.py checks them against the registry.
+Snakemake) and tests/unit/test_stage_declarations.py checks them against the registry.
 
 Order: the default pipeline's stages before compare/dvc.yaml's, each in the order their inputs
 allow (a stage after the stages whose folders it reads), training before measuring, then by name.

@@ -57,7 +57,8 @@ SPEC = StageSpec(
     "data.task", "model.trust_remote_code", "model.dtype", "model.attn_implementation",
     "sft.sampling",              # how the SFT policy samples for the RM-vs-gold correlation
     "sft.dataset",               # held-out demonstrations: the normalisation reference
-    "ppo.dataset",               # held-out prompts for the SFT-samples correlation
+    "prompts.dataset",           # held-out prompts for the SFT-samples correlation
+    "prompts.gold_judge",
     "reward", "distributed",
 ))
 

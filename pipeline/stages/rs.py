@@ -2,8 +2,8 @@
 SFT policy, picked by the reward model, then SFT on the winners: Touvron et al. 2023, sec. 3.2.3;
 Dong et al. 2023, RAFT).
 
-1. Read and validate every input before a model is built: the training prompts (the PPO train
-   split, fitted to `ppo.max_prompt_length` as PPO fits them; the first `rs.n_prompts`, or all),
+1. Read and validate every input before a model is built: the training prompts (the train
+   split, fitted to `prompts.max_length`; the first `rs.n_prompts`, or all),
    the SFT held-out demonstrations (the held-out loss) and the held-out prompts of the final measurement.
 2. Sampling (rank 0; the others wait): `rs.n` candidates per prompt from the SFT policy, candidate
    k with seed `rs.seed + k` (each candidate is one seeded `measure` call over every prompt, as the
@@ -18,7 +18,7 @@ Dong et al. 2023, RAFT).
    tokens only) in the shared supervised loop, held-out loss on SFT's held-out demonstrations; a
    killed run resumes from the loop's checkpoint as SFT does.
 4. After training: the policy sampled on the held-out prompts as PPO and the evaluate stage sample
-   (`ppo.sampling`): RM score, KL to the SFT policy, end-of-response rate, length, distinct-2 and,
+   (`prompts.sampling`): RM score, KL to the SFT policy, end-of-response rate, length, distinct-2 and,
    with the task's gold judge, the gold score (`eval/*_sampled`).
 
 The RM and SFT copies used for sampling live on the CPU, as every measurement does, and the RM is
@@ -72,12 +72,8 @@ SPEC = StageSpec(
     "data.task", "model.trust_remote_code",
     "rs", "distributed",
     "reward.max_length",         # the reward model scores as it was trained
-    "ppo.dataset",               # training prompts (train split) and held-out prompts (eval split)
-    "ppo.max_prompt_length",
-    "ppo.overlong",
-    "ppo.sampling",              # the final measurement samples as PPO and the evaluate stage sample
-    "sft.dataset",               # held-out demonstrations (held-out loss); the gold judge's condition
-    "reward.dataset.path",
+    "prompts",                   # training prompts (train split), held-out ones, how they are measured
+    "sft.dataset",               # held-out demonstrations (held-out loss)
 ))
 
 # The `rs` keys the sampling phase depends on; every other declared section is part of its
@@ -124,7 +120,7 @@ def sample_candidates(policy, tok, prompts: list, params: Params, reward, judge,
     cfg = params.rs
     draws = candidates(policy, cfg.seed, cfg.n)
     per = measure_policies(draws, tok, prompts, cfg.sampling, ctx=ctx, reward=reward, judge=judge,
-                           max_prompt_length=params.ppo.max_prompt_length)
+                           max_prompt_length=params.prompts.max_length)
     return [per[d.name] for d in draws]
 
 
@@ -182,15 +178,15 @@ def winners(run: StageRun, sft_policy, tok, prompts: list, reward_dir: Path, fp:
 def measure_policy(model, tok, params: Params, sft_dir: Path, reward_dir: Path, prompts: list,
                    ctx: Context = SINGLE) -> dict[str, Any]:
     """Collective. The trained policy (a module or an engine) sampled on the held-out `prompts` as in
-    `ppo.sampling`, scored by the RM, with its KL to the SFT policy and the gold score with a judge,
+    `prompts.sampling`, scored by the RM, with its KL to the SFT policy and the gold score with a judge,
     every rank its share on its device: `eval/<rm|kl|gold>_sampled` with `_ci95` half-widths,
     `eval/<eos_rate|length|distinct_2>_sampled`."""
     dtype = next(getattr(model, "model", model).parameters()).dtype
     sft, _ = load_policy(sft_dir, params.model.trust_remote_code, dtype)
     reward = RewardModelSource(reward_dir, params.reward.max_length, params.model.trust_remote_code,
                                device=ctx.device, dtype=dtype)
-    return sampled_metrics(model, tok, prompts, params.ppo.sampling, params.rs.seed, sft=sft.to(ctx.device),
-                           reward=reward, judge=inputs.judge(params), max_prompt_length=params.ppo.max_prompt_length,
+    return sampled_metrics(model, tok, prompts, params.prompts.sampling, params.rs.seed, sft=sft.to(ctx.device),
+                           reward=reward, judge=inputs.judge(params), max_prompt_length=params.prompts.max_length,
                            ctx=ctx)
 
 
@@ -205,13 +201,14 @@ def train(run: StageRun, data_dir: Path, sft_dir: Path, reward_dir: Path,
     eval_rows = inputs.demonstrations(params, data_dir, "eval")
     eval_prompts = inputs.prompts(params, data_dir, "eval")[:cfg.n_eval_prompts]
     model, tok = load_policy(sft_dir, params.model.trust_remote_code)
-    prompts, p_trunc, p_drop = inputs.fit_prompts(records, tok, params.ppo.max_prompt_length, params.ppo.overlong)
+    prompts, p_trunc, p_drop = inputs.fit_prompts(records, tok, params.prompts.max_length, params.prompts.overlong,
+                                                   "prompts.max_length")
     if cfg.n_prompts is not None and len(prompts) < cfg.n_prompts:
-        raise DataError(f"rs.n_prompts: {cfg.n_prompts} prompts asked for, the PPO train split has "
-                        f"{len(prompts)} (after ppo.overlong); lower it, or set it to null for all")
+        raise DataError(f"rs.n_prompts: {cfg.n_prompts} prompts asked for, the train split of prompts.dataset has "
+                        f"{len(prompts)} (after prompts.overlong); lower it, or set it to null for all")
     prompts = prompts[:cfg.n_prompts]
     # 2. The winners (the SFT weights are untouched by sampling: the same model is trained next).
-    fp = sampling_fingerprint(run, [data_dir, sft_dir, reward_dir, params.ppo.dataset.path])
+    fp = sampling_fingerprint(run, [data_dir, sft_dir, reward_dir, params.prompts.dataset.path])
     rows, sampling_stats = winners(run, model, tok, prompts, reward_dir, fp)
     # 3. SFT on the winners, from the SFT weights.
     source = out / WINNERS
@@ -252,7 +249,7 @@ def memory_plan_of(params: Params, shapes: memory_plan.Shapes) -> Optional[memor
     sft = shapes.model("sft")
     return memory_plan.supervised_planner(
         "rs", params, sft, (sft, shapes.model("reward", True)),   # then its candidates, with the same policy
-        sampled=lambda cfg: max(params.ppo.sampling.max_new_tokens, cfg.sampling.max_new_tokens))
+        sampled=lambda cfg: max(params.prompts.sampling.max_new_tokens, cfg.sampling.max_new_tokens))
 
 
 def run(params: Params, data_dir: Path, sft_dir: Path, reward_dir: Path, out: Path,
@@ -260,7 +257,7 @@ def run(params: Params, data_dir: Path, sft_dir: Path, reward_dir: Path, out: Pa
     """The stage: sample (or reuse) the winners, fine-tune, measure, then write model/,
     metrics.json, config.json and the step logs atomically (rank 0 writes; other ranks of a
     multi-process run return empty metrics)."""
-    with stage_run(SPEC, params, out, [data_dir, sft_dir, reward_dir, params.ppo.dataset.path]) as run:
+    with stage_run(SPEC, params, out, [data_dir, sft_dir, reward_dir, params.prompts.dataset.path]) as run:
         model, tok, metrics = train(run, data_dir, sft_dir, reward_dir, progress)
         run.finish(metrics, model, tok)
     return metrics

@@ -45,9 +45,9 @@ SPEC = StageSpec(
     metrics=metric_names.sft, files=METRIC_FILES,
     plan=lambda params, shapes: memory_plan_of(params, shapes), reads=(
     "data.task", "model", "sft", "distributed",
-    "ppo.dataset",               # held-out prompts for the SFT policy's evaluation
-    "ppo.max_prompt_length",
-    "reward.dataset.path",       # the gold judge applies only to the default task's own data
+    "prompts.dataset",           # held-out prompts for the SFT policy's evaluation
+    "prompts.max_length",
+    "prompts.gold_judge",
 ))
 
 

@@ -7,7 +7,7 @@ Each stage module has a `SPEC`: the params sections and dotted keys it reads (sp
   not re-run the stage for;
 - the resolved config: `resolve(params, spec)`, written as the stage's config.json, logged as its
   MLflow params and hashed into the resume fingerprint;
-- dvc.yaml's `params:` of the stage, which tests/test_stage_declarations.py checks against it.
+- dvc.yaml's `params:` of the stage, which tests/unit/test_stage_declarations.py checks against it.
 
 A distributed stage's own `<stage>.distributed` (the training stages', evaluate's and compare's) is
 merged over the top-level `distributed` section when params are loaded (config.merge_distributed),

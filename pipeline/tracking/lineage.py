@@ -14,6 +14,8 @@ import subprocess
 from pathlib import Path
 from typing import Sequence
 
+from ..files import content_hash
+
 log = logging.getLogger(__name__)
 
 
@@ -148,23 +150,8 @@ def _digest(deps: list[tuple[str, str]]) -> str:
 
 
 def inputs_hash(paths: Sequence[Path]) -> str:
-    """sha256 over the files under each path (relative names and contents, in order). Where the
-    inputs lie doesn't enter, so the same inputs in another folder give the same hash."""
-    h = hashlib.sha256()
-    for i, path in enumerate(map(Path, paths)):
-        files = sorted(p for p in path.rglob("*") if p.is_file()) if path.is_dir() else [path]
-        for f in files:
-            rel = f.relative_to(path).as_posix() if path.is_dir() else ""
-            h.update(f"{i}/{rel}\t{_file_sha256(f) if f.is_file() else 'missing'}\n".encode())
-    return h.hexdigest()
-
-
-def _file_sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            h.update(block)
-    return h.hexdigest()
+    """sha256 over the files under each path (files.content_hash)."""
+    return content_hash(paths)
 
 
 # ---- The MLflow tracker -----------------------------------------------------------------------------

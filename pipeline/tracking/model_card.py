@@ -12,7 +12,7 @@ import numbers
 from typing import Any, Mapping
 
 # The reward model's config key of its offset (pipeline/models/reward_model.py OFFSET_KEY; a stage that
-# writes a card need not import the reward model for it; tests/test_e2e.py checks the two agree).
+# writes a card need not import the reward model for it; tests/system/test_e2e.py checks the two agree).
 OFFSET_KEY = "reward_offset"
 
 POLICY_USE = """```python

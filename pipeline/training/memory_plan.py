@@ -257,12 +257,12 @@ def supervised_planner(stage: str, params: Params, model: ModelShape, read: tupl
                        sampled: Optional[Callable[[Any], int]] = None) -> Planner:
     """One trained model (sft, reward, dpo, rs, ...): `rows` sequences per example in one forward (a
     preference pair is two); `sampled(cfg)`: the most new tokens the trained policy samples on the
-    held-out prompts (up to ppo.max_prompt_length long) with its own weights, or None when it
+    held-out prompts (up to prompts.max_length long) with its own weights, or None when it
     samples none on this device (the reward model is measured by the SFT policy's samples, on the CPU)."""
     if sampled is None:
         return lambda cfg: supervised_plan(stage, model, cfg.distributed, rows * _micro(cfg), cfg.max_length,
                                            cfg.lora, read)
-    prompt = params.ppo.max_prompt_length
+    prompt = params.prompts.max_length
     return lambda cfg: supervised_plan(stage, model, cfg.distributed, rows * _micro(cfg), cfg.max_length, cfg.lora,
                                        read, (prompt, sampled(cfg)))
 
@@ -291,8 +291,8 @@ def measuring_planner(stage: str, params: Params, resident: tuple[ModelShape, ..
                       read: tuple[ModelShape, ...]) -> Planner:
     """evaluate (SFT, PPO and the reward model) and compare (SFT, one method's policy at a time
     and the reward model): `resident` whole on every rank, the first sampling the held-out prompts
-    as ppo.sampling."""
-    prompt, new = params.ppo.max_prompt_length, params.ppo.sampling.max_new_tokens
+    as prompts.sampling."""
+    prompt, new = params.prompts.max_length, params.prompts.sampling.max_new_tokens
     return lambda cfg: inference_plan(stage, cfg.distributed, resident, resident[0], prompt, new, read)
 
 
@@ -384,7 +384,7 @@ def planned(params: Params, data_dir: Optional[Path], plans: dict[str, PlanFn]) 
 def stage_planner(stage: str, plan: PlanFn, params: Params, folders: dict[str, Any]) -> Optional[Planner]:
     """A stage's planner from its input folders; None while an input is missing (the stage's own
     loading reports it). A training stage's planner reads only the params its SPEC declares;
-    evaluate's and compare's also read ppo.max_prompt_length, their prompts' bound."""
+    evaluate's and compare's read prompts.max_length, their prompts' bound."""
     return plan(params, FolderShapes(params, folders))
 
 

@@ -36,7 +36,7 @@ import torch
 
 from .distributed import Context
 from ..errors import CheckpointError, loading
-from ..files import MAX_FILE_BYTES, atomic_write_json, check_folder, read_json_object, swap_in
+from ..files import MAX_FILE_BYTES, atomic_write_json, check_folder, content_hash, read_json_object, swap_in
 from ..tracking.sinks import StepLog
 from .batches import BatchSampler
 
@@ -48,17 +48,10 @@ FORMAT = 4
 
 
 def fingerprint(config: dict[str, Any], inputs: list[Path]) -> str:
-    """sha256 of the resolved config and every file (path and bytes) under the input folders."""
+    """sha256 of the resolved config and every file (relative name and bytes) under the inputs
+    (files.content_hash)."""
     h = hashlib.sha256(json.dumps({"format": FORMAT, "config": config}, sort_keys=True, default=str).encode())
-    for folder in map(Path, inputs):
-        files = sorted(p for p in folder.rglob("*") if p.is_file()) if folder.is_dir() else [folder]
-        for f in files:
-            if not f.exists():
-                continue
-            h.update(str(f.relative_to(folder) if f != folder else f.name).encode())
-            with open(f, "rb") as fh:
-                for chunk in iter(lambda: fh.read(1 << 20), b""):
-                    h.update(chunk)
+    h.update(content_hash(inputs).encode())
     return h.hexdigest()
 
 

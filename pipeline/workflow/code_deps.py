@@ -10,7 +10,7 @@ process imports the others' code too, but runs only its own (`run` and its SPEC'
 the others are not its deps.
 
 dvc.yaml's code deps of a stage must cover this closure (a folder covers what is under it);
-tests/test_stage_declarations.py checks it. `EXEMPT` lists the only files that may stay out, each
+tests/unit/test_stage_declarations.py checks it. `EXEMPT` lists the only files that may stay out, each
 with the reason it cannot change an output. Code that a user names in params (a
 `ppo.reward_source: module:function`) is imported at run time and is theirs to track.
 """
