@@ -213,24 +213,34 @@ class PromptsConfig:
 
 
 @dataclass(frozen=True)
-class SFTConfig:
-    """`sft`: supervised fine-tuning on demonstrations, loss on response tokens only."""
+class SupervisedConfig:
+    """The keys every supervised stage's section shares (sft, reward, dpo, kto, rs): the shared
+    loop (training/supervised.py) and engine read them. A section redeclares a key only to give it
+    another default; its own keys follow these."""
     seed: int = num(0, ge=0)
-    lr: float = num(2e-3, gt=0.0)
-    weight_decay: float = num(0.01, ge=0.0)
-    batch_size: int = num(32, ge=1)
-    epochs: float = num(8.0, gt=0.0)
+    lr: float = num(1e-4, gt=0.0, doc="AdamW peak learning rate")
+    weight_decay: float = num(0.0, ge=0.0)
+    batch_size: int = num(32, ge=1, doc="examples per optimizer step (the global batch)")
+    epochs: float = num(1.0, gt=0.0, doc="passes over the training examples")
     warmup_ratio: float = num(0.05, ge=0.0, lt=1.0)
     max_grad_norm: float = num(1.0, gt=0.0)
-    max_length: int = num(96, ge=8)
+    max_length: int = num(96, ge=8, doc="tokens of one training sequence; longer ones follow `overlong`")
     eval_every: int = num(100, ge=1)
     save_every: int = num(100, ge=1, doc="steps between resumable checkpoints")
+    overlong: Literal["truncate", "drop", "error"] = "truncate"   # truncate: the prompt loses its left end
+    lora: LoraConfig = field(default_factory=LoraConfig)
+    distributed: DistributedConfig = field(default_factory=DistributedConfig)  # merged over the top level
+
+
+@dataclass(frozen=True)
+class SFTConfig(SupervisedConfig):
+    """`sft`: supervised fine-tuning on demonstrations, loss on response tokens only."""
+    lr: float = num(2e-3, gt=0.0)
+    weight_decay: float = num(0.01, ge=0.0)
+    epochs: float = num(8.0, gt=0.0)
     n_eval_generations: int = num(200, ge=1)
     sampling: SamplingConfig = field(default_factory=SamplingConfig)
     dataset: SFTDatasetConfig = field(default_factory=SFTDatasetConfig)
-    overlong: Literal["truncate", "drop", "error"] = "truncate"   # longer than max_length: cut the prompt's left end, or skip
-    lora: LoraConfig = field(default_factory=LoraConfig)
-    distributed: DistributedConfig = field(default_factory=DistributedConfig)  # merged over the top level
 
 
 @dataclass(frozen=True)
@@ -246,17 +256,11 @@ class PreferenceDataConfig:
 
 
 @dataclass(frozen=True)
-class RewardConfig:
+class RewardConfig(SupervisedConfig):
     """`reward`: Bradley-Terry reward model on preference pairs."""
     name_or_path: Optional[str] = None  # None: initialise from the SFT checkpoint (InstructGPT)
-    seed: int = num(0, ge=0)
     lr: float = num(3e-4, gt=0.0)
-    weight_decay: float = num(0.0, ge=0.0)
-    batch_size: int = num(32, ge=1)
     epochs: float = num(5.0, gt=0.0)
-    warmup_ratio: float = num(0.05, ge=0.0, lt=1.0)
-    max_grad_norm: float = num(1.0, gt=0.0)
-    max_length: int = num(96, ge=8)
     eval_every: int = num(250, ge=1)
     save_every: int = num(250, ge=1, doc="steps between resumable checkpoints")
     head_init_std: Optional[float] = num(None, gt=0.0)
@@ -267,13 +271,10 @@ class RewardConfig:
     # the same scores with the prompt run once (reward_model.branch_scores).
     shared_prompt: bool = True
     dataset: PreferenceDataConfig = field(default_factory=PreferenceDataConfig)
-    overlong: Literal["truncate", "drop", "error"] = "truncate"
-    lora: LoraConfig = field(default_factory=LoraConfig)
-    distributed: DistributedConfig = field(default_factory=DistributedConfig)  # merged over the top level
 
 
 @dataclass(frozen=True)
-class PreferenceOptConfig:
+class PreferenceOptConfig(SupervisedConfig):
     """`dpo`: offline preference optimisation of the SFT policy on preference pairs: DPO (with
     conservative label smoothing), IPO, or the reference-free SimPO (pipeline/preference/losses.py).
 
@@ -281,7 +282,6 @@ class PreferenceOptConfig:
     (target 1 / (2 beta)), SimPO's reward scale. The papers' values differ: DPO and IPO use about
     0.1, SimPO about 2 to 2.5 with simpo_gamma / beta near 0.5 (Meng et al. 2024's search), so a
     SimPO run sets `beta` itself; nothing is rescaled behind its back."""
-    seed: int = num(0, ge=0)
     method: Literal["dpo", "ipo", "simpo"] = "dpo"
     # 2.0, not DPO's usual 0.1: on the default task (noisy labels, a 4-layer model) beta 0.1 moves the
     # policy 11.8 nats from SFT with no gold gain, 0.5 reaches gold 1.19 at 3.0 nats, 2.0 gold 1.24 at
@@ -293,19 +293,12 @@ class PreferenceOptConfig:
     # should move a little from them, as PPO's actor does, not re-learn the task (DPO's 5e-7 is for
     # 7B models; a 4-layer model of width 96 needs steps as large as PPO's to move at all).
     lr: float = num(1e-4, gt=0.0)
-    weight_decay: float = num(0.0, ge=0.0)
     batch_size: int = num(32, ge=1, doc="pairs per optimizer step")
     epochs: float = num(1.0, gt=0.0, doc="passes over the pairs; DPO overfits deterministic-looking pairs fast (Azar et al. 2023)")
     warmup_ratio: float = num(0.1, ge=0.0, lt=1.0)
-    max_grad_norm: float = num(1.0, gt=0.0)
     max_length: int = num(96, ge=8, doc="prompt + longer response tokens; longer pairs follow `overlong`")
-    eval_every: int = num(100, ge=1)
-    save_every: int = num(100, ge=1, doc="steps between resumable checkpoints")
     n_eval_prompts: int = num(200, ge=2, doc="held-out prompts the trained policy is measured on (as prompts.sampling)")
     dataset: PreferenceDataConfig = field(default_factory=PreferenceDataConfig)   # the RM's pairs by default
-    overlong: Literal["truncate", "drop", "error"] = "truncate"   # truncate: the prompt loses its left end
-    lora: LoraConfig = field(default_factory=LoraConfig)
-    distributed: DistributedConfig = field(default_factory=DistributedConfig)  # merged over the top level
 
     def __post_init__(self) -> None:
         if self.dataset.margin_column is not None:
@@ -315,31 +308,21 @@ class PreferenceOptConfig:
 
 
 @dataclass(frozen=True)
-class KTOConfig:
+class KTOConfig(SupervisedConfig):
     """`kto`: Kahneman-Tversky Optimisation (Ethayarajh et al. 2024) of the SFT policy on unpaired
     feedback made from the preference pairs: the chosen responses of one half of the pairs are
     desirable examples, the rejected responses of the other half undesirable ones
     (pipeline/stages/kto.py)."""
-    seed: int = num(0, ge=0)
     # DPO's beta (2.0) in the same role: the scale of the implicit reward beta (log pi - log pi_ref) in
     # the sigmoid; the paper's 0.1 is for 7B models, as DPO's is.
     beta: float = num(2.0, gt=0.0, doc="scale of the implicit reward in the loss's sigmoid")
     lambda_desirable: float = num(1.0, gt=0.0, doc="weight of a desirable example's loss (the paper's lambda_D)")
     lambda_undesirable: float = num(1.0, gt=0.0, doc="weight of an undesirable example's loss (lambda_U)")
-    lr: float = num(1e-4, gt=0.0)       # as dpo.lr: the same small model moving a little from SFT
-    weight_decay: float = num(0.0, ge=0.0)
     batch_size: int = num(32, ge=2, doc="examples per optimizer step (the KL reference point is estimated on them)")
-    epochs: float = num(1.0, gt=0.0, doc="passes over the examples")
     warmup_ratio: float = num(0.1, ge=0.0, lt=1.0)
-    max_grad_norm: float = num(1.0, gt=0.0)
     max_length: int = num(96, ge=8, doc="prompt + the longer of its own and its mismatched response, in tokens")
-    eval_every: int = num(100, ge=1)
-    save_every: int = num(100, ge=1, doc="steps between resumable checkpoints")
     n_eval_prompts: int = num(200, ge=2, doc="held-out prompts the trained policy is measured on (as prompts.sampling)")
     dataset: PreferenceDataConfig = field(default_factory=PreferenceDataConfig)   # the RM's pairs by default
-    overlong: Literal["truncate", "drop", "error"] = "truncate"   # truncate: the prompt loses its left end
-    lora: LoraConfig = field(default_factory=LoraConfig)
-    distributed: DistributedConfig = field(default_factory=DistributedConfig)  # merged over the top level
 
     def __post_init__(self) -> None:
         if self.dataset.margin_column is not None:
@@ -348,12 +331,11 @@ class KTOConfig:
 
 
 @dataclass(frozen=True)
-class RejectionSamplingConfig:
+class RejectionSamplingConfig(SupervisedConfig):
     """`rs`: rejection-sampling fine-tuning (best-of-n, then SFT on the winners; Touvron et al. 2023,
     sec. 3.2.3; Dong et al. 2023, RAFT): `n` samples of the SFT policy per training prompt (the train
-    split of `prompts`, cut to prompts.max_length), the reward model's favourite kept, and a fresh copy of the SFT policy fine-tuned on
-    the kept ones with SFT's loss (response tokens only)."""
-    seed: int = num(0, ge=0)
+    split of `prompts`, cut to prompts.max_length), the reward model's favourite kept, and a fresh
+    copy of the SFT policy fine-tuned on the kept ones with SFT's loss (response tokens only)."""
     n: int = num(8, ge=2, doc="samples per prompt, the RM keeping the best; 1 would be SFT on its own samples")
     n_prompts: Optional[int] = num(None, ge=1, doc="the first this many training prompts (prompts.dataset) are sampled; None: all")
     sampling: SamplingConfig = field(default_factory=SamplingConfig)   # how the SFT policy samples candidates
@@ -364,17 +346,10 @@ class RejectionSamplingConfig:
     # prompts: 1.91 at KL 0.89.
     lr: float = num(1e-3, gt=0.0)
     weight_decay: float = num(0.01, ge=0.0)
-    batch_size: int = num(32, ge=1)
     epochs: float = num(2.0, gt=0.0, doc="passes over the winners")
-    warmup_ratio: float = num(0.05, ge=0.0, lt=1.0)
-    max_grad_norm: float = num(1.0, gt=0.0)
-    max_length: int = num(96, ge=8, doc="prompt + response tokens; longer winners follow `overlong`")
     eval_every: int = num(20, ge=1)
     save_every: int = num(20, ge=1, doc="steps between resumable checkpoints")
     n_eval_prompts: int = num(200, ge=2, doc="held-out prompts the trained policy is measured on (as prompts.sampling)")
-    overlong: Literal["truncate", "drop", "error"] = "truncate"   # truncate: the prompt loses its left end
-    lora: LoraConfig = field(default_factory=LoraConfig)
-    distributed: DistributedConfig = field(default_factory=DistributedConfig)  # merged over the top level
 
 
 @dataclass(frozen=True)

@@ -30,7 +30,7 @@ from pipeline.models import reward_model as rm
 from pipeline.models.checkpoints import init_policy
 from pipeline.ppo.placement import place_models
 from pipeline.ppo.trainer import PPOTrainer
-from pipeline.stages.sft import ce_sum
+from pipeline.training.demonstrations import ce_sum
 from pipeline.training.engines import supervised_engine
 from pipeline.training.distributed import SINGLE
 

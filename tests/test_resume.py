@@ -22,7 +22,7 @@ from safetensors.torch import load_file
 
 from conftest import BIN, TINY, copy_repo, flat, merge, run, run_env, write_params
 from pipeline import errors
-from pipeline.training import resume, supervised
+from pipeline.training import demonstrations, resume, supervised
 from pipeline.stages import reward, sft
 from pipeline.config import DataConfig, Params, from_dict
 from pipeline.errors import ConfigError, NumericalError
@@ -126,7 +126,7 @@ def _nan_grad(loss: torch.Tensor, model) -> torch.Tensor:
 
 @pytest.mark.parametrize("quantity", ["loss", "gradient norm"])
 def test_sft_nan_stops_at_the_step_and_keeps_the_checkpoint(quantity, data, tmp_path, monkeypatch):
-    real, calls = sft.ce_sum, {"n": 0}
+    real, calls = demonstrations.ce_sum, {"n": 0}
 
     def broken(model, batch):
         loss, n = real(model, batch)
@@ -135,7 +135,7 @@ def test_sft_nan_stops_at_the_step_and_keeps_the_checkpoint(quantity, data, tmp_
             if calls["n"] == 3:
                 loss = loss * float("nan") if quantity == "loss" else _nan_grad(loss, model)
         return loss, n
-    monkeypatch.setattr(sft, "ce_sum", broken)
+    monkeypatch.setattr(demonstrations, "ce_sum", broken)   # the sft stage's loss
     with pytest.raises(NumericalError, match=rf"^sft step 3: {quantity} is NaN or infinite; stopped, the last "
                                              rf"checkpoint is kept$"):
         sft.run(_params(), data, tmp_path, progress=False)

@@ -40,9 +40,8 @@ from ..models.checkpoints import load_policy
 from ..preference.logprobs import TokenPair, fit_pairs, pair_logprobs, reference_logprobs, response_lengths
 from ..preference.losses import dpo_loss, ipo_loss, simpo_loss
 from ..training import loading, memory_plan, supervised
-from ..training.batches import total_steps
 from ..training.distributed import SINGLE, Context
-from ..training.engines import TrainEngine, supervised_engine, write_deepspeed_config
+from ..training.engines import TrainEngine
 from ..training.supervised import SupervisedTask
 from .skeleton import StageRun, stage_run
 from ..tracking import metric_names
@@ -199,30 +198,31 @@ def train(run: StageRun, data_dir: Path, sft_dir: Path, progress: bool = True) -
     eval_tok, e_trunc, e_drop = tokenize_pairs(held_pairs, tok, cfg.max_length, cfg.overlong)
     torch.manual_seed(cfg.seed)
     model = lora.wrap(model, cfg.lora, "CAUSAL_LM")
-    engine, micro = supervised_engine(model, cfg, total_steps(len(train_tok), cfg.batch_size, cfg.epochs), ctx)
-    write_deepspeed_config(out / "deepspeed_config.json", dpo=engine) if ctx.is_main else None
-    # 3. The reference log-probs, once, before the first step (and before a resumed state is loaded).
     pad, width = tok.pad_token_id, 2 * cfg.batch_size
-    train_items = score_reference(engine, train_tok, width, pad, needed=cfg.method != "simpo")
-    eval_items = score_reference(engine, eval_tok, width, pad)   # every method: the drift columns
 
-    # 4. The loss of a micro-batch, normalised by the global batch (pairs).
-    def loss(part: list[ScoredPair], batch: list[ScoredPair]) -> tuple[torch.Tensor, list[float]]:
-        value, stats = batch_loss(engine.forward, cfg, part, pad)
-        return value * len(part) / len(batch), [stats[key] * len(part) for key in COLUMNS.values()]
+    def task(engine, micro: int) -> SupervisedTask:
+        # 3. The reference log-probs, once, before the first step (and before a resumed state is loaded).
+        train_items = score_reference(engine, train_tok, width, pad, needed=cfg.method != "simpo")
+        eval_items = score_reference(engine, eval_tok, width, pad)   # every method: the drift columns
 
-    task = SupervisedTask("dpo", train_items, list(COLUMNS), loss, normaliser=len,
-                          eval_columns=[*COLUMNS, *DRIFT],
-                          evaluate=lambda: eval_pairs(engine.model, cfg, eval_items, pad, ctx, width))
-    result = supervised.train(task, cfg, engine, micro, out, run.tracker, ctx, run.fingerprint, progress)
-    measured = measure_policy(engine, tok, params, sft_dir, prompts, ctx)   # every rank, on its device
-    model, metrics = supervised.finish(engine, result, cfg.lora, out, {
-        "data/truncated": n_trunc, "data/dropped": n_drop, "data/eval_truncated": e_trunc, "data/eval_dropped": e_drop})
-    if model is None:
-        return None, tok, {}
-    # 5. Final metrics and the sampled measurement.
-    metrics.update(final_metrics(result.eval_log.rows[-1], result.train_log.rows[-1]))
-    metrics.update(measured)
+        # 4. The loss of a micro-batch, normalised by the global batch (pairs).
+        def loss(part: list[ScoredPair], batch: list[ScoredPair]) -> tuple[torch.Tensor, list[float]]:
+            value, stats = batch_loss(engine.forward, cfg, part, pad)
+            return value * len(part) / len(batch), [stats[key] * len(part) for key in COLUMNS.values()]
+
+        return SupervisedTask("dpo", train_items, list(COLUMNS), loss, normaliser=len,
+                              eval_columns=[*COLUMNS, *DRIFT],
+                              evaluate=lambda: eval_pairs(engine.model, cfg, eval_items, pad, ctx, width))
+
+    recipe = supervised.Recipe(
+        model, len(train_tok), task,
+        measure=lambda engine: measure_policy(engine, tok, params, sft_dir, prompts, ctx),   # every rank
+        # 5. Final metrics and the sampled measurement.
+        report=lambda model, result, measured: {
+            **final_metrics(result.eval_log.rows[-1], result.train_log.rows[-1]), **measured},
+        counts={"data/truncated": n_trunc, "data/dropped": n_drop, "data/eval_truncated": e_trunc,
+                "data/eval_dropped": e_drop})
+    model, metrics = supervised.run("dpo", cfg, recipe, out, run.tracker, ctx, run.fingerprint, progress)
     return model, tok, metrics
 
 

@@ -47,9 +47,7 @@ from ..preference.logprobs import TokenPair, fit_pairs, reference_logprobs, sequ
 from ..tracking import metric_names
 from ..tracking.metric_names import METRICS_JSON, Metric
 from ..training import loading, memory_plan, supervised
-from ..training.batches import total_steps
 from ..training.distributed import SINGLE, Context
-from ..training.engines import supervised_engine, write_deepspeed_config
 from ..training.supervised import SupervisedTask
 from .skeleton import StageRun, stage_run
 from .spec import StageSpec
@@ -314,38 +312,40 @@ def train(run: StageRun, data_dir: Path, sft_dir: Path, progress: bool = True) -
     eval_tok, eval_good = [t for _, t in eval_fit], [p.margin > 0 for p, _ in eval_fit]
     torch.manual_seed(cfg.seed)
     model = lora.wrap(model, cfg.lora, "CAUSAL_LM")
-    engine, micro = supervised_engine(model, cfg, total_steps(len(train_tok), cfg.batch_size, cfg.epochs), ctx)
-    write_deepspeed_config(out / "deepspeed_config.json", kto=engine) if ctx.is_main else None
-    # 3. The reference log-probs, once, before the first step (and before a resumed state is loaded).
     pad, width = tok.pad_token_id, 2 * cfg.batch_size
-    train_items = score_reference(engine, train_tok, train_good, width, pad)
-    eval_items = score_reference(engine, eval_tok, eval_good, width, pad)
 
-    # 4. Per step z_ref over the global batch (the same on every rank), then each micro-batch's terms.
-    step_z: dict[str, Any] = {"batch": None, "z": None}
+    def task(engine, micro: int) -> SupervisedTask:
+        # 3. The reference log-probs, once, before the first step (and before a resumed state is loaded).
+        train_items = score_reference(engine, train_tok, train_good, width, pad)
+        eval_items = score_reference(engine, eval_tok, eval_good, width, pad)
 
-    def loss(part: list[Example], batch: list[Example]) -> tuple[torch.Tensor, list[float]]:
-        if step_z["batch"] is not batch:
-            step_z["batch"], step_z["z"] = batch, batch_kl(engine.forward, batch, 2 * micro, pad)
-        return part_loss(engine.forward, cfg, part, step_z["z"], pad, kinds(batch))
+        # 4. Per step z_ref over the global batch (the same on every rank), then each micro-batch's terms.
+        step_z: dict[str, Any] = {"batch": None, "z": None}
 
-    task = SupervisedTask("kto", train_items, list(COLUMNS), loss, normaliser=len, eval_columns=list(COLUMNS),
-                          evaluate=lambda: eval_examples(engine.model, cfg, eval_items, pad, ctx, width))
-    result = supervised.train(task, cfg, engine, micro, out, run.tracker, ctx, run.fingerprint, progress)
-    sft, _ = load_policy(sft_dir, params.model.trust_remote_code, next(engine.model.parameters()).dtype)
-    measured = sampled_metrics(engine, tok, prompts, params.prompts.sampling, cfg.seed, sft=sft.to(ctx.device),
+        def loss(part: list[Example], batch: list[Example]) -> tuple[torch.Tensor, list[float]]:
+            if step_z["batch"] is not batch:
+                step_z["batch"], step_z["z"] = batch, batch_kl(engine.forward, batch, 2 * micro, pad)
+            return part_loss(engine.forward, cfg, part, step_z["z"], pad, kinds(batch))
+
+        return SupervisedTask("kto", train_items, list(COLUMNS), loss, normaliser=len, eval_columns=list(COLUMNS),
+                              evaluate=lambda: eval_examples(engine.model, cfg, eval_items, pad, ctx, width))
+
+    def measure(engine) -> dict[str, float]:   # every rank
+        sft, _ = load_policy(sft_dir, params.model.trust_remote_code, next(engine.model.parameters()).dtype)
+        return sampled_metrics(engine, tok, prompts, params.prompts.sampling, cfg.seed, sft=sft.to(ctx.device),
                                judge=inputs.judge(params) if cfg.dataset.path is None else None,
-                               max_prompt_length=params.prompts.max_length, ctx=ctx)   # every rank
-    model, metrics = supervised.finish(engine, result, cfg.lora, out, {
+                               max_prompt_length=params.prompts.max_length, ctx=ctx)
+
+    def report(model, result, measured) -> dict[str, Any]:
+        # 5. Final metrics and the sampled measurement.
+        last = result.eval_log.rows[-1]
+        return {**{f"eval/{c}": last[c] for c in COLUMNS if c != "loss"},
+                "train/margin": result.train_log.rows[-1]["margin"], **measured}
+
+    recipe = supervised.Recipe(model, len(train_tok), task, measure, report, counts={
         "data/desirable": sum(train_good), "data/undesirable": len(train_good) - sum(train_good),
         "data/truncated": n_trunc, "data/dropped": n_drop, "data/eval_truncated": e_trunc, "data/eval_dropped": e_drop})
-    if model is None:
-        return None, tok, {}
-    # 5. Final metrics and the sampled measurement.
-    last = result.eval_log.rows[-1]
-    metrics.update({f"eval/{c}": last[c] for c in COLUMNS if c != "loss"})
-    metrics["train/margin"] = result.train_log.rows[-1]["margin"]
-    metrics.update(measured)
+    model, metrics = supervised.run("kto", cfg, recipe, out, run.tracker, ctx, run.fingerprint, progress)
     return model, tok, metrics
 
 

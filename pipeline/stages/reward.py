@@ -31,9 +31,7 @@ from ..models.reward_source import RewardModelSource
 from ..tracking.sinks import NO_TRACKER, StepLog, Tracker
 from ..training import loading, memory_plan, supervised
 from ..training.memory_terms import checkpoint_shape, with_attention
-from ..training.batches import total_steps
 from ..training.distributed import SINGLE, Context
-from ..training.engines import supervised_engine, write_deepspeed_config
 from ..training.supervised import SupervisedTask
 from .skeleton import StageRun, stage_run
 from ..tracking import metric_names
@@ -228,34 +226,36 @@ def train(run: StageRun, data_dir: Path, sft_dir: Path, progress: bool = True):
     train_pairs, n_trunc, n_drop = fit_pairs(train_pairs, encoded, cfg.overlong)
     held = held_out(params, data_dir, eval_pairs)
     torch.manual_seed(cfg.seed)
-    engine, micro = supervised_engine(model, cfg, total_steps(len(train_pairs), cfg.batch_size, cfg.epochs), ctx)
-    write_deepspeed_config(out_dir / "deepspeed_config.json", reward=engine) if ctx.is_main else None
 
-    def loss(part: list[Pair], batch: list[Pair]) -> tuple[torch.Tensor, list[float]]:
-        rc, rr = batch_scores(engine.model, tok, part, cfg.max_length, engine.device, cfg.shared_prompt, encoded)
-        total, correct = rm.pairwise_loss_sum(rc, rr, torch.tensor([p.margin for p in part], device=rc.device))
-        return total / cfg.batch_size, [total.item(), correct]
+    def task(engine, micro: int) -> SupervisedTask:
+        def loss(part: list[Pair], batch: list[Pair]) -> tuple[torch.Tensor, list[float]]:
+            rc, rr = batch_scores(engine.model, tok, part, cfg.max_length, engine.device, cfg.shared_prompt, encoded)
+            total, correct = rm.pairwise_loss_sum(rc, rr, torch.tensor([p.margin for p in part], device=rc.device))
+            return total / cfg.batch_size, [total.item(), correct]
 
-    task = SupervisedTask("reward", train_pairs, ["loss", "accuracy"], loss, normaliser=lambda batch: cfg.batch_size,
-                          eval_columns=["loss", "accuracy"],
-                          evaluate=lambda: eval_pairs_loss(engine.model, tok, eval_pairs, cfg.max_length, ctx,
-                                                           engine.device, shared_prompt=cfg.shared_prompt,
-                                                           encoded=encoded))
-    result = supervised.train(task, cfg, engine, micro, out_dir, run.tracker, ctx, run.fingerprint, progress)
-    # Every rank, with the trained model whole on its device: the offset (the same on every rank),
-    # then the SFT policy's samples scored by it, each rank its share of the prompts.
-    offset = None
-    if cfg.normalize:
-        with whole(engine) as trained:
-            offset = normalise(trained, tok, params, held.demonstrations)
-    sampled = sft_samples(engine, tok, params, sft_dir, held, ctx)
-    model, metrics = supervised.finish(engine, result, cfg.lora, out_dir, {"data/truncated": n_trunc,
-                                                                           "data/dropped": n_drop})
-    if model is None:
-        return None, tok, {}
-    if offset is not None:
-        metrics["eval/offset"] = offset
-    metrics.update(evaluate(model, tok, params, held, out_dir, sampled, run.tracker))
+        return SupervisedTask("reward", train_pairs, ["loss", "accuracy"], loss,
+                              normaliser=lambda batch: cfg.batch_size, eval_columns=["loss", "accuracy"],
+                              evaluate=lambda: eval_pairs_loss(engine.model, tok, eval_pairs, cfg.max_length, ctx,
+                                                               engine.device, shared_prompt=cfg.shared_prompt,
+                                                               encoded=encoded))
+
+    def measure(engine) -> tuple[Optional[float], Optional[Measured]]:
+        # Every rank, with the trained model whole on its device: the offset (the same on every rank),
+        # then the SFT policy's samples scored by it, each rank its share of the prompts.
+        offset = None
+        if cfg.normalize:
+            with whole(engine) as trained:
+                offset = normalise(trained, tok, params, held.demonstrations)
+        return offset, sft_samples(engine, tok, params, sft_dir, held, ctx)
+
+    def report(model, result, measured) -> dict[str, Any]:
+        offset, sampled = measured
+        return {**({"eval/offset": offset} if offset is not None else {}),
+                **evaluate(model, tok, params, held, out_dir, sampled, run.tracker)}
+
+    recipe = supervised.Recipe(model, len(train_pairs), task, measure, report,
+                               counts={"data/truncated": n_trunc, "data/dropped": n_drop})
+    model, metrics = supervised.run("reward", cfg, recipe, out_dir, run.tracker, ctx, run.fingerprint, progress)
     return model, tok, metrics
 
 

@@ -37,20 +37,16 @@ from ..config import Params
 from ..data import inputs
 from ..files import parse_json, write_jsonl
 from ..errors import DataError, check_finite
-from ..data.records import Example, collate_sft, tokenize_demonstrations
+from ..data.records import tokenize_demonstrations
 from ..measurement.policy import Measured, candidates, measure_policies, sampled_metrics
 from ..measurement.stats import mean_ci
 from ..models import lora
 from ..models.checkpoints import load_policy
 from ..models.reward_source import RewardModelSource
-from ..training import memory_plan, supervised
-from ..training.batches import total_steps
-from ..training.distributed import SINGLE, Context, to_device
-from ..training.engines import supervised_engine, write_deepspeed_config
+from ..training import demonstrations, memory_plan, supervised
+from ..training.distributed import SINGLE, Context
 from ..training.resume import fingerprint, input_paths
-from ..training.supervised import SupervisedTask
 from ..workflow import code_deps
-from .sft import ce_sum, eval_loss, response_token_count
 from .skeleton import ROOT, StageRun, stage_run
 from ..tracking import metric_names
 from .spec import StageSpec
@@ -217,28 +213,14 @@ def train(run: StageRun, data_dir: Path, sft_dir: Path, reward_dir: Path,
                                             cfg.overlong, "rs")
     model = lora.wrap(model, cfg.lora, "CAUSAL_LM")
     torch.manual_seed(cfg.seed)
-    engine, micro = supervised_engine(model, cfg, total_steps(len(train_ex), cfg.batch_size, cfg.epochs), ctx)
-    write_deepspeed_config(out / "deepspeed_config.json", rs=engine) if ctx.is_main else None
-
-    def loss(part: list[Example], batch: list[Example]) -> tuple[torch.Tensor, list[float]]:
-        n_tokens = sum(map(response_token_count, batch))      # of the global batch
-        total, _ = ce_sum(engine.forward, to_device(collate_sft(part, tok.pad_token_id), engine.device))
-        value = total / n_tokens
-        return value, [value.item()]
-
-    task = SupervisedTask("rs", train_ex, ["loss"], loss, normaliser=lambda batch: 1.0, eval_columns=["loss"],
-                          evaluate=lambda: {"loss": eval_loss(engine.forward, eval_ex, tok.pad_token_id,
-                                                              2 * cfg.batch_size, ctx, engine.device)})
-    result = supervised.train(task, cfg, engine, micro, out, run.tracker, ctx, run.fingerprint, progress)
-    measured = measure_policy(engine, tok, params, sft_dir, reward_dir, eval_prompts, ctx)   # every rank
-    model, metrics = supervised.finish(engine, result, cfg.lora, out, {
-        "data/truncated": n_trunc, "data/dropped": n_drop,
-        "data/prompts_truncated": p_trunc, "data/prompts_dropped": p_drop})
-    if model is None:
-        return None, tok, {}
-    # 4. The sampling statistics and the trained policy's measurement.
-    metrics.update(sampling_stats)
-    metrics.update(measured)
+    recipe = supervised.Recipe(
+        model, len(train_ex), lambda engine, micro: demonstrations.task("rs", engine, tok, train_ex, eval_ex, cfg, ctx),
+        measure=lambda engine: measure_policy(engine, tok, params, sft_dir, reward_dir, eval_prompts, ctx),  # every rank
+        # 4. The sampling statistics and the trained policy's measurement.
+        report=lambda model, result, measured: {**sampling_stats, **measured},
+        counts={"data/truncated": n_trunc, "data/dropped": n_drop,
+                "data/prompts_truncated": p_trunc, "data/prompts_dropped": p_drop})
+    model, metrics = supervised.run("rs", cfg, recipe, out, run.tracker, ctx, run.fingerprint, progress)
     return model, tok, metrics
 
 

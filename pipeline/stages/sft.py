@@ -13,20 +13,16 @@ from pathlib import Path
 from typing import Any, Optional
 
 import torch
-import torch.nn.functional as F
 
 from ..config import Params
 from ..data import inputs
-from ..data.records import IGNORE, Example, collate_sft, tokenize_demonstrations
+from ..data.records import tokenize_demonstrations
 from ..measurement.policy import Policy, measure_policies, summary
 from ..models import lora
 from ..models.checkpoints import init_policy
 from ..tasks import reviews
-from ..training import loading, memory_plan, supervised
-from ..training.batches import total_steps
-from ..training.distributed import SINGLE, Context, to_device
-from ..training.engines import supervised_engine, write_deepspeed_config
-from ..training.supervised import SupervisedTask
+from ..training import demonstrations, loading, memory_plan, supervised
+from ..training.distributed import SINGLE, Context
 from .skeleton import StageRun, stage_run
 from ..tracking import metric_names
 from .spec import StageSpec
@@ -51,37 +47,6 @@ SPEC = StageSpec(
 ))
 
 
-def response_token_count(e: Example) -> int:
-    """Response tokens an example is trained on (the targets after the prompt)."""
-    return len(e.input_ids) - e.n_prompt
-
-
-def ce_sum(model, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, int]:
-    """Summed cross-entropy over the response tokens of `batch`, and their count."""
-    logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits   # (B, T, V)
-    labels = batch["labels"][:, 1:]                                                                 # (B, T-1)
-    loss = F.cross_entropy(logits[:, :-1].float().flatten(0, 1), labels.flatten(), ignore_index=IGNORE,
-                           reduction="sum")
-    return loss, int((labels != IGNORE).sum())
-
-
-@torch.no_grad()
-def eval_loss(model, examples: list[Example], pad_id: int, batch_size: int, ctx: Context = SINGLE,
-              device: torch.device | None = None) -> float:
-    """Cross-entropy per response token over all held-out examples (token-weighted), every rank
-    scoring its share; every rank runs the same number of forwards (ZeRO-3 gathers per forward)."""
-    model.eval()
-    total = torch.zeros(2, dtype=torch.float64, device="cpu")
-    for part in ctx.eval_parts(examples, batch_size):
-        batch = to_device(collate_sft(part or examples[:1], pad_id), device)
-        loss, n = ce_sum(model, batch)
-        if part:
-            total += torch.tensor([float(loss), n], dtype=torch.float64, device="cpu")
-    model.train()
-    total = ctx.sum(total)
-    return float(total[0] / total[1])
-
-
 def train(run: StageRun, data_dir: Path, progress: bool = True) -> tuple[Any, Any, dict]:
     """Train and return (model, tokenizer, metrics); per-step TSVs are written into the stage's
     folder. In a multi-process run every rank trains and the returned model is whole on rank 0 only
@@ -103,25 +68,11 @@ def train(run: StageRun, data_dir: Path, progress: bool = True) -> tuple[Any, An
     eval_ex, _, _ = tokenize_demonstrations(eval_rows, tok, cfg.max_length, source, cfg.overlong)
 
     torch.manual_seed(cfg.seed)
-    engine, micro = supervised_engine(model, cfg, total_steps(len(train_ex), cfg.batch_size, cfg.epochs), ctx)
-    write_deepspeed_config(run.out / "deepspeed_config.json", sft=engine) if ctx.is_main else None
-
-    def loss(part: list[Example], batch: list[Example]) -> tuple[torch.Tensor, list[float]]:
-        n_tokens = sum(map(response_token_count, batch))      # of the global batch
-        total, _ = ce_sum(engine.forward, to_device(collate_sft(part, tok.pad_token_id), engine.device))
-        loss = total / n_tokens
-        return loss, [loss.item()]
-
-    task = SupervisedTask("sft", train_ex, ["loss"], loss, normaliser=lambda batch: 1.0, eval_columns=["loss"],
-                          evaluate=lambda: {"loss": eval_loss(engine.forward, eval_ex, tok.pad_token_id,
-                                                              2 * cfg.batch_size, ctx, engine.device)})
-    result = supervised.train(task, cfg, engine, micro, run.out, run.tracker, ctx, run.fingerprint, progress)
-    measured = evaluate_policy(engine, tok, params, eval_prompts, eval_rows, ctx)   # every rank, on its device
-    model, metrics = supervised.finish(engine, result, cfg.lora, run.out, {"data/truncated": n_trunc,
-                                                                           "data/dropped": n_drop})
-    if model is None:
-        return None, tok, {}
-    metrics.update(measured)
+    recipe = supervised.Recipe(
+        model, len(train_ex), lambda engine, micro: demonstrations.task("sft", engine, tok, train_ex, eval_ex, cfg, ctx),
+        measure=lambda engine: evaluate_policy(engine, tok, params, eval_prompts, eval_rows, ctx),  # every rank
+        counts={"data/truncated": n_trunc, "data/dropped": n_drop})
+    model, metrics = supervised.run("sft", cfg, recipe, run.out, run.tracker, ctx, run.fingerprint, progress)
     return model, tok, metrics
 
 

@@ -1,5 +1,6 @@
-"""The supervised loop: SFT and the reward model (and any later offline method) supply a loss on
-a micro-batch and a held-out evaluation; the loop does the rest.
+"""The supervised loop and its runner: a supervised stage (sft, reward, dpo, kto, rs) gives `run` a
+`Recipe` (its model, its examples, its loss and held-out evaluation, its measurement of the
+trained model) and the runner does the rest: the engine, the loop, the final model and metrics.
 
 Per optimizer step: the next global batch of the seeded `BatchSampler` (the same on every rank),
 this rank's shard of it in micro-batches of `micro`, `engine.backward` per micro-batch and one
@@ -12,7 +13,7 @@ killed run continues where the last save left it, drawing the same batches).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
@@ -24,7 +25,7 @@ from ..progress import track
 from ..tracking.sinks import StepLog, Tracker
 from .batches import BatchSampler, total_steps
 from .distributed import Context
-from .engines import TrainEngine
+from .engines import TrainEngine, supervised_engine, write_deepspeed_config
 from .resume import SupervisedState
 
 
@@ -53,6 +54,40 @@ class SupervisedResult:
         """The final metrics every supervised stage reports."""
         return {"train/loss": self.train_log.rows[-1]["loss"], "eval/loss": self.eval_log.rows[-1]["loss"],
                 "train/steps": self.steps, "train/seconds": self.seconds}
+
+
+@dataclass
+class Recipe:
+    """What a supervised stage gives `run`: its model (built, LoRA-wrapped and the RNG seeded, as the
+    stage does it), how many training examples it has (the schedule's length), and three
+    functions. `task(engine, micro)`: the loss and held-out evaluation on the engine that trains the
+    model (micro: its micro-batch size per process); `measure(engine)`: collective, every rank,
+    after training (e.g. sampling the policy); `report(model, result, measured)`: rank 0, the
+    stage's own final metrics from the whole trained model."""
+    model: torch.nn.Module
+    n_examples: int
+    task: Callable[[TrainEngine, int], SupervisedTask]
+    measure: Callable[[TrainEngine], Any] = lambda engine: None
+    report: Callable[[Any, "SupervisedResult", Any], dict[str, Any]] = lambda model, result, measured: measured or {}
+    counts: dict[str, int] = field(default_factory=dict)   # data/* metrics: truncated, dropped, ...
+
+
+def run(name: str, cfg: Any, recipe: Recipe, out: Path, tracker: Tracker, ctx: Context, resume_fingerprint: str,
+        progress: bool = True) -> tuple[Any, dict[str, Any]]:
+    """Collective. Train `recipe.model` with the stage's section `cfg` (a config.SupervisedConfig):
+    its engine (warmup then cosine over the run's steps; `deepspeed_config.json` beside the
+    outputs), the loop (`train`), the measurement, and the whole model with the final metrics on
+    rank 0 (`finish`); other ranks get (None, {})."""
+    engine, micro = supervised_engine(recipe.model, cfg, total_steps(recipe.n_examples, cfg.batch_size, cfg.epochs), ctx)
+    if ctx.is_main:
+        write_deepspeed_config(out / "deepspeed_config.json", **{name: engine})
+    result = train(recipe.task(engine, micro), cfg, engine, micro, out, tracker, ctx, resume_fingerprint, progress)
+    measured = recipe.measure(engine)
+    model, metrics = finish(engine, result, cfg.lora, out, recipe.counts)
+    if model is None:
+        return None, {}
+    metrics.update(recipe.report(model, result, measured))
+    return model, metrics
 
 
 def finish(engine: TrainEngine, result: SupervisedResult, lora_cfg: Any, out: Path,

@@ -1,0 +1,60 @@
+"""Learning from demonstrations: cross-entropy on the response tokens only (the prompt is context,
+not a target), the loss of the sft stage and of the rs stage on its winners, as a supervised task.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from ..data.records import IGNORE, Example, collate_sft
+from .distributed import SINGLE, Context, to_device
+from .supervised import SupervisedTask
+
+
+def response_token_count(e: Example) -> int:
+    """Response tokens an example is trained on (the targets after the prompt)."""
+    return len(e.input_ids) - e.n_prompt
+
+
+def ce_sum(model, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, int]:
+    """Summed cross-entropy over the response tokens of `batch`, and their count."""
+    logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits   # (B, T, V)
+    labels = batch["labels"][:, 1:]                                                                 # (B, T-1)
+    loss = F.cross_entropy(logits[:, :-1].float().flatten(0, 1), labels.flatten(), ignore_index=IGNORE,
+                           reduction="sum")
+    return loss, int((labels != IGNORE).sum())
+
+
+@torch.no_grad()
+def eval_loss(model, examples: list[Example], pad_id: int, batch_size: int, ctx: Context = SINGLE,
+              device: torch.device | None = None) -> float:
+    """Cross-entropy per response token over all held-out examples (token-weighted), every rank
+    scoring its share; every rank runs the same number of forwards (ZeRO-3 gathers per forward)."""
+    model.eval()
+    total = torch.zeros(2, dtype=torch.float64, device="cpu")
+    for part in ctx.eval_parts(examples, batch_size):
+        batch = to_device(collate_sft(part or examples[:1], pad_id), device)
+        loss, n = ce_sum(model, batch)
+        if part:
+            total += torch.tensor([float(loss), n], dtype=torch.float64, device="cpu")
+    model.train()
+    total = ctx.sum(total)
+    return float(total[0] / total[1])
+
+
+def task(name: str, engine, tok, train_ex: list[Example], eval_ex: list[Example], cfg: Any,
+         ctx: Context) -> SupervisedTask:
+    """SFT's loss (cross-entropy per response token of the global batch) and held-out loss, on
+    `engine` (the sft stage's, and the rs stage's on its winners)."""
+    def loss(part: list[Example], batch: list[Example]) -> tuple[torch.Tensor, list[float]]:
+        n_tokens = sum(map(response_token_count, batch))      # of the global batch
+        total, _ = ce_sum(engine.forward, to_device(collate_sft(part, tok.pad_token_id), engine.device))
+        value = total / n_tokens
+        return value, [value.item()]
+
+    return SupervisedTask(name, train_ex, ["loss"], loss, normaliser=lambda batch: 1.0, eval_columns=["loss"],
+                          evaluate=lambda: {"loss": eval_loss(engine.forward, eval_ex, tok.pad_token_id,
+                                                              2 * cfg.batch_size, ctx, engine.device)})
