@@ -28,14 +28,10 @@ from ..config import Params
 from ..data import inputs
 from ..files import atomic_write_text
 from ..errors import ConfigError
+from ..measurement import held_out
 from ..measurement.plots import close_figure, plt, save_figure
-from ..measurement.policy import Measured, Policy, best_of_n, candidates, measure_policies, summary
-from ..measurement.stats import win_rate
-from ..models.checkpoints import load_policy
-from ..models.reward_source import RewardModelSource
 from ..tracking.sinks import StepLog
 from ..training import loading, memory_plan
-from ..training.distributed import SINGLE, Context
 from .skeleton import stage_run
 from ..tracking import metric_names
 from .spec import StageSpec
@@ -94,46 +90,6 @@ def stage_resources(policy_dir: Path) -> dict[str, float]:
         return {}
     res = json.loads(path.read_text(encoding="utf-8")).get("resources") or {}
     return {k: float(res[k]) for k in RESOURCES if isinstance(res.get(k), (int, float))}
-
-
-def measure_all(params: Params, sft_dir: Path, methods: dict[str, Path], reward_dir: Path,
-                prompts: list, judge, ctx: Context = SINGLE) -> tuple[dict[str, Measured], tuple[str, ...]]:
-    """Collective. Every policy's responses and per-response measures, every rank its share of the
-    prompts, the models on its device (one method's policy at a time); returns them and the policy
-    names in report order (sft, best-of-n by n, the methods as given)."""
-    cfg, sampling, trust = params.compare, params.prompts.sampling, params.model.trust_remote_code
-    dtype = loading.load_dtype(cfg.distributed, trained=False)
-    sft, tok = load_policy(sft_dir, trust, dtype)
-    sft = sft.to(ctx.device)
-    reward = RewardModelSource(reward_dir, params.reward.max_length, trust, device=ctx.device, dtype=dtype)
-    per = measure_policies([Policy("sft", sft, cfg.seed)], tok, prompts, sampling, ctx=ctx, reward=reward, ref=sft,
-                           judge=judge)
-    if cfg.best_of_n:   # nested best-of-n from SFT, drawn as the evaluate stage draws it
-        draws = candidates(sft, cfg.seed + 1, max(cfg.best_of_n))
-        cands = measure_policies(draws, tok, prompts, sampling, ctx=ctx, reward=reward)
-        per.update(best_of_n([cands[d.name] for d in draws], prompts, cfg.best_of_n, judge))
-    for name, folder in methods.items():
-        policy, _ = load_policy(folder, trust, dtype)
-        per.update(measure_policies([Policy(name, policy.to(ctx.device), cfg.seed)], tok, prompts, sampling, ctx=ctx,
-                                    reward=reward, ref=sft, judge=judge))
-        del policy
-    return per, tuple(per)
-
-
-def summarise(per: dict[str, Measured], n_boot: int, seed: int) -> dict[str, Any]:
-    """Means with 95% half-widths per policy, and each policy's win rate over SFT per judge."""
-    m: dict[str, Any] = {}
-    for name, measured in per.items():
-        m.update(summary(measured, lambda key: f"{name}/{key}"))
-    judges = ("rm", "gold") if "gold" in per["sft"].values else ("rm",)
-    for name in per:
-        if name == "sft":
-            continue
-        for key in judges:
-            rate, low, high = win_rate(per[name].values[key], per["sft"].values[key], n_boot, seed)
-            base = f"win_rate/{name}_vs_sft_{key}"
-            m[base], m[f"{base}_low"], m[f"{base}_high"] = rate, low, high
-    return m
 
 
 def _fmt(m: dict[str, Any], key: str, digits: int = 3) -> str:
@@ -231,10 +187,16 @@ def run(params: Params, data_dir: Path, sft_dir: Path, reward_dir: Path, out: Pa
         p = run.params
         judge = inputs.judge(p)
         prompts = inputs.prompts(p, data_dir, "eval")[:p.compare.n_prompts]
-        per, names = measure_all(p, sft_dir, methods, reward_dir, prompts, judge, run.ctx)
+        cfg = p.compare
+        per = held_out.measure_against_sft(
+            sft_dir, methods, reward_dir, prompts, judge, sampling=p.prompts.sampling, seed=cfg.seed,
+            best_of=cfg.best_of_n, reward_max_length=p.reward.max_length,
+            trust_remote_code=p.model.trust_remote_code, dtype=loading.load_dtype(cfg.distributed, trained=False),
+            ctx=run.ctx)
+        names = tuple(per)
         if not run.ctx.is_main:   # rank 0 writes the table, the plot and the metrics
             return {}
-        m = summarise(per, p.compare.bootstrap, p.compare.seed)
+        m = held_out.summarise(per, cfg.bootstrap, cfg.seed, versus=[n for n in names if n != "sft"])
         m["n_prompts"] = len(prompts)
         resources = {name: stage_resources(folder) for name, folder in methods.items()}
         for name, res in resources.items():

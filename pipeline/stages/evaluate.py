@@ -19,18 +19,16 @@ description) says in one paragraph whether PPO beat SFT and whether the RM was g
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any, Callable, Optional
+from typing import Any, Optional
 
 from ..config import EvaluateConfig, Params
 from ..data import inputs
 from ..files import atomic_write_text
+from ..measurement import held_out
 from ..measurement.comparison_plots import evaluation_plots
 from ..measurement.plots import close_figure
-from ..measurement.policy import Measured, Policy, best_of_n, candidates, measure_policies, summary
-from ..measurement.stats import win_rate
+from ..measurement.policy import Measured
 from ..measurement.verdict import detector_record, verdict
-from ..models.checkpoints import load_policy
-from ..models.reward_source import RewardModelSource
 from ..tracking.sinks import StepLog
 from ..training import loading, memory_plan
 from ..training.distributed import SINGLE, Context
@@ -70,39 +68,11 @@ def policies(cfg: EvaluateConfig) -> tuple[str, ...]:
     return ("sft", *(f"best_of_{n}" for n in cfg.best_of_n), "ppo")
 
 
-# ---- Policies ----------------------------------------------------------------------------------------
-
-
-def sample_policies(params: Params, sft_dir: Path, ppo_dir: Path, reward_dir: Path, prompts: list[str],
-                    judge: Optional[Callable], ctx: Context = SINGLE) -> dict[str, Measured]:
-    """Collective. Responses and per-response measurements of each policy on `prompts`, every rank
-    its share, the models on its device (16-bit under `evaluate.distributed.precision` bf16/fp16)."""
-    cfg, sampling, trust = params.evaluate, params.prompts.sampling, params.model.trust_remote_code
-    dtype = loading.load_dtype(cfg.distributed, trained=False)
-    sft, tok = load_policy(sft_dir, trust, dtype)
-    ppo, _ = load_policy(ppo_dir, trust, dtype)
-    sft, ppo = sft.to(ctx.device), ppo.to(ctx.device)
-    reward = RewardModelSource(reward_dir, params.reward.max_length, trust, device=ctx.device, dtype=dtype)
-    out = measure_policies([Policy("sft", sft, cfg.seed), Policy("ppo", ppo, cfg.seed)], tok, prompts, sampling,
-                           ctx=ctx, reward=reward, ref=sft, judge=judge)
-    # Best-of-n from SFT: max(n) samples per prompt (draw k with seed seed + 1 + k), scored once;
-    # each n keeps the RM's favourite among the first n.
-    draws = candidates(sft, cfg.seed + 1, max(cfg.best_of_n))
-    per = measure_policies(draws, tok, prompts, sampling, ctx=ctx, reward=reward)
-    out.update(best_of_n([per[d.name] for d in draws], prompts, cfg.best_of_n, judge))
-    return out
-
-
 def summarise(per: dict[str, Measured], n_boot: int, seed: int) -> dict[str, Any]:
-    m: dict[str, Any] = {}
-    for name, measured in per.items():
-        m.update(summary(measured, lambda key: f"{name}/{key}"))
-    has_gold = "gold" in per["sft"].values
-    for key in ("rm", "gold") if has_gold else ("rm",):
-        rate, low, high = win_rate(per["ppo"].values[key], per["sft"].values[key], n_boot, seed)
-        m[f"win_rate/ppo_vs_sft_{key}"], m[f"win_rate/ppo_vs_sft_{key}_low"], m[f"win_rate/ppo_vs_sft_{key}_high"] = rate, low, high
-    if has_gold:
-        # Over-optimisation: the RM's verdict minus the gold verdict on the same comparisons.
+    """The held-out summary (measurement/held_out.py) with PPO's win rates over SFT and, with a
+    judge, the over-optimisation gap: the RM's verdict minus the gold verdict on the same comparisons."""
+    m = held_out.summarise(per, n_boot, seed, versus=("ppo",))
+    if "gold" in per["sft"].values:
         m["overoptimisation/win_rate_gap"] = m["win_rate/ppo_vs_sft_rm"] - m["win_rate/ppo_vs_sft_gold"]
     return m
 
@@ -216,7 +186,11 @@ def _run(params: Params, data_dir: Path, sft_dir: Path, reward_dir: Path, ppo_di
     cfg, judge = params.evaluate, inputs.judge(params)
     names = policies(cfg)
     prompts = inputs.prompts(params, data_dir, "eval")[:cfg.n_prompts]
-    per = sample_policies(params, sft_dir, ppo_dir, reward_dir, prompts, judge, ctx)
+    per = held_out.measure_against_sft(
+        sft_dir, {"ppo": ppo_dir}, reward_dir, prompts, judge, sampling=params.prompts.sampling, seed=cfg.seed,
+        best_of=cfg.best_of_n, reward_max_length=params.reward.max_length,
+        trust_remote_code=params.model.trust_remote_code, dtype=loading.load_dtype(cfg.distributed, trained=False),
+        ctx=ctx)
     if not ctx.is_main:
         return {}, "", {}, {}
     m = summarise(per, cfg.bootstrap, cfg.seed)
