@@ -13,13 +13,12 @@ import csv
 import importlib.metadata
 import logging
 import os
-import subprocess
 import sys
 from pathlib import Path
 
-from .training import distributed
+from .training import distributed, stopping
 from .config import check_process_shape
-from .errors import ConfigError, DataError, UserError
+from .errors import ConfigError, DataError, Stopped, UserError
 from .stages import registry
 from .stages.spec import default_path
 
@@ -251,7 +250,7 @@ def run_stage(args: argparse.Namespace, argv: list[str] | None) -> int:
             # Re-run this very command under the launcher, one copy per process.
             cmd = distributed.launch_command(dist, sys.argv[1:] if argv is None else argv)
             print(f"{args.stage}: launching {dist.world_size} processes: {' '.join(cmd)}", flush=True)
-            return subprocess.call(cmd)
+            return stopping.launch(cmd)   # forwards a stop signal to the processes (training/stopping.py)
     out = args.out
     if (out.exists() or out.is_symlink()) and not out.is_dir():
         raise DataError(f"{out}: --out names an existing file; the {args.stage} stage writes a folder there")
@@ -283,6 +282,9 @@ def main(argv: list[str] | None = None) -> int:
     except UserError as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
+    except Stopped as err:   # a signal stopped a training stage after saving its checkpoint
+        print(str(err), file=sys.stderr)
+        return stopping.EXIT_STOPPED
 
 
 if __name__ == "__main__":

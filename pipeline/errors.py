@@ -57,6 +57,14 @@ class NumericalError(UserError):
     """A loss, gradient, reward or advantage became NaN or infinite; the message names which and when."""
 
 
+class Stopped(Exception):
+    """A stage stopped at a step boundary on a signal (a time limit, a preemption) after saving its
+    checkpoint (pipeline/training/stopping.py); not a user's mistake: the command exits with 75."""
+
+    def __str__(self) -> str:
+        return one_line(super().__str__())
+
+
 @contextlib.contextmanager
 def loading(path: object, what: str, hint: str = "") -> Iterator[None]:
     """The one guard around reading a checkpoint (a model or tokenizer folder, resumable state):

@@ -29,7 +29,7 @@ from ..ppo.placement import PPOModels, place_models
 from ..ppo.trainer import PPOTrainer
 from ..progress import Progress
 from ..tracking.sinks import StepLog
-from ..training import memory_plan
+from ..training import memory_plan, stopping
 from ..training.engines import write_deepspeed_config
 from .skeleton import StageRun, stage_run
 from ..tracking import metric_names
@@ -109,7 +109,8 @@ def progress_fields(stats: dict[str, float], detector: Optional[Detector]) -> di
 def train(trainer: PPOTrainer, detector: Optional[Detector], step_log: StepLog, ckpt: Path, fp: str,
           progress: bool, name: str = "ppo") -> int:
     """The numbered loop (trainer.py) from the trainer's iteration on, fed to the detector, logged,
-    checkpointed every save_every. Returns the iteration the detector stopped it at (0: it didn't)."""
+    checkpointed every save_every and when a stop signal came (training/stopping.py: then it raises
+    Stopped). Returns the iteration the detector stopped it at (0: it didn't)."""
     cfg, ctx = trainer.cfg, trainer.ctx
     bar = Progress(cfg.iterations, name, unit="iterations", initial=trainer.iteration, enabled=progress)
     stopped_at = 0
@@ -125,9 +126,14 @@ def train(trainer: PPOTrainer, detector: Optional[Detector], step_log: StepLog, 
         if detector is not None and detector.first_fire == trainer.iteration and cfg.detector.action == "stop":
             stopped_at = trainer.iteration   # no checkpoint of this iteration: the last one predates the alarm
             break
-        if trainer.iteration % cfg.save_every == 0 or trainer.iteration == cfg.iterations:
+        saved = trainer.iteration % cfg.save_every == 0 or trainer.iteration == cfg.iterations
+        signum = stopping.requested(ctx)   # collective: every rank stops after the same iteration
+        if saved or signum:
             step_log.flush()
             checkpoint.save(trainer, step_log, ckpt, fp)
+        if signum:
+            bar.close()
+            raise stopping.stop(name, signum, f"after iteration {trainer.iteration} of {cfg.iterations}")
     bar.close()
     step_log.flush()
     return stopped_at

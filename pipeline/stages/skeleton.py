@@ -44,7 +44,7 @@ from ..models.checkpoints import save_checkpoint
 from ..tracking.mlflow_sink import stage_tracking
 from ..tracking import model_card
 from ..tracking.sinks import Tracker, write_metrics
-from ..training import distributed, memory_plan
+from ..training import distributed, memory_plan, stopping
 from ..training.distributed import SINGLE, Context
 from ..training.resume import fingerprint, input_paths
 from ..workflow import code_deps
@@ -116,7 +116,9 @@ def stage_run(spec: StageSpec, params: Params, out: Path, inputs: Sequence[str |
     local = input_paths(*inputs)
     section = getattr(params, spec.name)
     session = distributed.session(section.distributed) if spec.distributed else contextlib.nullcontext(SINGLE)
-    with session as ctx:
+    # A training stage stops at a step boundary on SIGTERM or the warning signal (training/stopping.py).
+    signals = stopping.handling() if spec.training else contextlib.nullcontext()
+    with signals, session as ctx:
         if ctx.is_main:
             out.mkdir(parents=True, exist_ok=True)
             if spec.training:

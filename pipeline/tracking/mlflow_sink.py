@@ -49,7 +49,7 @@ from pathlib import Path
 from typing import Any, Callable, Iterator, Mapping, Sequence
 
 from ..config import flatten
-from ..errors import ConfigError
+from ..errors import ConfigError, Stopped
 from .sinks import NO_TRACKER, Tracker
 # What joins a run to git and DVC (lineage.py); deps_hash and lock_deps_hash are imported from here too.
 from .lineage import (deps_hash, dvc_deps_of, dvc_project, execution_key, git_commit, inputs_hash,  # noqa: F401
@@ -489,7 +489,7 @@ def stage_tracking(stage: str, config: Mapping[str, Any], inputs: Sequence[Path]
     try:
         yield tracker
         status = "FINISHED"
-    except KeyboardInterrupt:
+    except (KeyboardInterrupt, Stopped):   # Ctrl-C, or a stop signal after the checkpoint was saved
         status = "KILLED"
         raise
     finally:

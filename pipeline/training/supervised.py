@@ -27,6 +27,7 @@ from .batches import BatchSampler, total_steps
 from .distributed import Context
 from .engines import TrainEngine, supervised_engine, write_deepspeed_config
 from .resume import SupervisedState
+from . import stopping
 
 
 @dataclass
@@ -139,8 +140,14 @@ def train(task: SupervisedTask, cfg: Any, engine: TrainEngine, micro: int, out: 
                 eval_log.log(step, task.evaluate())
             train_log.flush()
             eval_log.flush()
-        if step % cfg.save_every == 0 or step == steps:
+        saved = step % cfg.save_every == 0 or step == steps
+        if saved:
             state.save(step)
+        signum = stopping.requested(ctx)   # collective: every rank stops at the same step
+        if signum:
+            if not saved:
+                state.save(step)
+            raise stopping.stop(task.name, signum, f"after step {step} of {steps}")
     # A run resumed from its final save trains no step, yet DVC removed the stage's outputs before
     # running it: the logs are written here whatever the loop did.
     train_log.flush()

@@ -1,0 +1,261 @@
+"""A graceful stop on SIGTERM or the warning signal (pipeline/training/stopping.py): the stage
+finishes the step (PPO: the iteration) in progress, saves its checkpoint at that step, exits with
+75, and a re-run resumes to the models of an uninterrupted run (same threads).
+
+The steps are drawn from a seed printed with each assertion and always include the first step, a
+checkpoint step (save_every) and the last step."""
+
+from __future__ import annotations
+
+import csv
+import json
+import os
+import random
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from conftest import REPO, TINY, free_port, merge, run_env, write_params
+from pipeline.config import DataConfig, Params, from_dict
+from pipeline.errors import Stopped
+from pipeline.ppo import trainer as ppo_trainer
+from pipeline.stages import ppo, reward, sft
+from pipeline.stages.prepare import write as prepare_run
+from pipeline.training import stopping, supervised
+
+TIME_KEYS = ("seconds", "time", "tokens_per_second", "peak_rss")
+SEED = int(os.environ.get("PIPELINE_TEST_SEED", random.SystemRandom().randrange(10_000)))
+
+
+def _params(**override) -> Params:
+    d = merge({k: v for k, v in TINY.items() if k != "data"},
+              merge({"sft": {"epochs": 2.0, "save_every": 2}, "reward": {"epochs": 2.0, "save_every": 2},
+                     "ppo": {"iterations": 4, "save_every": 2}}, override))
+    return from_dict(Params, d, "params.yaml: ")
+
+
+@pytest.fixture(scope="module")
+def data(tmp_path_factory) -> Path:
+    root = tmp_path_factory.mktemp("stopping")
+    prepare_run(from_dict(DataConfig, TINY["data"], "params.yaml: "), root / "data")
+    return root / "data"
+
+
+@pytest.fixture(scope="module")
+def sft_model(data, tmp_path_factory) -> Path:
+    out = tmp_path_factory.mktemp("sft")
+    sft.run(_params(), data, out, progress=False)
+    return out / "model"
+
+
+@pytest.fixture(scope="module")
+def reward_model(data, sft_model, tmp_path_factory) -> Path:
+    out = tmp_path_factory.mktemp("rm")
+    reward.run(_params(), data, sft_model, out, progress=False)
+    return out / "model"
+
+
+def _without_time(metrics: dict) -> dict:
+    return {k: v for k, v in metrics.items() if not any(t in k for t in TIME_KEYS)}
+
+
+def _rows(path: Path) -> list[dict]:
+    return [{k: v for k, v in r.items() if not any(t in k for t in TIME_KEYS)}
+            for r in csv.DictReader(open(path), delimiter="\t")]
+
+
+def _same_weights(a: Path, b: Path) -> bool:
+    x, y = load_file(a / "model.safetensors"), load_file(b / "model.safetensors")
+    return x.keys() == y.keys() and all(torch.equal(x[k], y[k]) for k in x)
+
+
+def _steps(last: int, every: int, rng: random.Random) -> list[int]:
+    """The first step, a checkpoint step, the last step and one drawn at random."""
+    return sorted({1, every, last, rng.randint(1, last)})
+
+
+def _signal_during(monkeypatch, where: str, sig: signal.Signals) -> None:
+    """Send `sig` to this process while the supervised loop computes step `where` (its loss check)."""
+    real = supervised.check_finite
+
+    def signalling(at, name, value):
+        if at == where and name == "loss":
+            os.kill(os.getpid(), sig)
+        return real(at, name, value)
+    monkeypatch.setattr(supervised, "check_finite", signalling)
+
+
+@pytest.mark.parametrize("stage", ["sft", "reward"])
+def test_a_signal_stops_a_supervised_stage_at_its_step_and_the_rerun_equals_an_uninterrupted_run(
+        stage, data, sft_model, tmp_path, monkeypatch):
+    params = _params()
+    go = (lambda out: sft.run(params, data, out, progress=False)) if stage == "sft" else \
+        (lambda out: reward.run(params, data, sft_model, out, progress=False))
+    full = go(tmp_path / "full")
+    rng = random.Random(SEED)
+    steps = _steps(full["train/steps"], 2, rng)
+    for k in steps:
+        note = f"({stage}, stopped at step {k} of {full['train/steps']}; steps {steps} drawn with seed {SEED})"
+        out = tmp_path / f"stopped_{k}"
+        sig = signal.SIGTERM if k % 2 else signal.SIGUSR1   # both stop signals
+        _signal_during(monkeypatch, f"{stage} step {k}", sig)
+        with pytest.raises(Stopped, match=rf"^{stage}: stopped by {sig.name} after step {k} of "
+                                          rf"{full['train/steps']}; its checkpoint is saved"):
+            go(out)
+        monkeypatch.undo()
+        state = json.loads((out / "checkpoint/state.json").read_text())
+        assert state["step"] == k and len(state["logs"]["train"]["rows"]) == k, note
+        assert not (out / "model").exists(), note
+        resumed = go(out)
+        assert _without_time(resumed) == _without_time(full), note
+        assert _same_weights(tmp_path / "full/model", out / "model"), note
+        for log in ("train.tsv", "eval.tsv"):
+            assert _rows(tmp_path / f"full/{log}") == _rows(out / log), note
+    # The handlers are the test process's own again once the stage is over.
+    assert signal.getsignal(signal.SIGTERM) is not stopping._handler
+
+
+def test_a_signal_stops_ppo_after_its_iteration_and_the_rerun_equals_an_uninterrupted_run(
+        data, sft_model, reward_model, tmp_path, monkeypatch):
+    params = _params()
+    full = ppo.run(params, data, sft_model, reward_model, tmp_path / "full", progress=False)
+    last = params.ppo.iterations
+    steps = _steps(last, params.ppo.save_every, random.Random(SEED + 1))
+    real = ppo_trainer.PPOTrainer.step
+    for k in steps:
+        note = f"(ppo, stopped in iteration {k} of {last}; drawn with seed {SEED + 1})"
+        out = tmp_path / f"stopped_{k}"
+
+        def signalling(self, k=k):
+            if self.iteration == k - 1:          # during iteration k
+                os.kill(os.getpid(), signal.SIGTERM)
+            return real(self)
+        monkeypatch.setattr(ppo_trainer.PPOTrainer, "step", signalling)
+        with pytest.raises(Stopped, match=rf"^ppo: stopped by SIGTERM after iteration {k} of {last}"):
+            ppo.run(params, data, sft_model, reward_model, out, progress=False)
+        monkeypatch.undo()
+        state = json.loads((out / "checkpoint/state.json").read_text())
+        assert state["iteration"] == k and not (out / "model").exists(), note
+        resumed = ppo.run(params, data, sft_model, reward_model, out, progress=False)
+        assert _without_time(resumed) == _without_time(full), note
+        assert _same_weights(tmp_path / "full/model", out / "model"), note
+        assert _rows(tmp_path / "full/train.tsv") == _rows(out / "train.tsv"), note
+
+
+# ---- Real processes ------------------------------------------------------------------------------
+
+
+def _slow_steps_hook(tmp_path: Path, seconds: float) -> Path:
+    """A sitecustomize (seen only by the child) that makes every supervised step take `seconds`
+    longer, so a signal sent from outside lands inside the loop; `in_loop` appears at the first."""
+    hook = tmp_path / "hook"
+    hook.mkdir(parents=True, exist_ok=True)
+    (hook / "sitecustomize.py").write_text(
+        "import pathlib, time\n"
+        "from pipeline.training import supervised\n"
+        "real = supervised.check_finite\n"
+        "def slow(at, name, value):\n"
+        "    if name == 'loss':\n"
+        f"        pathlib.Path({str(hook / 'in_loop')!r}).touch()\n"
+        f"        time.sleep({seconds})\n"
+        "    return real(at, name, value)\n"
+        "supervised.check_finite = slow\n")
+    return hook
+
+
+def _wait_for(path: Path, proc: subprocess.Popen, timeout: float = 300) -> None:
+    end = time.time() + timeout
+    while not path.exists():
+        assert proc.poll() is None, proc.communicate()[1][-2000:]
+        assert time.time() < end, f"{path} never appeared"
+        time.sleep(0.05)
+
+
+def test_sigterm_from_outside_stops_the_command_with_75_and_a_second_signal_exits_at_once(data, tmp_path):
+    params = tmp_path / "params.yaml"
+    write_params(params, merge(TINY, {"sft": {"epochs": 2.0, "save_every": 2}}))
+    env = {**run_env(), "PYTHONPATH": f"{_slow_steps_hook(tmp_path, 0.2)}{os.pathsep}{REPO}"}
+    cmd = [sys.executable, "-m", "pipeline", "sft", "--params", str(params), "--data", str(data),
+           "--out", str(tmp_path / "out"), "--no-progress"]
+    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    _wait_for(tmp_path / "out/checkpoint/state.json", proc)   # the save of step 2: inside the loop
+    proc.send_signal(signal.SIGTERM)
+    _, err = proc.communicate(timeout=300)
+    assert proc.returncode == 75, err[-2000:]
+    line = err.strip().splitlines()[-1]
+    assert line.startswith("sft: stopped by SIGTERM after step ") and "run the stage again to resume" in line, err
+    step = int(line.split("after step ")[1].split()[0])
+    assert json.loads((tmp_path / "out/checkpoint/state.json").read_text())["step"] == step >= 2
+    assert "Traceback" not in err and not (tmp_path / "out/model").exists()
+    # The re-run resumes there and finishes.
+    done = subprocess.run(cmd, env={**run_env(), "PYTHONPATH": str(REPO)}, capture_output=True, text=True,
+                          timeout=600)
+    assert done.returncode == 0 and "resuming" in done.stderr, done.stderr[-2000:]
+    assert (tmp_path / "out/model/model.safetensors").is_file()
+
+    # Two signals: the second ends the process at once, whatever step it is in.
+    hook = _slow_steps_hook(tmp_path / "slow", 60)
+    proc = subprocess.Popen([*cmd[:-2], str(tmp_path / "again"), "--no-progress"],
+                            env={**env, "PYTHONPATH": f"{hook}{os.pathsep}{REPO}"},
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    _wait_for(hook / "in_loop", proc)
+    proc.send_signal(signal.SIGTERM)   # asks for a stop after this step (60 s away)
+    time.sleep(1)
+    started = time.time()
+    proc.send_signal(signal.SIGTERM)   # no more grace
+    _, err = proc.communicate(timeout=60)
+    assert proc.returncode == 128 + signal.SIGTERM, err[-2000:]
+    assert time.time() - started < 20, "the second signal did not exit at once"
+    assert "received SIGTERM: stopping after the current step" in err
+
+
+def test_the_warning_signal_to_the_launching_command_stops_both_ranks_of_ppo_at_one_iteration(
+        data, sft_model, reward_model, tmp_path):
+    """Two processes (DeepSpeed ZeRO-2 under torchrun): SIGUSR1 to the command the user ran, which
+    forwards it to the ranks (not to torchrun); both stop after the same iteration (the checkpoint
+    is collective), the command exits 75, and the re-run equals an uninterrupted run."""
+    params = tmp_path / "params.yaml"
+    write_params(params, merge(TINY, {"ppo": {"iterations": 6, "save_every": 2},
+                                      "distributed": {"backend": "deepspeed", "zero_stage": 2, "num_processes": 2,
+                                                      "master_port": free_port()}}))
+    env = {**run_env(), "PYTHONPATH": str(REPO),
+           "TORCH_EXTENSIONS_DIR": os.environ.get("TORCH_EXTENSIONS_DIR", str(REPO / ".cache" / "torch_extensions"))}
+
+    def cmd(out: str) -> list[str]:
+        return [sys.executable, "-m", "pipeline", "ppo", "--params", str(params), "--data", str(data), "--sft",
+                str(sft_model), "--reward", str(reward_model), "--out", str(tmp_path / out), "--no-progress"]
+    full = subprocess.run(cmd("full"), env=env, capture_output=True, text=True, timeout=900)
+    assert full.returncode == 0, full.stderr[-3000:]
+
+    hook = tmp_path / "hook"   # every iteration a second longer, so the signal lands inside the loop
+    hook.mkdir()
+    (hook / "sitecustomize.py").write_text(
+        "import os, time\n"
+        "if os.environ.get('LOCAL_RANK') is not None:\n"
+        "    from pipeline.ppo import trainer\n"
+        "    step = trainer.PPOTrainer.step\n"
+        "    def slow(self):\n"
+        "        time.sleep(1.0)\n"
+        "        return step(self)\n"
+        "    trainer.PPOTrainer.step = slow\n")
+    proc = subprocess.Popen(cmd("stopped"), env={**env, "PYTHONPATH": f"{hook}{os.pathsep}{REPO}"},
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    _wait_for(tmp_path / "stopped/checkpoint/state.json", proc, timeout=600)   # iteration 2 saved
+    proc.send_signal(signal.SIGUSR1)
+    _, err = proc.communicate(timeout=600)
+    assert proc.returncode == 75, err[-3000:]
+    iteration = json.loads((tmp_path / "stopped/checkpoint/state.json").read_text())["iteration"]
+    assert 2 <= iteration < 6 and not (tmp_path / "stopped/model").exists(), err[-3000:]
+    stops = [line for line in err.splitlines() if line.startswith("ppo: stopped by SIGUSR1 after iteration")]
+    assert stops and all(f"after iteration {iteration} of 6" in line for line in stops), err[-3000:]
+
+    resumed = subprocess.run(cmd("stopped"), env=env, capture_output=True, text=True, timeout=900)
+    assert resumed.returncode == 0 and "resuming" in resumed.stderr, resumed.stderr[-3000:]
+    assert _rows(tmp_path / "full/train.tsv") == _rows(tmp_path / "stopped/train.tsv")
+    assert _same_weights(tmp_path / "full/model", tmp_path / "stopped/model")
