@@ -77,7 +77,7 @@ push: install
 
 # Re-render the measured numbers of README.md and docs/guide/*.md (their `<!-- rendered: ... -->`
 # blocks) from the committed data files: outputs/, docs/compare_methods.tsv, docs/frontier.md,
-# docs/data/demo.json. tests/test_docs.py fails while a page differs from its rendering.
+# docs/data/demo.json. tests/system/test_docs.py fails while a page differs from its rendering.
 .PHONY: docs
 docs:
 	$(BIN)/python scripts/render_docs.py

@@ -13,6 +13,7 @@ import csv
 import importlib.metadata
 import logging
 import os
+import signal
 import sys
 from pathlib import Path
 
@@ -234,6 +235,9 @@ def run_stage(args: argparse.Namespace, argv: list[str] | None) -> int:
     """A stage: its params checked, launched on its processes when it has several, then its
     module's `run(params, *folders, out, progress=..., **options)` and its console summary."""
     spec = registry.spec(args.stage)
+    # The warning signal of a time limit (SLURM's --signal) never kills a stage: a training stage
+    # handles it (stops after its step, training/stopping.py), the others go on to their end.
+    signal.signal(stopping.warning_signal(), signal.SIG_IGN)
     params = registry.load_params(args.params)
     if spec.distributed:
         node_rank, master_addr = args.node_rank, args.master_addr

@@ -12,7 +12,7 @@ A rendered block is written between two HTML comments, which Markdown does not s
 NAME is one of `RENDERERS` below; each reads only committed files (the default run in outputs/,
 docs/compare_methods.tsv, docs/frontier.md, docs/data/*.json) and writes the same text for the
 same files: the output is deterministic and a second run changes nothing. A number measured by a
-run belongs in such a block, or in a dated record of docs/decisions/; tests/test_docs.py checks
+run belongs in such a block, or in a dated record of docs/decisions/; tests/system/test_docs.py checks
 that the pages equal their rendering and that no measured number is written by hand elsewhere.
 
 Standard library only: it runs before the virtual environment exists.
@@ -400,7 +400,7 @@ def render(root: Path, check: bool) -> list[str]:
     return differ
 
 
-# ---- numbers written by hand (tests/test_docs.py) ---------------------------------------------------
+# ---- numbers written by hand (tests/system/test_docs.py) --------------------------------------------
 
 UNIT = r"(?:%|x|×|s|ms|min|h|seconds?|minutes?|hours?|GiB|MiB|KiB|GB|MB|nats?|tokens/s|TFLOP/s)"
 DECIMAL = r"(?<![\w.])\d+(?:,\d{3})*\.\d+"

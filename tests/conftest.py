@@ -13,8 +13,8 @@ from pathlib import Path
 import pytest
 from ruamel.yaml import YAML
 
-# MLflow off unless a test turns it on (tests/test_tracking.py does, against its own stores), so
-# in-process stage runs never write the workspace's mlflow.db.
+# MLflow off unless a test turns it on (tests/unit/test_tracking.py does, against its own stores),
+# so in-process stage runs never write the workspace's mlflow.db.
 os.environ.setdefault("PIPELINE_TRACKING", "off")
 
 # Under pytest-xdist (make test runs two workers on this 2-core machine) each worker and the stage
@@ -25,8 +25,17 @@ if os.environ.get("PYTEST_XDIST_WORKER"):
     for _name in ("OMP_NUM_THREADS", "MKL_NUM_THREADS"):
         os.environ.setdefault(_name, "1")
 
-# The fake accelerator of the device-discipline tests (tests/fake_device.py) must be registered
-# before the first backward pass of the process: autograd sizes its device queues once, at that pass.
+# tests/ holds three tiers (unit/, stages/, system/) and their helper modules in helpers/. pytest
+# puts tests/ on sys.path for this file and each test file's own folder for it, never helpers/; the
+# tests import the helpers by their bare names (`import fake_device`), so helpers/ goes on the path
+# here, before any test module loads.
+HELPERS = Path(__file__).resolve().parent / "helpers"
+if str(HELPERS) not in sys.path:
+    sys.path.insert(0, str(HELPERS))
+
+# The fake accelerator of the device-discipline tests (tests/helpers/fake_device.py) must be
+# registered before the first backward pass of the process: autograd sizes its device queues once,
+# at that pass.
 import fake_device  # noqa: E402
 
 fake_device.install()

@@ -492,7 +492,7 @@ follow TRL's PPO trainer where the quantity is the same.
 
 This file is generated from each stage's metric declarations (its SPEC's `metrics`, built with
 pipeline/tracking/metric_names.py); edit them and run
-`REGENERATE`. `tests/test_metric_names.py` fails when the
+`REGENERATE`. `tests/unit/test_metric_names.py` fails when the
 two differ, or when the committed run in `outputs/` writes a name the registry does not define or
 lacks one it defines. The last column says when a name is written: always (default task, default
 params), `only with` or `unless` one of the conditions below.

@@ -110,7 +110,7 @@ def requested(ctx: Context) -> int:
     mine = _requested
     if ctx.world_size == 1:
         return mine
-    flags = ctx.sum(torch.tensor([float(mine > 0), float(mine)], dtype=torch.float64))
+    flags = ctx.sum(torch.tensor([float(mine > 0), float(mine)], dtype=torch.float64, device=ctx.device))
     return int(flags[1] / flags[0]) if flags[0] > 0 else 0
 
 

@@ -101,8 +101,12 @@ def slurm_resources(shape: JobShape) -> dict[str, Any]:
 
 
 def job_command(shape: JobShape, cmd: str) -> str:
-    """The stage's command as a job runs it: the same command, started once per node."""
-    return f"srun --ntasks-per-node=1 --nodes={shape.nodes} {cmd}" if shape.nodes > 1 else cmd
+    """The stage's command as a job runs it: the same command, started once per node (srun passes
+    a signal on to its tasks). `exec`: the job's shell becomes the stage, so SLURM's SIGTERM at a
+    time limit and its warning signal reach the stage itself, which stops at a step boundary and
+    saves its checkpoint (pipeline/training/stopping.py), and no shell dies of the warning signal
+    in its place."""
+    return f"exec srun --ntasks-per-node=1 --nodes={shape.nodes} {cmd}" if shape.nodes > 1 else f"exec {cmd}"
 
 
 def slurm_node(env: Mapping[str, str] | None = None) -> tuple[int | None, str | None]:

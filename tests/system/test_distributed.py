@@ -19,7 +19,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from conftest import REPO, TINY, free_port, merge, run_env, write_params
+from conftest import HELPERS, REPO, TINY, free_port, merge, run_env, write_params
 from pipeline.models import lora
 from pipeline.config import DistributedConfig, LoraConfig, Params, PPOConfig, SamplingConfig, from_dict
 from pipeline.training.distributed import launch_command, with_node
@@ -343,7 +343,7 @@ def test_zero3_partitions_each_model_as_it_loads(tmp_path):
     env = {**run_env(), "PYTHONPATH": str(REPO), "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1",
            "MASTER_PORT": str(free_port()), "OMP_NUM_THREADS": "1"}
     env.setdefault("TORCH_EXTENSIONS_DIR", str(REPO / ".cache" / "torch_extensions"))
-    procs = [subprocess.Popen([sys.executable, str(REPO / "tests" / "zero3_load_ranks.py"), str(sft),
+    procs = [subprocess.Popen([sys.executable, str(HELPERS / "zero3_load_ranks.py"), str(sft),
                                str(tmp_path / "held")], env={**env, "RANK": str(r), "LOCAL_RANK": str(r)},
                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for r in range(2)]
     for p in procs:

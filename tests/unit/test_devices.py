@@ -1,5 +1,5 @@
 """Device discipline, checked without a GPU: the code paths that meet model outputs run on a device
-that is not the CPU (tests/fake_device.py: CPU values, a CUDA kernel's operand rule) and give
+that is not the CPU (tests/helpers/fake_device.py: CPU values, a CUDA kernel's operand rule) and give
 the CPU's numbers; reductions run on the backend's device (a collective double with NCCL's rule);
 a visible GPU is used without DeepSpeed; no tensor factory without a device in the code that
 meets model outputs."""
@@ -15,7 +15,7 @@ import pytest
 import torch
 
 import fake_device
-from conftest import free_port, tiny_policy_and_reward_model
+from conftest import HELPERS, free_port, tiny_policy_and_reward_model
 from pipeline.config import DataConfig, DistributedConfig, Params, PPOConfig, SamplingConfig
 from pipeline.errors import ConfigError
 from pipeline.ppo.placement import place_models
@@ -26,7 +26,7 @@ from pipeline.stages.prepare import write as prepare_run
 from pipeline.training import distributed
 from pipeline.training.distributed import Context
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 PROMPTS = ["Review the film Silent River . Focus on the music .",
            "What did you think of Lost Lantern ? Talk about the acting .",
            "Write a review of the film Bitter Road . Discuss the visuals .",
@@ -231,7 +231,7 @@ def _ranks(world: int, out: Path) -> dict:
     import sys
     env = {**os.environ, "WORLD_SIZE": str(world), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()),
            "OMP_NUM_THREADS": "1"}
-    procs = [subprocess.Popen([sys.executable, str(REPO / "tests" / "measure_ranks.py"), str(out)],
+    procs = [subprocess.Popen([sys.executable, str(HELPERS / "measure_ranks.py"), str(out)],
                               env={**env, "RANK": str(r)}, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
              for r in range(world)]
     for p in procs:

@@ -1,4 +1,4 @@
-"""The fuzz driver of tests/test_bad_inputs.py::test_fuzzed_inputs_keep_the_contract (run in a child
+"""The fuzz driver of tests/system/test_bad_inputs.py::test_fuzzed_inputs_keep_the_contract (run in a child
 process): mutate one input of a valid tiny run at a time and run `python -m pipeline check --data`
 on it in-process, printing one JSON line per case. Usage: fuzz_inputs.py PARAMS DATA SEED N."""
 

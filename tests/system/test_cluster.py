@@ -298,11 +298,11 @@ def test_sbatch_for_multi_node_gpu_stages():
         assert "--ntasks-per-gpu" not in line        # one task per node starts the 8 processes
         # The job starts the stage once per node; each copy finds its rank from SLURM.
         assert job_command(shapes[stage], f"python -m pipeline {stage}") == \
-            f"srun --ntasks-per-node=1 --nodes=2 python -m pipeline {stage}"
+            f"exec srun --ntasks-per-node=1 --nodes=2 python -m pipeline {stage}"
     res = _job_resources(GPU_PROFILE, "prepare")        # a CPU stage: no GPU, one node, no srun prefix
     line = _sbatch(res, res["cpus_per_task"])
     assert "gres" not in line and "--nodes=1" in line and "--cpus-per-task=1" in line
-    assert job_command(shapes["prepare"], "cmd") == "cmd"
+    assert job_command(shapes["prepare"], "cmd") == "exec cmd"   # the stage, not a shell, gets the signals
 
 
 def test_the_shipped_profile_gives_every_stage_a_cpu_job_on_one_node():

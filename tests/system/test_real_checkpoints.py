@@ -1,4 +1,4 @@
-"""Chat checkpoints shaped like Llama-3.1-Instruct and Qwen2.5-Instruct (tests/real_checkpoints.py):
+"""Chat checkpoints shaped like Llama-3.1-Instruct and Qwen2.5-Instruct (tests/helpers/real_checkpoints.py):
 no pad token, several end-of-response ids, chat templates with a system block. The pad token is one
 of their own, long prompts keep the template's head and tail, and responses end at any end id."""
 

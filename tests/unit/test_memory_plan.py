@@ -17,7 +17,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification, GPT2Config, LlamaConfig
 
-from conftest import REPO, run_env
+from conftest import HELPERS, REPO, run_env
 from pipeline.config import (
     CompareConfig, DataConfig, DistributedConfig, EvaluateConfig, LoraConfig, ModelConfig, Params,
     PPOConfig, PreferenceOptConfig, PromptsConfig, SamplingConfig, SFTConfig, check_process_shape, load_params,
@@ -221,7 +221,7 @@ def tiny_default(tmp_path_factory):
 
 @pytest.mark.parametrize("stage", ["sft", "sft-checkpointing", "reward", "ppo"])
 def test_predicted_peak_matches_measured_rss(tiny_default, stage):
-    """tests/memory_probe.py builds the stage's models in a fresh process and runs a few of its
+    """tests/helpers/memory_probe.py builds the stage's models in a fresh process and runs a few of its
     training steps with the tiny default's shapes (SFT: 32 x 96 tokens, also with gradient
     checkpointing; RM: 32 pairs = 64 x 96; PPO: one iteration of 64 rollouts, micro-batches of 16,
     prompts cut to 16 tokens so every rollout is as long as the plan assumes); it reports its peak
@@ -238,7 +238,7 @@ def test_predicted_peak_matches_measured_rss(tiny_default, stage):
     the loss's temporaries, the rollout's per-token tensors)."""
     root = tiny_default
     env = {**run_env(), "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "MALLOC_MMAP_THRESHOLD_": str(128 * 1024)}
-    proc = subprocess.run([sys.executable, str(REPO / "tests" / "memory_probe.py"), stage, str(root / "data"),
+    proc = subprocess.run([sys.executable, str(HELPERS / "memory_probe.py"), stage, str(root / "data"),
                            str(root / "sft"), str(root / "rm")], cwd=REPO, capture_output=True, text=True,
                           timeout=300, env=env)
     assert proc.returncode == 0, proc.stderr[-2000:]

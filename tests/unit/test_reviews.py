@@ -500,7 +500,7 @@ def test_run_writes_every_split(tmp_path, small_splits):
 def test_rm_faults_benchmark_pairs_are_intact_against_worse_copies():
     import importlib.util
     from pathlib import Path
-    path = Path(__file__).resolve().parents[1] / "benchmarks" / "rm_faults.py"
+    path = Path(__file__).resolve().parents[2] / "benchmarks" / "rm_faults.py"
     spec = importlib.util.spec_from_file_location("rm_faults", path)
     bench = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(bench)

@@ -1,8 +1,8 @@
-"""One rank of the sharded-measurement test (tests/test_devices.py): measures two tiny policies on
+"""One rank of the sharded-measurement test (tests/unit/test_devices.py): measures two tiny policies on
 70 prompts with `measure_policies` in a gloo group of WORLD_SIZE processes, on the fake accelerator,
 every collective through a double with NCCL's rule (device tensors only), and writes what it got.
 
-    RANK=r WORLD_SIZE=n MASTER_ADDR=127.0.0.1 MASTER_PORT=p python tests/measure_ranks.py OUT.json
+    RANK=r WORLD_SIZE=n MASTER_ADDR=127.0.0.1 MASTER_PORT=p python tests/helpers/measure_ranks.py OUT.json
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 import fake_device  # noqa: E402
 

@@ -1,10 +1,10 @@
 """Measured peak memory of one training stage's models and a few of its steps, on CPU.
 
-    python tests/memory_probe.py STAGE DATA_DIR SFT_DIR RM_DIR
+    python tests/helpers/memory_probe.py STAGE DATA_DIR SFT_DIR RM_DIR
 
 STAGE: sft, reward or ppo; sft-checkpointing is SFT with distributed.gradient_checkpointing.
 
-Run as its own process (tests/test_memory_plan.py starts one per stage, with a fixed glibc mmap
+Run as its own process (tests/unit/test_memory_plan.py starts one per stage, with a fixed glibc mmap
 threshold, MALLOC_MMAP_THRESHOLD_, so that RSS follows live tensors: see the test's doc).
 Prints one JSON line: `baseline` (resident bytes just before, with the high-water mark reset) and
 `peak` (the resident set's high-water mark after, /proc/self/status VmHWM) around building the

@@ -15,7 +15,7 @@ from pipeline.tracking import metric_names as mn
 METRICS = registry.metrics()
 STAGES = [st.stage for st in registry.stage_metrics()]
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 OUTPUTS = REPO / "outputs"
 DOCS = REPO / "docs" / "metrics.md"
 

@@ -18,7 +18,7 @@ import pytest
 
 from pipeline.stages import registry
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def load(name: str):
@@ -445,8 +445,8 @@ def test_compare_methods_runs_every_method_seed_and_sweep_and_tabulates_them(tmp
     the stages answered by fake_stages: which stages run (the sweep's default beta reuses seed 0's DPO
     instead of training it again), the params each gets (the methods' seeds, best-of-n on seed 0 only,
     the swept beta), the table's rows holding the compare stage's numbers, the medians over seeds, and
-    the plot. The methods' real training is the methods' own tests' (test_preference_stage.py,
-    test_critic_free.py, test_rs_stage.py)."""
+    the plot. The methods' real training is the methods' own tests' (tests/stages/test_dpo.py,
+    test_grpo.py, test_rs.py)."""
     bench = load("compare_methods")
     root = tmp_path / "checkout"           # the workspace's SFT and RM the script insists on
     for what in ("sft", "reward"):

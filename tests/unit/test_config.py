@@ -15,7 +15,7 @@ from pipeline.config import (
 from pipeline.errors import ConfigError, UserError
 from pipeline.stages.registry import load_params   # the whole check, stage batch shapes included
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 SHIPPED = ROOT / "params.yaml"
 
 

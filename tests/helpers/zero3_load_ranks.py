@@ -1,8 +1,8 @@
-"""One rank of the ZeRO-3 loading test (tests/test_distributed.py): joins a 2-process DeepSpeed
+"""One rank of the ZeRO-3 loading test (tests/system/test_distributed.py): joins a 2-process DeepSpeed
 group (gloo), loads a policy and initialises a reward model inside `loading.partitioned`, and
 writes what this rank holds of them.
 
-    RANK=r LOCAL_RANK=r WORLD_SIZE=2 MASTER_ADDR=127.0.0.1 MASTER_PORT=p python tests/zero3_load_ranks.py SFT_DIR OUT.json
+    RANK=r LOCAL_RANK=r WORLD_SIZE=2 MASTER_ADDR=127.0.0.1 MASTER_PORT=p python tests/helpers/zero3_load_ranks.py SFT_DIR OUT.json
 """
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ import math
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 import torch  # noqa: E402
 

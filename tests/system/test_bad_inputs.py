@@ -19,13 +19,13 @@ from pathlib import Path
 import pytest
 from ruamel.yaml import YAML
 
-from conftest import REPO, TINY, merge, run_env, write_params
+from conftest import HELPERS, REPO, TINY, merge, run_env, write_params
 from pipeline.__main__ import main
 from pipeline.config import Params, from_dict
 from pipeline.stages.prepare import write as prepare_run
 from pipeline.config import DataConfig
 
-CORPUS = Path(__file__).parent / "bad_inputs"
+CORPUS = REPO / "tests" / "bad_inputs"
 STAGE_ARGS = {"sft": ["--data", "{data}", "--out", "{out}/sft"],
               "reward": ["--data", "{data}", "--sft", "{out}/sft/model", "--out", "{out}/reward"],
               "ppo": ["--data", "{data}", "--sft", "{out}/sft/model", "--reward", "{out}/reward/model",
@@ -501,7 +501,7 @@ def test_fuzzed_inputs_keep_the_contract(work, tmp_path):
     seed = random.randrange(1 << 30)
     print(f"fuzz seed {seed}")
     shutil.copytree(work / "data/prepared", tmp_path / "data")
-    proc = subprocess.run([sys.executable, str(Path(__file__).parent / "fuzz_inputs.py"), str(work / "params.yaml"),
+    proc = subprocess.run([sys.executable, str(HELPERS / "fuzz_inputs.py"), str(work / "params.yaml"),
                            str(tmp_path / "data"), str(seed), "300"], cwd=REPO, env=run_env(), capture_output=True,
                           text=True, timeout=900)   # a hang guard only
     results = [json.loads(line[4:]) for line in proc.stdout.splitlines() if line.startswith("CASE")]

@@ -15,7 +15,7 @@ from pipeline.errors import ConfigError
 from pipeline.measurement.collapse import collapse_iteration, gold_per_iteration
 from pipeline.ppo.detector import Detector, replay, replay_signals, summary, window_signals
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 # The synthetic streams below are sized for windows of 5 after a warmup of 10 (rules checked from
 # iteration 20); the calibrated defaults are tested on real logged runs at the end.
 CFG = DetectorConfig(warmup=10, window=5, entropy_drop=0.3, distinct_drop=0.3)
