@@ -32,7 +32,7 @@ from typing import Iterator, Sequence
 
 import torch
 
-from ..errors import Stopped
+from ..errors import ConfigError, Stopped
 from .distributed import Context
 
 log = logging.getLogger(__name__)
@@ -51,7 +51,6 @@ def warning_signal() -> signal.Signals:
     try:
         return signal.Signals(int(name)) if name.isdigit() else signal.Signals[name if name.startswith("SIG") else f"SIG{name}"]
     except (KeyError, ValueError):
-        from ..errors import ConfigError
         raise ConfigError(f"{SIGNAL_ENV}: {name!r} is not a signal name (e.g. USR1, USR2, SIGUSR1)") from None
 
 
@@ -63,7 +62,6 @@ def grace_seconds() -> float:
     try:
         return max(0.0, float(os.environ.get(GRACE_ENV, DEFAULT_GRACE)))
     except ValueError:
-        from ..errors import ConfigError
         raise ConfigError(f"{GRACE_ENV}: expected seconds, got {os.environ[GRACE_ENV]!r}") from None
 
 

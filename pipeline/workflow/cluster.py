@@ -17,6 +17,8 @@ Snakefile must know them when it builds the rules: `gpus` (per node, one process
 from __future__ import annotations
 
 import os
+import re
+import signal
 import subprocess
 from dataclasses import dataclass
 from pathlib import Path
@@ -35,6 +37,7 @@ class JobShape:
     gpus: int = 0                          # per node, one process each (= distributed.num_processes)
     nodes: int = 1                         # (= distributed.num_nodes)
     cpus_per_task: Optional[int] = None    # None: the rule's threads are the local cores
+    warning: Optional[str] = None          # the signal its slurm_extra `--signal` sends the job's steps (URG)
 
 
 def job_shape(rule: str, defaults: Optional[Mapping[str, Any]], overrides: Optional[Mapping[str, Any]]) -> JobShape:
@@ -51,7 +54,23 @@ def job_shape(rule: str, defaults: Optional[Mapping[str, Any]], overrides: Optio
             continue
         if isinstance(value, bool) or not isinstance(value, int) or value < lowest[key]:
             raise ConfigError(f"set-resources {rule}.{key}: expected a whole number >= {lowest[key]}, got {value!r}")
-    return JobShape(**values)
+    # slurm_extra as written (a Resource's `raw`: the profile's expression, unevaluated outside a rule)
+    extra = next((str(getattr(s["slurm_extra"], "raw", s["slurm_extra"])) for s in (overrides or {}, defaults or {})
+                  if "slurm_extra" in s), "")
+    return JobShape(**values, warning=warning_signal(rule, extra))
+
+
+def warning_signal(rule: str, slurm_extra: str) -> Optional[str]:
+    """The signal `--signal=[R:]SIG@seconds` in a job's slurm_extra sends its steps (the stage), as a
+    name without SIG (`URG`); None without one, or with `B:`, which signals only the batch shell."""
+    m = re.search(r"--signal[= ]([RB]:)*(\w+)", slurm_extra)
+    if not m or "B:" in m.group(0):
+        return None
+    name = m.group(2).upper().removeprefix("SIG")
+    try:
+        return (signal.Signals(int(name)) if name.isdigit() else signal.Signals[f"SIG{name}"]).name.removeprefix("SIG")
+    except (KeyError, ValueError):
+        raise ConfigError(f"set-resources {rule}.slurm_extra: --signal names no signal: {m.group(0)!r}") from None
 
 
 def shapes_of(resource_settings: Any, rules: Mapping[str, str]) -> dict[str, JobShape]:
@@ -103,10 +122,12 @@ def slurm_resources(shape: JobShape) -> dict[str, Any]:
 def job_command(shape: JobShape, cmd: str) -> str:
     """The stage's command as a job runs it: the same command, started once per node (srun passes
     a signal on to its tasks). `exec`: the job's shell becomes the stage, so SLURM's SIGTERM at a
-    time limit and its warning signal reach the stage itself, which stops at a step boundary and
-    saves its checkpoint (pipeline/training/stopping.py), and no shell dies of the warning signal
-    in its place."""
-    return f"exec srun --ntasks-per-node=1 --nodes={shape.nodes} {cmd}" if shape.nodes > 1 else f"exec {cmd}"
+    time limit reaches the stage itself, which stops at a step boundary and saves its checkpoint
+    (pipeline/training/stopping.py). A job that asks for a warning signal tells the stage which
+    (PIPELINE_STOP_SIGNAL) and ignores it until the stage handles it: SLURM may send the warning
+    up to a minute early, so at once under a short time limit, while the stage is still starting."""
+    warn = f"trap '' {shape.warning}; PIPELINE_STOP_SIGNAL={shape.warning} " if shape.warning else ""
+    return f"{warn}exec srun --ntasks-per-node=1 --nodes={shape.nodes} {cmd}" if shape.nodes > 1 else f"{warn}exec {cmd}"
 
 
 def slurm_node(env: Mapping[str, str] | None = None) -> tuple[int | None, str | None]:

@@ -21,7 +21,7 @@ from ruamel.yaml import YAML
 from snakemake_executor_plugin_slurm.submit_string import get_submit_command
 from snakemake_executor_plugin_slurm.utils import set_gres_string
 
-from conftest import BIN, REPO, TINY, bare_env, copy_repo, flat, merge, run, write_params
+from conftest import BIN, REPO, TINY, bare_env, copy_repo, flat, merge, run, run_env, write_params
 from pipeline.workflow import stage_graph
 from pipeline.workflow.cluster import (JobShape, check_shape, expand_first, job_command, job_shape, shapes_in_profile,
                                        slurm_node, slurm_resources)
@@ -68,7 +68,7 @@ def test_snakemake_dag_is_the_dvc_dag(tmp_path):
     # Same commands: the dry run prints each rule's shell command, which is dvc.yaml's `cmd`.
     dry = run([str(BIN / "snakemake"), "-n", "-p", "--forceall"], repo).stdout
     for stage in stage_graph.load(repo / "dvc.yaml"):
-        assert f"{stage.cmd} > logs/{stage.name}.log 2>&1" in dry, stage.name
+        assert f"exec {stage.cmd} > logs/{stage.name}.log 2>&1" in dry, stage.name
     # Resumable checkpoints are outputs of neither engine (Snakemake deletes outputs first; a queued
     # DVC experiment would re-run a stage whose checkpoint its fresh copy lacks).
     for stage in stage_graph.load(repo / "dvc.yaml"):
@@ -303,12 +303,23 @@ def test_sbatch_for_multi_node_gpu_stages():
     line = _sbatch(res, res["cpus_per_task"])
     assert "gres" not in line and "--nodes=1" in line and "--cpus-per-task=1" in line
     assert job_command(shapes["prepare"], "cmd") == "exec cmd"   # the stage, not a shell, gets the signals
+    # A job that asks for a warning signal names it to the stage and ignores it until the stage
+    # handles it (exec keeps an ignored signal ignored); `B:` would signal only the batch shell.
+    warned = {**GPU_PROFILE, "default-resources": {**GPU_PROFILE["default-resources"], "slurm_extra": "'--signal=R:urg@300'"},
+              "set-resources": {**GPU_PROFILE["set-resources"], "prepare": {"slurm_extra": "--signal=B:USR1@60"}}}
+    shapes = shapes_in_profile(warned, STAGES)
+    assert job_command(shapes["ppo"], "cmd") == "trap '' URG; PIPELINE_STOP_SIGNAL=URG exec srun --ntasks-per-node=1 --nodes=2 cmd"
+    assert job_command(shapes["prepare"], "cmd") == "exec cmd"
+    assert shapes_in_profile({"default-resources": {"slurm_extra": "--signal 10@90"}}, ("sft",))["sft"].warning == "USR1"
+    with pytest.raises(ConfigError, match=r"set-resources sft.slurm_extra: --signal names no signal"):
+        shapes_in_profile({"set-resources": {"sft": {"slurm_extra": "--signal=NOPE@90"}}}, ("sft",))
 
 
 def test_the_shipped_profile_gives_every_stage_a_cpu_job_on_one_node():
     profile = YAML(typ="safe", pure=True).load((REPO / "profiles/slurm/config.yaml").read_text())
     shapes = shapes_in_profile(profile, tuple(s.name for s in stage_graph.load_all(REPO)))
-    assert set(shapes.values()) == {JobShape(gpus=0, nodes=1, cpus_per_task=2), JobShape(0, 1, 1)}
+    # Every job asks for the warning signal that leaves Snakemake's process in the job alone.
+    assert set(shapes.values()) == {JobShape(gpus=0, nodes=1, cpus_per_task=2, warning="URG"), JobShape(0, 1, 1, "URG")}
     assert shapes["prepare"].cpus_per_task == 1
     assert _job_resources(profile, "ppo")["runtime"] == 120 and _job_resources(profile, "sft")["runtime"] == 60
     # params.yaml holds hyperparameters only: no job resources there.
@@ -467,3 +478,53 @@ def test_foreach_matrix_and_vars_stages_resolve_as_dvc_resolves_them(tmp_path):
     plan = run([str(BIN / "snakemake"), "-n", "--quiet", "rules"], repo).stdout
     for rule in ("extra_a", "extra_b", "grid_1", "grid_2", "sft", "evaluate"):
         assert re.search(rf"^\s*{rule}\s+1\s*$", plan, flags=re.M), (rule, plan)
+
+
+@pytest.mark.slurm
+def test_a_stage_stopped_by_the_warning_and_by_its_time_limit_finishes_after_retries_with_the_model_of_one_run(tmp_path):
+    """SFT whose work (about 100 s at one thread) outlasts its one-minute time limit. Its first job
+    gets the warning signal (SIGURG to the job's steps, as `--signal` sends it; sent here by scancel
+    once training runs, so the test need not guess when SLURM sends it) and stops after its step
+    with exit 75; the next job is ended by the time limit's SIGTERM and stops the same way;
+    Snakemake submits it again each time (`retries`) and the last job finishes. The model and step
+    log equal an uninterrupted run at the same thread count. prepare's one-minute job gets the
+    profile's warning at once (it is due 5 minutes before the limit), while it starts, and lives:
+    the job command ignores it until a stage handles it."""
+    override = {"data": {"n_sft": 4000}, "sft": {"epochs": 60.0, "save_every": 1000, "eval_every": 1000}}
+    one_thread = {"runtime": 1, "cpus_per_task": 1}
+    repo = _repo(tmp_path, "limit", override, jobs={"prepare": one_thread, "sft": {**one_thread, "slurm_extra": "''"}})
+    ref = _repo(tmp_path, "ref", override)
+    env = {**run_env(), "OMP_NUM_THREADS": "1", "PIPELINE_STOP_SIGNAL": "URG"}
+    run(["bin/pipeline", "prepare", "--params", "params.yaml", "--out", "data/prepared"], ref, env=env)
+    # The uninterrupted run on the other CPU while the cluster runs its job on one.
+    reference = subprocess.Popen(["bin/pipeline", "sft", "--params", "params.yaml", "--data", "data/prepared",
+                                  "--out", "outputs/sft"], cwd=ref, env=env, stdout=subprocess.DEVNULL,
+                                 stderr=subprocess.PIPE, text=True)
+    snake = subprocess.Popen([str(BIN / "snakemake"), "--profile", "profiles/slurm", "--slurm-init-seconds-before-status-checks",
+                              "1", "--seconds-between-status-checks", "2", "sft"], cwd=repo, env=env,
+                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        deadline = time.monotonic() + 600
+        while time.monotonic() < deadline:
+            assert snake.poll() is None, snake.stdout.read()[-4000:]
+            log = (repo / "logs/sft.log").read_text() if (repo / "logs/sft.log").exists() else ""
+            steps = [int(n) for n in re.findall(r"sft: (\d+)/\d+ steps", log)]
+            if steps and steps[-1] >= 500:
+                break
+            time.sleep(0.5)
+        first = next((repo / "logs/slurm/rule_sft").glob("*.log")).stem
+        subprocess.run(["scancel", "--signal=URG", first], check=True, timeout=30)
+        out, _ = snake.communicate(timeout=1200)
+    finally:
+        snake.kill()
+    assert reference.wait(timeout=600) == 0, reference.stderr.read()[-2000:]
+    assert snake.returncode == 0, out[-4000:]
+    assert len(list((repo / "logs/slurm/rule_prepare").glob("*.log"))) == 1     # not ended by the warning
+    # The warning's job, the time limit's job (or more) and the one that finished.
+    jobs = list((repo / "logs/slurm/rule_sft").glob("*.log"))
+    assert len(jobs) >= 3, jobs
+    assert out.count("Trying to restart job") == len(jobs) - 1, out[-4000:]
+    log = (repo / "logs/sft.log").read_text()                    # the last job's
+    assert re.search(r"sft: resuming from outputs/sft/checkpoint at step [1-9]", log), log[-3000:]
+    for f in ("model/model.safetensors", "train.tsv", "eval.tsv"):
+        assert (repo / "outputs/sft" / f).read_bytes() == (ref / "outputs/sft" / f).read_bytes(), f
