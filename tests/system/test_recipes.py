@@ -32,7 +32,8 @@ def test_recipe_validates_and_gives_gpu_jobs(name):
         assert res["gres"] == "gpu:8" and res["nodes"] == 1
         assert getattr(params, stage).distributed.num_processes == 8
         assert getattr(params, stage).distributed.precision == "bf16"
-    assert shapes["prepare"] == JobShape(gpus=0, nodes=1, cpus_per_task=1)
+    # every job, GPU or not, gets the profile's warning signal (a stage stops cleanly on it)
+    assert shapes["prepare"] == JobShape(gpus=0, nodes=1, cpus_per_task=1, warning="URG")
     assert "gres" not in slurm_resources(shapes["prepare"])
     assert params.model.name_or_path.startswith("EleutherAI/pythia-")
 
