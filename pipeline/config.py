@@ -228,6 +228,8 @@ class SupervisedConfig:
     eval_every: int = num(100, ge=1)
     save_every: int = num(100, ge=1, doc="steps between resumable checkpoints")
     overlong: Literal["truncate", "drop", "error"] = "truncate"   # truncate: the prompt loses its left end
+    on_nonfinite: Literal["stop", "skip"] = "stop"   # a NaN/inf loss or gradient (training/nonfinite.py)
+    max_skipped_updates: int = num(10, ge=0, doc="on_nonfinite: skip: stop once more updates than this were skipped")
     lora: LoraConfig = field(default_factory=LoraConfig)
     distributed: DistributedConfig = field(default_factory=DistributedConfig)  # merged over the top level
 
@@ -433,6 +435,8 @@ class PPOConfig:
     missing_eos_score: Optional[float] = -3.0
     critic_init: Literal["reward", "sft"] = "reward"
     reward_source: str = "reward_model"
+    on_nonfinite: Literal["stop", "skip"] = "stop"   # a NaN/inf loss or gradient (training/nonfinite.py)
+    max_skipped_updates: int = num(10, ge=0, doc="on_nonfinite: skip: stop once more updates than this were skipped")
     save_every: int = num(10, ge=1)
     n_eval_prompts: int = num(200, ge=2)
     score_micro_batch_size: Optional[int] = num(None, ge=1, doc="rollouts per scoring forward (reference, "

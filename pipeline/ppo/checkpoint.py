@@ -7,7 +7,8 @@ Contents of the checkpoint folder:
   rank its shard; no `critic` state for a critic-free estimator (there is no critic)
 - `rng_rank<r>.pt`: each rank's sampling, shuffling and prompt-order generators and torch's RNG
 - `state.json`: iteration, KL controller, the prompt sampler's pending order, the step log so far
-  (columns in order, and rows), the number of processes, and the fingerprint of the run
+  (columns in order, and rows; its `skipped_updates` column restores the count of skipped updates),
+  the number of processes, and the fingerprint of the run
 
 Fingerprint, staging and the swap are shared with SFT and RM: see pipeline/training/resume.py.
 """
@@ -19,6 +20,7 @@ from pathlib import Path
 import torch
 
 from ..errors import CheckpointError
+from ..training.nonfinite import restored_count
 from ..training.resume import load_engine, load_rng, read_state, restoring, save_staged
 from ..tracking.sinks import StepLog
 from .trainer import PPOTrainer
@@ -60,6 +62,7 @@ def load(trainer: PPOTrainer, path: Path, fp: str) -> dict | None:
         trainer.prompt_sampler.load_state_dict({**state["sampler"], "gen": rng["prompts"]})
         trainer.kl_ctl.load_state_dict(state["kl_controller"])
         trainer.iteration = int(state["iteration"])
+        trainer.guard.skipped = restored_count(state["log"]["rows"])
         return {"columns": list(state["log"]["columns"]), "rows": list(state["log"]["rows"])}
 
 

@@ -30,7 +30,9 @@ from ..config import PPOConfig
 from ..errors import check_finite
 from ..measurement.stats import distinct_n
 from ..training.batches import BatchSampler
+from ..training import nonfinite
 from ..training.distributed import generator
+from ..training.nonfinite import NonfiniteGuard
 from . import advantages as adv
 from . import group_advantages as group
 from .losses import aggregate, policy_loss, truncated_is_weights, value_loss
@@ -88,6 +90,7 @@ class PPOTrainer:
         self.recompute, self.recompute_reason = resolve_recompute(
             cfg.recompute_logprobs, cfg.distributed.precision, param.dtype, device, tis=cfg.tis_cap is not None)
         self._announced = False   # the log line on whose log-probs are used, once per process
+        self.guard = NonfiniteGuard(cfg._section, cfg.on_nonfinite, cfg.max_skipped_updates)   # restored on resume
 
     # ---- steps 3-4 -------------------------------------------------------------------------
     def make_batch(self, ro: Rollout, sc: Scored) -> tuple[Batch, dict[str, float]]:
@@ -152,19 +155,21 @@ class PPOTrainer:
         if cfg.kl_loss_coef > 0:
             kl = adv.kl_penalty(logprobs, b.sc.ref_logprobs[idx, :r], cfg.kl_estimator)
             loss = loss + cfg.kl_loss_coef * aggregate(kl, mask, **agg)
-        _check_finite("loss/policy", pg_loss.detach(), self.iteration + 1)
+        if self.guard.stops:
+            _check_finite("loss/policy", pg_loss.detach(), self.iteration + 1)
         vstats: dict[str, float] = {}
         if self.m.critic is not None:
             with self.forwards():
                 values = critic_values(self.m.critic.model, ro)
             v_loss, vstats = value_loss(values, b.sc.values[idx, :r], b.returns[idx, :r], mask, cfg.clip_eps_value,
                                         loss_denominator=n_tokens)
-            _check_finite("loss/value", v_loss.detach(), self.iteration + 1)
+            if self.guard.stops:
+                _check_finite("loss/value", v_loss.detach(), self.iteration + 1)
             vstats["loss/value"] = v_loss.item()
         # Two graphs (a shared trunk is run twice), so two backward passes, one per engine.
-        self.m.actor.backward(loss)
+        self.m.actor.backward(self.guard.poisoned(loss))
         if self.m.critic is not None:
-            self.m.critic.backward(cfg.vf_coef * v_loss)
+            self.m.critic.backward(self.guard.poisoned(cfg.vf_coef * v_loss))
         weight = float(mask.sum()) / n_tokens
         out = {k: v * weight for k, v in {**stats, **vstats}.items() if k not in MAX_STATS and k != "loss/value"}
         out.update({"loss/policy": pg_loss.item(), **({"loss/value": vstats["loss/value"]} if vstats else {}),
@@ -189,7 +194,9 @@ class PPOTrainer:
             if engine is None:
                 continue
             result = engine.step()   # skipped (and reported below) when the norm is not finite
-            _check_finite("gradient norm", result.grad_norm, self.iteration + 1)
+            if self.guard.stops:
+                _check_finite("gradient norm", result.grad_norm, self.iteration + 1)
+            self.guard.count(f"{self.cfg._section} iteration {self.iteration + 1}", result)
             norms[name] = result.grad_norm
             if engine is self.m.actor:
                 self.actor_lr = result.lr
@@ -274,6 +281,7 @@ class PPOTrainer:
             stats["objective/gold_scores"] = sum(self.judge(p, r) for p, r in zip(prompts, ro.responses)) / len(prompts)
         # Every rank continues with the same, global statistics.
         stats = self.ctx.reduce_stats(stats, sum_keys=SUM_STATS, max_keys=MAX_STATS)
+        stats[nonfinite.COLUMN] = self.guard.skipped   # the same on every rank (training/nonfinite.py)
         self.kl_ctl.update(stats["objective/kl"], cfg.rollout_batch_size)
         self.iteration = it
         if self.ctx.is_main:

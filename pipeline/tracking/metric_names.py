@@ -97,6 +97,11 @@ IMPLIES = {"custom_pairs": ("no_judge",)}
 # ---- The registry ---------------------------------------------------------------------------------
 
 
+# The step logs' count of skipped updates (training/nonfinite.py), supervised and RL alike.
+SKIPPED = ("updates skipped so far for a NaN or infinite loss or gradient (`on_nonfinite: skip`; always 0 "
+           "with `stop`, which ends the stage instead)")
+
+
 def supervised(stage: str, items: str, loss: str, eval_loss: str, trained: str) -> list[Metric]:
     """What the one supervised loop (training/supervised.py) writes for SFT and the RM alike."""
     def m(file: str, name: str, meaning: str, condition: Optional[str] = None) -> Metric:
@@ -107,11 +112,13 @@ def supervised(stage: str, items: str, loss: str, eval_loss: str, trained: str) 
         m("train.tsv", "loss", loss),
         m("train.tsv", "lr", "learning rate the step used (linear warmup, then cosine decay)"),
         m("train.tsv", "grad_norm", "global gradient norm before clipping"),
+        m("train.tsv", "skipped_updates", SKIPPED),
         m("eval.tsv", "step", f"optimizer step (every `{stage}.eval_every` steps and the last)"),
         m("eval.tsv", "loss", eval_loss),
         m(METRICS_JSON, "train/loss", "`train.tsv`'s last `loss`"),
         m(METRICS_JSON, "train/steps", "optimizer steps of the whole training"),
         m(METRICS_JSON, "train/seconds", "seconds of the training loop, interrupted runs' (resumed) included"),
+        m(METRICS_JSON, "train/skipped_updates", "`train.tsv`'s last `skipped_updates`"),
         m(METRICS_JSON, "eval/loss", "`eval.tsv`'s last `loss`"),
         m(METRICS_JSON, "data/truncated", f"training {items} longer than `{stage}.max_length` kept with their "
                                           f"prompt's left end cut (`{stage}.overlong: truncate`)"),
@@ -243,6 +250,7 @@ _PPO_TRAIN = (
     ("time/update", "seconds of the update", None),
     ("tokens_per_second/rollout", "response tokens per second of sampling, summed over processes", None),
     ("tokens_per_second/update", "response tokens x epochs per second of the update, summed over processes", None),
+    ("skipped_updates", f"actor and critic {SKIPPED}", None),
     ("detector/kl_rise", "over-optimisation detector: mean `objective/kl` of the last `window` iterations minus "
                          "that of the `window` before (nats); 0 until iteration `warmup + 2 * window`",
      "!no_detector"),

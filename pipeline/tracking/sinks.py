@@ -100,8 +100,8 @@ class StepLog:
         `columns` (with "step") keeps the interrupted run's column order."""
         self.rows = []
         self.columns = list(columns) if columns else (list(rows[0]) if rows else self.columns)
-        for row in rows:
-            self.log(row["step"], {k: v for k, v in row.items() if k != "step"})
+        for row in rows:   # a checkpoint's strict JSON holds a NaN or inf as null: it comes back as NaN
+            self.log(row["step"], {k: float("nan") if v is None else v for k, v in row.items() if k != "step"})
 
     def flush(self) -> None:
         if self.columns is None or not self.write:

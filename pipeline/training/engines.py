@@ -246,6 +246,23 @@ class TorchEngine(TrainEngine):
         self._scheduler.load_state_dict(state["sched"])
 
 
+class SkippingAdamW(torch.optim.AdamW):
+    """AdamW that applies no update when a gradient is not finite and says so in `overflow`, the
+    attribute DeepSpeed's engine reads after `optimizer.step()` to count a skipped step and hold the
+    learning-rate schedule (as for its own fp16 and ZeRO optimizers). At DeepSpeed's update the
+    gradients are already summed over ranks, so every rank skips alike."""
+
+    overflow = False
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        grads = [p.grad for group in self.param_groups for p in group["params"] if p.grad is not None]
+        self.overflow = bool(grads) and not bool(torch.isfinite(torch.nn.utils.get_total_norm(grads)))
+        if self.overflow:
+            return None
+        return super().step(closure)
+
+
 class DeepSpeedEngine(TrainEngine):
     """A `deepspeed.initialize` engine behind the same three calls."""
 
@@ -265,8 +282,12 @@ class DeepSpeedEngine(TrainEngine):
             return torch.optim.lr_scheduler.LambdaLR(optimizer, schedule)
 
         # With optimizer offload the optimizer comes from the config (DeepSpeed's CPU Adam);
-        # otherwise it is our torch AdamW.
-        optimizer = None if dist.offload_optimizer else torch.optim.AdamW(params, lr=lr, weight_decay=weight_decay)
+        # otherwise it is our torch AdamW. ZeRO-1..3 and the bf16 optimizer skip an update whose
+        # gradient norm is not finite; ZeRO-0 in fp32 hands the gradients to this optimizer as they
+        # are, so it skips them itself (SkippingAdamW).
+        plain = dist.zero_stage == 0 and dist.precision == "fp32"
+        optimizer = (None if dist.offload_optimizer else
+                     (SkippingAdamW if plain else torch.optim.AdamW)(params, lr=lr, weight_decay=weight_decay))
         self.engine, ds_optimizer, _, ds_scheduler = deepspeed.initialize(
             model=model, optimizer=optimizer, model_parameters=params if optimizer is None else None,
             lr_scheduler=scheduler, config=self.ds_config)

@@ -20,6 +20,8 @@ from typing import Any, Callable, Sequence
 import torch
 
 from ..errors import check_finite
+from . import nonfinite
+from .nonfinite import NonfiniteGuard, restored_count
 from ..models import lora
 from ..progress import track
 from ..tracking.sinks import StepLog, Tracker
@@ -54,7 +56,8 @@ class SupervisedResult:
     def metrics(self) -> dict[str, Any]:
         """The final metrics every supervised stage reports."""
         return {"train/loss": self.train_log.rows[-1]["loss"], "eval/loss": self.eval_log.rows[-1]["loss"],
-                "train/steps": self.steps, "train/seconds": self.seconds}
+                "train/steps": self.steps, "train/seconds": self.seconds,
+                f"train/{nonfinite.COLUMN}": self.train_log.rows[-1][nonfinite.COLUMN]}
 
 
 @dataclass
@@ -109,8 +112,8 @@ def train(task: SupervisedTask, cfg: Any, engine: TrainEngine, micro: int, out: 
     """Run (or resume) the loop over `cfg.epochs` of `task.items` in global batches of
     `cfg.batch_size` (`cfg`: the stage's section: batch_size, epochs, seed, eval_every, save_every)."""
     steps = total_steps(len(task.items), cfg.batch_size, cfg.epochs)
-    train_log = StepLog(out / "train.tsv", [*task.columns, "lr", "grad_norm"], tracker, series="train",
-                        write=ctx.is_main)
+    train_log = StepLog(out / "train.tsv", [*task.columns, "lr", "grad_norm", nonfinite.COLUMN], tracker,
+                        series="train", write=ctx.is_main)
     eval_log = StepLog(out / "eval.tsv", task.eval_columns, tracker, series="eval", write=ctx.is_main)
     batches = BatchSampler(len(task.items), cfg.batch_size, cfg.seed)   # the same global batches on every rank
     state = SupervisedState(task.name, out / "checkpoint", resume_fingerprint, engine, batches,
@@ -118,6 +121,7 @@ def train(task: SupervisedTask, cfg: Any, engine: TrainEngine, micro: int, out: 
     start = state.load()
     if start:
         tracker.mark_resumed(start)
+    guard = NonfiniteGuard(task.name, cfg.on_nonfinite, cfg.max_skipped_updates, restored_count(train_log.rows))
     engine.train()
     for step in track(range(start + 1, steps + 1), steps, task.name, initial=start,
                       enabled=progress and ctx.is_main):
@@ -127,14 +131,17 @@ def train(task: SupervisedTask, cfg: Any, engine: TrainEngine, micro: int, out: 
         for first in range(0, len(mine), micro):
             with engine.autocast():
                 loss, stats = task.loss(mine[first:first + micro], batch)
-            check_finite(f"{task.name} step {step}", "loss", loss.detach())
-            engine.backward(loss)
+            if guard.stops:
+                check_finite(f"{task.name} step {step}", "loss", loss.detach())
+            engine.backward(guard.poisoned(loss))
             sums += torch.tensor(stats, dtype=torch.float64, device="cpu")
         result = engine.step()
-        check_finite(f"{task.name} step {step}", "gradient norm", result.grad_norm)
+        if guard.stops:
+            check_finite(f"{task.name} step {step}", "gradient norm", result.grad_norm)
+        guard.count(f"{task.name} step {step}", result)
         sums = ctx.sum(sums) / task.normaliser(batch)
         train_log.log(step, {**{c: float(v) for c, v in zip(task.columns, sums)},
-                             "lr": result.lr, "grad_norm": result.grad_norm})
+                             "lr": result.lr, "grad_norm": result.grad_norm, nonfinite.COLUMN: guard.skipped})
         if step % cfg.eval_every == 0 or step == steps:
             with engine.autocast():
                 eval_log.log(step, task.evaluate())

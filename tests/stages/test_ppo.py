@@ -119,6 +119,35 @@ def test_nan_reward_stops_with_iteration_and_keeps_checkpoint(dirs, tmp_path, mo
     assert state["iteration"] == 2
 
 
+@pytest.mark.parametrize("mode", ["stop", "skip"])
+def test_a_nan_policy_loss_stops_or_skips_only_the_actors_update(mode, dirs, monkeypatch):
+    """The policy loss of the second minibatch of iteration 1 made NaN (its first micro-batch).
+    stop: the iteration ends in one error. skip: the actor's update for that minibatch is dropped
+    (the next minibatch finds the actor as this one did), the critic's applied, the count is 1."""
+    from pipeline.ppo import trainer as trainer_module
+    params = _params(on_nonfinite=mode)
+    m = place_models(params, dirs / "sft", dirs / "rm")
+    trainer = PPOTrainer(params.ppo, m, ["Review the film Silent River . Focus on the music ."] * 8)
+    real, calls, actor, critic = trainer_module.policy_loss, {"n": 0}, {}, {}
+
+    def broken(*args, **kwargs):
+        calls["n"] += 1
+        if calls["n"] in (1, 3, 5):   # the first micro-batch of minibatches 1-3 (two micro-batches each)
+            actor[calls["n"]] = torch.cat([p.detach().flatten() for p in m.actor.model.parameters()])
+            critic[calls["n"]] = torch.cat([p.detach().flatten() for p in m.critic.model.parameters()])
+        loss, stats = real(*args, **kwargs)
+        return (loss * float("nan") if calls["n"] == 3 else loss), stats
+    monkeypatch.setattr(trainer_module, "policy_loss", broken)
+    if mode == "stop":
+        with pytest.raises(NumericalError, match=r"^ppo iteration 1: loss/policy is NaN or infinite"):
+            trainer.step()
+        return
+    assert trainer.step()["skipped_updates"] == 1
+    assert torch.equal(actor[3], actor[5]) and not torch.equal(actor[1], actor[3])
+    assert not torch.equal(critic[3], critic[5])
+    assert trainer.step()["skipped_updates"] == 1   # a count, not a per-iteration flag
+
+
 def _metrics_without_time(path):
     rows = list(csv.DictReader(open(path), delimiter="\t"))
     return [{k: v for k, v in r.items() if not k.startswith(("time/", "tokens_per_second/"))} for r in rows]

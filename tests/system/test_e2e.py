@@ -35,7 +35,7 @@ def test_dvc_repro_tiny_pipeline(tiny_run, tiny_run_copy):
         assert 0.0 <= metrics["eval"][f"eos_rate_{tag}"] <= 1.0
         assert -10 < metrics["eval"][f"gold_{tag}"] < 5
     train_rows = (repo / "outputs/sft/train.tsv").read_text().splitlines()
-    assert train_rows[0].split("\t") == ["step", "loss", "lr", "grad_norm"] and len(train_rows) == 5
+    assert train_rows[0].split("\t") == ["step", "loss", "lr", "grad_norm", "skipped_updates"] and len(train_rows) == 5
 
     # The checkpoint is a plain HF one: Auto classes load it (safetensors) and it generates.
     path = repo / "outputs/sft/model"

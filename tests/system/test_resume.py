@@ -1,6 +1,6 @@
 """Crashes: every training stage resumes from its last checkpoint and ends where an uninterrupted run
 ends; NaN/inf losses and gradients stop the stage at the step they appear, keeping the last good
-checkpoint. The in-process tests pin the mechanics; `test_dvc_repro_after_sigkill_*` kills real
+checkpoint, or (`on_nonfinite: skip`) drop that update and count it. The in-process tests pin the mechanics; `test_dvc_repro_after_sigkill_*` kills real
 `dvc repro` processes with SIGKILL and re-runs them."""
 
 from __future__ import annotations
@@ -157,6 +157,73 @@ def test_reward_nan_stops_at_the_step(data, sft_model, tmp_path, monkeypatch):
     with pytest.raises(NumericalError, match=r"^reward step 5: loss is NaN or infinite"):
         reward.run(_params(), data, sft_model, tmp_path, progress=False)
     assert json.loads((tmp_path / "checkpoint/state.json").read_text())["step"] == 4
+
+
+def _sft_faults(monkeypatch, faults: dict[int, str], weights: dict[int, torch.Tensor] | None = None) -> None:
+    """SFT's training forward number n (one per step here) gets `faults[n]`: "loss" (NaN), "gradient"
+    (a finite loss, NaN gradients) or "kill" (KeyboardInterrupt). `weights[n]`: the model's weights
+    as forward n sees them (those after step n - 1)."""
+    real, calls = demonstrations.ce_sum, {"n": 0}
+
+    def broken(model, batch):
+        loss, n = real(model, batch)
+        if torch.is_grad_enabled():
+            calls["n"] += 1
+            if weights is not None:
+                weights[calls["n"]] = torch.cat([p.detach().flatten() for p in model.parameters()])
+            fault = faults.get(calls["n"])
+            if fault == "kill":
+                raise KeyboardInterrupt
+            if fault == "loss":
+                loss = loss * float("nan")
+            elif fault == "gradient":
+                loss = _nan_grad(loss, model)
+        return loss, n
+    monkeypatch.setattr(demonstrations, "ce_sum", broken)
+
+
+SKIP = {"on_nonfinite": "skip"}
+
+
+@pytest.mark.parametrize("fault", ["loss", "gradient"])
+def test_sft_skip_drops_the_update_counts_it_and_holds_the_schedule(fault, data, tmp_path, monkeypatch):
+    weights: dict[int, torch.Tensor] = {}
+    _sft_faults(monkeypatch, {3: fault}, weights)
+    sft.run(_params(sft=SKIP), data, tmp_path, progress=False)
+    rows = _rows(tmp_path / "train.tsv")
+    assert [int(r["skipped_updates"]) for r in rows] == [0, 0, 1, 1, 1, 1, 1, 1]
+    assert torch.equal(weights[3], weights[4])              # step 3 changed nothing
+    assert not torch.equal(weights[2], weights[3])          # the steps around it did
+    assert not torch.equal(weights[4], weights[5])
+    assert rows[3]["lr"] == rows[2]["lr"] != rows[1]["lr"]  # step 4 trains at the rate step 3 did not use
+    assert rows[2]["grad_norm"] == "nan"                     # in the step log as it happened
+    assert json.loads((tmp_path / "metrics.json").read_text())["train"]["skipped_updates"] == 1
+    assert all(bool(torch.isfinite(t).all()) for t in load_file(tmp_path / "model/model.safetensors").values())
+
+
+def test_sft_skip_stops_after_more_than_its_bound(data, tmp_path, monkeypatch):
+    _sft_faults(monkeypatch, {3: "loss", 5: "gradient"})
+    with pytest.raises(NumericalError, match=r"^sft step 5: 2 updates skipped for a NaN or infinite loss or gradient, "
+                                             r"more than sft.max_skipped_updates \(1\); stopped, the last checkpoint is kept$"):
+        sft.run(_params(sft={**SKIP, "max_skipped_updates": 1}), data, tmp_path, progress=False)
+    assert json.loads((tmp_path / "checkpoint/state.json").read_text())["step"] == 4
+    assert not (tmp_path / "model").exists()
+
+
+def test_sft_skip_count_survives_a_resume(data, tmp_path, monkeypatch):
+    """Killed after a skipped step and resumed: the count, the step log and the model are those of an
+    uninterrupted run with the same fault."""
+    _sft_faults(monkeypatch, {3: "loss"})
+    sft.run(_params(sft=SKIP), data, tmp_path / "once", progress=False)
+    _sft_faults(monkeypatch, {3: "loss", 6: "kill"})
+    with pytest.raises(KeyboardInterrupt):
+        sft.run(_params(sft=SKIP), data, tmp_path / "twice", progress=False)
+    assert json.loads((tmp_path / "twice/checkpoint/state.json").read_text())["step"] == 4
+    _sft_faults(monkeypatch, {})
+    sft.run(_params(sft=SKIP), data, tmp_path / "twice", progress=False)
+    assert _rows(tmp_path / "twice/train.tsv") == _rows(tmp_path / "once/train.tsv")
+    assert (tmp_path / "twice/model/model.safetensors").read_bytes() == \
+        (tmp_path / "once/model/model.safetensors").read_bytes()
 
 
 def test_check_finite_names_where_and_what():

@@ -159,3 +159,47 @@ def test_bf16_without_deepspeed_is_autocast_over_fp32_weights():
     assert torch.allclose(logits.float(), engine.forward(input_ids=ids).logits, atol=5e-2)
     engine.backward(logits.float().logsumexp(-1).mean())
     assert engine.step().grad_norm > 0 and next(engine.model.parameters()).dtype == torch.float32
+
+
+NAN_SCRIPT = textwrap.dedent("""
+    import json, sys, torch
+    from pipeline.training import distributed
+    from pipeline.config import DistributedConfig
+    from pipeline.training.engines import DeepSpeedEngine, warmup_cosine
+    dist = DistributedConfig(backend="deepspeed", zero_stage=int(sys.argv[1]))
+    with distributed.session(dist) as ctx:
+        torch.manual_seed(0)
+        engine = DeepSpeedEngine(torch.nn.Linear(4, 1), lr=0.1, weight_decay=0.0, schedule=warmup_cosine(1, 8),
+                                 max_grad_norm=1.0, dist=dist, ctx=ctx, micro_batch_size=2, accumulation_steps=1)
+        x = torch.randn(2, 4, generator=torch.Generator().manual_seed(1))
+
+        def weights():
+            with engine.gathered() as model:
+                return torch.cat([p.detach().flatten().clone() for p in model.parameters()])
+
+        steps = []
+        for poison in (False, False, True, False):
+            before = weights()
+            loss = engine.forward(x).pow(2).sum()
+            engine.backward(loss * float("nan") if poison else loss)
+            lr, norm, skipped = engine.step()
+            steps.append({"lr": lr, "norm": norm, "skipped": skipped, "moved": not torch.equal(before, weights()),
+                          "finite": bool(torch.isfinite(weights()).all())})
+    print("RESULT" + json.dumps(steps))
+""")
+
+
+@pytest.mark.parametrize("zero_stage", [0, 2, 3])
+def test_deepspeed_engine_skips_a_non_finite_gradient_at_every_zero_stage(zero_stage):
+    """A NaN gradient at the third step: no update (weights unchanged), reported as skipped with a
+    non-finite norm, and the schedule held (the fourth step uses the third's rate). ZeRO-0 in fp32
+    once applied it: DeepSpeed hands that stage's gradients to the optimizer as they are."""
+    proc = subprocess.run([sys.executable, "-c", NAN_SCRIPT, str(zero_stage)], cwd=REPO, env=run_env(),
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    steps = json.loads(proc.stdout.split("RESULT", 1)[1])
+    assert [s["skipped"] for s in steps] == [False, False, True, False]
+    assert [s["moved"] for s in steps] == [False, True, False, True]     # step 1: warmup's rate 0
+    assert not math.isfinite(steps[2]["norm"]) and all(math.isfinite(s["norm"]) for s in steps[:2] + steps[3:])
+    assert steps[3]["lr"] == steps[2]["lr"] != steps[1]["lr"]
+    assert all(s["finite"] for s in steps)

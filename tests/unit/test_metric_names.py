@@ -68,7 +68,7 @@ def test_emitted_reads_metrics_json_and_tsv_headers():
     assert "best_of_16/gold" in written[("evaluate", "metrics.json")]
     assert "train/objective_kl" in written[("ppo", "metrics.json")]
     assert "objective/kl" in written[("ppo", "train.tsv")]
-    assert written[("sft", "train.tsv")] == ["step", "loss", "lr", "grad_norm"]
+    assert written[("sft", "train.tsv")] == ["step", "loss", "lr", "grad_norm", "skipped_updates"]
 
 
 def test_an_unknown_name_fails_the_check(tmp_path):
