@@ -90,8 +90,10 @@ offline-page: install
 # The tests include a real SLURM run: scripts/slurm-local.sh starts a one-node cluster on this
 # machine (installing slurm-wlm with apt if needed; root), and does nothing if one is running.
 # TEST_WORKERS pytest-xdist processes, one test file each at a time (a file's module fixtures are
-# built once); 0 runs them in this one process.
-TEST_WORKERS ?= 2
+# built once); 0 runs them in this one process. Each runs torch at one thread; three on two cores,
+# because the system tests spend much of their time waiting (SLURM's scheduling and time limits,
+# subprocesses starting, launchers meeting), and a third worker fills those waits.
+TEST_WORKERS ?= 3
 test: install
 	@if [ "$$(id -u)" = 0 ]; then bash scripts/slurm-local.sh start; \
 	else echo "make test: not root: the SLURM tier runs only if a cluster already answers (scripts/slurm-local.sh needs root)"; fi

@@ -211,6 +211,21 @@ def tiny_run(tmp_path_factory) -> TinyRun:
     return TinyRun(repo, proc.stdout + proc.stderr, time.monotonic() - start, os.environ.get("OMP_NUM_THREADS"))
 
 
+def project_copy(tmp_path: Path, name: str, override: dict | None = None, jobs: dict | None = None,
+                 profile: dict | None = None) -> Path:
+    """A copy of the project on the tiny params (with `override`); `jobs` merged into its SLURM
+    profile's set-resources, `profile` over the rest of that profile."""
+    repo = copy_repo(tmp_path / name)
+    write_params(repo / "params.yaml", merge(TINY, override or {}))
+    if jobs or profile:
+        path = repo / "profiles/slurm/config.yaml"
+        doc = merge(YAML(typ="safe", pure=True).load(path.read_text()), profile or {})
+        doc["set-resources"] = merge(doc.get("set-resources") or {}, jobs or {})
+        with path.open("w") as f:
+            YAML().dump(doc, f)
+    return repo
+
+
 def copy_run(run_: TinyRun, dest: Path) -> Path:
     """A copy of the finished run's repository (git, DVC cache, outputs, the .venv link) at `dest`."""
     shutil.copytree(run_.repo, dest, symlinks=True)

@@ -1,16 +1,11 @@
-"""Snakemake over the same stage graph as DVC, on a real (single-node) SLURM cluster.
-
-The cluster is the one `scripts/slurm-local.sh start` sets up on this machine (`make test` starts
-it). The SLURM test runs the tiny pipeline with `snakemake --profile profiles/slurm`, checks that
-every stage ran as its own SLURM job, and that every metric equals `dvc repro` on the same params.
-"""
+"""Snakemake over the same stage graph as DVC: the DAG, the reruns a param change reaches, and the
+SLURM profile's job shapes and commands (the runs on a real SLURM cluster: test_slurm.py)."""
 
 from __future__ import annotations
 
 import json
 import os
 import re
-import subprocess
 import time
 import zipfile
 from pathlib import Path
@@ -21,7 +16,7 @@ from ruamel.yaml import YAML
 from snakemake_executor_plugin_slurm.submit_string import get_submit_command
 from snakemake_executor_plugin_slurm.utils import set_gres_string
 
-from conftest import BIN, REPO, TINY, bare_env, copy_repo, flat, merge, run, run_env, write_params
+from conftest import BIN, REPO, TINY, bare_env, project_copy, run, write_params
 from pipeline.workflow import stage_graph
 from pipeline.workflow.cluster import (JobShape, check_shape, expand_first, job_command, job_shape, shapes_in_profile,
                                        slurm_node, slurm_resources)
@@ -31,21 +26,6 @@ from pipeline.stages import registry
 
 STAGES = ("prepare", "sft", "reward", "ppo", "evaluate")
 CHECKED = registry.cluster_checked()   # the default pipeline's distributed stages
-TIMING = ("time", "seconds", "tokens_per_second", "peak_rss")   # what the process spent, not what it computed
-
-
-def _repo(tmp_path: Path, name: str, override: dict | None = None, jobs: dict | None = None) -> Path:
-    """A copy of the project on the tiny params; `jobs` merged into its SLURM profile's set-resources."""
-    repo = copy_repo(tmp_path / name)
-    write_params(repo / "params.yaml", merge(TINY, override or {}))
-    if jobs:
-        profile = repo / "profiles/slurm/config.yaml"
-        doc = YAML(typ="safe", pure=True).load(profile.read_text())
-        doc["set-resources"] = merge(doc.get("set-resources") or {}, jobs)
-        yaml = YAML()
-        with profile.open("w") as f:
-            yaml.dump(doc, f)
-    return repo
 
 
 def _dot_edges(dot: str, labels: dict[str, str] | None = None) -> set[tuple[str, str]]:
@@ -56,7 +36,7 @@ def _dot_edges(dot: str, labels: dict[str, str] | None = None) -> set[tuple[str,
 
 
 def test_snakemake_dag_is_the_dvc_dag(tmp_path):
-    repo = _repo(tmp_path, "dag")
+    repo = project_copy(tmp_path, "dag")
     rulegraph = run([str(BIN / "snakemake"), "-n", "--rulegraph", "--quiet", "all"], repo).stdout
     labels = dict(re.findall(r'^\s*(\d+)\[label = "(\w+)"', rulegraph, flags=re.M))
     snake = {e for e in _dot_edges(rulegraph, labels) if "all" not in e}
@@ -85,7 +65,7 @@ def test_compare_pipeline_is_a_target_of_its_own_in_both_engines(tmp_path):
     """compare/dvc.yaml's methods hang off the default pipeline with the same edges in DVC and in
     the stage graph Snakemake builds; Snakemake's `compare` target plans them, its default target
     does not (that a plain `dvc repro` runs none of them is checked end to end in test_e2e)."""
-    repo = _repo(tmp_path, "compare")
+    repo = project_copy(tmp_path, "compare")
     dot = run([str(BIN / "dvc"), "dag", "--dot"], repo).stdout
     dvc = {(a.split(":")[-1], b.split(":")[-1]) for a, b in re.findall(r'^"([^"]+)" -> "([^"]+)";', dot, flags=re.M)}
     graph = stage_graph.edges(stage_graph.load_all(repo))
@@ -102,7 +82,7 @@ def test_snakemake_lint_is_clean(tmp_path):
     """No lint but one: every rule runs `bin/pipeline`, i.e. the checkout's .venv, whose software
     requirements.lock pins; a conda environment beside it would describe a second install that
     nothing tests, so the rules declare none."""
-    repo = _repo(tmp_path, "lint")
+    repo = project_copy(tmp_path, "lint")
     proc = run([str(BIN / "snakemake"), "--lint"], repo, check=False)
     out = proc.stdout + proc.stderr
     lints = set(re.findall(r"^\s+\* (.+?):?$", out, flags=re.M))
@@ -343,7 +323,7 @@ def test_cluster_resources_must_match_the_distributed_shape(tmp_path):
     check_shape(params({"evaluate": {"distributed": {"backend": "deepspeed", "num_processes": 2}}}),
                 {"evaluate": JobShape(gpus=2)}, CHECKED)
     # Snakemake refuses such a profile before submitting anything, from the profile or the command line.
-    repo = _repo(tmp_path, "shape", jobs={"ppo": {"gpus": 4}})
+    repo = project_copy(tmp_path, "shape", jobs={"ppo": {"gpus": 4}})
     proc = run([str(BIN / "snakemake"), "-n", "--profile", "profiles/slurm"], repo, check=False)
     assert proc.returncode != 0 and "error: set-resources ppo.gpus: 4 GPUs per node" in proc.stdout + proc.stderr
     proc = run([str(BIN / "snakemake"), "-n", "--set-resources", "sft:nodes=2"], repo, check=False)
@@ -362,73 +342,8 @@ def test_node_rank_and_master_from_the_slurm_environment():
     assert expand_first("gpu[07,09-11]") == "gpu07" and expand_first("a1,b2") == "a1"
 
 
-# ---- A real SLURM ---------------------------------------------------------------------------------
-
-
-@pytest.mark.slurm
-def test_tiny_pipeline_on_slurm_equals_dvc_repro(tmp_path, tiny_run):
-    tiny_run.same_threads()
-    # Snakemake runs each job with OMP_NUM_THREADS set to its threads (the profile's cpus_per_task),
-    # and the thread count changes PPO's floating-point sums: the jobs get the shared run's count
-    # where one was set (make test's workers run at one thread).
-    cpus = {s: {"cpus_per_task": int(tiny_run.threads)} for s in STAGES} if tiny_run.threads else None
-    snake, dvc = _repo(tmp_path, "snake", jobs=cpus), tiny_run.repo        # dvc: the shared `dvc repro` of the same params
-    run([str(BIN / "snakemake"), "--profile", "profiles/slurm", "--slurm-init-seconds-before-status-checks", "1",
-         "--seconds-between-status-checks", "2"], snake, timeout=1800)
-    job_ids = {}
-    for stage in STAGES:
-        logs = list((snake / "logs/slurm" / f"rule_{stage}").glob("*.log"))
-        assert len(logs) == 1, (stage, logs)            # one SLURM job per stage, its log where promised
-        job_ids[stage] = logs[0].stem
-        state = subprocess.run(["scontrol", "show", "job", job_ids[stage]], capture_output=True, text=True).stdout
-        assert "JobState=COMPLETED" in state, (stage, state)
-        assert f"rule {stage}:" in logs[0].read_text()
-        assert (snake / "logs" / f"{stage}.log").is_file()
-    assert len(set(job_ids.values())) == len(STAGES)
-    for stage in ("sft", "reward", "ppo", "evaluate"):
-        a = flat(json.loads((snake / "outputs" / stage / "metrics.json").read_text()))
-        b = flat(json.loads((dvc / "outputs" / stage / "metrics.json").read_text()))
-        assert a.keys() == b.keys()
-        differ = {k for k in a if a[k] != b[k] and not any(t in k for t in TIMING)}
-        assert not differ, (stage, {k: (a[k], b[k]) for k in differ})
-    assert (snake / "data/prepared/stats.json").read_bytes() == (dvc / "data/prepared/stats.json").read_bytes()
-
-
-@pytest.mark.slurm
-def test_failed_job_names_its_log(tmp_path):
-    repo = _repo(tmp_path, "fail")
-    # sft fails as a job (its module still imports: the command line reads every stage's SPEC)
-    with open(repo / "pipeline/stages/sft.py", "a") as f:
-        f.write("\n\ndef run(*args, **kwargs):\n    raise SystemExit('boom: sft broke')\n")
-    proc = run([str(BIN / "snakemake"), "--profile", "profiles/slurm", "--slurm-init-seconds-before-status-checks", "1",
-                "--seconds-between-status-checks", "2"], repo, check=False, timeout=1800)
-    assert proc.returncode != 0
-    out = proc.stdout + proc.stderr
-    assert "Error in rule sft" in out
-    log = re.search(r"(\S*logs/slurm/rule_sft/\d+\.log)", out)
-    assert log, out[-3000:]
-    assert "boom: sft broke" in (repo / "logs/sft.log").read_text()
-
-
-def test_the_slurm_tier_skips_with_its_reason_and_fails_where_it_is_required(monkeypatch):
-    import conftest
-    from types import SimpleNamespace
-    item = SimpleNamespace(get_closest_marker=lambda name: object() if name == "slurm" else None)
-    monkeypatch.setattr(conftest, "slurm_available", lambda: (False, "SLURM tier: no cluster, not root"))
-    monkeypatch.delenv("PIPELINE_TESTS_REQUIRE", raising=False)
-    with pytest.raises(pytest.skip.Exception, match="SLURM tier: no cluster, not root"):
-        conftest.pytest_runtest_setup(item)
-    monkeypatch.setenv("PIPELINE_TESTS_REQUIRE", "slurm")
-    with pytest.raises(pytest.fail.Exception, match="this machine must run the SLURM tier"):
-        conftest.pytest_runtest_setup(item)
-    unmarked = SimpleNamespace(get_closest_marker=lambda name: None)
-    assert conftest.pytest_runtest_setup(unmarked) is None
-    monkeypatch.setattr(conftest, "slurm_available", lambda: (True, ""))
-    assert conftest.pytest_runtest_setup(item) is None
-
-
 def test_a_plain_snakemake_finds_the_default_profile_and_no_conda_environment(tmp_path):
-    repo = _repo(tmp_path, "plain")
+    repo = project_copy(tmp_path, "plain")
     proc = run([str(BIN / "snakemake"), "-n"], repo)
     assert "Using workflow specific profile profiles/default" in proc.stdout + proc.stderr
     # Snakemake applies it under --profile profiles/slurm too, its keys first: nothing that changes
@@ -468,7 +383,7 @@ def test_foreach_matrix_and_vars_stages_resolve_as_dvc_resolves_them(tmp_path):
     assert ("extra@a", "grid@1") in stage_graph.edges(list(got.values()))
     assert [stage_graph.rule_name(s) for s in got.values()] == ["extra_a", "extra_b", "grid_1", "grid_2"]
     # Snakemake plans them from the same dvc.yaml, each expanded stage a rule of its own.
-    repo = _repo(tmp_path, "foreach")
+    repo = project_copy(tmp_path, "foreach")
     yaml = YAML()
     doc = yaml.load((repo / "dvc.yaml").read_text())
     extra = YAML(typ="safe", pure=True).load(FOREACH.replace("${folder}", "outputs/extra"))["stages"]
@@ -478,53 +393,3 @@ def test_foreach_matrix_and_vars_stages_resolve_as_dvc_resolves_them(tmp_path):
     plan = run([str(BIN / "snakemake"), "-n", "--quiet", "rules"], repo).stdout
     for rule in ("extra_a", "extra_b", "grid_1", "grid_2", "sft", "evaluate"):
         assert re.search(rf"^\s*{rule}\s+1\s*$", plan, flags=re.M), (rule, plan)
-
-
-@pytest.mark.slurm
-def test_a_stage_stopped_by_the_warning_and_by_its_time_limit_finishes_after_retries_with_the_model_of_one_run(tmp_path):
-    """SFT whose work (about 100 s at one thread) outlasts its one-minute time limit. Its first job
-    gets the warning signal (SIGURG to the job's steps, as `--signal` sends it; sent here by scancel
-    once training runs, so the test need not guess when SLURM sends it) and stops after its step
-    with exit 75; the next job is ended by the time limit's SIGTERM and stops the same way;
-    Snakemake submits it again each time (`retries`) and the last job finishes. The model and step
-    log equal an uninterrupted run at the same thread count. prepare's one-minute job gets the
-    profile's warning at once (it is due 5 minutes before the limit), while it starts, and lives:
-    the job command ignores it until a stage handles it."""
-    override = {"data": {"n_sft": 4000}, "sft": {"epochs": 60.0, "save_every": 1000, "eval_every": 1000}}
-    one_thread = {"runtime": 1, "cpus_per_task": 1}
-    repo = _repo(tmp_path, "limit", override, jobs={"prepare": one_thread, "sft": {**one_thread, "slurm_extra": "''"}})
-    ref = _repo(tmp_path, "ref", override)
-    env = {**run_env(), "OMP_NUM_THREADS": "1", "PIPELINE_STOP_SIGNAL": "URG"}
-    run(["bin/pipeline", "prepare", "--params", "params.yaml", "--out", "data/prepared"], ref, env=env)
-    # The uninterrupted run on the other CPU while the cluster runs its job on one.
-    reference = subprocess.Popen(["bin/pipeline", "sft", "--params", "params.yaml", "--data", "data/prepared",
-                                  "--out", "outputs/sft"], cwd=ref, env=env, stdout=subprocess.DEVNULL,
-                                 stderr=subprocess.PIPE, text=True)
-    snake = subprocess.Popen([str(BIN / "snakemake"), "--profile", "profiles/slurm", "--slurm-init-seconds-before-status-checks",
-                              "1", "--seconds-between-status-checks", "2", "sft"], cwd=repo, env=env,
-                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    try:
-        deadline = time.monotonic() + 600
-        while time.monotonic() < deadline:
-            assert snake.poll() is None, snake.stdout.read()[-4000:]
-            log = (repo / "logs/sft.log").read_text() if (repo / "logs/sft.log").exists() else ""
-            steps = [int(n) for n in re.findall(r"sft: (\d+)/\d+ steps", log)]
-            if steps and steps[-1] >= 500:
-                break
-            time.sleep(0.5)
-        first = next((repo / "logs/slurm/rule_sft").glob("*.log")).stem
-        subprocess.run(["scancel", "--signal=URG", first], check=True, timeout=30)
-        out, _ = snake.communicate(timeout=1200)
-    finally:
-        snake.kill()
-    assert reference.wait(timeout=600) == 0, reference.stderr.read()[-2000:]
-    assert snake.returncode == 0, out[-4000:]
-    assert len(list((repo / "logs/slurm/rule_prepare").glob("*.log"))) == 1     # not ended by the warning
-    # The warning's job, the time limit's job (or more) and the one that finished.
-    jobs = list((repo / "logs/slurm/rule_sft").glob("*.log"))
-    assert len(jobs) >= 3, jobs
-    assert out.count("Trying to restart job") == len(jobs) - 1, out[-4000:]
-    log = (repo / "logs/sft.log").read_text()                    # the last job's
-    assert re.search(r"sft: resuming from outputs/sft/checkpoint at step [1-9]", log), log[-3000:]
-    for f in ("model/model.safetensors", "train.tsv", "eval.tsv"):
-        assert (repo / "outputs/sft" / f).read_bytes() == (ref / "outputs/sft" / f).read_bytes(), f
