@@ -89,6 +89,15 @@ def slurm_available() -> tuple[bool, str]:
     return True, ""
 
 
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """The files of the SLURM tier first, the rest in their order. Their tests spend minutes waiting
+    on the cluster (scheduling, a one-minute time limit, retries) with one CPU busy at most: started
+    first, those waits overlap the other workers' work instead of ending the run alone (the workers
+    take whole files, in this order)."""
+    slurm_files = {item.path for item in items if item.get_closest_marker("slurm") is not None}
+    items.sort(key=lambda item: item.path not in slurm_files)   # stable: the order within stays
+
+
 def pytest_runtest_setup(item: pytest.Item) -> None:
     """The `slurm` tier runs where a cluster answers or can be started (as root); elsewhere it is
     skipped with its reason, except where PIPELINE_TESTS_REQUIRE names it (CI, whose machine can

@@ -132,8 +132,8 @@ def test_dpo_learns_an_easy_preference_and_writes_a_loadable_policy(data, sft_di
     # Drift = the policy's mean log-prob minus the reference's, on the same held-out responses.
     assert metrics["eval/chosen_logp_drift"] - metrics["eval/rejected_logp_drift"] == \
         pytest.approx(metrics["eval/margin"] / 0.1, rel=1e-4)
-    expected = {"train/loss", "train/steps", "train/seconds", "train/accuracy", "train/margin", "eval/loss",
-                "eval/accuracy", "eval/margin", "eval/chosen_logp", "eval/rejected_logp", "eval/chosen_reward",
+    expected = {"train/loss", "train/steps", "train/seconds", "train/skipped_updates", "train/accuracy",
+                "train/margin", "eval/loss", "eval/accuracy", "eval/margin", "eval/chosen_logp", "eval/rejected_logp", "eval/chosen_reward",
                 "eval/rejected_reward", "eval/chosen_logp_drift", "eval/rejected_logp_drift", "data/truncated",
                 "data/dropped", "data/eval_truncated", "data/eval_dropped", "eval/kl_sampled", "eval/kl_sampled_ci95",
                 "eval/eos_rate_sampled", "eval/length_sampled", "eval/distinct_2_sampled",
