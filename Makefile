@@ -92,12 +92,13 @@ offline-page: install
 # TEST_WORKERS pytest-xdist processes, one test file each at a time (a file's module fixtures are
 # built once); 0 runs them in this one process. Each runs torch at one thread; three on two cores,
 # because the system tests spend much of their time waiting (SLURM's scheduling and time limits,
-# subprocesses starting, launchers meeting), and a third worker fills those waits.
+# subprocesses starting, launchers meeting), and a third worker fills those waits. The files go out
+# in the order tests/conftest.py gives them (the SLURM tier's first).
 TEST_WORKERS ?= 3
 test: install
 	@if [ "$$(id -u)" = 0 ]; then bash scripts/slurm-local.sh start; \
 	else echo "make test: not root: the SLURM tier runs only if a cluster already answers (scripts/slurm-local.sh needs root)"; fi
-	pytest -q -n $(TEST_WORKERS) --dist loadfile
+	pytest -q -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder
 
 # Every stage on this machine's GPUs (one process; two over NCCL when two GPUs are visible) on a
 # locally built model: memory plan vs measured peak, tokens/s, MFU, log-prob differences; exit 1 on

@@ -90,12 +90,19 @@ def slurm_available() -> tuple[bool, str]:
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    """The files of the SLURM tier first, the rest in their order. Their tests spend minutes waiting
-    on the cluster (scheduling, a one-minute time limit, retries) with one CPU busy at most: started
-    first, those waits overlap the other workers' work instead of ending the run alone (the workers
-    take whole files, in this order)."""
-    slurm_files = {item.path for item in items if item.get_closest_marker("slurm") is not None}
-    items.sort(key=lambda item: item.path not in slurm_files)   # stable: the order within stays
+    """The order in which the workers take whole files (`make test` runs pytest-xdist with
+    `--dist loadfile --no-loadscope-reorder`): the SLURM tier's files first, then system/, stages/
+    and unit/, in each the files with more tests first. The SLURM tests spend minutes waiting on the
+    cluster (scheduling, a one-minute time limit, retries) with one CPU busy at most: started first,
+    those waits overlap the other workers' work instead of ending the run alone; the long system
+    files follow, and the short unit files fill the end."""
+    files: dict = {}
+    for item in items:
+        files.setdefault(item.path, []).append(item)
+    slurm = {path for path, tests in files.items() if any(t.get_closest_marker("slurm") for t in tests)}
+    tiers = {"system": 0, "stages": 1, "unit": 2}
+    order = sorted(files, key=lambda path: (path not in slurm, tiers.get(path.parent.name, 3), -len(files[path])))
+    items[:] = [item for path in order for item in files[path]]
 
 
 def pytest_runtest_setup(item: pytest.Item) -> None:
