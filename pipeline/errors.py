@@ -53,6 +53,12 @@ class CheckpointError(UserError, ValueError):
     """A checkpoint that is missing, pickled, or of another model than expected."""
 
 
+class StorageError(UserError):
+    """An output or checkpoint could not be written (a full disk, a quota, a read-only file system):
+    the message names the path and the cause; the temporary files are gone and what was complete
+    before is unchanged (pipeline/files.py `writing`)."""
+
+
 class NumericalError(UserError):
     """A loss, gradient, reward or advantage became NaN or infinite; the message names which and when."""
 

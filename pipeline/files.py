@@ -7,6 +7,7 @@ renamed into place, so a crash never leaves a half-written output that DVC would
 from __future__ import annotations
 
 import contextlib
+import errno
 import hashlib
 import json
 import math
@@ -17,7 +18,7 @@ import tempfile
 from pathlib import Path
 from typing import Any, Iterator, Sequence
 
-from .errors import CheckpointError, DataError, UserError, shown
+from .errors import CheckpointError, DataError, StorageError, UserError, shown
 
 # One record (a JSONL line, a dataset row) may hold at most this many bytes. The longest sequence
 # any stage trains on is a few thousand tokens (tens of KB of text even for a hub model's
@@ -151,21 +152,63 @@ def umask_mode(base: int) -> int:
     return base & ~mask
 
 
+# Below this many free bytes on a folder's file system, a writer's failure is taken as the disk being
+# full: torch.save reports ENOSPC as `RuntimeError: [enforce fail at inline_container.cc] unexpected pos`,
+# with neither the cause nor the path.
+FULL_DISK_BYTES = 1 << 20
+
+
+def write_failure(err: BaseException, path: Path) -> str | None:
+    """Why writing under `path` failed, when `err` is the storage's fault and not a bug: an OS error
+    (no space, quota, read-only file system, I/O error...), or any writer's error while the file
+    system holding `path` is full (safetensors and torch wrap ENOSPC in their own errors). None for
+    anything else, which keeps its traceback."""
+    if isinstance(err, OSError) and err.errno is not None:
+        return os.strerror(err.errno)
+    if not isinstance(err, Exception):
+        return None   # interrupts and exits pass unchanged
+    if "os error 28" in str(err) or "No space left" in str(err):
+        return os.strerror(errno.ENOSPC)
+    folder = next((p for p in (path, *path.parents) if p.exists()), None)
+    with contextlib.suppress(OSError):
+        if folder is not None and shutil.disk_usage(folder).free < FULL_DISK_BYTES:
+            first = next((line for line in str(err).splitlines() if line.strip()), type(err).__name__)
+            return f"{os.strerror(errno.ENOSPC)} ({shown(first, 120)})"
+    return None
+
+
+@contextlib.contextmanager
+def writing(path: str | Path, what: str = "file") -> Iterator[None]:
+    """The one guard around writing an output or a checkpoint: a failure of the storage (see
+    `write_failure`) becomes one StorageError naming `path` and the cause. Callers remove their
+    temporary files as the error passes; what was complete before stays as it was."""
+    try:
+        yield
+    except UserError:
+        raise
+    except BaseException as err:
+        cause = write_failure(err, Path(path))
+        if cause is None:
+            raise
+        raise StorageError(f"{path}: cannot write the {what}: {cause}; nothing earlier was changed") from None
+
+
 def atomic_write_text(path: str | Path, text: str) -> None:
     path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        os.fchmod(fd, umask_mode(0o666))
-        with os.fdopen(fd, "w", encoding="utf-8") as f:
-            f.write(text)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(tmp)
-        raise
+    with writing(path):
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+        try:
+            os.fchmod(fd, umask_mode(0o666))
+            with os.fdopen(fd, "w", encoding="utf-8") as f:
+                f.write(text)
+                f.flush()
+                os.fsync(f.fileno())
+            os.replace(tmp, path)
+        except BaseException:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(tmp)
+            raise
 
 
 def strict_json(obj: Any) -> Any:
@@ -190,17 +233,20 @@ def write_jsonl(path: str | Path, rows: Sequence[dict[str, Any]]) -> None:
 
 
 @contextlib.contextmanager
-def atomic_dir(target: str | Path) -> Iterator[Path]:
+def atomic_dir(target: str | Path, what: str = "folder") -> Iterator[Path]:
     """Yield a fresh temporary folder; on success it replaces `target` whole, on error it vanishes.
 
-    The old `target` is kept until the new one is complete, so an interrupted run loses nothing.
+    The old `target` is kept until the new one is complete, so an interrupted run loses nothing;
+    a full disk while the folder is written is one StorageError naming `target` (`writing`).
     """
     target = Path(target)
-    target.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(dir=target.parent, prefix=f".{target.name}.", suffix=".tmp"))
+    with writing(target, what):
+        target.parent.mkdir(parents=True, exist_ok=True)
+        tmp = Path(tempfile.mkdtemp(dir=target.parent, prefix=f".{target.name}.", suffix=".tmp"))
     try:
-        tmp.chmod(umask_mode(0o777))
-        yield tmp
+        with writing(target, what):
+            tmp.chmod(umask_mode(0o777))
+            yield tmp
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
@@ -328,6 +374,38 @@ def remove_stale(*paths: Path) -> None:
             path.unlink()
 
 
-def stale_extras(out: Path, lora: bool, deepspeed: bool) -> None:
-    """The optional extras of a training stage's folder that this run will not write."""
-    remove_stale(*([] if lora else [out / "adapter"]), *([] if deepspeed else [out / "deepspeed_config.json"]))
+# Where a stage writes this run's outputs (`pending(folder)`) until `commit` moves them into its
+# folder: a run that fails, however late, leaves the folder's earlier outputs as they were.
+PENDING = ".pending"
+
+
+def pending(folder: Path) -> Path:
+    """A fresh, empty pending folder in `folder` (what a killed run left there is discarded)."""
+    path = folder / PENDING
+    with writing(path, "output folder"):
+        folder.mkdir(parents=True, exist_ok=True)
+        shutil.rmtree(path, ignore_errors=True)
+        path.mkdir(parents=True)
+        path.chmod(umask_mode(0o777))
+    return path
+
+
+def commit(folder: Path, optional: Sequence[str] = ()) -> None:
+    """Move the pending outputs into `folder`, each file or folder by rename (no new space needed,
+    so a full disk cannot stop it halfway); of the `optional` outputs (adapter/,
+    deepspeed_config.json), those this run did not write are removed, so the folder never mixes
+    two runs."""
+    path = folder / PENDING
+    written = sorted(path.iterdir())
+    for entry in written:
+        if entry.is_dir():
+            swap_in(entry, folder / entry.name)
+        else:
+            os.replace(entry, folder / entry.name)
+    remove_stale(*(folder / name for name in optional if name not in {e.name for e in written}))
+    path.rmdir()
+
+
+def discard(folder: Path) -> None:
+    """Remove the pending outputs of a run that failed or stopped (its checkpoint holds its state)."""
+    shutil.rmtree(folder / PENDING, ignore_errors=True)

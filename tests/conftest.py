@@ -105,18 +105,24 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     items[:] = [item for path in order for item in files[path]]
 
 
+def tier_unavailable(tier: str, why: str) -> None:
+    """Skip a test of `tier` with its reason, or fail it where PIPELINE_TESTS_REQUIRE names the tier
+    (CI, whose machine can run it): there a tier that cannot run fails instead of hiding."""
+    if tier in os.environ.get("PIPELINE_TESTS_REQUIRE", "").split(","):
+        pytest.fail(f"{why} (PIPELINE_TESTS_REQUIRE names {tier}: this machine must run the {tier} tier)")
+    pytest.skip(why)
+
+
 def pytest_runtest_setup(item: pytest.Item) -> None:
-    """The `slurm` tier runs where a cluster answers or can be started (as root); elsewhere it is
-    skipped with its reason, except where PIPELINE_TESTS_REQUIRE names it (CI, whose machine can
-    run it): there a cluster that cannot be had fails the test instead of hiding it."""
+    """The `slurm` tier runs where a cluster answers or can be started (as root), the `root` tier
+    as root; elsewhere they are skipped with their reason (`tier_unavailable`)."""
+    if item.get_closest_marker("root") is not None and os.geteuid() != 0:
+        tier_unavailable("root", "root tier: needs root (it mounts a small tmpfs)")
     if item.get_closest_marker("slurm") is None:
         return
     ok, why = slurm_available()
-    if ok:
-        return
-    if "slurm" in os.environ.get("PIPELINE_TESTS_REQUIRE", "").split(","):
-        pytest.fail(f"{why} (PIPELINE_TESTS_REQUIRE=slurm: this machine must run the SLURM tier)")
-    pytest.skip(why)
+    if not ok:
+        tier_unavailable("slurm", why)
 
 
 def merge(base: dict, override: dict) -> dict:

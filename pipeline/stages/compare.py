@@ -202,14 +202,14 @@ def run(params: Params, data_dir: Path, sft_dir: Path, reward_dir: Path, out: Pa
         for name, res in resources.items():
             m.update({f"{name}/stage_{k}": v for k, v in res.items()})
         scores = ["rm", "gold", "kl"] if judge else ["rm", "kl"]
-        table = StepLog(out / "methods.tsv", ["policy", *scores])
+        table = StepLog(run.out / "methods.tsv", ["policy", *scores])
         for i, name in enumerate(names):
             table.log(i, {"policy": name, **{k: m[f"{name}/{k}"] for k in scores}})
         table.flush()
-        figure = gold_vs_kl_plot(m, names, judge is not None, out / "gold_vs_kl.png")
+        figure = gold_vs_kl_plot(m, names, judge is not None, run.out / "gold_vs_kl.png")
         run.tracker.log_figure(figure, "gold_vs_kl.png")
         close_figure(figure)
-        atomic_write_text(out / "report.md", report_markdown(m, names, resources, judge is not None))
+        atomic_write_text(run.out / "report.md", report_markdown(m, names, resources, judge is not None))
         run.finish(m)
     return m
 

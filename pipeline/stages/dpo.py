@@ -222,7 +222,7 @@ def train(run: StageRun, data_dir: Path, sft_dir: Path, progress: bool = True) -
             **final_metrics(result.eval_log.rows[-1], result.train_log.rows[-1]), **measured},
         counts={"data/truncated": n_trunc, "data/dropped": n_drop, "data/eval_truncated": e_trunc,
                 "data/eval_dropped": e_drop})
-    model, metrics = supervised.run("dpo", cfg, recipe, out, run.tracker, ctx, run.fingerprint, progress)
+    model, metrics = supervised.run("dpo", cfg, recipe, out, run.checkpoint, run.tracker, ctx, run.fingerprint, progress)
     return model, tok, metrics
 
 

@@ -168,7 +168,7 @@ def run(params: Params, data_dir: Path, sft_dir: Path, reward_dir: Path, ppo_dir
     """The stage: measure every policy, write the report, its plots and metrics; the verdict
     becomes the description of the pipeline's MLflow parent run."""
     with stage_run(SPEC, params, out, [data_dir, sft_dir, reward_dir, ppo_dir, params.prompts.dataset.path]) as run:
-        m, text, table, figures = _run(run.params, data_dir, sft_dir, reward_dir, ppo_dir, out, run.ctx)
+        m, text, table, figures = _run(run.params, data_dir, sft_dir, reward_dir, ppo_dir, run.out, run.ctx)
         if not run.ctx.is_main:   # rank 0 writes the report
             return {}
         for name, figure in figures.items():   # before finish, which uploads the files not logged so

@@ -345,7 +345,7 @@ def train(run: StageRun, data_dir: Path, sft_dir: Path, progress: bool = True) -
     recipe = supervised.Recipe(model, len(train_tok), task, measure, report, counts={
         "data/desirable": sum(train_good), "data/undesirable": len(train_good) - sum(train_good),
         "data/truncated": n_trunc, "data/dropped": n_drop, "data/eval_truncated": e_trunc, "data/eval_dropped": e_drop})
-    model, metrics = supervised.run("kto", cfg, recipe, out, run.tracker, ctx, run.fingerprint, progress)
+    model, metrics = supervised.run("kto", cfg, recipe, out, run.checkpoint, run.tracker, ctx, run.fingerprint, progress)
     return model, tok, metrics
 
 

@@ -171,16 +171,16 @@ def _run(run: StageRun, data_dir: Path, sft_dir: Path, reward_dir: Path, progres
     trainer = PPOTrainer(cfg, models, prompts, judge)
     step_log = StepLog(out / "train.tsv", tracker=run.tracker, series="train", write=ctx.is_main)
     detector = Detector(cfg.detector) if cfg.detector.enabled else None
-    saved_log = checkpoint.load(trainer, out / "checkpoint", fp)
+    saved_log = checkpoint.load(trainer, run.checkpoint, fp)
     if saved_log is not None:
         step_log.restore(saved_log["rows"], saved_log["columns"])
         if detector is not None:   # its state is the history it was fed: replaying it is exact
             for row in saved_log["rows"]:
                 detector.update(row)
-        log.warning("%s: resuming from %s at iteration %d", run.spec.name, out / "checkpoint", trainer.iteration)
+        log.warning("%s: resuming from %s at iteration %d", run.spec.name, run.checkpoint, trainer.iteration)
         run.tracker.mark_resumed(trainer.iteration)
-    stopped_at = train(trainer, detector, step_log, out / "checkpoint", fp, progress and ctx.is_main, run.spec.name)
-    kept = checkpoint.restore_actor(trainer, out / "checkpoint", fp) if stopped_at else trainer.iteration
+    stopped_at = train(trainer, detector, step_log, run.checkpoint, fp, progress and ctx.is_main, run.spec.name)
+    kept = checkpoint.restore_actor(trainer, run.checkpoint, fp) if stopped_at else trainer.iteration
 
     held_out = compare_policies(models, cfg, held.sampling, held.max_length, eval_prompts, judge, section)   # collective
     full = models.actor.full_model()   # collective under ZeRO-3; None on ranks > 0

@@ -255,7 +255,7 @@ def train(run: StageRun, data_dir: Path, sft_dir: Path, progress: bool = True):
 
     recipe = supervised.Recipe(model, len(train_pairs), task, measure, report,
                                counts={"data/truncated": n_trunc, "data/dropped": n_drop})
-    model, metrics = supervised.run("reward", cfg, recipe, out_dir, run.tracker, ctx, run.fingerprint, progress)
+    model, metrics = supervised.run("reward", cfg, recipe, out_dir, run.checkpoint, run.tracker, ctx, run.fingerprint, progress)
     return model, tok, metrics
 
 

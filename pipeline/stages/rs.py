@@ -154,7 +154,7 @@ def read_winners(path: Path, fp: str) -> Optional[tuple[list[dict], dict[str, fl
 def winners(run: StageRun, sft_policy, tok, prompts: list, reward_dir: Path, fp: str) -> tuple[list[dict], dict]:
     """Step 2 of the module doc: the winners and the sampling statistics, reused or sampled (every
     rank sampling its share of the prompts on its device; rank 0 writes the file)."""
-    params, path, ctx = run.params, run.out / WINNERS, run.ctx
+    params, path, ctx = run.params, run.folder / WINNERS, run.ctx
     if read_winners(path, fp) is None:   # every rank reads the same file: all sample, or none
         dtype = next(sft_policy.parameters()).dtype
         reward = RewardModelSource(reward_dir, params.reward.max_length, params.model.trust_remote_code,
@@ -207,7 +207,7 @@ def train(run: StageRun, data_dir: Path, sft_dir: Path, reward_dir: Path,
     fp = sampling_fingerprint(run, [data_dir, sft_dir, reward_dir, params.prompts.dataset.path])
     rows, sampling_stats = winners(run, model, tok, prompts, reward_dir, fp)
     # 3. SFT on the winners, from the SFT weights.
-    source = out / WINNERS
+    source = run.folder / WINNERS
     train_ex, n_trunc, n_drop = tokenize_demonstrations(rows, tok, cfg.max_length, source, cfg.overlong, "rs")
     eval_ex, _, _ = tokenize_demonstrations(eval_rows, tok, cfg.max_length, "sft held-out demonstrations",
                                             cfg.overlong, "rs")
@@ -220,7 +220,7 @@ def train(run: StageRun, data_dir: Path, sft_dir: Path, reward_dir: Path,
         report=lambda model, result, measured: {**sampling_stats, **measured},
         counts={"data/truncated": n_trunc, "data/dropped": n_drop,
                 "data/prompts_truncated": p_trunc, "data/prompts_dropped": p_drop})
-    model, metrics = supervised.run("rs", cfg, recipe, out, run.tracker, ctx, run.fingerprint, progress)
+    model, metrics = supervised.run("rs", cfg, recipe, out, run.checkpoint, run.tracker, ctx, run.fingerprint, progress)
     return model, tok, metrics
 
 

@@ -72,7 +72,7 @@ def train(run: StageRun, data_dir: Path, progress: bool = True) -> tuple[Any, An
         model, len(train_ex), lambda engine, micro: demonstrations.task("sft", engine, tok, train_ex, eval_ex, cfg, ctx),
         measure=lambda engine: evaluate_policy(engine, tok, params, eval_prompts, eval_rows, ctx),  # every rank
         counts={"data/truncated": n_trunc, "data/dropped": n_drop})
-    model, metrics = supervised.run("sft", cfg, recipe, run.out, run.tracker, ctx, run.fingerprint, progress)
+    model, metrics = supervised.run("sft", cfg, recipe, run.out, run.checkpoint, run.tracker, ctx, run.fingerprint, progress)
     return model, tok, metrics
 
 

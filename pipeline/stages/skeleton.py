@@ -6,8 +6,13 @@ atomic writing of what it produces.
         run.finish(metrics, model, tok)
 
 - A training stage (`SPEC.training`) runs in a distributed session of its own section's
-  `distributed` settings (a plain single process by default); its output folder loses the optional
-  extras this run will not write (adapter/, deepspeed_config.json), then every rank waits for it.
+  `distributed` settings (a plain single process by default).
+- The stage's folder (`run.folder`, what --out names) keeps what outlives a run: the resumable
+  checkpoint (`run.checkpoint`) and any intermediate file a re-run reuses. Everything this run
+  outputs (step logs, model, plots, config.json, metrics.json...) is written under `run.out`, a
+  pending folder inside it, and moved into the folder by `finish` once the last of them is
+  written. A run that fails, runs out of disk or is stopped leaves the folder's earlier outputs
+  byte for byte as they were and its pending folder removed (pipeline/files.py `commit`).
 - A training stage checks its memory plan (pipeline/training/memory_plan.py) before it builds a
   model: a plan larger than the device is a ConfigError naming the params to change.
 - Tracking: the stage's MLflow run (or none), with the resolved config as its params.
@@ -24,8 +29,7 @@ atomic writing of what it produces.
   `resources/wall_seconds` (this process, from the skeleton's start to finish: a resumed stage's
   last process only) and `resources/peak_rss_gib` (its peak resident memory; with CUDA also
   `resources/peak_device_gib`, the peak memory torch allocated on this rank's GPU), so methods
-  can be compared on what they cost (the compare stage's table). Nothing is written before the stage's
-  work is done, so a failed run leaves the previous outputs in place.
+  can be compared on what they cost (the compare stage's table).
 """
 
 from __future__ import annotations
@@ -39,7 +43,7 @@ from pathlib import Path
 from typing import Any, Iterator, Sequence
 
 from ..config import Params, check_process_shape
-from ..files import atomic_dir, atomic_write_json, atomic_write_text, stale_extras
+from ..files import atomic_dir, atomic_write_json, atomic_write_text, PENDING, commit, discard, pending
 from ..models.checkpoints import save_checkpoint
 from ..tracking.mlflow_sink import stage_tracking
 from ..tracking import model_card
@@ -52,6 +56,9 @@ from . import registry
 from .spec import StageSpec, declared, resolve
 
 ROOT = Path(__file__).resolve().parents[2]   # the folder holding the `pipeline` package
+# What a training stage writes only in some configurations (LoRA; DeepSpeed or several processes):
+# removed from its folder at the commit of a run that did not write them.
+OPTIONAL = ("adapter", "deepspeed_config.json")
 
 
 def package_version() -> str:
@@ -67,11 +74,17 @@ class StageRun:
     spec: StageSpec
     params: Params              # the declared view: reading an undeclared key raises
     resolved: dict[str, Any]    # config.json, the MLflow params, the fingerprint's config
-    out: Path
+    folder: Path                # the stage's folder: its outputs once committed, its checkpoint
+    out: Path                   # this run's outputs until `finish` commits them (see the module doc)
     ctx: Context
     tracker: Tracker
     fingerprint: str
     started: float = field(default_factory=time.perf_counter)
+
+    @property
+    def checkpoint(self) -> Path:
+        """The stage's resumable state (pipeline/training/resume.py): outlives a failed run."""
+        return self.folder / "checkpoint"
 
     def finish(self, metrics: dict[str, Any], model: Any = None, tok: Any = None) -> None:
         """Write the stage's outputs (rank 0 only; other ranks return at once)."""
@@ -84,8 +97,10 @@ class StageRun:
                                                                      package_version()))
         atomic_write_json(self.out / "config.json", {**self.resolved, "runtime": self.runtime()})
         metrics.update(self.resources())   # in place: the stage returns what metrics.json holds
-        write_metrics(self.out / "metrics.json", metrics, self.tracker)
-        self.tracker.log_outputs(self.out)
+        write_metrics(self.out / "metrics.json", metrics)
+        commit(self.folder, OPTIONAL if self.spec.training else ())
+        self.tracker.log_final(metrics)
+        self.tracker.log_outputs(self.folder)
 
 
     def runtime(self) -> dict[str, Any]:
@@ -120,19 +135,23 @@ def stage_run(spec: StageSpec, params: Params, out: Path, inputs: Sequence[str |
     signals = stopping.handling() if spec.training else contextlib.nullcontext()
     with signals, session as ctx:
         if ctx.is_main:
-            out.mkdir(parents=True, exist_ok=True)
-            if spec.training:
-                stale_extras(out, section.lora.enabled,
-                             ctx.world_size > 1 or section.distributed.backend != "none")
+            pending(out)
         ctx.barrier()
-        if spec.shape == "start":   # a compare method's batch sizes against its processes (spec.py)
-            check_process_shape(params, spec.name)
-        if spec.training and spec.plan is not None:   # before any model is built: refuse a plan too big for the device
-            memory_plan.check_stage(spec.name, spec.plan, declared(params, spec), dict(zip(spec.inputs, inputs)),
-                                    ctx.is_main)
-        code = [ROOT / f for f in sorted(code_deps.closure(ROOT, spec.name, Path(registry.module(spec.name).__file__)))]
-        fp = fingerprint(resolved, [*local, *code])
-        # The fingerprint tags the MLflow run too: a resumed run finds the killed run it continues by it.
-        with stage_tracking(spec.name, resolved, local, enabled=ctx.is_main, fingerprint=fp,
-                            headline=spec.headline) as tracker:
-            yield StageRun(spec, declared(params, spec), resolved, out, ctx, tracker, fp, started)
+        try:
+            if spec.shape == "start":   # a compare method's batch sizes against its processes (spec.py)
+                check_process_shape(params, spec.name)
+            if spec.training and spec.plan is not None:   # before any model is built: refuse a plan too big for the device
+                memory_plan.check_stage(spec.name, spec.plan, declared(params, spec), dict(zip(spec.inputs, inputs)),
+                                        ctx.is_main)
+            code = [ROOT / f for f in sorted(code_deps.closure(ROOT, spec.name, Path(registry.module(spec.name).__file__)))]
+            fp = fingerprint(resolved, [*local, *code])
+            # The fingerprint tags the MLflow run too: a resumed run finds the killed run it continues by it.
+            with stage_tracking(spec.name, resolved, local, enabled=ctx.is_main, fingerprint=fp,
+                                headline=spec.headline) as tracker:
+                yield StageRun(spec, declared(params, spec), resolved, out, out / PENDING, ctx, tracker, fp, started)
+        except BaseException:   # an error, a full disk, a stop signal: the checkpoint keeps the state
+            if ctx.is_main:
+                discard(out)
+            raise
+        if ctx.is_main:   # a body that returned without `finish` commits nothing
+            discard(out)

@@ -23,6 +23,7 @@ fingerprint). PPO's contents are in ppo/checkpoint.py.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import logging
@@ -30,13 +31,14 @@ import os
 import shutil
 import time
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 import torch
 
 from .distributed import Context
 from ..errors import CheckpointError, loading
-from ..files import MAX_FILE_BYTES, atomic_write_json, check_folder, content_hash, read_json_object, swap_in
+from ..files import MAX_FILE_BYTES, atomic_write_json, check_folder, content_hash, read_json_object, swap_in, \
+    writing
 from ..tracking.sinks import StepLog
 from .batches import BatchSampler
 
@@ -78,16 +80,31 @@ def recover(path: Path) -> None:
 
 
 def save_staged(path: Path, ctx: Context, write: Callable[[Path], None], state: dict[str, Any]) -> None:
-    """Collective: every rank's `write(staging)`, then rank 0's `state.json` and the swap."""
+    """Collective: every rank's `write(staging)`, then rank 0's `state.json` and the swap. A write
+    that fails (a full disk: one StorageError naming the checkpoint) removes the staging folder;
+    the previous checkpoint is untouched."""
     staging = path.with_name(f".{path.name}.staging")
+
+    @contextlib.contextmanager
+    def staged() -> Iterator[None]:
+        try:
+            with writing(path, "checkpoint"):
+                yield
+        except BaseException:
+            shutil.rmtree(staging, ignore_errors=True)
+            raise
+
     if ctx.is_main:
-        shutil.rmtree(staging, ignore_errors=True)
-        staging.mkdir(parents=True)
+        with staged():
+            shutil.rmtree(staging, ignore_errors=True)
+            staging.mkdir(parents=True)
     ctx.barrier()
-    write(staging)
+    with staged():
+        write(staging)
     ctx.barrier()
     if ctx.is_main:
-        atomic_write_json(staging / "state.json", state)
+        with staged():
+            atomic_write_json(staging / "state.json", state)
         swap_in(staging, path)
     ctx.barrier()
 

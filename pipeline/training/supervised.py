@@ -76,8 +76,8 @@ class Recipe:
     counts: dict[str, int] = field(default_factory=dict)   # data/* metrics: truncated, dropped, ...
 
 
-def run(name: str, cfg: Any, recipe: Recipe, out: Path, tracker: Tracker, ctx: Context, resume_fingerprint: str,
-        progress: bool = True) -> tuple[Any, dict[str, Any]]:
+def run(name: str, cfg: Any, recipe: Recipe, out: Path, checkpoint: Path, tracker: Tracker, ctx: Context,
+        resume_fingerprint: str, progress: bool = True) -> tuple[Any, dict[str, Any]]:
     """Collective. Train `recipe.model` with the stage's section `cfg` (a config.SupervisedConfig):
     its engine (warmup then cosine over the run's steps; `deepspeed_config.json` beside the
     outputs), the loop (`train`), the measurement, and the whole model with the final metrics on
@@ -85,7 +85,8 @@ def run(name: str, cfg: Any, recipe: Recipe, out: Path, tracker: Tracker, ctx: C
     engine, micro = supervised_engine(recipe.model, cfg, total_steps(recipe.n_examples, cfg.batch_size, cfg.epochs), ctx)
     if ctx.is_main:
         write_deepspeed_config(out / "deepspeed_config.json", **{name: engine})
-    result = train(recipe.task(engine, micro), cfg, engine, micro, out, tracker, ctx, resume_fingerprint, progress)
+    result = train(recipe.task(engine, micro), cfg, engine, micro, out, checkpoint, tracker, ctx, resume_fingerprint,
+                   progress)
     measured = recipe.measure(engine)
     model, metrics = finish(engine, result, cfg.lora, out, recipe.counts)
     if model is None:
@@ -107,8 +108,8 @@ def finish(engine: TrainEngine, result: SupervisedResult, lora_cfg: Any, out: Pa
     return model, {**result.metrics(), **data_counts, **counts}
 
 
-def train(task: SupervisedTask, cfg: Any, engine: TrainEngine, micro: int, out: Path, tracker: Tracker,
-          ctx: Context, resume_fingerprint: str, progress: bool = True) -> SupervisedResult:
+def train(task: SupervisedTask, cfg: Any, engine: TrainEngine, micro: int, out: Path, checkpoint: Path,
+          tracker: Tracker, ctx: Context, resume_fingerprint: str, progress: bool = True) -> SupervisedResult:
     """Run (or resume) the loop over `cfg.epochs` of `task.items` in global batches of
     `cfg.batch_size` (`cfg`: the stage's section: batch_size, epochs, seed, eval_every, save_every)."""
     steps = total_steps(len(task.items), cfg.batch_size, cfg.epochs)
@@ -116,7 +117,7 @@ def train(task: SupervisedTask, cfg: Any, engine: TrainEngine, micro: int, out: 
                         series="train", write=ctx.is_main)
     eval_log = StepLog(out / "eval.tsv", task.eval_columns, tracker, series="eval", write=ctx.is_main)
     batches = BatchSampler(len(task.items), cfg.batch_size, cfg.seed)   # the same global batches on every rank
-    state = SupervisedState(task.name, out / "checkpoint", resume_fingerprint, engine, batches,
+    state = SupervisedState(task.name, checkpoint, resume_fingerprint, engine, batches,
                             {"train": train_log, "eval": eval_log}, ctx)
     start = state.load()
     if start:
