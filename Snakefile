@@ -17,7 +17,9 @@
 # `snakemake --report report.html` gathers each stage's figures, step logs and metrics (captions in
 # report/); `logs/benchmarks/<stage>.tsv` holds each job's time and memory.
 
+import os
 import sys
+from pathlib import Path
 
 from pipeline.workflow import cluster, stage_graph
 from pipeline.errors import UserError
@@ -38,6 +40,17 @@ except UserError as err:
     sys.exit(f"error: {err}")                # one line, as `python -m pipeline` prints it
 
 report: "report/workflow.rst"
+
+
+onstart:
+    # One engine at a time in this workspace: DVC's repository lock, held until Snakemake exits, so
+    # `dvc repro` and this run refuse to start beside each other (pipeline/workflow/workspace.py).
+    # onstart runs only in the main process of a real run: not in a dry run, not inside a job.
+    from pipeline.workflow import workspace
+    try:
+        workspace.hold(Path(os.path.relpath(workflow.basedir)))
+    except UserError as err:
+        sys.exit(f"error: {err}")
 
 
 # What `snakemake --report` shows of each stage: (kind, caption) by how an output's name ends.

@@ -59,6 +59,10 @@ class StorageError(UserError):
     before is unchanged (pipeline/files.py `writing`)."""
 
 
+class BusyError(UserError):
+    """Another run holds the stage's output folder (pipeline/files.py `exclusive`)."""
+
+
 class NumericalError(UserError):
     """A loss, gradient, reward or advantage became NaN or infinite; the message names which and when."""
 

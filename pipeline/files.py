@@ -18,7 +18,7 @@ import tempfile
 from pathlib import Path
 from typing import Any, Iterator, Sequence
 
-from .errors import CheckpointError, DataError, StorageError, UserError, shown
+from .errors import BusyError, CheckpointError, DataError, StorageError, UserError, shown
 
 # One record (a JSONL line, a dataset row) may hold at most this many bytes. The longest sequence
 # any stage trains on is a few thousand tokens (tens of KB of text even for a hub model's
@@ -372,6 +372,35 @@ def remove_stale(*paths: Path) -> None:
             shutil.rmtree(path)
         elif path.exists():
             path.unlink()
+
+
+# The lock file of a stage's folder: never removed (its inode is what is locked; a lock file that
+# were deleted and re-created could be held by two processes at once), released with the process.
+LOCK = ".lock"
+
+
+@contextlib.contextmanager
+def exclusive(folder: Path, stage: str) -> Iterator[None]:
+    """Hold `folder` for one run of `stage` (an advisory `flock`, released when the process ends
+    however it ends): a second run on the same folder, by DVC, Snakemake or by hand, is refused at
+    once with one BusyError naming the holder, before it changes anything."""
+    import fcntl
+
+    with writing(folder / LOCK, "lock file"):
+        folder.mkdir(parents=True, exist_ok=True)
+        fd = os.open(folder / LOCK, os.O_RDWR | os.O_CREAT, umask_mode(0o666))
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            holder = os.pread(fd, 200, 0).decode("utf-8", "replace").strip() or "another process"
+            raise BusyError(f"{folder}: another run of a stage is writing this folder ({shown(holder)}); "
+                            f"wait for it to end, or give this {stage} run another --out") from None
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, f"{stage}, pid {os.getpid()} on {os.uname().nodename}\n".encode(), 0)
+        yield
+    finally:
+        os.close(fd)
 
 
 # Where a stage writes this run's outputs (`pending(folder)`) until `commit` moves them into its

@@ -7,6 +7,8 @@ atomic writing of what it produces.
 
 - A training stage (`SPEC.training`) runs in a distributed session of its own section's
   `distributed` settings (a plain single process by default).
+- One run at a time per folder: rank 0 holds the folder's lock for the whole run, and a second run
+  on it (a second DVC, Snakemake beside DVC, a hand-run command) is refused in one line.
 - The stage's folder (`run.folder`, what --out names) keeps what outlives a run: the resumable
   checkpoint (`run.checkpoint`) and any intermediate file a re-run reuses. Everything this run
   outputs (step logs, model, plots, config.json, metrics.json...) is written under `run.out`, a
@@ -43,7 +45,7 @@ from pathlib import Path
 from typing import Any, Iterator, Sequence
 
 from ..config import Params, check_process_shape
-from ..files import atomic_dir, atomic_write_json, atomic_write_text, PENDING, commit, discard, pending
+from ..files import PENDING, atomic_dir, atomic_write_json, atomic_write_text, commit, discard, exclusive, pending
 from ..models.checkpoints import save_checkpoint
 from ..tracking.mlflow_sink import stage_tracking
 from ..tracking import model_card
@@ -133,7 +135,7 @@ def stage_run(spec: StageSpec, params: Params, out: Path, inputs: Sequence[str |
     session = distributed.session(section.distributed) if spec.distributed else contextlib.nullcontext(SINGLE)
     # A training stage stops at a step boundary on SIGTERM or the warning signal (training/stopping.py).
     signals = stopping.handling() if spec.training else contextlib.nullcontext()
-    with signals, session as ctx:
+    with signals, session as ctx, (exclusive(out, spec.name) if ctx.is_main else contextlib.nullcontext()):
         if ctx.is_main:
             pending(out)
         ctx.barrier()

@@ -49,9 +49,10 @@ def finished(data, tmp_path_factory) -> Path:
 
 
 def _snapshot(folder: Path) -> dict[str, str]:
-    """sha256 of every file under `folder`, hidden ones included, by relative name."""
+    """sha256 of every file under `folder`, hidden ones included, by relative name (not the lock
+    file, which names the last run that held the folder)."""
     return {str(p.relative_to(folder)): hashlib.sha256(p.read_bytes()).hexdigest()
-            for p in sorted(folder.rglob("*")) if p.is_file()}
+            for p in sorted(folder.rglob("*")) if p.is_file() and p.name != files.LOCK}
 
 
 def _outputs(snapshot: dict[str, str]) -> dict[str, str]:
@@ -60,7 +61,7 @@ def _outputs(snapshot: dict[str, str]) -> dict[str, str]:
 
 def _leftovers(folder: Path) -> list[str]:
     """Temporary names a writer makes (`.x.tmp`, `.checkpoint.staging`, `.pending`, `.model.old`)."""
-    return sorted(str(p.relative_to(folder)) for p in folder.rglob(".*"))
+    return sorted(str(p.relative_to(folder)) for p in folder.rglob(".*") if p.name != files.LOCK)
 
 
 def _fsync_fails_for(monkeypatch, name: str) -> None:
@@ -137,7 +138,7 @@ def test_a_full_disk_on_a_first_run_leaves_no_partial_files(data, tmp_path, monk
     _torch_save_fails(monkeypatch)
     with pytest.raises(StorageError, match=rf"checkpoint: cannot write the checkpoint: {ENOSPC} \(.*unexpected pos"):
         sft.run(_params(), data, tmp_path / "sft", progress=False)
-    assert sorted(p.name for p in (tmp_path / "sft").iterdir()) == []
+    assert sorted(p.name for p in (tmp_path / "sft").iterdir()) == [files.LOCK]
 
 
 def test_a_writer_error_on_a_disk_with_room_is_a_bug_and_keeps_its_traceback(tmp_path, monkeypatch):
@@ -189,7 +190,7 @@ def test_on_a_real_full_tmpfs_the_cli_fails_in_one_line_and_keeps_the_earlier_ru
     assert proc.returncode == 2, proc.stderr[-2000:]
     lines = proc.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith(f"error: {out}") and ENOSPC in lines[0], proc.stderr[-2000:]
-    assert "Traceback" not in proc.stderr and _leftovers(out) == [] and list(out.iterdir()) == []
+    assert "Traceback" not in proc.stderr and _leftovers(out) == [] and [p.name for p in out.iterdir()] == [files.LOCK]
     # 2. Room for one run: it finishes. Then the disk fills and a re-run with another seed fails.
     (tmpfs / "filler").unlink()
     assert _cli(tmp_path, out, data, seed=0).returncode == 0

@@ -379,7 +379,9 @@ def test_tracking_off_or_not_rank_zero_is_a_no_op(tmp_path, monkeypatch):
 
 def test_two_queued_experiments_at_once_lose_no_run_metric_or_artifact(tiny_repo, tmp_path):
     """`dvc queue start -j 2` on the default SQLite store: both experiments' stage runs are in
-    mlflow.db, complete (every TSV row a metric point, every metrics.json number, the weights)."""
+    mlflow.db, complete (every TSV row a metric point, every metrics.json number, the weights), and
+    their models are byte for byte those of the same experiments run one by one in the workspace
+    (both at this process's OMP_NUM_THREADS, which the queue's workers and `dvc repro` inherit)."""
     dvc = str(BIN / "dvc")
     for name, lr in (("exp-a", "0.001"), ("exp-b", "0.003")):
         run([dvc, "exp", "run", "--queue", "-n", name, "-S", f"sft.lr={lr}", "reward"], tiny_repo)
@@ -421,6 +423,21 @@ def test_two_queued_experiments_at_once_lose_no_run_metric_or_artifact(tiny_repo
             listing = json.loads((tiny_repo / ".dvc/cache/files/md5" / out["md5"][:2] / out["md5"][2:]).read_text())
             (entry,) = [e for e in listing if e["relpath"] == "model.safetensors"]
             assert hashlib.md5(weights.read_bytes()).hexdigest() == entry["md5"]
+
+    # The same two experiments one by one in the workspace (the run cache off: DVC would otherwise
+    # restore the queued runs' outputs instead of training): the same models.
+    for name, lr in (("exp-a", "0.001"), ("exp-b", "0.003")):
+        params = YAML(typ="safe", pure=True).load((tiny_repo / "params.yaml").read_text())
+        params["sft"]["lr"] = float(lr)
+        with open(tiny_repo / "params.yaml", "w") as f:
+            YAML(typ="safe", pure=True).dump(params, f)
+        run([dvc, "repro", "--no-run-cache", "reward"], tiny_repo)
+        alone = YAML(typ="safe", pure=True).load((tiny_repo / "dvc.lock").read_text())
+        queued = YAML(typ="safe", pure=True).load(run(["git", "show", f"{exps[name]['rev']}:dvc.lock"], tiny_repo).stdout)
+        for stage in ("sft", "reward"):
+            md5s = [{o["path"]: o["md5"] for o in lock["stages"][stage]["outs"]}[f"outputs/{stage}/model"]
+                    for lock in (alone, queued)]
+            assert md5s[0] == md5s[1], f"{name} {stage}: one by one {md5s[0]}, queued {md5s[1]}"
 
 
 def test_busy_sqlite_is_retried_and_other_failures_turn_mlflow_off(monkeypatch, caplog):
