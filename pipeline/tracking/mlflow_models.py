@@ -72,7 +72,11 @@ def save_policy(model_dir: Path, dest: Path) -> None:
     (`mlflow.transformers.load_model` gives a text-generation pipeline)."""
     import mlflow.transformers
     from ..models.checkpoints import load_policy
-    model, tok = load_policy(model_dir)
+    # By its absolute path: mlflow.transformers looks the model's name up on the hub for a model
+    # card and licence, and a relative path (`outputs/sft/model`) reads as a hub repository id,
+    # which offline costs about a minute of retries per stage; an absolute path is no repository id,
+    # so the lookups fail at once.
+    model, tok = load_policy(Path(model_dir).resolve())
     with _quiet():
         mlflow.transformers.save_model({"model": model, "tokenizer": tok}, str(dest), task="text-generation",
                                        pip_requirements=REQUIREMENTS)

@@ -580,3 +580,23 @@ def test_a_figure_logged_as_such_is_not_uploaded_again_as_a_file(tmp_path, monke
     tracker.log_outputs(tmp_path)
     assert calls == [("figure", "scores.png", tracking.FIGURE_SAVE), ("file", "metrics.json", None),
                      ("file", "other.png", None)]
+
+
+def test_logging_a_policy_by_a_relative_path_asks_no_hub(tmp_path, monkeypatch):
+    """A stage's model folder is a relative path under DVC (`outputs/sft/model`); mlflow.transformers
+    looks a model's name up on the hub (card, licence), and a relative path reads as a repository
+    id: offline that was about a minute of retries per stage. No host is looked up now."""
+    from pipeline.tracking import mlflow_models
+    data = _tiny_data(tmp_path / "in")
+    policy, _ = tiny_policy_and_reward_model(tmp_path / "in", data)
+    monkeypatch.chdir(tmp_path)
+    looked_up = []
+
+    def no_network(host, *args, **kwargs):
+        looked_up.append(host)
+        raise socket.gaierror(socket.EAI_NONAME, "no network in this test")
+    monkeypatch.setattr(socket, "getaddrinfo", no_network)
+    mlflow_models.save_policy(Path("in/sft"), tmp_path / "logged")
+    assert looked_up == []
+    loaded = mlflow.transformers.load_model(str(tmp_path / "logged"), return_type="components")
+    assert loaded["model"].config.vocab_size == load_policy(tmp_path / "in/sft")[0].config.vocab_size
