@@ -435,6 +435,7 @@ class PPOConfig:
     missing_eos_score: Optional[float] = -3.0
     critic_init: Literal["reward", "sft"] = "reward"
     reward_source: str = "reward_model"
+    reward_timeout: float = num(600.0, gt=0.0, le=1e6, doc="seconds one call of a reward_source function may take")
     on_nonfinite: Literal["stop", "skip"] = "stop"   # a NaN/inf loss or gradient (training/nonfinite.py)
     max_skipped_updates: int = num(10, ge=0, doc="on_nonfinite: skip: stop once more updates than this were skipped")
     save_every: int = num(10, ge=1)
@@ -752,7 +753,13 @@ def from_dict(cls: type, data: Any, where: str) -> Any:
     try:
         return cls(**kwargs)
     except ConfigError as err:
-        raise ConfigError(f"{where.split(':')[0]}: {err}") from None
+        # A class's own checks name its keys from its usual place (`distributed.backend`); where
+        # the mapping sits deeper (a stage's `sft.distributed` override), the key is named from there.
+        dotted = where.split(": ", 1)[1] if ": " in where else ""
+        last, text = dotted.rsplit(".", 1)[-1], str(err)
+        if dotted != last and text.startswith(f"{last}."):
+            text = dotted + text[len(last):]
+        raise ConfigError(f"{where.split(':')[0]}: {text}") from None
 
 
 def read_yaml(path: str | Path) -> Any:

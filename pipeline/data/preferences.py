@@ -149,6 +149,16 @@ def to_pair(row: dict[str, Any], layout: str, where: str, margin_column: Optiona
     return Pair(prompt, chosen, rejected, margin, where)
 
 
+def check_distinct(where: str, chosen: list[int], rejected: list[int]) -> None:
+    """A pair whose responses are one token sequence teaches nothing (its loss is constant, its
+    gradient zero) and counts as a tie in accuracy: refused as the textually identical pair is. It
+    happens when the tokenizer maps the texts' differences (case, spacing, unknown words) to the
+    same tokens."""
+    if chosen == rejected:
+        raise DataError(f"{where}: chosen and rejected are identical once tokenized ({len(chosen)} tokens; the "
+                        "tokenizer maps their differences to the same tokens); fix or remove the pair")
+
+
 def load_pairs(source: str | Path, split: str = "train", revision: Optional[str] = None,
                layout: Layout = "auto", margin_column: Optional[str] = None,
                allowed: Optional[Sequence[str]] = None) -> list[Pair]:

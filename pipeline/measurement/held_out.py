@@ -18,6 +18,8 @@ from typing import Any, Callable, Iterable, Optional
 import torch
 
 from ..config import SamplingConfig
+from ..data.tokenizer import load_tokenizer
+from ..errors import CheckpointError
 from ..models.checkpoints import load_policy
 from ..models.reward_source import RewardModelSource
 from ..training.distributed import SINGLE, Context
@@ -33,6 +35,7 @@ def measure_against_sft(sft_dir: Path, policies: dict[str, Path], reward_dir: Pa
     SFT), every rank its share of the prompts, the models on its device in `dtype`, one trained
     policy at a time. Keys in report order: sft, best_of_<n> by n, then `policies` as given."""
     sft, tok = load_policy(sft_dir, trust_remote_code, dtype)
+    same_vocabulary(tok, sft_dir, policies, trust_remote_code)   # before minutes of sampling
     sft = sft.to(ctx.device)
     reward = RewardModelSource(reward_dir, reward_max_length, trust_remote_code, device=ctx.device, dtype=dtype)
     per = measure_policies([Policy("sft", sft, seed)], tok, prompts, sampling, ctx=ctx, reward=reward, ref=sft,
@@ -47,6 +50,19 @@ def measure_against_sft(sft_dir: Path, policies: dict[str, Path], reward_dir: Pa
                                     reward=reward, ref=sft, judge=judge))
         del policy
     return per
+
+
+def same_vocabulary(tok: Any, sft_dir: Path, policies: dict[str, Path], trust_remote_code: bool) -> None:
+    """Every policy speaks the SFT policy's token ids (its responses are decoded with the SFT
+    tokenizer and its KL to SFT compared token by token); a folder that does not, or is no
+    checkpoint, is one CheckpointError naming it, before anything is sampled."""
+    vocab = tok.get_vocab()
+    for name, folder in policies.items():
+        other = load_tokenizer(folder, trust_remote_code).get_vocab()
+        if other != vocab:
+            raise CheckpointError(f"{folder}: the {name} policy's vocabulary differs from the SFT policy's at "
+                                  f"{sft_dir} ({len(other)} tokens, SFT {len(vocab)}); compare measures policies "
+                                  "fine-tuned from that SFT model")
 
 
 def summarise(per: dict[str, Measured], n_boot: int, seed: int, versus: Iterable[str]) -> dict[str, Any]:

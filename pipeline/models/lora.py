@@ -13,6 +13,7 @@ from pathlib import Path
 import torch
 
 from ..config import LoraConfig
+from ..errors import ConfigError, shown
 from ..files import atomic_dir
 
 
@@ -22,18 +23,33 @@ def targets(cfg: LoraConfig) -> str | list[str]:
     return [m.strip() for m in cfg.target_modules.split(",") if m.strip()]
 
 
-def wrap(model: torch.nn.Module, cfg: LoraConfig, task_type: str) -> torch.nn.Module:
+def wrap(model: torch.nn.Module, cfg: LoraConfig, task_type: str, key: str) -> torch.nn.Module:
     """`model` with fresh adapters (B = 0, so its outputs are unchanged); identity when r = 0.
 
     task_type "SEQ_CLS" also trains the scalar `score` head in full (PEFT's modules_to_save):
-    a reward model or critic head is new and small."""
+    a reward model or critic head is new and small. `key` names the section's LoRA settings
+    (`sft.lora`) for the error when `target_modules` names no layer of the model."""
     if not cfg.enabled:
         return model
     from peft import LoraConfig as PeftLora, get_peft_model
 
-    peft_cfg = PeftLora(r=cfg.r, lora_alpha=cfg.alpha, lora_dropout=cfg.dropout, target_modules=targets(cfg),
+    wanted = targets(cfg)
+    if wanted != "all-linear":
+        # PEFT matches a target against the last part of a module's name; the layers with a weight
+        # matrix (Linear, GPT-2's Conv1D, embeddings) are what a user may mean.
+        names = {name.rsplit(".", 1)[-1] for name, _ in model.named_modules()}
+        layers = sorted({name.rsplit(".", 1)[-1] for name, m in model.named_modules()
+                         if getattr(getattr(m, "weight", None), "ndim", 0) == 2})
+        if not set(wanted) & names:
+            raise ConfigError(f"{key}.target_modules: {shown(cfg.target_modules)} names no layer of this model "
+                              f"(its layers with weights: {', '.join(layers)}; or all-linear)")
+    peft_cfg = PeftLora(r=cfg.r, lora_alpha=cfg.alpha, lora_dropout=cfg.dropout, target_modules=wanted,
                         task_type=task_type, modules_to_save=["score"] if task_type == "SEQ_CLS" else None)
-    return get_peft_model(model, peft_cfg)
+    try:
+        return get_peft_model(model, peft_cfg)
+    except ValueError as err:   # e.g. a target that is a layer PEFT cannot adapt (an activation, a norm)
+        raise ConfigError(f"{key}.target_modules: {shown(cfg.target_modules)}: "
+                          f"{shown(str(err).splitlines()[0] if str(err) else type(err).__name__, 200)}") from None
 
 
 def is_peft(model: torch.nn.Module) -> bool:

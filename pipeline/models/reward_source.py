@@ -12,6 +12,9 @@ from __future__ import annotations
 
 import contextlib
 import math
+import os
+import signal
+import threading
 from pathlib import Path
 from typing import Any, Callable, Iterator, Protocol, Sequence
 
@@ -63,21 +66,18 @@ class RewardModelSource:
 class FunctionSource:
     """Scores from `module:function(prompts, responses) -> sequence of floats`."""
 
-    def __init__(self, spec: str, probe: tuple[str, str] | None = None, key: str = "ppo.reward_source"):
-        """`key`: the params key that named the function (`<section>.reward_source`), for errors."""
+    def __init__(self, spec: str, probe: tuple[str, str] | None = None, key: str = "ppo.reward_source",
+                 timeout: float = 600.0):
+        """`key`: the params key that named the function (`<section>.reward_source`), for errors;
+        `timeout`: seconds one call may take (`<section>.reward_timeout`)."""
         self.fn: Callable[[list[str], list[str]], Sequence[float]] = reward_function(spec, key)
-        self.spec, self.key = spec, key
+        self.spec, self.key, self.timeout = spec, key, timeout
         if probe is not None:   # one call before any training: a wrong contract fails in seconds
-            try:
-                self.score([probe[0]], [probe[1]])
-            except ConfigError:
-                raise
-            except Exception as err:   # noqa: BLE001 - the user's function failed on the probe
-                raise ConfigError(f"{key}: {shown(spec)!r} failed on a probe pair "
-                                  f"({type(err).__name__}: {shown(str(err), 120)})") from None
+            self.score([probe[0]], [probe[1]], "a probe pair")
 
-    def score(self, prompts: list[str], responses: list[str]) -> torch.Tensor:
-        out = self.fn(prompts, responses)
+    def score(self, prompts: list[str], responses: list[str], what: str = "") -> torch.Tensor:
+        with user_code(self.key, self.spec, self.timeout, what or f"{len(prompts)} pair(s)"):
+            out = self.fn(prompts, responses)
         try:
             values = [float(v) for v in out]
         except (TypeError, ValueError):
@@ -89,9 +89,52 @@ class FunctionSource:
         return torch.tensor(values, dtype=torch.float32)
 
 
+class _OutOfTime(Exception):
+    pass
+
+
+@contextlib.contextmanager
+def user_code(key: str, spec: str, timeout: float, what: str) -> Iterator[None]:
+    """The one guard around a call of the user's function: whatever it raises, an attempt to exit
+    the interpreter (sys.exit, os._exit) and a call longer than `timeout` seconds become one
+    ConfigError naming `key`. The time bound is a SIGALRM timer, so it holds in the main thread of
+    the process (where stages run) and for code that returns to Python now and then; elsewhere
+    the call runs unbounded."""
+    def out_of_time(signum, frame):
+        raise _OutOfTime
+
+    def no_exit(code=0):
+        raise SystemExit(code)
+
+    timed = threading.current_thread() is threading.main_thread()
+    if timed:
+        previous = signal.signal(signal.SIGALRM, out_of_time)
+        signal.setitimer(signal.ITIMER_REAL, timeout)
+    real_exit, os._exit = os._exit, no_exit   # an os._exit would end the process as if it had finished
+    try:
+        yield
+    except _OutOfTime:
+        raise ConfigError(f"{key}: {shown(spec)!r} did not return within {timeout:g} s on {what} "
+                          f"(raise the bound with the section's reward_timeout)") from None
+    except SystemExit as err:
+        raise ConfigError(f"{key}: {shown(spec)!r} tried to exit the interpreter (exit code {shown(err.code)}) "
+                          f"on {what}; a reward function must return its scores") from None
+    except ConfigError:
+        raise
+    except Exception as err:   # noqa: BLE001 - the user's function failed: one line, not a traceback
+        raise ConfigError(f"{key}: {shown(spec)!r} failed on {what} "
+                          f"({type(err).__name__}: {shown(str(err), 120)})") from None
+    finally:
+        os._exit = real_exit
+        if timed:
+            signal.setitimer(signal.ITIMER_REAL, 0)
+            signal.signal(signal.SIGALRM, previous)
+
+
 def make_reward_source(spec: str, reward_dir: Path, max_length: int, trust_remote_code: bool,
                        place: Callable[[torch.nn.Module], Any] | None = None,
-                       dtype: torch.dtype | None = None, key: str = "ppo.reward_source") -> RewardSource:
+                       dtype: torch.dtype | None = None, key: str = "ppo.reward_source",
+                       timeout: float = 600.0) -> RewardSource:
     if spec == "reward_model":
         return RewardModelSource(reward_dir, max_length, trust_remote_code, place, dtype=dtype)
-    return FunctionSource(spec, key=key)
+    return FunctionSource(spec, key=key, timeout=timeout)

@@ -142,7 +142,7 @@ def place_models(params: Params, sft_dir: Path, reward_dir: Path, ctx: Context =
     memory = _MemoryMeter()
     with loading.partitioned(dist, ctx):
         actor_model, tok = load_policy(sft_dir, trust, trained)
-    actor_model = lora.wrap(actor_model, cfg.lora, "CAUSAL_LM")
+    actor_model = lora.wrap(actor_model, cfg.lora, "CAUSAL_LM", f"{section}.lora")
     # Dropout off in the trained models too: PPO's ratio must be exactly 1 before the first update.
     actor_model.eval()
     actor = make_engine(actor_model, lr=cfg.lr, **engine_settings)
@@ -169,7 +169,7 @@ def place_models(params: Params, sft_dir: Path, reward_dir: Path, ctx: Context =
             ref = ref_holder.model
         memory.mark("reference")
         reward = make_reward_source(cfg.reward_source, reward_dir, params.reward.max_length, trust, place_frozen,
-                                    frozen_dtype, key=f"{section}.reward_source")
+                                    frozen_dtype, key=f"{section}.reward_source", timeout=cfg.reward_timeout)
         memory.mark("reward")
         auditor = None
         if cfg.detector.enabled and cfg.detector.auditor is not None:
@@ -194,7 +194,7 @@ def _critic(cfg: PPOConfig, actor: TrainEngine, vocab_size: int, sft_dir: Path, 
         if critic_model.config.vocab_size != vocab_size:
             raise CheckpointError(f"{cfg._section}.critic_init: the critic ({reward_dir}) and the actor ({sft_dir}) have "
                                   "different vocabularies; use critic_init: sft")
-        critic_model = lora.wrap(critic_model, cfg.critic_lora, "SEQ_CLS")
+        critic_model = lora.wrap(critic_model, cfg.critic_lora, "SEQ_CLS", f"{cfg._section}.critic_lora")
     critic_model.eval()
     return make_engine(critic_model, lr=cfg.critic_lr, **engine_settings)
 

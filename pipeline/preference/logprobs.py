@@ -19,7 +19,7 @@ import torch
 
 from ..data.inputs import fit_lengths
 from ..data.padding import left_pad, positions, right_pad
-from ..data.preferences import Pair
+from ..data.preferences import Pair, check_distinct
 from ..data.tokenizer import cut_prompt, encode_prompt, encode_response
 from ..errors import DataError
 from ..models.logprobs import logprobs_from_logits, response_logits
@@ -39,16 +39,20 @@ class TokenPair:
 
 
 def fit_pairs(pairs: list[Pair], tok, max_length: int, overlong: str,
-              section: str) -> tuple[list[tuple[Pair, TokenPair]], int, int]:
+              section: str, distinct: bool = True) -> tuple[list[tuple[Pair, TokenPair]], int, int]:
     """Pairs as token ids, each with the pair it came from. One whose prompt + longer response
     exceeds `max_length` keeps both responses whole and its prompt's template and loses the left
     end of the user text (`truncate`, tokenizer.cut_prompt: the log-probs are of the whole
     responses, as the losses need), is left out (`drop`), or is an error naming it (`error`); a
     response that alone leaves no room for a prompt token is an error under `truncate`. Errors name
-    `section`'s keys (`<section>.max_length`, `<section>.overlong`). Returns the kept pairs and how
-    many were truncated and dropped."""
+    `section`'s keys (`<section>.max_length`, `<section>.overlong`). With `distinct`, a pair whose
+    responses tokenize alike is an error (data.preferences.check_distinct; KTO's examples are no
+    pairs: their second response is another example's). Returns the kept pairs and how many were
+    truncated and dropped."""
     encoded = [(p, encode_prompt(tok, p.prompt), encode_response(tok, p.chosen), encode_response(tok, p.rejected))
                for p in pairs]
+    for pair, _, chosen, rejected in encoded if distinct else ():
+        check_distinct(pair.where, chosen, rejected)
     kept, truncated, dropped = fit_lengths(encoded, lambda e: len(e[1]) + max(len(e[2]), len(e[3])),
                                            max_length, overlong, f"{section}.max_length", where=lambda e: e[0].where)
     out = []

@@ -20,14 +20,14 @@ gold_vs_kl.png (score against KL to SFT: a point per method, best-of-n as a curv
 
 from __future__ import annotations
 
-import json
+import re
 from pathlib import Path
 from typing import Any, Optional, Sequence
 
 from ..config import Params
 from ..data import inputs
-from ..files import atomic_write_text
-from ..errors import ConfigError
+from ..files import atomic_write_text, read_json_object
+from ..errors import ConfigError, DataError, shown
 from ..measurement import held_out
 from ..measurement.plots import close_figure, plt, save_figure
 from ..tracking.sinks import StepLog
@@ -74,8 +74,11 @@ def parse_policies(specs: list[str]) -> dict[str, Path]:
         name, sep, folder = spec.partition("=")
         if not sep or not name or not folder:
             raise ConfigError(f"--policy {spec!r}: expected NAME=FOLDER, e.g. dpo=outputs/dpo/model")
-        if name == "sft" or name.startswith("best_of_") or "/" in name:
-            raise ConfigError(f"--policy {spec!r}: '{name}' is reserved or not a plain name")
+        if name == "sft" or name.startswith("best_of_"):
+            raise ConfigError(f"--policy {shown(repr(spec))}: '{name}' is reserved for the baselines")
+        if not re.fullmatch(r"[A-Za-z][A-Za-z0-9_-]{0,63}", name):   # it becomes a TSV cell, a metric and a file name
+            raise ConfigError(f"--policy {shown(repr(spec))}: a policy name is a letter, then letters, digits, _ or - "
+                              "(at most 64)")
         if name in out:
             raise ConfigError(f"--policy {spec!r}: '{name}' given twice")
         out[name] = Path(folder)
@@ -86,9 +89,11 @@ def stage_resources(policy_dir: Path) -> dict[str, float]:
     """The method stage's `resources/*` (its metrics.json sits next to its model folder); {} when
     the stage did not record them."""
     path = Path(policy_dir).parent / "metrics.json"
-    if not path.is_file():
+    if not path.exists():
         return {}
-    res = json.loads(path.read_text(encoding="utf-8")).get("resources") or {}
+    res = read_json_object(path, "method's metrics file").get("resources") or {}
+    if not isinstance(res, dict):
+        raise DataError(f"{path}: resources: expected a mapping, got {type(res).__name__}")
     return {k: float(res[k]) for k in RESOURCES if isinstance(res.get(k), (int, float))}
 
 
@@ -183,6 +188,7 @@ def run(params: Params, data_dir: Path, sft_dir: Path, reward_dir: Path, out: Pa
     for name, folder in methods.items():
         if not folder.is_dir():
             raise ConfigError(f"--policy {name}={folder}: no such folder (has that method's stage run?)")
+    resources = {name: stage_resources(folder) for name, folder in methods.items()}   # read before sampling
     with stage_run(SPEC, params, out, [data_dir, sft_dir, reward_dir, *methods.values(), params.prompts.dataset.path]) as run:
         p = run.params
         judge = inputs.judge(p)
@@ -198,7 +204,6 @@ def run(params: Params, data_dir: Path, sft_dir: Path, reward_dir: Path, out: Pa
             return {}
         m = held_out.summarise(per, cfg.bootstrap, cfg.seed, versus=[n for n in names if n != "sft"])
         m["n_prompts"] = len(prompts)
-        resources = {name: stage_resources(folder) for name, folder in methods.items()}
         for name, res in resources.items():
             m.update({f"{name}/stage_{k}": v for k, v in res.items()})
         scores = ["rm", "gold", "kl"] if judge else ["rm", "kl"]

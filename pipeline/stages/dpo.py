@@ -197,7 +197,7 @@ def train(run: StageRun, data_dir: Path, sft_dir: Path, progress: bool = True) -
     train_tok, n_trunc, n_drop = tokenize_pairs(train_pairs, tok, cfg.max_length, cfg.overlong)
     eval_tok, e_trunc, e_drop = tokenize_pairs(held_pairs, tok, cfg.max_length, cfg.overlong)
     torch.manual_seed(cfg.seed)
-    model = lora.wrap(model, cfg.lora, "CAUSAL_LM")
+    model = lora.wrap(model, cfg.lora, "CAUSAL_LM", "dpo.lora")
     pad, width = tok.pad_token_id, 2 * cfg.batch_size
 
     def task(engine, micro: int) -> SupervisedTask:

@@ -306,12 +306,12 @@ def train(run: StageRun, data_dir: Path, sft_dir: Path, progress: bool = True) -
     # 2. The policy and its examples (own and mismatched response as one pair of token ids).
     with loading.partitioned(cfg.distributed, ctx):   # ZeRO-3: each rank loads its partition only
         model, tok = load_policy(sft_dir, params.model.trust_remote_code, loading.load_dtype(cfg.distributed, True))
-    train_fit, n_trunc, n_drop = fit_pairs(train_u, tok, cfg.max_length, cfg.overlong, "kto")
-    eval_fit, e_trunc, e_drop = fit_pairs(held_u, tok, cfg.max_length, cfg.overlong, "kto")
+    train_fit, n_trunc, n_drop = fit_pairs(train_u, tok, cfg.max_length, cfg.overlong, "kto", distinct=False)
+    eval_fit, e_trunc, e_drop = fit_pairs(held_u, tok, cfg.max_length, cfg.overlong, "kto", distinct=False)
     train_tok, train_good = [t for _, t in train_fit], [p.margin > 0 for p, _ in train_fit]
     eval_tok, eval_good = [t for _, t in eval_fit], [p.margin > 0 for p, _ in eval_fit]
     torch.manual_seed(cfg.seed)
-    model = lora.wrap(model, cfg.lora, "CAUSAL_LM")
+    model = lora.wrap(model, cfg.lora, "CAUSAL_LM", "kto.lora")
     pad, width = tok.pad_token_id, 2 * cfg.batch_size
 
     def task(engine, micro: int) -> SupervisedTask:

@@ -159,7 +159,8 @@ def _run(run: StageRun, data_dir: Path, sft_dir: Path, reward_dir: Path, progres
     eval_prompts = inputs.prompt_records(params, data_dir, "eval")[:cfg.n_eval_prompts]
     judge = inputs.judge(params)
     if cfg.reward_source != "reward_model":   # its contract, on one probe pair, before any model is built
-        FunctionSource(cfg.reward_source, probe=(prompts[0][1], "a probe response ."), key=f"{section}.reward_source")
+        FunctionSource(cfg.reward_source, probe=(prompts[0][1], "a probe response ."), key=f"{section}.reward_source",
+                       timeout=cfg.reward_timeout)
     models = place_models(params, sft_dir, reward_dir, ctx, section)
     prompts, n_trunc, n_drop = inputs.fit_prompts(prompts, models.tok, cfg.max_prompt_length, cfg.overlong,
                                                   f"{section}.max_prompt_length")

@@ -21,7 +21,7 @@ from ..config import Params
 from ..data import inputs
 from ..files import read_json_object
 from ..errors import DataError, shown
-from ..data.preferences import Pair
+from ..data.preferences import Pair, check_distinct
 from ..measurement.plots import calibration_plot, close_figure
 from ..measurement.policy import Measured, measure, whole
 from ..models import lora
@@ -71,6 +71,8 @@ def fit_pairs(pairs: list[Pair], encoded: rm.EncodedPairs, overlong: str) -> tup
     prompt's left end cut (`truncate`, see reward_model.encode_pair_text) or left out (`drop`).
     Returns the pairs and how many were truncated and dropped. The ids are tokenised into
     `encoded`, which training then reuses."""
+    for p in pairs:
+        check_distinct(p.where, encoded.response_ids(p.chosen), encoded.response_ids(p.rejected))
     return inputs.fit_lengths(pairs, lambda p: encoded.length((p.prompt, p.chosen, p.rejected)), encoded.max_length,
                               overlong, "reward.max_length", where=lambda p: p.where)
 
@@ -221,7 +223,7 @@ def train(run: StageRun, data_dir: Path, sft_dir: Path, progress: bool = True):
         model, tok = rm.init_reward_model(init, cfg.seed, cfg.head_init_std, params.model.trust_remote_code,
                                           load_kwargs(params.model) if cfg.name_or_path is not None
                                           else {"dtype": loading.load_dtype(cfg.distributed, trained=True)})
-    model = lora.wrap(model, cfg.lora, "SEQ_CLS")
+    model = lora.wrap(model, cfg.lora, "SEQ_CLS", "reward.lora")
     encoded = rm.EncodedPairs(tok, cfg.max_length)      # every prompt and response tokenised once, not once per epoch
     train_pairs, n_trunc, n_drop = fit_pairs(train_pairs, encoded, cfg.overlong)
     held = held_out(params, data_dir, eval_pairs)

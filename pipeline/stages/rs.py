@@ -28,6 +28,7 @@ freed before the first training step (the memory plan counts the fine-tuning and
 from __future__ import annotations
 
 import logging
+import math
 from pathlib import Path
 from typing import Any, Optional
 
@@ -35,8 +36,8 @@ import torch
 
 from ..config import Params
 from ..data import inputs
-from ..files import parse_json, write_jsonl
-from ..errors import DataError, check_finite
+from ..files import parse_json, read_input, write_jsonl
+from ..errors import DataError, UserError, check_finite
 from ..data.records import tokenize_demonstrations
 from ..measurement.policy import Measured, candidates, measure_policies, sampled_metrics
 from ..measurement.stats import mean_ci
@@ -136,17 +137,28 @@ def write_winners(path: Path, fp: str, rows: list[dict], stats: dict[str, float]
 def read_winners(path: Path, fp: str) -> Optional[tuple[list[dict], dict[str, float]]]:
     """(rows, stats) of a winners file written for fingerprint `fp`; None when there is none, or it
     was written for other params, inputs or code (or cannot be read: it is then sampled again)."""
-    if not path.is_file():
+    if not path.exists():
         return None
     try:
-        header, *rows = [parse_json(line) for line in path.read_text(encoding="utf-8").splitlines() if line.strip()]
+        # The guarded reader (a regular file, of bounded size), then every field the stage uses
+        # checked: the file is ours, but a user may have edited, cut or replaced it.
+        text = read_input(path, "winners file").decode("utf-8")
+        header, *rows = [parse_json(line) for line in text.splitlines() if line.strip()]
         if header.get("fingerprint") != fp:
             log.warning("rs: %s was sampled with other params, inputs or code; sampling again", path)
             return None
-        if not rows or not all({"prompt", "response", "rm"} <= set(r) for r in rows):
-            raise ValueError("a row without prompt, response or rm")
-        return [{**r, "where": f"{path}:{i + 2}"} for i, r in enumerate(rows)], dict(header["stats"])
-    except (ValueError, AttributeError, KeyError, TypeError, UnicodeDecodeError) as err:
+        if not rows:
+            raise ValueError("no winners")
+        for i, r in enumerate(rows):
+            if not isinstance(r, dict) or not isinstance(r.get("response"), str) \
+                    or not isinstance(r.get("prompt"), (str, list)) or isinstance(r.get("rm"), bool) \
+                    or not isinstance(r.get("rm"), (int, float)) or not math.isfinite(r["rm"]):
+                raise ValueError(f"line {i + 2}: a winner needs a text prompt and response and a finite rm score")
+        stats = header["stats"]
+        if not isinstance(stats, dict) or not all(isinstance(v, (int, float)) for v in stats.values()):
+            raise ValueError("line 1: stats must map names to numbers")
+        return [{**r, "where": f"{path}:{i + 2}"} for i, r in enumerate(rows)], dict(stats)
+    except (UserError, ValueError, AttributeError, KeyError, TypeError, UnicodeDecodeError) as err:
         log.warning("rs: %s cannot be reused (%s); sampling again", path, err)
         return None
 
@@ -211,7 +223,7 @@ def train(run: StageRun, data_dir: Path, sft_dir: Path, reward_dir: Path,
     train_ex, n_trunc, n_drop = tokenize_demonstrations(rows, tok, cfg.max_length, source, cfg.overlong, "rs")
     eval_ex, _, _ = tokenize_demonstrations(eval_rows, tok, cfg.max_length, "sft held-out demonstrations",
                                             cfg.overlong, "rs")
-    model = lora.wrap(model, cfg.lora, "CAUSAL_LM")
+    model = lora.wrap(model, cfg.lora, "CAUSAL_LM", "rs.lora")
     torch.manual_seed(cfg.seed)
     recipe = supervised.Recipe(
         model, len(train_ex), lambda engine, micro: demonstrations.task("rs", engine, tok, train_ex, eval_ex, cfg, ctx),

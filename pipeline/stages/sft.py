@@ -63,7 +63,7 @@ def train(run: StageRun, data_dir: Path, progress: bool = True) -> tuple[Any, An
     pretrained = params.model.name_or_path is not None
     with loading.partitioned(cfg.distributed, ctx) if pretrained else contextlib.nullcontext():
         model, tok = init_policy(params.model, data_dir / "tokenizer", cfg.seed)
-    model = lora.wrap(model, cfg.lora, "CAUSAL_LM")
+    model = lora.wrap(model, cfg.lora, "CAUSAL_LM", "sft.lora")
     train_ex, n_trunc, n_drop = tokenize_demonstrations(train_rows, tok, cfg.max_length, source, cfg.overlong)
     eval_ex, _, _ = tokenize_demonstrations(eval_rows, tok, cfg.max_length, source, cfg.overlong)
 

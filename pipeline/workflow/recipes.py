@@ -18,7 +18,7 @@ from ruamel.yaml import YAML
 
 from ..config import Params, check_process_shape, from_dict, merge_distributed, read_yaml
 from . import cluster
-from ..errors import ConfigError
+from ..errors import ConfigError, shown
 from ..files import atomic_write_text
 
 FOLDER = Path(__file__).resolve().parents[2] / "recipes"
@@ -61,11 +61,15 @@ def render(name: str, params_path: Path, shapes: Sequence[str] = ()) -> tuple[st
     """The params file with recipe `name` merged in, as text, its validated Params (`shapes`: the
     stages whose batch sizes are checked against their processes, as loading checks them), and the
     recipe's SLURM jobs (`slurm`: Snakemake resources per stage; empty when it has none)."""
+    if name not in names():   # a name, never a path: `../params` would be the repository's own params.yaml
+        raise ConfigError(f"recipe {shown(name)}: no such recipe (known: {', '.join(names())}); "
+                          "a recipe is named by its file in recipes/, without .yaml")
     recipe = FOLDER / f"{name}.yaml"
-    if not recipe.is_file():
-        raise ConfigError(f"recipe {name!r}: no such recipe (known: {', '.join(names())})")
+    read_yaml(params_path)   # the guarded reader first: a file that is not YAML is one line naming it
     yaml = _round_trip()
     base = yaml.load(Path(params_path).read_text(encoding="utf-8"))
+    if not isinstance(base, Mapping):
+        raise ConfigError(f"{params_path}: expected a mapping of params sections, got {type(base).__name__}")
     changes = dict(read_yaml(recipe) or {})
     jobs = changes.pop("slurm", None) or {}
     _merge(base, changes)
@@ -96,6 +100,8 @@ def apply(name: str, params_path: Path, out: Path, shapes: Sequence[str] = (),
     """Write the merged params to `out`; a recipe's SLURM jobs go into the profile beside `out`
     (profiles/slurm/config.yaml), after the shape check of `cluster_stages`' jobs, so neither file
     is written when it fails. Returns the files written. (`shapes` as for `render`.)"""
+    if Path(out).is_dir():
+        raise ConfigError(f"--out {out}: is a folder; name the params file to write")
     text, params, jobs = render(name, params_path, shapes)
     profile = Path(out).parent / cluster.PROFILE
     profile_text = None

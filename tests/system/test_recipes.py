@@ -78,7 +78,7 @@ def test_recipe_command_writes_params_and_snakemake_plans_the_stages(tmp_path):
 
 
 def test_unknown_recipe_and_bad_recipe_values(tmp_path, monkeypatch):
-    with pytest.raises(ConfigError, match=r"recipe 'nope': no such recipe \(known: demo, hh-rlhf-pythia-1.4b, tldr-pythia-1b\)"):
+    with pytest.raises(ConfigError, match=r"recipe nope: no such recipe \(known: demo, hh-rlhf-pythia-1.4b, tldr-pythia-1b\)"):
         recipes.render("nope", REPO / "params.yaml")
     folder = tmp_path / "recipes"
     folder.mkdir()

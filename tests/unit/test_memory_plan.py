@@ -169,7 +169,7 @@ def test_shape_counts_equal_the_built_model(cfg):
     assert shape.checkpointing   # both classes support gradient checkpointing
     assert shape.params == sum({id(p): p.numel() for p in model.parameters()}.values())
     for lora in (LoraConfig(r=4), LoraConfig(r=2, target_modules="q_proj,v_proj,c_attn")):
-        peft_model = lora_mod.wrap(AutoModelForCausalLM.from_config(cfg), lora, "CAUSAL_LM")
+        peft_model = lora_mod.wrap(AutoModelForCausalLM.from_config(cfg), lora, "CAUSAL_LM", "sft.lora")
         trainable, _ = lora_mod.count_trainable(peft_model)
         assert shape.adapter_params(lora) == trainable
 
