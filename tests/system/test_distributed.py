@@ -1,5 +1,5 @@
-"""Scaling out on CPU: DeepSpeed engines in 1 and 2 processes (gloo), ZeRO-2/3, LoRA, the generated
-DeepSpeed configs, the launch commands, and a killed-then-resumed 2-process PPO run.
+"""Scaling out on CPU: DeepSpeed engines in 1 and 2 processes (gloo), ZeRO-2/3, two nodes (two launches on
+this host), LoRA, the generated DeepSpeed configs, the launch commands, and a killed-then-resumed 2-process PPO run.
 
 The multi-process tests run the real stage command (`python -m pipeline <stage>`), which re-runs
 itself under torchrun, on tiny params. The first DeepSpeed start on a machine compiles a small
@@ -79,13 +79,21 @@ def root(tmp_path_factory) -> Path:
 ZERO2_2PROC = {"distributed": {"backend": "deepspeed", "zero_stage": 2, "num_processes": 2}}
 
 
+def one_node(root: Path, name: str, zero: int) -> str:
+    """The folder of stage `name` run on one node with two processes at ZeRO-`zero` (run once per
+    module: the tests comparing against it share it)."""
+    out = f"{name}_1n_z{zero}"
+    if not (root / out / "metrics.json").exists():
+        p = params_file(root, f"one_node_z{zero}", {"distributed": {"backend": "deepspeed", "zero_stage": zero,
+                                                                    "num_processes": 2}})
+        assert "launching 2 processes" in stage(name, p, root, out).stdout
+    return out
+
+
 def test_two_process_zero2_sft_and_rm_match_one_process(root):
-    p = params_file(root, "zero2", ZERO2_2PROC)
-    proc = stage("sft", p, root, "sft2")
-    assert "launching 2 processes" in proc.stdout
-    stage("reward", p, root, "rm2")
-    for one, two, keys in (("sft", "sft2", ("loss", "grad_norm", "lr")),
-                           ("rm", "rm2", ("loss", "accuracy", "grad_norm", "lr"))):
+    sft2, rm2 = one_node(root, "sft", 2), one_node(root, "reward", 2)
+    for one, two, keys in (("sft", sft2, ("loss", "grad_norm", "lr")),
+                           ("rm", rm2, ("loss", "accuracy", "grad_norm", "lr"))):
         a, b = tsv(root / one / "train.tsv"), tsv(root / two / "train.tsv")
         assert len(a) == len(b) == {"sft": 4, "rm": 3}[one]   # 64 demos, 48 pairs / global batch 16
         for ra, rb in zip(a, b):
@@ -94,11 +102,11 @@ def test_two_process_zero2_sft_and_rm_match_one_process(root):
         assert abs(tsv(root / one / "eval.tsv")[-1]["loss"] - tsv(root / two / "eval.tsv")[-1]["loss"]) <= LOSS_TOL
     # Training moved the weights (the comparison is not between two untrained models).
     assert tsv(root / "sft" / "train.tsv")[-1]["loss"] < tsv(root / "sft" / "train.tsv")[0]["loss"]
-    ds = json.loads((root / "sft2" / "deepspeed_config.json").read_text())
+    ds = json.loads((root / sft2 / "deepspeed_config.json").read_text())
     assert ds["zero_optimization"]["stage"] == 2
     assert (ds["train_batch_size"], ds["train_micro_batch_size_per_gpu"], ds["gradient_accumulation_steps"]) == (16, 8, 1)
     # Only rank 0 wrote, and what it wrote loads as a plain HF model.
-    AutoModelForCausalLM.from_pretrained(str(root / "sft2" / "model"))
+    AutoModelForCausalLM.from_pretrained(str(root / sft2 / "model"))
     assert not (root / "sft" / "deepspeed_config.json").exists()
 
 
@@ -143,27 +151,26 @@ def test_zero3_offload_under_the_deepspeed_launcher_and_bf16(root):
 
 def test_two_process_ppo_zero2_and_zero3_agree(root):
     runs = {}
-    for name, stage_no in (("ppo_z2", 2), ("ppo_z3", 3)):
-        p = params_file(root, name, {"distributed": {"backend": "deepspeed", "zero_stage": stage_no, "num_processes": 2}})
-        stage("ppo", p, root, name)
-        runs[name] = tsv(root / name / "train.tsv")
+    folders = {"ppo_z2": one_node(root, "ppo", 2), "ppo_z3": one_node(root, "ppo", 3)}
+    for name in folders:
+        runs[name] = tsv(root / folders[name] / "train.tsv")
         assert [r["step"] for r in runs[name]] == [1, 2, 3]
         # Both ranks contributed: the update saw the whole global batch of 8 rollouts (4 per rank).
         assert all(r["rollouts"] == 8 for r in runs[name])
     for a, b in zip(runs["ppo_z2"], runs["ppo_z3"]):
         for k in ("objective/scores", "objective/kl", "loss/policy", "loss/value", "val/vpred"):
             assert abs(a[k] - b[k]) <= 1e-4 * max(1.0, abs(a[k])), (k, a[k], b[k])
-    ds = json.loads((root / "ppo_z3" / "deepspeed_config.json").read_text())
+    ds = json.loads((root / folders["ppo_z3"] / "deepspeed_config.json").read_text())
     # Reference and reward model were ZeRO-3 inference engines (partitioned, no optimizer).
     assert ds["frozen"]["zero_optimization"]["stage"] == 3 and "optimizer" not in ds["frozen"]
     assert ds["actor"]["zero_optimization"]["stage"] == 3
-    assert json.loads((root / "ppo_z2" / "deepspeed_config.json").read_text())["frozen"] is None   # replicated
-    metrics = json.loads((root / "ppo_z3" / "metrics.json").read_text())
+    assert json.loads((root / folders["ppo_z2"] / "deepspeed_config.json").read_text())["frozen"] is None   # replicated
+    metrics = json.loads((root / folders["ppo_z3"] / "metrics.json").read_text())
     # The held-out comparison ran where the models were (ZeRO-3: each gathered in turn), shared out
     # over both ranks: the reference against itself has KL exactly 0, and ZeRO-2 measured the same.
     # (A policy three small updates from SFT draws, from the same per-prompt streams, nearly SFT's
     # responses: its sampled KL estimate sits at 0 and may fall a hair below it.)
-    z2 = json.loads((root / "ppo_z2" / "metrics.json").read_text())["eval"]
+    z2 = json.loads((root / folders["ppo_z2"] / "metrics.json").read_text())["eval"]
     assert metrics["eval"]["kl_sft"] == 0.0 and "gold_gain" in metrics["eval"]
     for key in ("kl_ppo", "rm_ppo", "rm_sft", "gold_ppo"):
         assert abs(metrics["eval"][key] - z2[key]) <= 1e-4 * max(1.0, abs(z2[key])), key
@@ -203,6 +210,53 @@ def test_two_process_ppo_killed_then_resumed_equals_uninterrupted(root, tmp_path
     wa = AutoModelForCausalLM.from_pretrained(str(root / "full/model")).state_dict()
     wb = AutoModelForCausalLM.from_pretrained(str(root / "resumed/model")).state_dict()
     assert all(torch.equal(wa[k], wb[k]) for k in wa)
+
+
+# ---- Two nodes ----------------------------------------------------------------------------------
+
+
+def two_nodes(name: str, params: Path, root: Path, out: str) -> list[str]:
+    """The stage command twice at once on this host, as node 1 and node 0 of a two-node job (each
+    starts torchrun with one process; master 127.0.0.1, gloo); what each printed."""
+    with_rm = ["--data", "data", "--sft", "sft/model", "--reward", "rm/model"]
+    paths = {"sft": ["--data", "data"], "reward": ["--data", "data", "--sft", "sft/model"], "ppo": with_rm}[name]
+    cmd = [sys.executable, "-m", "pipeline", name, "--params", str(params), *paths, "--out", out, "--no-progress",
+           "--master-addr", "127.0.0.1"]
+    env = {**run_env(), "PYTHONPATH": str(REPO)}
+    env.setdefault("TORCH_EXTENSIONS_DIR", str(REPO / ".cache" / "torch_extensions"))
+    procs = [subprocess.Popen([*cmd, "--node-rank", str(rank)], cwd=root, env=env, stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True) for rank in (1, 0)]
+    printed = []
+    for proc in procs:
+        out_, err = proc.communicate(timeout=900)
+        assert proc.returncode == 0, f"{name} node: exit {proc.returncode}\n{out_[-2000:]}\n{err[-4000:]}"
+        printed.append(out_ + err)
+    return printed
+
+
+@pytest.mark.parametrize("zero", [2, 3])
+def test_two_nodes_train_sft_rm_and_ppo_as_one_node_of_two_processes_does(root, zero, monkeypatch):
+    """Two launches as nodes 0 and 1 (`num_nodes: 2`, one process each) equal, bit for bit, one node
+    with two processes: the same two ranks doing the same sums in the same order; only how they were
+    started differs. (On two hosts with different CPUs the bits could differ; the maths would not.)"""
+    # torchrun sets OMP_NUM_THREADS=1 for its processes only when it starts several per node: the
+    # one-node run would train at 1 thread and the two-node run (one process per node) at all cores,
+    # which changes PPO's float sums. Both at 1 thread, as the test workers run.
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+    two = params_file(root, f"two_nodes_z{zero}", {"distributed": {"backend": "deepspeed", "zero_stage": zero,
+                                                                   "num_processes": 1, "num_nodes": 2}})
+    for name in ("sft", "reward", "ppo"):
+        a, b = one_node(root, name, zero), f"{name}_2n_z{zero}"
+        node1, node0 = two_nodes(name, two, root, b)
+        for printed, rank in ((node0, 0), (node1, 1)):
+            assert f"--nnodes=2 --node_rank={rank} --master_addr=127.0.0.1" in printed, printed[-2000:]
+        assert f"{name}: wrote {b}" in node0 and f"{name}: wrote" not in node1   # rank 0 writes, on node 0
+        weights = [(root / f / "model/model.safetensors").read_bytes() for f in (a, b)]
+        assert weights[0] == weights[1], f"{name} ZeRO-{zero}: the two-node model differs from the one-node model"
+        timing = ("time/", "tokens_per_second", "seconds")
+        rows = [[{k: v for k, v in r.items() if not any(t in k for t in timing)} for r in tsv(root / f / "train.tsv")]
+                for f in (a, b)]
+        assert rows[0] == rows[1] and len(rows[1]) >= 3 and rows[1][0] != rows[1][-1], name   # and it trained
 
 
 # ---- LoRA ---------------------------------------------------------------------------------------
