@@ -98,7 +98,7 @@ TEST_WORKERS ?= 3
 test: install
 	@if [ "$$(id -u)" = 0 ]; then bash scripts/slurm-local.sh start; \
 	else echo "make test: not root: the SLURM tier runs only if a cluster already answers (scripts/slurm-local.sh needs root)"; fi
-	pytest -q -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder
+	pytest -q -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder --durations=15
 
 # Every stage on this machine's GPUs (one process; two over NCCL when two GPUs are visible) on a
 # locally built model: memory plan vs measured peak, tokens/s, MFU, log-prob differences; exit 1 on
