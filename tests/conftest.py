@@ -109,7 +109,8 @@ def tier_unavailable(tier: str, why: str) -> None:
     """Skip a test of `tier` with its reason, or fail it where PIPELINE_TESTS_REQUIRE names the tier
     (CI, whose machine can run it): there a tier that cannot run fails instead of hiding."""
     if tier in os.environ.get("PIPELINE_TESTS_REQUIRE", "").split(","):
-        pytest.fail(f"{why} (PIPELINE_TESTS_REQUIRE names {tier}: this machine must run the {tier} tier)")
+        label = {"slurm": "SLURM"}.get(tier, tier)
+        pytest.fail(f"{why} (PIPELINE_TESTS_REQUIRE names {tier}: this machine must run the {label} tier)")
     pytest.skip(why)
 
 
