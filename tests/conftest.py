@@ -176,6 +176,16 @@ def run(cmd: list[str], cwd: Path, check: bool = True, timeout: int = 900,
     return proc
 
 
+def wait_for(path: Path, proc: subprocess.Popen, timeout: float = 300) -> None:
+    """Wait until `path` exists (a process reached a point: a checkpoint saved, a hook's marker),
+    failing with the process's stderr if it ends first, or after `timeout` seconds."""
+    end = time.time() + timeout
+    while not path.exists():
+        assert proc.poll() is None, proc.communicate()[1][-3000:]
+        assert time.time() < end, f"{path} never appeared"
+        time.sleep(0.05)
+
+
 def copy_repo(dest: Path) -> Path:
     """A git repository holding this checkout's tracked and unignored files (not outputs, not .venv)."""
     files = subprocess.run(["git", "ls-files", "--cached", "--others", "--exclude-standard", "-z"],

@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 from ruamel.yaml import YAML
 
-from conftest import BIN, TINY, TinyRun, copy_run, run, run_env
+from conftest import BIN, TINY, TinyRun, copy_run, run, run_env, wait_for
 from pipeline import files
 from pipeline.config import DataConfig, Params, from_dict
 from pipeline.errors import BusyError
@@ -59,15 +59,6 @@ def _held_at_first_step(tmp_path: Path) -> tuple[Path, Path]:
     return hook, release
 
 
-def _wait(path: Path, proc: subprocess.Popen, timeout: float = 300) -> None:
-    import time
-    end = time.time() + timeout
-    while not path.exists():
-        assert proc.poll() is None, proc.communicate()[1][-3000:]
-        assert time.time() < end, f"{path} never appeared"
-        time.sleep(0.1)
-
-
 def _md5(folder: Path) -> str:
     return hashlib.md5((folder / "model.safetensors").read_bytes()).hexdigest()
 
@@ -98,7 +89,7 @@ def test_dvc_and_snakemake_refuse_to_run_beside_each_other_and_the_first_run_is_
         [snakemake, "--profile", "profiles/local", "--forcerun", "sft", "--until", "sft"]
     proc = subprocess.Popen(cmd, cwd=repo, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
-        _wait(hook / "in_loop", proc)
+        wait_for(hook / "in_loop", proc)
         # A second dvc repro: refused by DVC's locks (its rwlock while DVC runs a stage; its repository
         # lock, which Snakemake's onstart holds, while Snakemake runs).
         _one_line_error(run([dvc, "repro"], repo, check=False),

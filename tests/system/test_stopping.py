@@ -21,7 +21,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from conftest import REPO, TINY, free_port, merge, run_env, write_params
+from conftest import REPO, TINY, free_port, merge, run_env, wait_for, write_params
 from pipeline.config import DataConfig, Params, from_dict
 from pipeline.errors import Stopped
 from pipeline.ppo import trainer as ppo_trainer
@@ -169,14 +169,6 @@ def _slow_steps_hook(tmp_path: Path, seconds: float) -> Path:
     return hook
 
 
-def _wait_for(path: Path, proc: subprocess.Popen, timeout: float = 300) -> None:
-    end = time.time() + timeout
-    while not path.exists():
-        assert proc.poll() is None, proc.communicate()[1][-2000:]
-        assert time.time() < end, f"{path} never appeared"
-        time.sleep(0.05)
-
-
 def test_sigterm_from_outside_stops_the_command_with_75_and_a_second_signal_exits_at_once(data, tmp_path):
     params = tmp_path / "params.yaml"
     write_params(params, merge(TINY, {"sft": {"epochs": 2.0, "save_every": 2}}))
@@ -184,7 +176,7 @@ def test_sigterm_from_outside_stops_the_command_with_75_and_a_second_signal_exit
     cmd = [sys.executable, "-m", "pipeline", "sft", "--params", str(params), "--data", str(data),
            "--out", str(tmp_path / "out"), "--no-progress"]
     proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    _wait_for(tmp_path / "out/checkpoint/state.json", proc)   # the save of step 2: inside the loop
+    wait_for(tmp_path / "out/checkpoint/state.json", proc)   # the save of step 2: inside the loop
     proc.send_signal(signal.SIGTERM)
     _, err = proc.communicate(timeout=300)
     assert proc.returncode == 75, err[-2000:]
@@ -204,7 +196,7 @@ def test_sigterm_from_outside_stops_the_command_with_75_and_a_second_signal_exit
     proc = subprocess.Popen([*cmd[:-2], str(tmp_path / "again"), "--no-progress"],
                             env={**env, "PYTHONPATH": f"{hook}{os.pathsep}{REPO}"},
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    _wait_for(hook / "in_loop", proc)
+    wait_for(hook / "in_loop", proc)
     proc.send_signal(signal.SIGTERM)   # asks for a stop after this step (60 s away)
     time.sleep(1)
     started = time.time()
@@ -246,7 +238,7 @@ def test_the_warning_signal_to_the_launching_command_stops_both_ranks_of_ppo_at_
         "    trainer.PPOTrainer.step = slow\n")
     proc = subprocess.Popen(cmd("stopped"), env={**env, "PYTHONPATH": f"{hook}{os.pathsep}{REPO}"},
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    _wait_for(tmp_path / "stopped/checkpoint/state.json", proc, timeout=600)   # iteration 2 saved
+    wait_for(tmp_path / "stopped/checkpoint/state.json", proc, timeout=600)   # iteration 2 saved
     proc.send_signal(signal.SIGUSR1)
     _, err = proc.communicate(timeout=600)
     assert proc.returncode == 75, err[-3000:]
