@@ -87,7 +87,7 @@ docs:
 offline-page: install
 	$(BIN)/python scripts/dvc_offline_page.py
 
-# The tests include a real SLURM run: scripts/slurm-local.sh starts a one-node cluster on this
+# The tests include a real SLURM run: scripts/slurm-local.sh starts a local cluster on this
 # machine (installing slurm-wlm with apt if needed; root), and does nothing if one is running.
 # TEST_WORKERS pytest-xdist processes, one test file each at a time (a file's module fixtures are
 # built once); 0 runs them in this one process. Each runs torch at one thread; three on two cores,

@@ -1,20 +1,26 @@
 #!/usr/bin/env bash
-# A single-node SLURM cluster on this machine (Debian 12, slurm-wlm 22.05), for the Snakemake
-# tests and for trying the cluster workflow on a workstation.
+# A small SLURM cluster on this machine (Debian 12, slurm-wlm 22.05), for the Snakemake tests and
+# for trying the cluster workflow on a workstation.
 #
 #   bash scripts/slurm-local.sh start    # install slurm-wlm if needed, write the config, start daemons
 #   bash scripts/slurm-local.sh stop     # stop the daemons
 #   bash scripts/slurm-local.sh status   # sinfo
 #
 # Minimal on purpose: no munge (AuthType=auth/none, CredType=cred/none work in 22.05), no
-# accounting (so sacct is off: Snakemake is told to use squeue), one node = this machine with its
-# CPUs and memory as `slurmd -C` reports them. Needs root (it writes /etc/slurm/slurm.conf,
-# which must stay at that path: the job-step plugin ignores SLURM_CONF).
+# accounting (so sacct is off: Snakemake is told to use squeue). The default partition `local` is
+# one node = this machine with its CPUs and memory as `slurmd -C` reports them. The partition `two`
+# adds a second node, `<host>-2`: a second slurmd on this same host (its own port, spool and log),
+# so a job can ask for two nodes and its `srun` starts one task on each, as on two machines. Both
+# nodes count this machine's CPUs, so a two-node job shares them with whatever runs on `local`.
+# Needs root (it writes /etc/slurm/slurm.conf, which must stay at that path: the job-step plugin
+# ignores SLURM_CONF).
 set -euo pipefail
 
 CONF=/etc/slurm/slurm.conf
 STATE=/var/spool/slurm-local
 LOGS=/var/log/slurm-local
+
+node_name() { slurmd -C | head -1 | sed 's/^NodeName=\([^ ]*\).*/\1/'; }
 
 need_root() { [ "$(id -u)" -eq 0 ] || { echo "slurm-local: needs root" >&2; exit 1; }; }
 
@@ -26,13 +32,14 @@ install() {
 }
 
 write_conf() {
-    local node host
+    local node name host
     host=$(hostname -s)
-    # slurmd -C: "NodeName=<host> CPUs=... RealMemory=..." for this machine.
+    # slurmd -C: "NodeName=<host> CPUs=... RealMemory=..." for this machine (the line's rest: UpTime).
     node=$(slurmd -C | head -1)
-    mkdir -p /etc/slurm "$STATE/ctld" "$STATE/d" "$LOGS"
+    name=$(node_name)
+    mkdir -p /etc/slurm "$STATE/ctld" "$STATE/d-$name" "$STATE/d-$name-2" "$LOGS"
     cat > "$CONF" <<CONF
-# Written by scripts/slurm-local.sh: a one-node test cluster.
+# Written by scripts/slurm-local.sh: a test cluster on this one machine (partition two: two nodes).
 ClusterName=local
 SlurmctldHost=$host
 SlurmUser=root
@@ -49,14 +56,16 @@ JobAcctGatherType=jobacct_gather/none
 AccountingStorageType=accounting_storage/none
 JobCompType=jobcomp/none
 StateSaveLocation=$STATE/ctld
-SlurmdSpoolDir=$STATE/d
+SlurmdSpoolDir=$STATE/d-%n
 SlurmctldPidFile=$STATE/slurmctld.pid
-SlurmdPidFile=$STATE/slurmd.pid
+SlurmdPidFile=$STATE/slurmd-%n.pid
 SlurmctldLogFile=$LOGS/slurmctld.log
-SlurmdLogFile=$LOGS/slurmd.log
+SlurmdLogFile=$LOGS/slurmd-%n.log
 MinJobAge=300
-$node State=UNKNOWN
-PartitionName=local Nodes=ALL Default=YES MaxTime=INFINITE State=UP
+$node Port=6818 State=UNKNOWN
+${node/NodeName=$name /NodeName=$name-2 NodeHostname=$host NodeAddr=127.0.0.1 } Port=6819 State=UNKNOWN
+PartitionName=local Nodes=$name Default=YES MaxTime=INFINITE State=UP
+PartitionName=two Nodes=$name,$name-2 MaxTime=INFINITE State=UP
 CONF
 }
 
@@ -64,15 +73,20 @@ start() {
     need_root
     install
     if scontrol ping 2>/dev/null | grep -q "is UP"; then
-        echo "slurm-local: already running"; sinfo; return
+        if [ -n "$(sinfo -h -p two 2>/dev/null)" ] || ! grep -q "^# Written by scripts/slurm-local.sh" "$CONF"; then
+            echo "slurm-local: already running"; sinfo; return
+        fi
+        echo "slurm-local: restarting a cluster of an older version of this script (one node)"
+        stop >/dev/null
     fi
     write_conf
     local node
-    node=$(slurmd -C | head -1 | sed 's/^NodeName=\([^ ]*\).*/\1/')
+    node=$(node_name)
     slurmctld -c            # -c: clear any previous state (jobs of an earlier test run)
     slurmd -N "$node"
+    slurmd -N "$node-2"
     for _ in $(seq 1 30); do
-        if sinfo -h -o "%T" 2>/dev/null | grep -qE "^(idle|mixed|allocated)"; then
+        if [ "$(sinfo -h -N -o "%N %T" 2>/dev/null | grep -cE " (idle|mixed|allocated)$")" -ge 2 ]; then
             sinfo; return
         fi
         sleep 1
@@ -84,7 +98,7 @@ start() {
 
 stop() {
     need_root
-    for pid in "$STATE/slurmd.pid" "$STATE/slurmctld.pid"; do
+    for pid in "$STATE"/slurmd*.pid "$STATE/slurmctld.pid"; do
         [ -f "$pid" ] && kill "$(cat "$pid")" 2>/dev/null || true
     done
     pkill -x slurmd 2>/dev/null || true

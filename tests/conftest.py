@@ -71,7 +71,7 @@ TINY = {
 
 def slurm_available() -> tuple[bool, str]:
     """(a SLURM cluster answers here, why not): a running one is used as it is; as root,
-    scripts/slurm-local.sh starts (and if need be installs) a one-node cluster on this machine."""
+    scripts/slurm-local.sh starts (and if need be installs) a cluster on this machine."""
     def up() -> bool:
         try:
             ping = subprocess.run(["scontrol", "ping"], capture_output=True, text=True, timeout=30)

@@ -19,7 +19,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from conftest import HELPERS, REPO, TINY, free_port, merge, run_env, write_params
+from conftest import BIN, HELPERS, REPO, TINY, free_port, merge, project_copy, run, run_env, write_params
 from pipeline.models import lora
 from pipeline.config import DistributedConfig, LoraConfig, Params, PPOConfig, SamplingConfig, from_dict
 from pipeline.training.distributed import launch_command, with_node
@@ -257,6 +257,36 @@ def test_two_nodes_train_sft_rm_and_ppo_as_one_node_of_two_processes_does(root, 
         rows = [[{k: v for k, v in r.items() if not any(t in k for t in timing)} for r in tsv(root / f / "train.tsv")]
                 for f in (a, b)]
         assert rows[0] == rows[1] and len(rows[1]) >= 3 and rows[1][0] != rows[1][-1], name   # and it trained
+
+
+@pytest.mark.slurm
+def test_two_slurm_nodes_train_sft_as_one_node_of_two_processes_does(root, tmp_path):
+    """The same through SLURM: the Snakemake profile's job for a `nodes: 2` stage (partition `two`
+    of the local cluster: two slurmd on this host, scripts/slurm-local.sh) starts the stage command
+    once per node with `srun`, each copy takes its node rank from SLURM_NODEID and rank 0's host from
+    the job's node list, and the model equals the one-node two-process model bit for bit."""
+    out = subprocess.run(["sinfo", "-h", "-p", "two", "-o", "%D"], capture_output=True, text=True).stdout.split()
+    if sum(int(n) for n in out) < 2:
+        import conftest
+        conftest.tier_unavailable("slurm", "SLURM tier: no partition `two` of two nodes here (scripts/slurm-local.sh "
+                                           "start makes one)")
+    one = one_node(root, "sft", 2)
+    two = {"backend": "deepspeed", "zero_stage": 2, "num_processes": 1, "num_nodes": 2, "master_port": free_port()}
+    repo = project_copy(tmp_path, "two_nodes", {"sft": {"distributed": two}},
+                        jobs={"sft": {"nodes": 2, "slurm_partition": "two", "cpus_per_task": 1, "mem_mb": 4000}})
+    env = {**run_env(), "OMP_NUM_THREADS": "1"}   # as torchrun gives each of the one-node run's two processes
+    env.setdefault("TORCH_EXTENSIONS_DIR", str(REPO / ".cache" / "torch_extensions"))
+    run([str(BIN / "snakemake"), "--profile", "profiles/slurm", "--slurm-init-seconds-before-status-checks", "1",
+         "--seconds-between-status-checks", "2", "sft"], repo, timeout=1200, env=env)
+    log = (repo / "logs/sft.log").read_text()
+    # Each node's copy launched its one local process as that node: both ranks of the job ran.
+    for rank in (0, 1):
+        assert f"--nnodes=2 --node_rank={rank} --master_addr=" in log, log[-3000:]
+    job = next((repo / "logs/slurm/rule_sft").glob("*.log")).stem
+    state = subprocess.run(["scontrol", "show", "job", job], capture_output=True, text=True).stdout
+    assert "JobState=COMPLETED" in state and "NumNodes=2" in state, state
+    weights = [(f / "model/model.safetensors").read_bytes() for f in (root / one, repo / "outputs/sft")]
+    assert weights[0] == weights[1], "the SLURM two-node SFT model differs from the one-node two-process model"
 
 
 # ---- LoRA ---------------------------------------------------------------------------------------
