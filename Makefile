@@ -95,10 +95,11 @@ offline-page: install
 # subprocesses starting, launchers meeting), and a third worker fills those waits. The files go out
 # in the order tests/conftest.py gives them (the SLURM tier's first).
 TEST_WORKERS ?= 3
+TEST_DURATIONS ?= 15
 test: install
 	@if [ "$$(id -u)" = 0 ]; then bash scripts/slurm-local.sh start; \
 	else echo "make test: not root: the SLURM tier runs only if a cluster already answers (scripts/slurm-local.sh needs root)"; fi
-	pytest -q -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder --durations=15
+	pytest -q -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder --durations=$(TEST_DURATIONS)
 
 # Every stage on this machine's GPUs (one process; two over NCCL when two GPUs are visible) on a
 # locally built model: memory plan vs measured peak, tokens/s, MFU, log-prob differences; exit 1 on

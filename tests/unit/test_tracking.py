@@ -11,6 +11,7 @@ import re
 import signal
 import socket
 import subprocess
+import threading
 import time
 import urllib.request
 from pathlib import Path
@@ -486,7 +487,10 @@ def test_parent_run_description_is_set_and_outage_tolerant(tmp_path, caplog):
             raise ConnectionError("server down")
     tracker.client = Down()
     tracker.set_description("anything")            # warns once, turns MLflow off, raises nothing
-    assert not tracker.enabled and len(_tracking_records(caplog)) == 1
+    # This thread's records only: an earlier test's MLflow client thread may still be retrying
+    # its stopped server (urllib3 warns from that thread) while this test runs in the same worker.
+    mine = [r for r in _tracking_records(caplog) if r.thread == threading.get_ident()]
+    assert not tracker.enabled and len(mine) == 1 and "describing the parent run" in mine[0].getMessage()
     NO_TRACKER.set_description("no-op")
 
 
