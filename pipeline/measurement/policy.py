@@ -32,6 +32,7 @@ from ..data.padding import left_pad, positions, right_pad
 from ..data.tokenizer import decode_response, encode_prompt, encode_response, end_ids
 from ..models.generation import sample, stop_ids
 from ..models.logprobs import logprobs_from_logits, response_logits
+from ..tracking.metric_names import METRICS_JSON, Metric
 from ..training.distributed import SINGLE, Context, generator
 from .stats import best_of_n_choices, best_of_n_kl, distinct_n, mean_ci
 
@@ -187,18 +188,16 @@ def measure(policy, tok, prompts: list, sampling: SamplingConfig, seed: int, *, 
                             judge=judge, ref=ref, max_prompt_length=max_prompt_length)["policy"]
 
 
-def sampled_metrics(policy, tok, prompts: list, sampling: SamplingConfig, seed: int, *, sft: Any,
+def sampled_metrics(name: str, policy, tok, prompts: list, sampling: SamplingConfig, seed: int, *, sft: Any,
                     reward: Any = None, judge: Optional[Judge] = None, max_prompt_length: int | None = None,
                     ctx: Context = SINGLE) -> dict[str, float]:
-    """Collective. A trained policy (a module or an engine) sampled on held-out `prompts`, with its
-    KL to `sft` (on this rank's device) and the RM and gold scores when given, every rank its share:
-    `eval/<key>_sampled` and `eval/<key>_sampled_ci95` for each measured value, and
-    `eval/<eos_rate|length|distinct_2>_sampled` (the names every offline method reports)."""
+    """Collective. A trained policy (a module or an engine) called `name` sampled on held-out
+    `prompts`, with its KL to `sft` (on this rank's device) and the RM and gold scores when given,
+    every rank its share: `<name>/<key>` and `<name>/<key>_ci95` for each measured value, and
+    `<name>/<eos_rate|length|distinct_2>`: the names the evaluate and compare stages give a policy."""
     measured = measure(policy, tok, prompts, sampling, seed, reward=reward, judge=judge, ref=sft,
                        max_prompt_length=max_prompt_length, ctx=ctx)
-    stats = summary(measured, lambda key: key)
-    return {f"eval/{k[:-len('_ci95')]}_sampled_ci95" if k.endswith("_ci95") else f"eval/{k}_sampled": v
-            for k, v in stats.items()}
+    return summary(measured, lambda key: f"{name}/{key}")
 
 
 def sequence_kl(policy, ref, tok, prompts: list, responses: list[str], temperature: float) -> list[float]:
@@ -243,3 +242,20 @@ def best_of_n(draws: list[Measured], prompts: list, ns: tuple[int, ...],
         if judge is not None:
             out[f"best_of_{n}"].values["gold"] = [judge(p, r) for p, r in zip(prompts, texts)]
     return out
+
+
+def sampled_declarations(stage: str, keys: tuple[str, ...]) -> list[Metric]:
+    """A trained policy sampled on the held-out prompts (measurement.policy.sampled_metrics): the
+    `keys` it is scored by, then its responses' end rate, length and distinct-2 (compare/dvc.yaml's)."""
+    meanings = {"rm": "mean RM score", "gold": "mean gold score", "kl": "mean sequence-level sampled KL to SFT"}
+
+    def m(name: str, meaning: str) -> Metric:
+        return Metric(stage, METRICS_JSON, name, meaning, "compare")
+    out = []
+    for key in keys:
+        out += [m(f"{stage}/{key}", f"{meanings[key]} of the trained policy's responses to the first "
+                                    f"`{stage}.n_eval_prompts` held-out prompts (`prompts.sampling`)"),
+                m(f"{stage}/{key}_ci95", "half-width of its 95% interval")]
+    return out + [m(f"{stage}/eos_rate", "rate of those responses that ended with eos or the stop token"),
+                  m(f"{stage}/length", "their mean length, words"),
+                  m(f"{stage}/distinct_2", "distinct bigrams / bigrams over them")]

@@ -323,3 +323,95 @@ def warn_health(stats: dict[str, float], iteration: int, sampler_logprobs: bool 
     if stats["policy/clipfrac"] > 0.3:
         log.warning("iteration %d: %.0f%% of tokens clipped: the policy moves too fast per update",
                     iteration, 100 * stats["policy/clipfrac"])
+
+
+# ---- The step log's columns, declared for docs/metrics.md (stages/ppo.py declared_metrics) --------
+
+# PPO's train.tsv columns: (name, meaning, condition); metrics.json copies each one's last value.
+TRAIN_COLUMNS = (
+    ("step", "PPO iteration", None),
+    ("objective/scores", "mean sequence score given to the rollouts (after the missing-eos rule and "
+                         "`ppo.score_clip`)", None),
+    ("objective/kl", "mean over rollouts of the summed per-token KL estimate to the reference "
+                     "(`ppo.kl_estimator`)", None),
+    ("objective/non_score_reward", "mean summed KL penalty, `-kl_coef * KL` (0 with `ppo.kl_loss_coef`, where "
+                                   "the KL is in the loss)", None),
+    ("objective/rlhf_reward", "`scores + non_score_reward`: what PPO maximises", None),
+    ("objective/entropy", "mean per-token entropy of the policy during the update", None),
+    ("objective/response_length", "mean response tokens (eos included)", None),
+    ("objective/distinct_2", "distinct bigrams / bigrams over the iteration's rollout responses (words; averaged "
+                             "over processes); falls when the policy collapses onto few phrasings", None),
+    ("objective/gold_scores", "mean gold score of the rollouts", "!no_judge"),
+    ("objective/auditor_scores", "mean score of the rollouts by the auditor reward model (a second RM that PPO "
+                                 "does not optimise)", "auditor"),
+    ("policy/approxkl", "0.5 * mean (log ratio)^2 between the updated and the rollout policy, averaged over "
+                        "minibatches", None),
+    ("policy/approxkl_k1", "mean -log ratio (k1 estimate of the same)", None),
+    ("policy/clipfrac", "fraction of tokens where the clipped surrogate was taken (zero gradient)", None),
+    ("policy/dual_clipfrac", "fraction of tokens held at the dual-clip floor (negative advantages)", "dual_clip"),
+    ("policy/epochs", "PPO epochs actually run (fewer when `ppo.target_kl` stops early)", None),
+    ("policy/grad_norm", "actor gradient norm before clipping, averaged over minibatches", None),
+    ("val/grad_norm", "critic gradient norm before clipping, averaged over minibatches", None),
+    ("loss/policy", "clipped policy loss", None),
+    ("loss/value", "clipped value loss (0.5 * max of the squared errors)", None),
+    ("val/ratio", "mean probability ratio new/old over real tokens; healthy near 1", None),
+    ("val/ratio_max", "largest probability ratio new/old of the iteration", None),
+    ("val/logprob_diff_mean", "mean \\|sampler log-prob - training-forward log-prob\\| of the rollout's response "
+                              "tokens, nats: over every rollout when the old log-probs are recomputed, else over the "
+                              "first `ppo.logprob_check_rows` rollouts per process (one extra actor forward); "
+                              "averaged over processes", None),
+    ("val/logprob_diff_max", "the largest such difference, over processes; ~1e-6 in fp32 on CPU, far more in "
+                             "bf16/fp16 or on a GPU", None),
+    ("val/first_ratio_mean_dev", "mean \\|ratio - 1\\| over the first minibatch's tokens, before any update: 0 in "
+                                 "exact arithmetic when the old log-probs are the trainer's", None),
+    ("val/first_ratio_max_dev", "largest \\|ratio - 1\\| over the first minibatch's tokens, over processes", None),
+    ("policy/tis_weight", "mean truncated importance-sampling weight min(pi_old / pi_sampler, `ppo.tis_cap`) of the "
+                          "rollout's tokens", "tis"),
+    ("policy/tis_capfrac", "fraction of the rollout's tokens whose weight was cut to `ppo.tis_cap`", "tis"),
+    ("val/clipfrac", "fraction of tokens where the clipped value prediction was used", None),
+    ("val/vpred", "mean critic prediction", None),
+    ("val/error", "mean squared error of the critic's prediction to the returns", None),
+    ("val/explained_variance", "1 - Var(returns - values) / Var(returns) of the rollout values (NaN when the "
+                               "returns are constant)", None),
+    ("val/num_eos_tokens", "rollouts that ended with eos or the stop token, summed over processes (of "
+                           "`ppo.rollout_batch_size`)", None),
+    ("rollouts", "rollouts the update used, summed over processes (= `ppo.rollout_batch_size`: every rank "
+                 "contributed)", None),
+    ("memory/peak_gib", "the largest peak GPU memory allocated by any process during the iteration, GiB", "cuda"),
+    ("kl_coef", "KL coefficient of the iteration's rewards (adapted after it with `ppo.adaptive_kl`)", None),
+    ("lr", "actor learning rate of the iteration's last update", None),
+    ("time/rollout", "seconds of sampling", None),
+    ("time/scoring", "seconds of scoring, rewards and advantages", None),
+    ("time/update", "seconds of the update", None),
+    ("tokens_per_second/rollout", "response tokens per second of sampling, summed over processes", None),
+    ("tokens_per_second/update", "response tokens x epochs per second of the update, summed over processes", None),
+    ("skipped_updates", f"actor and critic {nonfinite.SKIPPED}", None),
+    ("detector/kl_rise", "over-optimisation detector: mean `objective/kl` of the last `window` iterations minus "
+                         "that of the `window` before (nats); 0 until iteration `warmup + 2 * window`",
+     "!no_detector"),
+    ("detector/length_change", "\\|relative change\\| of mean `objective/response_length` between the same two "
+                               "windows", "!no_detector"),
+    ("detector/entropy_drop", "relative drop (old - new) / old of `objective/entropy` between the two windows",
+     "!no_detector"),
+    ("detector/distinct_drop", "relative drop of `objective/distinct_2` between the two windows", "!no_detector"),
+    ("detector/auditor_drop", "the auditor's best `window` mean so far minus its current one (0 without an "
+                              "auditor); counts only while the RM's window mean is within 0.1 of its own best",
+     "!no_detector"),
+    ("detector/fired", "1 when any signal is over its `ppo.detector` threshold at this iteration", "!no_detector"),
+    ("detector/first_fire", "the first iteration the detector fired (0: not yet)", "!no_detector"),
+)
+
+
+# The critic's columns, which the critic-free estimators (the grpo stage by default) do not write.
+CRITIC_COLUMNS = ("val/grad_norm", "loss/value", "val/clipfrac", "val/vpred", "val/error", "val/explained_variance")
+
+
+# What the group estimators add: (name, meaning, the `grpo.advantage` that writes it).
+GROUP_COLUMNS = (
+    ("objective/group_std", "mean within-group standard deviation of the sequence rewards (k responses to one "
+                            "prompt)", "grpo"),
+    ("objective/zero_std_frac", "fraction of groups whose k rewards are all equal (zero advantage, no gradient)",
+     "grpo"),
+    ("objective/baseline", "mean leave-one-out baseline (the other k - 1 responses' mean reward)", "rloo"),
+    ("objective/batch_std", "standard deviation of the baselined rewards over the batch", "reinforce_baseline"),
+)

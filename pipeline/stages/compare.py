@@ -33,7 +33,7 @@ from ..measurement.plots import close_figure, plt, save_figure
 from ..tracking.sinks import StepLog
 from ..training import loading, memory_plan
 from .skeleton import stage_run
-from ..tracking import metric_names
+from ..tracking.metric_names import METRICS_JSON, Metric
 from .spec import StageSpec
 
 # docs/metrics.md: the note under each file the stage writes
@@ -43,11 +43,38 @@ METRIC_FILES = {
                     "given by `--policy`) on the held-out prompts, then each one's win rates over SFT",
 }
 
+def declared_metrics() -> list[Metric]:
+    def m(file: str, name: str, meaning: str) -> Metric:
+        return Metric("compare", file, name, meaning, "compare")
+
+    out = [m("methods.tsv", "step", "position of the policy in the report's order"),
+           m("methods.tsv", "policy", "the policy's name: `sft`, `best_of_<n>`, or a method (`ppo`, `dpo`, ...)"),
+           m("methods.tsv", "rm", "its mean RM score"), m("methods.tsv", "gold", "its mean gold score"),
+           m("methods.tsv", "kl", "its KL to SFT"),
+           m(METRICS_JSON, "n_prompts", "held-out prompts every policy answered (`compare.n_prompts`)")]
+    for key, meaning in (("rm", "mean reward-model score"), ("gold", "mean gold score"),
+                         ("kl", "mean KL to SFT (best-of-n: the analytic `log n - (n-1)/n`)")):
+        out += [m(METRICS_JSON, f"{{policy}}/{key}", f"{meaning} of the policy's responses"),
+                m(METRICS_JSON, f"{{policy}}/{key}_ci95", "half-width of its 95% interval")]
+    out += [m(METRICS_JSON, "{policy}/length", "mean response length, words"),
+            m(METRICS_JSON, "{policy}/eos_rate", "rate of responses that ended with eos or the stop token"),
+            m(METRICS_JSON, "{policy}/distinct_2", "distinct bigrams / bigrams over its responses"),
+            m(METRICS_JSON, "{policy}/stage_wall_seconds", "the method stage's `resources/wall_seconds`"),
+            m(METRICS_JSON, "{policy}/stage_peak_rss_gib", "the method stage's `resources/peak_rss_gib`")]
+    for judge in ("rm", "gold"):
+        who = "reward model" if judge == "rm" else "gold annotator"
+        out += [m(METRICS_JSON, f"win_rate/{{policy}}_vs_sft_{judge}", f"rate at which the {who} scores the policy's "
+                                                                       "response above SFT's (ties count 1/2)"),
+                m(METRICS_JSON, f"win_rate/{{policy}}_vs_sft_{judge}_low", "lower end of its bootstrap 95% interval"),
+                m(METRICS_JSON, f"win_rate/{{policy}}_vs_sft_{judge}_high", "upper end of that interval")]
+    return out
+
+
 SPEC = StageSpec(
     "compare", help="every alignment method (--policy NAME=FOLDER each), SFT and best-of-n on the held-out prompts",
     inputs=("data", "sft", "reward"), measuring=True, pipeline="compare",
     headline=("*/gold", "*/rm", "*/kl", "win_rate/*_vs_sft_gold", "win_rate/*_vs_sft_rm"),
-    metrics=metric_names.compare, files=METRIC_FILES,
+    metrics=declared_metrics, files=METRIC_FILES,
     plan=lambda params, shapes: memory_plan_of(params, shapes),
     summary=lambda metrics, folders: [f"compare: wrote {folders['out']}; report: {folders['out'] / 'report.md'}",
                                       *console_lines(metrics)],

@@ -18,7 +18,7 @@ or SimPO, `dpo.method`), the RM's pairs by default.
    while the margin grows (Pal et al. 2024) is visible; eval.tsv adds their drift from the reference.
 5. After training: the last held-out row as `eval/*`, and the policy sampled on the held-out prompts
    as PPO and the evaluate stage sample (`prompts.sampling`): KL to the SFT policy, end-of-response
-   rate, length, distinct-2 and, with the task's gold judge, the gold score.
+   rate, length, distinct-2 and, with the task's gold judge, the gold score, as `dpo/*`.
 """
 
 from __future__ import annotations
@@ -34,7 +34,7 @@ from ..config import Params, PreferenceOptConfig
 from ..data import inputs
 from ..data.preferences import Pair
 from ..errors import check_finite
-from ..measurement.policy import sampled_metrics
+from ..measurement.policy import sampled_declarations, sampled_metrics
 from ..models import lora
 from ..models.checkpoints import load_policy
 from ..preference.logprobs import TokenPair, fit_pairs, pair_logprobs, reference_logprobs, response_lengths
@@ -44,7 +44,7 @@ from ..training.distributed import SINGLE, Context
 from ..training.engines import TrainEngine
 from ..training.supervised import SupervisedTask
 from .skeleton import StageRun, stage_run
-from ..tracking import metric_names
+from ..tracking.metric_names import METRICS_JSON, Metric
 from .spec import StageSpec
 
 # docs/metrics.md: the note under each file the stage writes
@@ -54,11 +54,39 @@ METRIC_FILES = {
     "metrics.json": "after training, then the trained policy sampled on the held-out prompts",
 }
 
+def declared_metrics() -> list[Metric]:
+    def m(file: str, name: str, meaning: str) -> Metric:
+        return Metric("dpo", file, name, meaning, "compare")
+
+    out = supervised.declared_metrics("dpo", "pairs", "the method's loss (`dpo.method`) over the step's pairs",
+                      "the method's loss on the held-out pairs", "adapters")
+    out = [Metric("dpo", x.file, x.name, x.meaning, "compare" if x.condition is None else "method_lora") for x in out]
+    columns = {"accuracy": "rate of pairs whose implicit reward (beta x log-ratio to the reference; SimPO: beta x "
+                           "mean log-prob) is higher for the chosen response",
+               "margin": "mean implicit reward of chosen minus rejected",
+               "chosen_logp": "mean summed log-prob of the chosen responses under the policy",
+               "rejected_logp": "mean summed log-prob of the rejected responses under the policy",
+               "chosen_reward": "mean implicit reward of the chosen responses",
+               "rejected_reward": "mean implicit reward of the rejected responses"}
+    for file in ("train.tsv", "eval.tsv"):
+        out += [m(file, k, v) for k, v in columns.items()]
+    out += [m("eval.tsv", "chosen_logp_drift", "held-out chosen log-prob, policy minus reference: both drifts "
+                                               "falling while the margin grows is DPO's known failure"),
+            m("eval.tsv", "rejected_logp_drift", "held-out rejected log-prob, policy minus reference")]
+    out += [m(METRICS_JSON, f"eval/{k}", f"`eval.tsv`'s last `{k}`") for k in (*columns, "chosen_logp_drift",
+                                                                              "rejected_logp_drift")]
+    out += [m(METRICS_JSON, "train/accuracy", "`train.tsv`'s last `accuracy`"),
+            m(METRICS_JSON, "train/margin", "`train.tsv`'s last `margin`"),
+            m(METRICS_JSON, "data/eval_truncated", "held-out pairs kept with their prompt's left end cut"),
+            m(METRICS_JSON, "data/eval_dropped", "held-out pairs left out (`dpo.overlong: drop`)")]
+    return out + sampled_declarations("dpo", ("gold", "kl"))
+
+
 SPEC = StageSpec(
     "dpo", help="offline preference optimisation of the SFT policy on the pairs (DPO, IPO or SimPO)",
     inputs=("data", "sft"), training=True, shape="start", pipeline="compare", policy=True,
-    headline=("eval/accuracy", "eval/margin", "eval/gold_sampled", "eval/kl_sampled"),
-    metrics=metric_names.dpo, files=METRIC_FILES,
+    headline=("eval/accuracy", "eval/margin", "dpo/gold", "dpo/kl"),
+    metrics=declared_metrics, files=METRIC_FILES,
     plan=lambda params, shapes: memory_plan_of(params, shapes), reads=(
     "data.task", "model.trust_remote_code",
     "dpo", "distributed",
@@ -168,10 +196,10 @@ def judge(params: Params):
 def measure_policy(model, tok, params: Params, sft_dir: Path, prompts: list, ctx: Context = SINGLE) -> dict[str, Any]:
     """Collective. The trained policy (a module or an engine) sampled on the held-out `prompts` as in
     `prompts.sampling`, with its KL to the SFT policy (loaded now, after training, onto this rank's
-    device): `eval/<gold|kl>_sampled` with `_ci95` half-widths, `eval/<eos_rate|length|distinct_2>_sampled`."""
+    device): `dpo/<gold|kl>` with `_ci95` half-widths, `dpo/<eos_rate|length|distinct_2>`."""
     dtype = next(getattr(model, "model", model).parameters()).dtype
     sft, _ = load_policy(sft_dir, params.model.trust_remote_code, dtype)
-    return sampled_metrics(model, tok, prompts, params.prompts.sampling, params.dpo.seed, sft=sft.to(ctx.device),
+    return sampled_metrics("dpo", model, tok, prompts, params.prompts.sampling, params.dpo.seed, sft=sft.to(ctx.device),
                            judge=judge(params), max_prompt_length=params.prompts.max_length, ctx=ctx)
 
 

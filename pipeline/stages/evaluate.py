@@ -33,7 +33,7 @@ from ..tracking.sinks import StepLog
 from ..training import loading, memory_plan
 from ..training.distributed import SINGLE, Context
 from .skeleton import stage_run
-from ..tracking import metric_names
+from ..tracking.metric_names import METRICS_JSON, Metric
 from .spec import StageSpec
 
 # docs/metrics.md: the note under each file the stage writes
@@ -50,10 +50,54 @@ by the stage and set as the MLflow parent run's description), compares PPO with 
 their KLs, and shows `scores.png` and `kl_frontier.png` (best-of-n points joined as a curve).
 """
 
+def declared_metrics() -> list[Metric]:
+    def m(file: str, name: str, meaning: str, condition: Optional[str] = None) -> Metric:
+        return Metric("evaluate", file, name, meaning, condition)
+
+    out = [
+        m("policies.tsv", "step", "position of the policy in the order `sft`, `best_of_<n>` for each n, `ppo`"),
+        m("policies.tsv", "policy", "the policy's name: `sft`, `best_of_<n>`, `ppo` (the bars of `dvc plots show`)"),
+        m("policies.tsv", "rm", "the policy's mean RM score (its `<policy>/rm`)"),
+        m("policies.tsv", "gold", "its mean gold score", "!no_judge"),
+        m("policies.tsv", "kl", "its KL to SFT"),
+    ]
+    for policy, who in (("sft", "the SFT policy"), ("best_of_{n}", "best-of-n"), ("ppo", "the PPO policy")):
+        kl = {"sft": "KL to SFT (0 by construction)",
+              "best_of_{n}": "KL to SFT, the analytic `log n - (n-1)/n`",
+              "ppo": "mean sequence-level sampled KL to SFT"}[policy]
+        out += [
+            m(METRICS_JSON, f"{policy}/rm", f"mean reward-model score of {who}'s responses to the first "
+                                            "`evaluate.n_prompts` held-out prompts"),
+            m(METRICS_JSON, f"{policy}/rm_ci95", "half-width of its 95% interval"),
+            m(METRICS_JSON, f"{policy}/gold", f"mean gold score of {who}'s responses", "!no_judge"),
+            m(METRICS_JSON, f"{policy}/gold_ci95", "half-width of its 95% interval", "!no_judge"),
+            m(METRICS_JSON, f"{policy}/kl", kl),
+            m(METRICS_JSON, f"{policy}/kl_ci95", "half-width of its 95% interval"
+                                                 + (" (0 up to rounding)" if policy != "ppo" else "")),
+            m(METRICS_JSON, f"{policy}/length", "mean response length, words"),
+            m(METRICS_JSON, f"{policy}/eos_rate", "rate of responses that ended with eos or the stop token"),
+            m(METRICS_JSON, f"{policy}/distinct_2", "distinct bigrams / bigrams over its responses (words)"),
+        ]
+    for judge, condition in (("rm", None), ("gold", "!no_judge")):
+        who = "reward model" if judge == "rm" else "gold annotator"
+        out += [
+            m(METRICS_JSON, f"win_rate/ppo_vs_sft_{judge}", f"rate at which the {who} scores PPO's response above "
+                                                            "SFT's to the same prompt (ties count 1/2)", condition),
+            m(METRICS_JSON, f"win_rate/ppo_vs_sft_{judge}_low", "lower end of its bootstrap 95% interval "
+                                                                "(`evaluate.bootstrap` resamples of the prompts)",
+              condition),
+            m(METRICS_JSON, f"win_rate/ppo_vs_sft_{judge}_high", "upper end of that interval", condition),
+        ]
+    out.append(m(METRICS_JSON, "overoptimisation/win_rate_gap", "RM win rate - gold win rate: how much more the "
+                                                                "reward model prefers PPO than the gold annotator "
+                                                                "does", "!no_judge"))
+    return out
+
+
 SPEC = StageSpec(
     "evaluate", help="SFT, best-of-n and PPO on the held-out prompts", inputs=("data", "sft", "reward", "ppo"),
     measuring=True, headline=("*/gold", "*/rm", "*/kl", "win_rate/ppo_vs_sft_gold", "win_rate/ppo_vs_sft_rm"),
-    metrics=metric_names.evaluate, files=METRIC_FILES, notes=METRIC_NOTES,
+    metrics=declared_metrics, files=METRIC_FILES, notes=METRIC_NOTES,
     plan=lambda params, shapes: memory_plan_of(params, shapes),
     summary=lambda metrics, folders: console_lines(metrics, folders), reads=(
     "data.task", "model.trust_remote_code",

@@ -9,7 +9,7 @@ is the section's own: rollout sampling, prompt length, seed, iterations, the det
 name `grpo.*` keys.
 
 Outputs under `outputs/grpo/` as the PPO stage's: `model/`, `train.tsv`, `metrics.json` (its
-held-out metrics named `eval/<key>_grpo` next to `eval/<key>_sft`), `config.json`, `checkpoint/`
+held-out metrics named `grpo/<key>` next to `sft/<key>`), `config.json`, `checkpoint/`
 (no critic in it: a critic-free estimator builds none).
 """
 
@@ -21,7 +21,6 @@ from typing import Any
 from ..config import Params
 from ..training import memory_plan
 from . import ppo
-from ..tracking import metric_names
 from .spec import StageSpec
 
 # docs/metrics.md: the note under each file the stage writes
@@ -30,14 +29,14 @@ METRIC_FILES = {
                  "rloo` writes `objective/baseline`, `reinforce_baseline` `objective/batch_std` "
                  "instead of the group columns)",
     "metrics.json": "as ppo's: the last row of `train.tsv` under `train/`, the detector's record, and"
-                    " the held-out comparison with SFT under `eval/` (`*_grpo`)",
+                    " the held-out comparison of the GRPO policy (`grpo/*`) with SFT (`sft/*`)",
 }
 
 SPEC = StageSpec(
     "grpo", help="critic-free online RL against the reward model (GRPO, RLOO, REINFORCE++; the grpo section)",
     inputs=("data", "sft", "reward"), training=True, shape="start", pipeline="compare", policy=True,
-    headline=("eval/gold_grpo", "eval/rm_grpo", "eval/kl_grpo", "detector/fired"),
-    metrics=lambda: metric_names.rl("grpo"), files=METRIC_FILES,
+    headline=("grpo/gold", "grpo/rm", "grpo/kl", "detector/fired"),
+    metrics=lambda: ppo.declared_metrics("grpo"), files=METRIC_FILES,
     plan=lambda params, shapes: memory_plan.rl_planner(params, "grpo", shapes), reads=(
     "data.task", "model.trust_remote_code",
     "reward.max_length",         # the reward model scores as it was trained

@@ -23,7 +23,7 @@ example has a partner to be compared with.
    summed log-prob.
 5. After training: the policy sampled on the held-out prompts as the other methods are
    (`prompts.sampling`): KL to the SFT policy, end-of-response rate, length, distinct-2 and, with the
-   task's gold judge, the gold score (`eval/*_sampled`).
+   task's gold judge, the gold score, as `kto/*` (the names compare gives a policy).
 """
 
 from __future__ import annotations
@@ -40,11 +40,10 @@ from ..config import Params
 from ..data import inputs
 from ..data.preferences import Pair
 from ..errors import check_finite
-from ..measurement.policy import sampled_metrics
+from ..measurement.policy import sampled_declarations, sampled_metrics
 from ..models import lora
 from ..models.checkpoints import load_policy
 from ..preference.logprobs import TokenPair, fit_pairs, reference_logprobs, sequence_logprobs
-from ..tracking import metric_names
 from ..tracking.metric_names import METRICS_JSON, Metric
 from ..training import loading, memory_plan, supervised
 from ..training.distributed import SINGLE, Context
@@ -74,7 +73,7 @@ def metrics() -> list[Metric]:
     def m(file: str, name: str, meaning: str) -> Metric:
         return Metric("kto", file, name, meaning, "compare")
     out = [Metric("kto", x.file, x.name, x.meaning, "compare" if x.condition is None else "method_lora")
-           for x in metric_names.supervised(
+           for x in supervised.declared_metrics(
                "kto", "examples", "KTO loss: the mean over the step's examples of lambda_D (1 - sigmoid(beta (r - "
                "z_ref))) for a desirable one, lambda_U (1 - sigmoid(beta (z_ref - r))) for an undesirable one",
                "the KTO loss on the held-out examples (made from the held-out pairs as the training ones)",
@@ -87,7 +86,7 @@ def metrics() -> list[Metric]:
             m(METRICS_JSON, "data/undesirable", "undesirable training examples (rejected responses of the other half)"),
             m(METRICS_JSON, "data/eval_truncated", "held-out examples kept with their prompt's left end cut"),
             m(METRICS_JSON, "data/eval_dropped", "held-out examples left out (`kto.overlong: drop`)")]
-    return out + metric_names.sampled("kto", ("gold", "kl"))
+    return out + sampled_declarations("kto", ("gold", "kl"))
 
 
 # docs/metrics.md: the note under each file the stage writes
@@ -100,7 +99,7 @@ METRIC_FILES = {
 SPEC = StageSpec(
     "kto", help="KTO: the SFT policy trained on unpaired desirable/undesirable responses made from the pairs",
     inputs=("data", "sft"), training=True, shape="start", pipeline="compare", policy=True,
-    headline=("eval/margin", "eval/gold_sampled", "eval/kl_sampled"),
+    headline=("eval/margin", "kto/gold", "kto/kl"),
     metrics=metrics, files=METRIC_FILES,
     plan=lambda params, shapes: memory_plan_of(params, shapes), reads=(
     "data.task", "model.trust_remote_code",
@@ -332,7 +331,7 @@ def train(run: StageRun, data_dir: Path, sft_dir: Path, progress: bool = True) -
 
     def measure(engine) -> dict[str, float]:   # every rank
         sft, _ = load_policy(sft_dir, params.model.trust_remote_code, next(engine.model.parameters()).dtype)
-        return sampled_metrics(engine, tok, prompts, params.prompts.sampling, cfg.seed, sft=sft.to(ctx.device),
+        return sampled_metrics("kto", engine, tok, prompts, params.prompts.sampling, cfg.seed, sft=sft.to(ctx.device),
                                judge=inputs.judge(params) if cfg.dataset.path is None else None,
                                max_prompt_length=params.prompts.max_length, ctx=ctx)
 

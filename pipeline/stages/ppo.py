@@ -26,21 +26,21 @@ from ..models.reward_source import FunctionSource
 from ..ppo import checkpoint
 from ..ppo.detector import Detector
 from ..ppo.placement import PPOModels, place_models
-from ..ppo.trainer import PPOTrainer
+from ..ppo.trainer import CRITIC_COLUMNS, GROUP_COLUMNS, TRAIN_COLUMNS, PPOTrainer
 from ..progress import Progress
 from ..tracking.sinks import StepLog
 from ..training import memory_plan, stopping
 from ..training.engines import write_deepspeed_config
 from .skeleton import StageRun, stage_run
-from ..tracking import metric_names
+from ..tracking.metric_names import METRICS_JSON, Metric
 from .spec import StageSpec
 
 # docs/metrics.md: the note under each file the stage writes
 METRIC_FILES = {
     "train.tsv": "one row per iteration; statistics are averaged over processes unless said otherwise",
-    "metrics.json": "the last row of `train.tsv` under `train/`, the detector's record, and under "
-                    "`eval/` the held-out comparison of the PPO policy with the SFT policy, sampled "
-                    "as in PPO",
+    "metrics.json": "the last row of `train.tsv` under `train/`, the detector's record, and the "
+                    "held-out comparison of the PPO policy (`ppo/*`) with the SFT policy (`sft/*`), "
+                    "sampled as in PPO",
 }
 METRIC_NOTES = """\
 With `ppo.detector.action: warn` the first alarm logs one line naming the signals over their
@@ -55,10 +55,60 @@ A NaN or infinite loss, gradient, reward or advantage stops the stage
 with the iteration and the quantity named; the last checkpoint is kept.
 """
 
+def declared_metrics(stage: str = "ppo") -> list[Metric]:
+    """The PPO stage's names; `stage="grpo"`: the same trainer without a critic (compare/dvc.yaml)."""
+    def m(file: str, name: str, meaning: str, condition: Optional[str] = None, copy_of: Optional[str] = None):
+        if stage != "ppo":
+            meaning = meaning.replace("`ppo.", f"`{stage}.").replace("PPO policy", f"{stage.upper()} policy")
+            condition = {None: "compare", "grpo": None}.get(condition, condition)
+        return Metric(stage, file, name, meaning, condition, copy_of)
+
+    train = [row for row in TRAIN_COLUMNS if stage == "ppo" or row[0] not in CRITIC_COLUMNS]
+    if stage != "ppo":   # the default estimator's columns (grpo.advantage: grpo)
+        train += [row for row in GROUP_COLUMNS if row[2] == "grpo"]
+    out = [m("train.tsv", name, meaning, condition) for name, meaning, condition in train]
+    out += [m(METRICS_JSON, f"train/{name.replace('/', '_')}", f"the last iteration's `{name}`", condition, name)
+            for name, _, condition in train if name != "step"]
+    out += [
+        m(METRICS_JSON, "data/prompts_truncated", "training prompts longer than `ppo.max_prompt_length` kept with "
+                                                  "their left end cut (`ppo.overlong: truncate`)"),
+        m(METRICS_JSON, "data/prompts_dropped", "training prompts longer than `ppo.max_prompt_length` left out "
+                                                "(`ppo.overlong: drop`)"),
+        m(METRICS_JSON, "detector/first_fire", "the first iteration the detector fired (0 if it never fired)",
+          "!no_detector"),
+        m(METRICS_JSON, "detector/fired", "1 if the detector fired at any iteration", "!no_detector"),
+        m(METRICS_JSON, "detector/stopped_at", "with `action: stop`, the iteration whose alarm ended training; 0 "
+                                               "otherwise", "!no_detector"),
+        m(METRICS_JSON, "detector/kept_iteration", "the iteration whose actor weights are in `model/`: the last "
+                                                   "checkpoint before the alarm after a stop, else the last "
+                                                   "iteration", "!no_detector"),
+    ]
+    for policy, who in (("sft", "the SFT (reference) policy"), (stage, "the PPO policy")):
+        out += [
+            m(METRICS_JSON, f"{policy}/rm", f"mean score by PPO's reward source (`ppo.reward_source`) of "
+                                            f"responses sampled from {who} to the first `ppo.n_eval_prompts` "
+                                            "held-out prompts"),
+            m(METRICS_JSON, f"{policy}/rm_ci95", "half-width of its 95% interval"),
+            m(METRICS_JSON, f"{policy}/kl", f"mean sequence-level sampled KL of {who} to the reference on "
+                                            "those prompts" + (" (0 by construction)" if policy == "sft" else "")),
+            m(METRICS_JSON, f"{policy}/kl_ci95", "half-width of its 95% interval"),
+            m(METRICS_JSON, f"{policy}/gold", f"mean gold score of {who}'s responses", "!no_judge"),
+            m(METRICS_JSON, f"{policy}/gold_ci95", "half-width of its 95% interval", "!no_judge"),
+            m(METRICS_JSON, f"{policy}/eos_rate", f"rate of {who}'s responses that ended with eos or the stop "
+                                                  "token"),
+        ]
+    out += [
+        m(METRICS_JSON, f"{stage}/gold_gain", f"mean paired gold-score difference {stage.upper()} - SFT on the same "
+                                              "prompts", "!no_judge"),
+        m(METRICS_JSON, f"{stage}/gold_gain_ci95", "half-width of its 95% interval", "!no_judge"),
+    ]
+    return out
+
+
 SPEC = StageSpec(
     "ppo", help="PPO against the reward model", inputs=("data", "sft", "reward"), training=True, shape="load",
-    policy=True, headline=("eval/gold_ppo", "eval/rm_ppo", "eval/kl_ppo", "detector/fired"),
-    metrics=lambda: metric_names.rl("ppo"), files=METRIC_FILES, notes=METRIC_NOTES,
+    policy=True, headline=("ppo/gold", "ppo/rm", "ppo/kl", "detector/fired"),
+    metrics=declared_metrics, files=METRIC_FILES, notes=METRIC_NOTES,
     plan=lambda params, shapes: memory_plan.rl_planner(params, "ppo", shapes), reads=(
     "data.task", "model.trust_remote_code",
     "reward.max_length",         # the reward model scores as it was trained
@@ -73,8 +123,9 @@ def compare_policies(models: PPOModels, cfg: PPOConfig, sampling: SamplingConfig
                      prompts: list[str], judge: Optional[Callable], policy_name: str = "ppo") -> dict[str, Any]:
     """Collective. The trained policy vs the SFT (reference) policy on the same held-out prompts,
     sampled as `sampling` says (`prompts.sampling`), where the models are (every rank its share of
-    the prompts): `eval/<rm|kl|gold>_<policy>` with their 95% half-widths, `eval/eos_rate_<policy>`,
-    and the per-prompt gold gain over SFT. `policy_name`: the stage (ppo, grpo), `cfg` its section."""
+    the prompts): `<policy>/<rm|kl|gold>` with their 95% half-widths and `<policy>/eos_rate` for
+    `sft` and the trained policy (the names the evaluate and compare stages give a policy), and the
+    trained policy's per-prompt gold gain over SFT, `<policy>/gold_gain`. `policy_name`: the stage (ppo, grpo), `cfg` its section."""
     m: dict[str, Any] = {}
     ref = models.reference()
     per = measure_policies([Policy("sft", ref, cfg.seed + 7), Policy(policy_name, models.actor, cfg.seed + 7)],
@@ -82,12 +133,12 @@ def compare_policies(models: PPOModels, cfg: PPOConfig, sampling: SamplingConfig
                            judge=judge, max_prompt_length=max_prompt_length)
     for name in ("sft", policy_name):
         stats = summary(per[name], lambda key: key)
-        m[f"eval/eos_rate_{name}"] = stats["eos_rate"]
+        m[f"{name}/eos_rate"] = stats["eos_rate"]
         for key in per[name].values:
-            m[f"eval/{key}_{name}"], m[f"eval/{key}_{name}_ci95"] = stats[key], stats[f"{key}_ci95"]
+            m[f"{name}/{key}"], m[f"{name}/{key}_ci95"] = stats[key], stats[f"{key}_ci95"]
     if judge is not None:
         diff = [a - b for a, b in zip(per[policy_name].values["gold"], per["sft"].values["gold"])]
-        m["eval/gold_gain"], m["eval/gold_gain_ci95"] = mean_ci(diff)
+        m[f"{policy_name}/gold_gain"], m[f"{policy_name}/gold_gain_ci95"] = mean_ci(diff)
     return m
 
 

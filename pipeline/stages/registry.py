@@ -21,7 +21,7 @@ from ..errors import ConfigError
 from .spec import StageSpec
 
 # Modules of this package that are the skeleton every stage shares, not stages.
-_NOT_STAGES = {"spec", "skeleton", "registry"}
+_NOT_STAGES = {"spec", "skeleton", "registry", "metric_registry"}
 
 
 def _modules() -> dict[str, ModuleType]:
@@ -104,58 +104,3 @@ def load_params(path):
     SPEC says "load" checked against its processes."""
     from ..config import load_params as load
     return load(path, shape_checked("load"))
-
-
-# ---- The metric registry: every stage's declarations, and docs/metrics.md ----------------------
-
-REGENERATE = "python -m pipeline.stages.registry metrics > docs/metrics.md"
-
-
-def stage_metrics() -> list:
-    """Each stage's metric declarations (its SPEC's `metrics`, then what the stage skeleton adds
-    to every stage: its resources), in pipeline order."""
-    from ..tracking import metric_names as mn
-    out = []
-    for name, s in specs().items():
-        if s.metrics is None:
-            continue
-        compare = s.pipeline == "compare"
-        title = f"{name} (`{s.output}/`" + (", compare/dvc.yaml)" if compare else ")")
-        declared = (*s.metrics(), *mn.resources(name, "compare" if compare else None))
-        out.append(mn.StageMetrics(name, title, declared, dict(s.files), s.notes, compare))
-    return out
-
-
-def metrics() -> tuple:
-    """Every metric name (or pattern) every stage writes."""
-    return tuple(m for st in stage_metrics() for m in st.metrics)
-
-
-def render_metrics() -> str:
-    """The whole of docs/metrics.md."""
-    from ..tracking import metric_names as mn
-    return mn.render_markdown(stage_metrics(), REGENERATE)
-
-
-def check_run(outputs_dir, conditions=frozenset()) -> tuple[list[str], list[str]]:
-    """A finished run's files against the registry: (names written that no stage declares, names
-    declared for a run with `conditions` that were not written)."""
-    from ..tracking import metric_names as mn
-    return mn.check_run(outputs_dir, stage_metrics(), conditions)
-
-
-if __name__ == "__main__":
-    import sys
-    from pathlib import Path
-    usage = "usage: python -m pipeline.stages.registry metrics | check OUTPUTS_DIR [CONDITION ...]"
-    if sys.argv[1:2] == ["metrics"]:
-        sys.stdout.write(render_metrics())
-    elif sys.argv[1:2] == ["check"] and len(sys.argv) >= 3:
-        undefined, missing = check_run(Path(sys.argv[2]), frozenset(sys.argv[3:]))
-        for line in undefined:
-            print(f"not in the registry: {line}")
-        for line in missing:
-            print(f"not written: {line}")
-        sys.exit(1 if undefined or missing else 0)
-    else:
-        sys.exit(usage)

@@ -34,7 +34,7 @@ from ..training.memory_terms import checkpoint_shape, with_attention
 from ..training.distributed import SINGLE, Context
 from ..training.supervised import SupervisedTask
 from .skeleton import StageRun, stage_run
-from ..tracking import metric_names
+from ..tracking.metric_names import METRICS_JSON, Metric
 from .spec import StageSpec
 
 # docs/metrics.md: the note under each file the stage writes
@@ -47,10 +47,52 @@ METRIC_FILES = {
                     "demonstrations average 0) unless `no_normalize`",
 }
 
+def declared_metrics() -> list[Metric]:
+    def m(file: str, name: str, meaning: str, condition: Optional[str] = None) -> Metric:
+        return Metric("reward", file, name, meaning, condition)
+
+    return supervised.declared_metrics("reward", "pairs", "Bradley-Terry loss -log sigmoid(r_chosen - r_rejected - margin) of "
+                       "the step's global batch", "Bradley-Terry loss on the held-out pairs",
+                       "adapters and the score head") + [
+        m("train.tsv", "accuracy", "fraction of the batch's pairs with r(chosen) > r(rejected)"),
+        m("eval.tsv", "accuracy", "pairwise accuracy on the held-out pairs"),
+        m("calibration.tsv", "step", "bin of predicted probability, 0 .. `reward.calibration_bins` - 1 (empty "
+                                     "bins have no row)"),
+        m("calibration.tsv", "predicted", "mean predicted preference probability sigmoid(r_a - r_b) in the bin; "
+                                          "every held-out pair counts in both orders"),
+        m("calibration.tsv", "observed", "rate at which the first response of the bin's ordered pairs is the "
+                                         "labelled winner"),
+        m("calibration.tsv", "count", "ordered pairs in the bin"),
+        m(METRICS_JSON, "eval/offset", "the normalisation offset stored in the model: mean raw score of the "
+                                       "held-out demonstrations", "!no_normalize"),
+        m(METRICS_JSON, "eval/accuracy", "held-out pairwise accuracy: r(chosen) > r(rejected)"),
+        m(METRICS_JSON, "eval/chosen_mean", "mean normalised RM score of the held-out chosen responses"),
+        m(METRICS_JSON, "eval/chosen_std", "their standard deviation"),
+        m(METRICS_JSON, "eval/rejected_mean", "mean normalised RM score of the held-out rejected responses"),
+        m(METRICS_JSON, "eval/rejected_std", "their standard deviation"),
+        m(METRICS_JSON, "eval/calibration_error", "expected calibration error of sigmoid(r_a - r_b) (count-weighted "
+                                                  "\\|predicted - observed\\| over the bins of `calibration.tsv`; "
+                                                  "`calibration.png` shows them)"),
+        m(METRICS_JSON, "eval/noise_ceiling", "accuracy of the noiseless gold ordering on the same (noisy) labels: "
+                                              "the best any model can do (from the prepare stage's `stats.json`)",
+          "!custom_pairs"),
+        m(METRICS_JSON, "eval/accuracy_of_ceiling", "`accuracy / noise_ceiling`", "!custom_pairs"),
+        m(METRICS_JSON, "eval/spearman_gold_heldout", "Spearman correlation of RM score and gold score over all "
+                                                      "held-out responses (chosen and rejected)", "!no_judge"),
+        m(METRICS_JSON, "eval/gold_order_agreement", "fraction of held-out pairs the RM orders as the gold annotator "
+                                                     "does (a tie on either side counts 1/2); free of the label "
+                                                     "draw's noise, ceiling 1", "!no_judge"),
+        m(METRICS_JSON, "eval/spearman_gold_sft_samples", "Spearman correlation of RM score and gold score over "
+                                                          "`reward.n_sft_samples` responses sampled from the SFT "
+                                                          "policy (where PPO starts)", "!no_judge"),
+        m(METRICS_JSON, "eval/sft_samples_score_mean", "mean normalised RM score of those SFT samples", "!no_judge"),
+    ]
+
+
 SPEC = StageSpec(
     "reward", help="reward model on preference pairs", inputs=("data", "sft"), training=True, shape="load",
     headline=("eval/accuracy", "eval/accuracy_of_ceiling", "eval/spearman_gold_sft_samples"),
-    metrics=metric_names.reward, files=METRIC_FILES,
+    metrics=declared_metrics, files=METRIC_FILES,
     plan=lambda params, shapes: memory_plan_of(params, shapes), reads=(
     "data.task", "model.trust_remote_code", "model.dtype", "model.attn_implementation",
     "sft.sampling",              # how the SFT policy samples for the RM-vs-gold correlation

@@ -19,7 +19,7 @@ Dong et al. 2023, RAFT).
    killed run resumes from the loop's checkpoint as SFT does.
 4. After training: the policy sampled on the held-out prompts as PPO and the evaluate stage sample
    (`prompts.sampling`): RM score, KL to the SFT policy, end-of-response rate, length, distinct-2 and,
-   with the task's gold judge, the gold score (`eval/*_sampled`).
+   with the task's gold judge, the gold score, as `rs/*` (the names compare gives a policy).
 
 The RM and SFT copies used for sampling live on the CPU, as every measurement does, and the RM is
 freed before the first training step (the memory plan counts the fine-tuning and the sampler's cache).
@@ -39,7 +39,7 @@ from ..data import inputs
 from ..files import parse_json, read_input, write_jsonl
 from ..errors import DataError, UserError, check_finite
 from ..data.records import tokenize_demonstrations
-from ..measurement.policy import Measured, candidates, measure_policies, sampled_metrics
+from ..measurement.policy import Measured, candidates, measure_policies, sampled_declarations, sampled_metrics
 from ..measurement.stats import mean_ci
 from ..models import lora
 from ..models.checkpoints import load_policy
@@ -49,7 +49,7 @@ from ..training.distributed import SINGLE, Context
 from ..training.resume import fingerprint, input_paths
 from ..workflow import code_deps
 from .skeleton import ROOT, StageRun, stage_run
-from ..tracking import metric_names
+from ..tracking.metric_names import METRICS_JSON, Metric
 from .spec import StageSpec
 
 # docs/metrics.md: the note under each file the stage writes
@@ -60,11 +60,34 @@ METRIC_FILES = {
                     "policy sampled on the held-out prompts",
 }
 
+def declared_metrics() -> list[Metric]:
+    def m(file: str, name: str, meaning: str, condition: str = "compare") -> Metric:
+        return Metric("rs", file, name, meaning, condition)
+
+    out = [Metric("rs", x.file, x.name, x.meaning, "compare" if x.condition is None else "method_lora")
+           for x in supervised.declared_metrics("rs", "winners", "cross-entropy per response token of the step's winners",
+                                "cross-entropy per response token on SFT's held-out demonstrations", "adapters")]
+    out += [m(METRICS_JSON, "data/prompts_truncated", "PPO training prompts longer than `ppo.max_prompt_length` "
+                                                      "kept with their left end cut"),
+            m(METRICS_JSON, "data/prompts_dropped", "such prompts left out (`ppo.overlong: drop`)"),
+            m(METRICS_JSON, "rs/prompts", "prompts sampled (`rs.n_prompts` of the PPO training prompts)"),
+            m(METRICS_JSON, "rs/winners_kept", "winners trained on (those at or above `rs.min_score`)"),
+            m(METRICS_JSON, "rs/rm_candidates", "mean RM score of all `rs.n` candidates of every prompt"),
+            m(METRICS_JSON, "rs/rm_winners", "mean RM score of the winners (each prompt's best candidate)"),
+            m(METRICS_JSON, "rs/rm_winners_ci95", "half-width of its 95% interval"),
+            m(METRICS_JSON, "rs/eos_rate_candidates", "rate of candidates that ended with eos or the stop token"),
+            m(METRICS_JSON, "rs/eos_rate_winners", "the same rate among the winners"),
+            m(METRICS_JSON, "rs/gold_candidates", "mean gold score of all candidates"),
+            m(METRICS_JSON, "rs/gold_winners", "mean gold score of the winners"),
+            m(METRICS_JSON, "rs/gold_winners_ci95", "half-width of its 95% interval")]
+    return out + sampled_declarations("rs", ("rm", "gold", "kl"))
+
+
 SPEC = StageSpec(
     "rs", help="rejection-sampling fine-tuning: best-of-n SFT samples by the reward model, then SFT on them",
     inputs=("data", "sft", "reward"), training=True, shape="start", pipeline="compare", policy=True,
-    headline=("eval/gold_sampled", "eval/rm_sampled", "eval/kl_sampled"),
-    metrics=metric_names.rs, files=METRIC_FILES,
+    headline=("rs/gold", "rs/rm", "rs/kl"),
+    metrics=declared_metrics, files=METRIC_FILES,
     plan=lambda params, shapes: memory_plan_of(params, shapes), reads=(
     "data.task", "model.trust_remote_code",
     "rs", "distributed",
@@ -187,13 +210,13 @@ def measure_policy(model, tok, params: Params, sft_dir: Path, reward_dir: Path, 
                    ctx: Context = SINGLE) -> dict[str, Any]:
     """Collective. The trained policy (a module or an engine) sampled on the held-out `prompts` as in
     `prompts.sampling`, scored by the RM, with its KL to the SFT policy and the gold score with a judge,
-    every rank its share on its device: `eval/<rm|kl|gold>_sampled` with `_ci95` half-widths,
-    `eval/<eos_rate|length|distinct_2>_sampled`."""
+    every rank its share on its device: `rs/<rm|kl|gold>` with `_ci95` half-widths,
+    `rs/<eos_rate|length|distinct_2>`."""
     dtype = next(getattr(model, "model", model).parameters()).dtype
     sft, _ = load_policy(sft_dir, params.model.trust_remote_code, dtype)
     reward = RewardModelSource(reward_dir, params.reward.max_length, params.model.trust_remote_code,
                                device=ctx.device, dtype=dtype)
-    return sampled_metrics(model, tok, prompts, params.prompts.sampling, params.rs.seed, sft=sft.to(ctx.device),
+    return sampled_metrics("rs", model, tok, prompts, params.prompts.sampling, params.rs.seed, sft=sft.to(ctx.device),
                            reward=reward, judge=inputs.judge(params), max_prompt_length=params.prompts.max_length,
                            ctx=ctx)
 

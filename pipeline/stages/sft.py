@@ -24,21 +24,42 @@ from ..tasks import reviews
 from ..training import demonstrations, loading, memory_plan, supervised
 from ..training.distributed import SINGLE, Context
 from .skeleton import StageRun, stage_run
-from ..tracking import metric_names
+from ..tracking.metric_names import METRICS_JSON, Metric
 from .spec import StageSpec
 
 # docs/metrics.md: the note under each file the stage writes
 METRIC_FILES = {
     "train.tsv": "one row per optimizer step",
     "eval.tsv": "held-out loss during training",
-    "metrics.json": "after training; the `eval/*_greedy` and `eval/*_sampled` names judge responses "
-                    "to the evaluation prompts",
+    "metrics.json": "after training; the `sft/*` names judge the policy's responses to the evaluation "
+                    "prompts (sampled, and greedy where they end in `_greedy`)",
 }
+
+def declared_metrics() -> list[Metric]:
+    def m(file: str, name: str, meaning: str, condition: Optional[str] = None) -> Metric:
+        return Metric("sft", file, name, meaning, condition)
+
+    out = supervised.declared_metrics("sft", "demonstrations", "cross-entropy per response token of the step's global batch "
+                      "(prompt tokens are not targets)", "cross-entropy per response token on the held-out "
+                      "demonstrations", "adapters")
+    for end, tag, how in (("_greedy", "greedy", "greedy"), ("", "sampled", "sampled (`sft.sampling`)")):
+        out += [
+            m(METRICS_JSON, f"sft/eos_rate{end}", f"rate of {how} responses to the first `sft.n_eval_generations` "
+                                                  "evaluation prompts that end with the end-of-response token "
+                                                  "(or `sft.sampling.stop_token`) rather than at `max_new_tokens`"),
+            m(METRICS_JSON, f"sft/gold{end}", f"mean gold score of those {tag} responses", "!no_judge"),
+            m(METRICS_JSON, f"sft/well_formed{end}", f"rate of those {tag} responses that are grammatical reviews "
+                                                     "ending with (exactly one) closing sentence", "!no_judge"),
+        ]
+    out.append(m(METRICS_JSON, "demonstrations/gold", "mean gold score of the held-out demonstrations (what "
+                                                           "SFT imitates)", "!no_judge"))
+    return out
+
 
 SPEC = StageSpec(
     "sft", help="supervised fine-tuning on demonstrations", inputs=("data",), training=True, shape="load",
-    headline=("eval/loss", "eval/gold_sampled", "eval/well_formed_sampled"),
-    metrics=metric_names.sft, files=METRIC_FILES,
+    headline=("eval/loss", "sft/gold", "sft/well_formed"),
+    metrics=declared_metrics, files=METRIC_FILES,
     plan=lambda params, shapes: memory_plan_of(params, shapes), reads=(
     "data.task", "model", "sft", "distributed",
     "prompts.dataset",           # held-out prompts for the SFT policy's evaluation
@@ -79,20 +100,21 @@ def train(run: StageRun, data_dir: Path, progress: bool = True) -> tuple[Any, An
 def evaluate_policy(model, tok, params: Params, prompts: list, demos: list[dict],
                     ctx: Context = SINGLE) -> dict[str, Any]:
     """Collective. Greedy and sampled responses of `model` (a module or an engine) to the evaluation
-    `prompts`, judged next to the held-out `demos`: `eval/<eos_rate|gold|well_formed>_<greedy|sampled>`
-    (gold ones only with a judge)."""
+    `prompts`, judged next to the held-out `demos`: `sft/<eos_rate|gold|well_formed>` of the sampled
+    ones (the names the evaluate stage gives the SFT policy), `sft/<...>_greedy` of the greedy ones
+    and `demonstrations/gold` (gold ones only with a judge)."""
     cfg, judge = params.sft, inputs.judge(params)
     out: dict[str, Any] = {}
     per = measure_policies([Policy("greedy", model, cfg.seed, greedy=True), Policy("sampled", model, cfg.seed)],
                            tok, prompts, cfg.sampling, ctx=ctx, judge=judge)
     for tag, measured in per.items():
-        stats = summary(measured, lambda key: key)
-        out[f"eval/eos_rate_{tag}"] = stats["eos_rate"]
+        stats, end = summary(measured, lambda key: key), "_greedy" if tag == "greedy" else ""
+        out[f"sft/eos_rate{end}"] = stats["eos_rate"]
         if judge is not None:
-            out[f"eval/gold_{tag}"] = stats["gold"]
-            out[f"eval/well_formed_{tag}"] = sum(map(reviews.is_well_formed, measured.texts)) / len(measured.texts)
+            out[f"sft/gold{end}"] = stats["gold"]
+            out[f"sft/well_formed{end}"] = sum(map(reviews.is_well_formed, measured.texts)) / len(measured.texts)
     if judge is not None:
-        out["eval/gold_demonstrations"] = sum(judge(r["prompt"], r["response"]) for r in demos) / len(demos)
+        out["demonstrations/gold"] = sum(judge(r["prompt"], r["response"]) for r in demos) / len(demos)
     return out
 
 

@@ -42,13 +42,14 @@ import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Iterator, Sequence
+from typing import Any, Iterator, Optional, Sequence
 
 from ..config import Params, check_process_shape
 from ..files import PENDING, atomic_dir, atomic_write_json, atomic_write_text, commit, discard, exclusive, pending
 from ..models.checkpoints import save_checkpoint
 from ..tracking.mlflow_sink import stage_tracking
 from ..tracking import model_card
+from ..tracking.metric_names import METRICS_JSON, Metric
 from ..tracking.sinks import Tracker, write_metrics
 from ..training import distributed, memory_plan, stopping
 from ..training.distributed import SINGLE, Context
@@ -157,3 +158,20 @@ def stage_run(spec: StageSpec, params: Params, out: Path, inputs: Sequence[str |
             raise
         if ctx.is_main:   # a body that returned without `finish` commits nothing
             discard(out)
+
+
+def declared_metrics(stage: str, condition: Optional[str] = None) -> list[Metric]:
+    """What the stage skeleton adds to every stage's metrics.json (`finish`): what its process cost."""
+    def m(name: str, meaning: str, cond: Optional[str] = condition) -> Metric:
+        return Metric(stage, METRICS_JSON, name, meaning, cond)
+
+    gpu = "cuda" if condition is None else None
+    out = [m("resources/wall_seconds", "seconds of the stage's process from its start to its outputs (a resumed "
+                                       "stage: its last process only)"),
+           m("resources/peak_rss_gib", "peak resident memory of the stage's process (rank 0), GiB"),
+           m("resources/gpus", "GPUs the stage ran on (one per process; 0: the CPU); config.json's `runtime` "
+                               "names the device")]
+    if gpu is not None:
+        out.append(m("resources/peak_device_gib", "peak GPU memory torch allocated in the stage's process (rank 0), "
+                                                  "GiB", gpu))
+    return out

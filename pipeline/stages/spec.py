@@ -65,11 +65,11 @@ class StageSpec:
     # (params, shapes) -> a memory_plan.Planner of its own section, or None while an input is missing;
     # `shapes` gives the models by folder name (memory_plan.PredictedShapes / FolderShapes).
     plan: Optional[Callable[..., Any]] = None
-    metrics: Optional[Callable[[], list]] = None   # () -> its metric_names.Metric declarations
+    metrics: Optional[Callable[[], list]] = None   # () -> its metric_names.Metric declarations (stages/metric_registry.py)
     files: Mapping[str, str] = field(default_factory=dict)   # docs/metrics.md: a note per file it writes
     notes: str = ""             # docs/metrics.md: what follows the stage's tables
     # (metrics, folders) -> the lines printed when it finishes (`folders`: its inputs by name and
-    # "out"); None: "wrote <out>" and its eval/* values
+    # "out"); None: "wrote <out>", its eval/* values and those of its own policy (<name>/*)
     summary: Optional[Callable[[dict, dict], list[str]]] = None
     add_options: Optional[Callable[[Any], None]] = None   # (argparse parser) -> its own options
 
@@ -88,7 +88,8 @@ class StageSpec:
         if self.summary is not None:
             return self.summary(metrics, folders)
         return [f"{self.name}: wrote {folders['out']}; " + ", ".join(f"{k}={v:.3f}" for k, v in metrics.items()
-                                                         if k.startswith("eval/") and isinstance(v, (int, float)))]
+                                                         if k.startswith(("eval/", f"{self.name}/"))
+                                                         and isinstance(v, (int, float)))]
 
     def allowed(self) -> dict[str, Any]:
         """The declared keys as a tree: {"ppo": {"dataset": {"path": ALL}}, "sft": ALL}."""

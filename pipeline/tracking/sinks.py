@@ -4,8 +4,9 @@ The local files are the record DVC reads and are always written, and written fir
 per series (registered as DVC plots) and the stage's `metrics.json` (read by `dvc metrics` /
 `dvc exp show`). Each is rewritten atomically, so a crash leaves the last complete version.
 
-Every metric name, its meaning and the file it goes to are in one registry, metric_names.py;
-docs/metrics.md is generated from it and a test checks both against what a run writes.
+Every metric name, its meaning and the file it goes to is declared beside the code that writes it
+(metric_names.py says how); pipeline/stages/registry.py gathers the declarations, docs/metrics.md
+is generated from them and a test checks both against what a run writes.
 
 MLflow, the second sink, lives in `mlflow_sink.py` (models: `mlflow_models.py`); it never delays or loses these files.
 """

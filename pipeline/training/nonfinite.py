@@ -22,6 +22,10 @@ import torch
 from ..errors import NumericalError
 from .engines import StepResult
 
+# The step logs' column counting skipped updates, supervised and RL alike: its meaning (docs/metrics.md).
+SKIPPED = ("updates skipped so far for a NaN or infinite loss or gradient (`on_nonfinite: skip`; always 0 "
+           "with `stop`, which ends the stage instead)")
+
 COLUMN = "skipped_updates"   # the step logs' column: updates skipped so far, the interrupted runs' included
 
 

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Optional, Sequence
 
 import torch
 
@@ -25,6 +25,7 @@ from .nonfinite import NonfiniteGuard, restored_count
 from ..models import lora
 from ..progress import track
 from ..tracking.sinks import StepLog, Tracker
+from ..tracking.metric_names import METRICS_JSON, Metric
 from .batches import BatchSampler, total_steps
 from .distributed import Context
 from .engines import TrainEngine, supervised_engine, write_deepspeed_config
@@ -161,3 +162,32 @@ def train(task: SupervisedTask, cfg: Any, engine: TrainEngine, micro: int, out: 
     train_log.flush()
     eval_log.flush()
     return SupervisedResult(steps, state.elapsed(), train_log, eval_log)
+
+
+# ---- Its metric declarations (docs/metrics.md) --------------------------------------------------
+
+def declared_metrics(stage: str, items: str, loss: str, eval_loss: str, trained: str) -> list[Metric]:
+    """What the one supervised loop (training/supervised.py) writes for SFT and the RM alike."""
+    def m(file: str, name: str, meaning: str, condition: Optional[str] = None) -> Metric:
+        return Metric(stage, file, name, meaning, condition)
+
+    return [
+        m("train.tsv", "step", "optimizer step"),
+        m("train.tsv", "loss", loss),
+        m("train.tsv", "lr", "learning rate the step used (linear warmup, then cosine decay)"),
+        m("train.tsv", "grad_norm", "global gradient norm before clipping"),
+        m("train.tsv", "skipped_updates", nonfinite.SKIPPED),
+        m("eval.tsv", "step", f"optimizer step (every `{stage}.eval_every` steps and the last)"),
+        m("eval.tsv", "loss", eval_loss),
+        m(METRICS_JSON, "train/loss", "`train.tsv`'s last `loss`"),
+        m(METRICS_JSON, "train/steps", "optimizer steps of the whole training"),
+        m(METRICS_JSON, "train/seconds", "seconds of the training loop, interrupted runs' (resumed) included"),
+        m(METRICS_JSON, "train/skipped_updates", "`train.tsv`'s last `skipped_updates`"),
+        m(METRICS_JSON, "eval/loss", "`eval.tsv`'s last `loss`"),
+        m(METRICS_JSON, "data/truncated", f"training {items} longer than `{stage}.max_length` kept with their "
+                                          f"prompt's left end cut (`{stage}.overlong: truncate`)"),
+        m(METRICS_JSON, "data/dropped", f"training {items} longer than `{stage}.max_length` left out "
+                                        f"(`{stage}.overlong: drop`)"),
+        m(METRICS_JSON, "train/trainable_params", f"parameters LoRA trained ({trained})", f"{stage}_lora"),
+        m(METRICS_JSON, "train/total_params", "parameters of the model with its adapters", f"{stage}_lora"),
+    ]

@@ -135,8 +135,8 @@ def test_dpo_learns_an_easy_preference_and_writes_a_loadable_policy(data, sft_di
     expected = {"train/loss", "train/steps", "train/seconds", "train/skipped_updates", "train/accuracy",
                 "train/margin", "eval/loss", "eval/accuracy", "eval/margin", "eval/chosen_logp", "eval/rejected_logp", "eval/chosen_reward",
                 "eval/rejected_reward", "eval/chosen_logp_drift", "eval/rejected_logp_drift", "data/truncated",
-                "data/dropped", "data/eval_truncated", "data/eval_dropped", "eval/kl_sampled", "eval/kl_sampled_ci95",
-                "eval/eos_rate_sampled", "eval/length_sampled", "eval/distinct_2_sampled",
+                "data/dropped", "data/eval_truncated", "data/eval_dropped", "dpo/kl", "dpo/kl_ci95",
+                "dpo/eos_rate", "dpo/length", "dpo/distinct_2",
                 "resources/wall_seconds", "resources/peak_rss_gib", "resources/gpus"}
     assert set(metrics) == expected                              # the user's own pairs: no gold judge
     assert all(math.isfinite(v) for v in metrics.values())
@@ -183,7 +183,7 @@ def test_killed_and_resumed_equals_uninterrupted(data, sft_dir, tmp_path, monkey
     save of step 2, the re-run resumes and ends with the uninterrupted run's weights, logs and metrics."""
     params = _params()
     full = dpo.run(params, data, sft_dir, tmp_path / "full", progress=False)
-    assert "eval/gold_sampled" in full and math.isfinite(full["eval/gold_sampled"])
+    assert "dpo/gold" in full and math.isfinite(full["dpo/gold"])
 
     real = supervised.check_finite
 

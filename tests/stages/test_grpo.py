@@ -182,7 +182,7 @@ def test_grpo_stage_has_no_critic_and_resumes_exactly(dirs, tmp_path, monkeypatc
     files = {p.name for p in (tmp_path / "full").rglob("*")}
     assert "actor.safetensors" in files and not any("critic" in f for f in files)
     assert json.loads((tmp_path / "full/config.json").read_text())["grpo"]["advantage"] == "grpo"
-    assert "eval/gold_grpo" in full or "eval/rm_grpo" in full
+    assert "grpo/gold" in full or "grpo/rm" in full
     columns = (tmp_path / "full/train.tsv").read_text().splitlines()[0].split("\t")
     assert "objective/group_std" in columns and not {"loss/value", "val/grad_norm"} & set(columns)
 

@@ -107,8 +107,8 @@ def test_a_short_run_writes_a_loadable_model_and_finite_metrics(done):
     load_policy(out / "model")
     numbers = {k: v for k, v in metrics.items() if isinstance(v, (int, float))}
     assert numbers == metrics and all(math.isfinite(v) for v in numbers.values())
-    for key in ("train/loss", "eval/loss", "eval/rm_sampled", "eval/kl_sampled", "eval/gold_sampled",
-                "eval/eos_rate_sampled", "rs/rm_winners", "rs/rm_candidates", "rs/gold_winners", "rs/gold_candidates"):
+    for key in ("train/loss", "eval/loss", "rs/rm", "rs/kl", "rs/gold",
+                "rs/eos_rate", "rs/rm_winners", "rs/rm_candidates", "rs/gold_winners", "rs/gold_candidates"):
         assert key in metrics, key
     assert metrics["rs/rm_winners"] >= metrics["rs/rm_candidates"]
     assert metrics["train/steps"] == 3   # 12 winners in batches of 4, one epoch

@@ -4,7 +4,7 @@
    from the committed data files, and a changed data value makes the check fail.
 2. No measured number is written by hand outside a rendered block (render_docs.hand_written_numbers).
 3. Every metric name and every `section.key` params key that README.md, the guides and
-   architecture.md mention exists in the metric registry (pipeline/stages/registry.py) and
+   architecture.md mention exists in the metric registry (pipeline/stages/metric_registry.py) and
    the params schema (pipeline/config.py).
 4. No tracked file refers to an issue tracker, or speaks of the sessions that wrote it.
 5. Every relative link of README.md and docs/ resolves to a file (and a heading, for an anchor).
@@ -238,7 +238,7 @@ def is_path(span: str) -> bool:
 def metric_patterns() -> tuple[list[re.Pattern], list[str]]:
     """Regexes of every name a run can write or MLflow can show, and the concrete example names
     (placeholders filled in) that globs in the docs are matched against."""
-    from pipeline.stages import registry
+    from pipeline.stages import metric_registry as registry
     from pipeline.tracking import metric_names as mn
     patterns, examples = [], []
     fills = {"policy": "ppo", "n": "64"}
@@ -260,7 +260,7 @@ def unknown_metric(name: str) -> bool:
         glob = re.compile("^" + re.escape(name).replace(r"\*", "[^/]+") + "$")
         return not any(glob.match(e) for e in examples)
     if "{" in name:
-        from pipeline.stages import registry
+        from pipeline.stages import metric_registry as registry
         return not any(m.name == name for m in registry.metrics())
     return not any(p.fullmatch(name) for p in patterns)
 
@@ -315,7 +315,7 @@ def test_every_metric_name_the_pages_mention_is_in_the_registry():
     assert "val/logprob_diff_max" in mentioned["docs/guide/ppo.md"]
     unknown = {page: [n for n in names if unknown_metric(n)] for page, names in mentioned.items()}
     unknown = {k: v for k, v in unknown.items() if v}
-    assert not unknown, f"metric names no stage declares (pipeline/stages/registry.py): {unknown}"
+    assert not unknown, f"metric names no stage declares (pipeline/stages/metric_registry.py): {unknown}"
 
 
 def test_every_params_key_the_pages_mention_is_in_the_schema():

@@ -31,9 +31,9 @@ def test_dvc_repro_tiny_pipeline(tiny_run, tiny_run_copy):
     metrics = json.loads((repo / "outputs/sft/metrics.json").read_text())
     assert metrics["train"]["steps"] == 4                       # 64 demos / batch 16, one epoch
     assert 0 < metrics["eval"]["loss"] < 10
-    for tag in ("greedy", "sampled"):
-        assert 0.0 <= metrics["eval"][f"eos_rate_{tag}"] <= 1.0
-        assert -10 < metrics["eval"][f"gold_{tag}"] < 5
+    for end in ("_greedy", ""):                                  # greedy and sampled responses
+        assert 0.0 <= metrics["sft"][f"eos_rate{end}"] <= 1.0
+        assert -10 < metrics["sft"][f"gold{end}"] < 5
     train_rows = (repo / "outputs/sft/train.tsv").read_text().splitlines()
     assert train_rows[0].split("\t") == ["step", "loss", "lr", "grad_norm", "skipped_updates"] and len(train_rows) == 5
 
@@ -70,10 +70,11 @@ def test_dvc_repro_tiny_pipeline(tiny_run, tiny_run_copy):
                  "kl_coef", "lr", "time/rollout", "time/scoring", "time/update", "objective/gold_scores",
                  "objective/distinct_2", "detector/kl_rise", "detector/fired", "detector/first_fire"):
         assert name in header, name
-    ppo = json.loads((repo / "outputs/ppo/metrics.json").read_text())["eval"]
-    for name in ("gold_sft", "gold_ppo", "gold_gain", "kl_ppo", "rm_ppo", "rm_sft"):
-        assert isinstance(ppo[name], float) and isinstance(ppo[name + "_ci95"], float)
-    assert ppo["kl_sft"] == 0.0                               # the reference against itself
+    ppo = json.loads((repo / "outputs/ppo/metrics.json").read_text())
+    for name in ("sft/gold", "ppo/gold", "ppo/gold_gain", "ppo/kl", "ppo/rm", "sft/rm"):
+        policy, key = name.split("/")
+        assert isinstance(ppo[policy][key], float) and isinstance(ppo[policy][key + "_ci95"], float)
+    assert ppo["sft"]["kl"] == 0.0                            # the reference against itself
     detector = json.loads((repo / "outputs/ppo/metrics.json").read_text())["detector"]
     assert detector == {"first_fire": 0, "fired": 0, "stopped_at": 0, "kept_iteration": 3}   # 3 < warmup
     AutoModelForCausalLM.from_pretrained(str(repo / "outputs/ppo/model"))

@@ -1,4 +1,4 @@
-"""The metric-name registry (each stage SPEC's declarations, gathered by pipeline/stages/registry.py)
+"""The metric-name registry (each stage SPEC's declarations, gathered by pipeline/stages/metric_registry.py)
 against docs/metrics.md and the committed run."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from pipeline.stages import registry
+from pipeline.stages import metric_registry as registry
 from pipeline.tracking import metric_names as mn
 
 METRICS = registry.metrics()
@@ -86,8 +86,8 @@ def test_an_unknown_name_fails_the_check(tmp_path):
 def test_a_missing_name_fails_the_check(tmp_path):
     run = copy_run(tmp_path)
     edit_json(run / "evaluate" / "metrics.json", lambda d: d["best_of_16"].pop("gold"))
-    edit_json(run / "ppo" / "metrics.json", lambda d: d["eval"].pop("kl_ppo"))
-    assert registry.check_run(run) == ([], ["ppo/metrics.json: eval/kl_ppo", "evaluate/metrics.json: best_of_16/gold"])
+    edit_json(run / "ppo" / "metrics.json", lambda d: d["ppo"].pop("kl"))
+    assert registry.check_run(run) == ([], ["ppo/metrics.json: ppo/kl", "evaluate/metrics.json: best_of_16/gold"])
 
 
 def test_a_missing_file_fails_the_check(tmp_path):

@@ -18,7 +18,7 @@ from conftest import REPO
 from pipeline import config
 from pipeline.__main__ import _parser, commands, main
 from pipeline.config import DataConfig, SFTConfig
-from pipeline.stages import registry, skeleton
+from pipeline.stages import metric_registry, registry, skeleton
 from pipeline.stages.prepare import write as prepare_run
 
 TOY = '''
@@ -104,9 +104,9 @@ def test_a_new_stage_module_is_seen_everywhere_stages_are_listed(toy_stage, tmp_
     assert capsys.readouterr().out.startswith("toy (GiB)")
 
     # The metric registry and docs/metrics.md: its declaration, its section, its resources.
-    names = {(m.stage, m.name) for m in registry.metrics()}
+    names = {(m.stage, m.name) for m in metric_registry.metrics()}
     assert {("toy", "eval/toy_score"), ("toy", "resources/wall_seconds")} <= names
-    assert "## toy (`outputs/toy/`, compare/dvc.yaml)\n" in registry.render_metrics()
+    assert "## toy (`outputs/toy/`, compare/dvc.yaml)\n" in metric_registry.render_metrics()
 
     # The methods benchmark lists it among the methods it runs.
     spec = importlib.util.spec_from_file_location("compare_methods_toy", REPO / "benchmarks" / "compare_methods.py")

@@ -301,7 +301,7 @@ def test_ppo_stage_on_the_default_sqlite_store(tmp_path, monkeypatch):
     assert [(m.step, m.value) for m in kl] == [(int(r["step"]), pytest.approx(float(r["objective/kl"]), rel=1e-5))
                                                for r in rows]
     assert [m.step for m in client.get_metric_history(ppo.info.run_id, "train/kl_coef")] == [1, 2]
-    assert ppo.data.metrics["eval/rm_ppo"] == pytest.approx(metrics["eval/rm_ppo"])
+    assert ppo.data.metrics["ppo/rm"] == pytest.approx(metrics["ppo/rm"])
     # The registered version holds the checkpoint's weights byte for byte, under the store's folder.
     weights = _registered_weights(client, ppo.info.run_id, tmp_path / "dl")
     assert weights.read_bytes() == (tmp_path / "out/model/model.safetensors").read_bytes()
@@ -314,7 +314,7 @@ def test_ppo_stage_on_the_default_sqlite_store(tmp_path, monkeypatch):
     assert client.get_model_version("rlhf-policy", version.version).model_id in (None, logged.model_id)
     assert (logged.params["ppo.iterations"], logged.params["ppo.sampling.max_new_tokens"]) == ("2", "6")
     on_model = {m.key: m.value for m in logged.metrics}
-    assert on_model["eval/rm_ppo"] == pytest.approx(metrics["eval/rm_ppo"]) and "objective/kl" in on_model
+    assert on_model["ppo/rm"] == pytest.approx(metrics["ppo/rm"]) and "objective/kl" in on_model
     # MLflow's system metrics of the stage's process.
     assert ppo.data.metrics["system/cpu_utilization_percentage"] >= 0
     assert ppo.data.metrics["system/system_memory_usage_megabytes"] > 0
@@ -543,8 +543,8 @@ def test_final_metrics_keep_the_name_of_the_series_they_end():
     tracker = tracking.MlflowTracker("sqlite:///unused")
     tracker.log_metrics(7, {"objective/kl": 3.5, "tokens_per_second/rollout": 9.0, "train/loss": 1.0})
     assert [tracker.series_name(n) for n in ("train/objective_kl", "train/tokens_per_second_rollout",
-                                             "train/loss", "train/seconds", "eval/gold_ppo")] == \
-        ["objective/kl", "tokens_per_second/rollout", "train/loss", "train/seconds", "eval/gold_ppo"]
+                                             "train/loss", "train/seconds", "ppo/gold")] == \
+        ["objective/kl", "tokens_per_second/rollout", "train/loss", "train/seconds", "ppo/gold"]
 
 
 def test_a_process_key_tells_a_live_process_from_a_gone_one():
