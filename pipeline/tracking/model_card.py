@@ -91,11 +91,13 @@ def card(stage: str, config: Mapping[str, Any], metrics: Mapping[str, Any], vers
     precision = config.get("distributed", {}).get("precision") or section.get("distributed", {}).get("precision")
     if precision:
         lines.append(f"| `distributed.precision` | {precision} |")
-    # The held-out evaluation and the data counts in full; of training, its loss and steps (PPO's step
-    # log statistics stay in metrics.json and train.tsv). No times: the card is part of the model
-    # folder DVC hashes, and a re-run that trains the same weights must write the same folder.
+    # The held-out evaluation (`eval/*`, and the policies measured under their own names: the stage's,
+    # SFT's beside it, the demonstrations') and the data counts in full; of training, its loss and
+    # steps (PPO's step log statistics stay in metrics.json and train.tsv). No times: the card is part
+    # of the model folder DVC hashes, and a re-run that trains the same weights must write the same folder.
+    groups = ("eval", "data", stage, "sft", "demonstrations")
     shown = [(k, v) for k, v in metrics.items() if isinstance(v, numbers.Real) and not isinstance(v, bool)
-             and (k.split("/")[0] in ("eval", "data") or k in ("train/loss", "train/steps"))]
+             and (k.split("/")[0] in groups or k in ("train/loss", "train/steps"))]
     lines += ["", "## Results", "", "| metric | value |", "|---|---|"]
     lines += [f"| `{k}` | {v:.4g} |" if isinstance(v, float) else f"| `{k}` | {v} |" for k, v in shown]
     lines += ["", "Metric names are explained in the project's docs/metrics.md.", "", "## Use", "",

@@ -199,9 +199,12 @@ def test_every_model_folder_carries_a_card_and_the_reward_model_scores_without_t
         card = (repo / "outputs" / stage / "model" / "README.md").read_text()
         assert card.startswith("---\nlibrary_name: transformers\n") and f"- {stage}\n" in card
         metrics = json.loads((repo / "outputs" / stage / "metrics.json").read_text())
-        for key, value in metrics["eval"].items():
+        # The held-out evaluation, with the policies measured under their own names (ppo/rm, sft/gold).
+        measured = {f"{group}/{key}": value for group in ("eval", stage, "sft") for key, value in metrics.get(group, {}).items()}
+        assert any(k.startswith(f"{stage}/") for k in measured) == (stage != "reward")
+        for key, value in measured.items():
             if isinstance(value, float):
-                assert f"| `eval/{key}` | {value:.4g} |" in card, (stage, key)
+                assert f"| `{key}` | {value:.4g} |" in card, (stage, key)
         assert f"| `{stage}.seed` | 0 |" in card
         assert "seconds" not in card     # no times: a re-run training the same weights writes the same folder
     # The card's recipe: a plain transformers classifier, minus the offset in its config, gives the
