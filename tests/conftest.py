@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import fcntl
+import json
 import os
 import shutil
 import subprocess
@@ -235,13 +237,26 @@ def tiny_run(tmp_path_factory) -> TinyRun:
     """One whole `dvc repro` of the tiny params, as the README writes it (`.venv/bin/dvc repro` from
     a shell without the venv on PATH), in a repository with those params committed. Shared by the
     tests that need a finished run: each reads it or works on its own copy. Each of them used to
-    run the same pipeline itself (about a minute each)."""
-    repo = copy_repo(tmp_path_factory.mktemp("tiny_run") / "repo")
-    write_params(repo / "params.yaml", TINY)
-    run(["git", "-c", "user.name=t", "-c", "user.email=t@t", "commit", "-q", "-am", "tiny params"], repo)
-    start = time.monotonic()
-    proc = run([str(BIN / "dvc"), "repro"], repo, env=bare_env(repo))
-    return TinyRun(repo, proc.stdout + proc.stderr, time.monotonic() - start, os.environ.get("OMP_NUM_THREADS"))
+    run the same pipeline itself (about a minute each). Made once per pytest run: under
+    pytest-xdist the first worker to need it makes it in the run's shared temporary folder (a file
+    lock keeps the others waiting for it), and the others read the same one."""
+    base = tmp_path_factory.getbasetemp()
+    shared = base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base   # the workers' common parent
+    root, record = shared / "tiny_run", shared / "tiny_run.json"
+    with open(shared / "tiny_run.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if not record.exists():
+            shutil.rmtree(root, ignore_errors=True)         # a maker that failed half-way
+            repo = copy_repo(root / "repo")
+            write_params(repo / "params.yaml", TINY)
+            run(["git", "-c", "user.name=t", "-c", "user.email=t@t", "commit", "-q", "-am", "tiny params"], repo)
+            start = time.monotonic()
+            proc = run([str(BIN / "dvc"), "repro"], repo, env=bare_env(repo))
+            made = {"printed": proc.stdout + proc.stderr, "seconds": time.monotonic() - start,
+                    "threads": os.environ.get("OMP_NUM_THREADS")}
+            record.write_text(json.dumps(made))
+        made = json.loads(record.read_text())
+    return TinyRun(root / "repo", made["printed"], made["seconds"], made["threads"])
 
 
 def project_copy(tmp_path: Path, name: str, override: dict | None = None, jobs: dict | None = None,
