@@ -14,7 +14,7 @@ from pipeline.config import load_params
 from pipeline.stages import evaluate as evaluate_stage, ppo as ppo_stage, reward as reward_stage, sft as sft_stage
 from pipeline.stages.spec import resolve
 from pipeline.stages import registry
-from pipeline.stages.registry import check_run
+from pipeline.stages.metric_registry import check_run
 from pipeline.data.tokenizer import decode_response, encode_prompt
 
 
