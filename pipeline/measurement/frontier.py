@@ -18,14 +18,23 @@ from ..files import atomic_write_text
 from .comparison_plots import frontier_plot
 
 METRICS = {"kl": "ppo.kl", "rm": "ppo.rm", "gold": "ppo.gold"}
+# Where they are read: the PPO stage writes the same names for its own held-out measurement (on
+# `ppo.n_eval_prompts`), so DVC names each column by its file and evaluate's must be chosen.
+SOURCE = "evaluate/metrics.json"
 FIXED_SECTIONS = ("data", "model", "sft", "reward")   # what the SFT policy and the RM depend on
 
 
-def _lookup(row: dict[str, Any], suffix: str) -> Optional[float]:
-    """A value whose key ends with `suffix` (DVC may prefix keys with their metrics file)."""
-    for key, value in row.items():
-        if (key == suffix or key.endswith(":" + suffix) or key.endswith("." + suffix)) and isinstance(value, (int, float)):
-            return float(value)
+def _lookup(row: dict[str, Any], suffix: str, source: Optional[str] = None) -> Optional[float]:
+    """A value whose key ends with `suffix`. DVC prefixes a key with its file (`<file>:<name>`) where
+    two files hold the name: then only `source`'s counts; a key without a file is taken as it is."""
+    numbers = {k: float(v) for k, v in row.items() if isinstance(v, (int, float)) and not isinstance(v, bool)}
+    if source is not None:
+        found = [v for k, v in numbers.items() if k.endswith(f"{source}:{suffix}")]
+        if found:
+            return found[0]
+    for key, value in numbers.items():
+        if key == suffix or (":" not in key and key.endswith("." + suffix)) or (source is None and key.endswith(":" + suffix)):
+            return value
     return None
 
 
@@ -56,7 +65,7 @@ def collect(rows: list[dict[str, Any]], fixed: Optional[Mapping[str, Any]] = Non
     for row in rows:
         if fixed and not all(_same(row, k, v) for k, v in fixed.items()):
             continue
-        values = {name: _lookup(row, key) for name, key in METRICS.items()}
+        values = {name: _lookup(row, key, SOURCE) for name, key in METRICS.items()}
         coef = _lookup(row, "ppo.kl_coef")
         if values["kl"] is None or values["rm"] is None or coef is None:
             continue

@@ -56,7 +56,9 @@ def test_distinct_n_and_mean_ci():
 def test_frontier_collects_points_from_exp_show_rows():
     from pipeline.measurement.frontier import collect, flat_params
     rows = [
-        {"Experiment": None, "rev": "workspace", "outputs/evaluate/metrics.json:ppo.kl": 3.0,
+        {"Experiment": None, "rev": "workspace", "outputs/ppo/metrics.json:ppo.kl": 7.0,   # PPO's own measurement
+         "outputs/ppo/metrics.json:ppo.rm": 7.0, "outputs/ppo/metrics.json:ppo.gold": 7.0,  # (not evaluate's)
+         "outputs/evaluate/metrics.json:ppo.kl": 3.0,
          "outputs/evaluate/metrics.json:ppo.rm": 1.0, "outputs/evaluate/metrics.json:ppo.gold": 0.8,
          "params.yaml:ppo.kl_coef": 0.05},
         {"Experiment": "exp-a", "rev": "abc", "ppo.kl": 9.0, "ppo.rm": 2.0, "ppo.gold": 0.1, "ppo.kl_coef": 0.0},
@@ -75,6 +77,10 @@ def test_frontier_collects_points_from_exp_show_rows():
                  "ppo.kl_coef": 0.05, "model.num_layers": 2, "reward.lr": 0.0003})
     rows.append({"Experiment": None, "rev": "older", "ppo.kl": 5.0, "ppo.rm": 1.5, "ppo.gold": 2.0, "ppo.kl_coef": 0.1})
     assert len(collect(rows)) == 4
+    # A row with the PPO stage's measurement and no evaluate metrics yet: not a point.
+    assert collect([{"Experiment": "half", "rev": "x", "outputs/ppo/metrics.json:ppo.kl": 1.0,
+                     "outputs/ppo/metrics.json:ppo.rm": 1.0, "outputs/ppo/metrics.json:ppo.gold": 1.0,
+                     "params.yaml:ppo.kl_coef": 0.1}]) == []
     fixed = flat_params({"num_layers": 4, "name_or_path": None}, "model.") | flat_params({"lr": 3e-4}, "reward.")
     assert fixed == {"model.num_layers": 4, "model.name_or_path": None, "reward.lr": 3e-4}
     assert [p["name"] for p in collect(rows, fixed)] == ["exp-a", "workspace"]

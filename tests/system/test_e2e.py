@@ -169,8 +169,10 @@ def test_dvc_exp_run_changes_param_and_reports_eval_metrics(tiny_run_copy):
     baseline = next(r for name, r in rows.items() if name not in ("kl-low", "workspace"))
     assert find(baseline, "ppo.kl_coef") == [0.2]
     for row in (rows["kl-low"], baseline):
-        gold = find(row, "ppo.gold")
-        assert len(gold) == 1 and isinstance(gold[0], float)
+        # PPO's gold score twice, one column per file: the PPO stage's own measurement and evaluate's.
+        gold = {k: v for k, v in row.items() if k.endswith("ppo.gold")}
+        assert len(gold) == 2 and all(isinstance(v, float) for v in gold.values()), gold
+        assert sorted("evaluate" in k for k in gold) == [False, True], gold
     # The experiment re-ran PPO with the new penalty: its logged kl_coef is the new one.
     assert find(rows["kl-low"], "train.kl_coef") == [0.05]
     assert find(baseline, "train.kl_coef") == [0.2]
