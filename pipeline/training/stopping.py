@@ -11,6 +11,7 @@ a kill, and ends with the models an uninterrupted run gives.
 
 A second signal, or PIPELINE_STOP_GRACE seconds (default 600) after the first without reaching a
 step boundary, exits at once (status 128 + the signal) and the last checkpoint is what remains.
+The grace ends with the stage: a process that goes on after it (a notebook, a test) is not exited.
 
 Multi-process stages: the command the user runs re-runs itself under torchrun (or the DeepSpeed
 launcher). That parent forwards both signals to the stage's processes (not to the launcher, which
@@ -43,6 +44,7 @@ GRACE_ENV = "PIPELINE_STOP_GRACE"
 DEFAULT_GRACE = 600.0
 
 _requested: int = 0    # the signal that asked for a stop; 0: none
+_grace: threading.Timer | None = None   # exits the process if the stop takes longer than the grace
 
 
 def warning_signal() -> signal.Signals:
@@ -66,7 +68,7 @@ def grace_seconds() -> float:
 
 
 def _handler(signum: int, frame) -> None:
-    global _requested
+    global _requested, _grace
     if _requested:   # a second signal: no more grace
         os._exit(128 + signum)
     _requested = signum
@@ -74,9 +76,9 @@ def _handler(signum: int, frame) -> None:
     grace = grace_seconds()
     print(f"received {name}: stopping after the current step, then saving the checkpoint "
           f"(a second signal, or {grace:.0f} s, exits at once)", file=sys.stderr, flush=True)
-    timer = threading.Timer(grace, os._exit, args=(128 + signum,))
-    timer.daemon = True
-    timer.start()
+    _grace = threading.Timer(grace, os._exit, args=(128 + signum,))
+    _grace.daemon = True
+    _grace.start()
 
 
 @contextlib.contextmanager
@@ -94,12 +96,15 @@ def handling() -> Iterator[None]:
     finally:
         for sig, handler in previous.items():
             signal.signal(sig, handler)
+        reset()
 
 
 def reset() -> None:
-    """Forget a request (a stage run again in the same process, as the tests do)."""
-    global _requested
-    _requested = 0
+    """Forget a request and end its grace: the stage it was for is over (or not yet begun)."""
+    global _requested, _grace
+    if _grace is not None:
+        _grace.cancel()
+    _requested, _grace = 0, None
 
 
 def requested(ctx: Context) -> int:

@@ -148,6 +148,24 @@ def test_a_signal_stops_ppo_after_its_iteration_and_the_rerun_equals_an_uninterr
         assert _rows(tmp_path / "full/train.tsv") == _rows(out / "train.tsv"), note
 
 
+def test_the_grace_ends_with_the_stage_so_a_process_that_goes_on_is_not_exited(tmp_path):
+    """A stop's grace timer exits the process if the stop takes longer than the grace; once the
+    stage is over (its handlers restored) the timer is gone, and the process (a notebook, a test
+    worker) lives on past the grace."""
+    script = ("import os, signal, time\n"
+              "from pipeline.training import stopping\n"
+              "with stopping.handling():\n"
+              "    os.kill(os.getpid(), signal.SIGUSR1)\n"
+              "    time.sleep(0.2)\n"
+              "    assert stopping._requested == signal.SIGUSR1\n"
+              "time.sleep(2.0)\n"
+              "print('alive after the grace')\n")
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60,
+                          env={**run_env(), "PYTHONPATH": str(REPO), "PIPELINE_STOP_GRACE": "0.5"})
+    assert "received SIGUSR1: stopping after the current step" in proc.stderr, proc.stderr
+    assert (proc.returncode, proc.stdout.strip()) == (0, "alive after the grace"), proc.stderr[-2000:]
+
+
 # ---- Real processes ------------------------------------------------------------------------------
 
 
