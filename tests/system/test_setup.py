@@ -184,6 +184,6 @@ def test_one_lock_per_part_of_the_install_and_each_matches_this_environment():
     core, dev = pins(written["requirements.lock"]), pins(written["requirements-dev.lock"])
     bench = pins((REPO / "requirements-bench.lock").read_text())
     assert {"torch", "transformers", "dvc", "mlflow", "snakemake", "deepspeed", "peft"} <= core.keys()
-    assert {"pytest", "pytest-xdist"} <= dev.keys() and "trl" in bench
+    assert {"pytest", "pytest-xdist", "pytest-timeout"} <= dev.keys() and "trl" in bench
     assert not (core.keys() & dev.keys()) and not (core.keys() & bench.keys())   # an extra adds, never repeats
     assert "pip" not in core and not any("+" in v for v in core.values())       # releases, not local builds
