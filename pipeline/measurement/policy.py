@@ -200,6 +200,23 @@ def sampled_metrics(name: str, policy, tok, prompts: list, sampling: SamplingCon
     return summary(measured, lambda key: f"{name}/{key}")
 
 
+def sampled_declarations(stage: str, keys: tuple[str, ...]) -> list[Metric]:
+    """A trained policy sampled on the held-out prompts (measurement.policy.sampled_metrics): the
+    `keys` it is scored by, then its responses' end rate, length and distinct-2 (compare/dvc.yaml's)."""
+    meanings = {"rm": "mean RM score", "gold": "mean gold score", "kl": "mean sequence-level sampled KL to SFT"}
+
+    def m(name: str, meaning: str) -> Metric:
+        return Metric(stage, METRICS_JSON, name, meaning, "compare")
+    out = []
+    for key in keys:
+        out += [m(f"{stage}/{key}", f"{meanings[key]} of the trained policy's responses to the first "
+                                    f"`{stage}.n_eval_prompts` held-out prompts (`prompts.sampling`)"),
+                m(f"{stage}/{key}_ci95", "half-width of its 95% interval")]
+    return out + [m(f"{stage}/eos_rate", "rate of those responses that ended with eos or the stop token"),
+                  m(f"{stage}/length", "their mean length, words"),
+                  m(f"{stage}/distinct_2", "distinct bigrams / bigrams over them")]
+
+
 def sequence_kl(policy, ref, tok, prompts: list, responses: list[str], temperature: float) -> list[float]:
     """Per response: sum over its tokens of log pi(a_t) - log pi_ref(a_t) (the text re-encoded with eos
     appended). Its mean over responses sampled from pi estimates the sequence-level KL(pi || pi_ref):
@@ -242,20 +259,3 @@ def best_of_n(draws: list[Measured], prompts: list, ns: tuple[int, ...],
         if judge is not None:
             out[f"best_of_{n}"].values["gold"] = [judge(p, r) for p, r in zip(prompts, texts)]
     return out
-
-
-def sampled_declarations(stage: str, keys: tuple[str, ...]) -> list[Metric]:
-    """A trained policy sampled on the held-out prompts (measurement.policy.sampled_metrics): the
-    `keys` it is scored by, then its responses' end rate, length and distinct-2 (compare/dvc.yaml's)."""
-    meanings = {"rm": "mean RM score", "gold": "mean gold score", "kl": "mean sequence-level sampled KL to SFT"}
-
-    def m(name: str, meaning: str) -> Metric:
-        return Metric(stage, METRICS_JSON, name, meaning, "compare")
-    out = []
-    for key in keys:
-        out += [m(f"{stage}/{key}", f"{meanings[key]} of the trained policy's responses to the first "
-                                    f"`{stage}.n_eval_prompts` held-out prompts (`prompts.sampling`)"),
-                m(f"{stage}/{key}_ci95", "half-width of its 95% interval")]
-    return out + [m(f"{stage}/eos_rate", "rate of those responses that ended with eos or the stop token"),
-                  m(f"{stage}/length", "their mean length, words"),
-                  m(f"{stage}/distinct_2", "distinct bigrams / bigrams over them")]

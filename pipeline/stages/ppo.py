@@ -55,6 +55,7 @@ A NaN or infinite loss, gradient, reward or advantage stops the stage
 with the iteration and the quantity named; the last checkpoint is kept.
 """
 
+
 def declared_metrics(stage: str = "ppo") -> list[Metric]:
     """The PPO stage's names; `stage="grpo"`: the same trainer without a critic (compare/dvc.yaml)."""
     def m(file: str, name: str, meaning: str, condition: Optional[str] = None, copy_of: Optional[str] = None):
