@@ -11,6 +11,9 @@ a kill, and ends with the models an uninterrupted run gives.
 
 A second signal, or PIPELINE_STOP_GRACE seconds (default 600) after the first without reaching a
 step boundary, exits at once (status 128 + the signal) and the last checkpoint is what remains.
+The same signal again within REPEAT_SECONDS is the same request, not a second one: at a time limit
+SLURM sends SIGTERM to every process of a job step, and srun forwards its own copy to the step's
+tasks, so a stage gets it twice within milliseconds.
 The grace ends with the stage: a process that goes on after it (a notebook, a test) is not exited.
 
 Multi-process stages: the command the user runs re-runs itself under torchrun (or the DeepSpeed
@@ -29,6 +32,7 @@ import signal
 import subprocess
 import sys
 import threading
+import time
 from typing import Iterator, Sequence
 
 import torch
@@ -42,8 +46,10 @@ EXIT_STOPPED = 75      # EX_TEMPFAIL: "try again later": a re-run resumes
 SIGNAL_ENV = "PIPELINE_STOP_SIGNAL"
 GRACE_ENV = "PIPELINE_STOP_GRACE"
 DEFAULT_GRACE = 600.0
+REPEAT_SECONDS = 5.0   # the same signal again this soon: one request delivered twice
 
 _requested: int = 0    # the signal that asked for a stop; 0: none
+_requested_at: float = 0.0   # when (time.monotonic)
 _grace: threading.Timer | None = None   # exits the process if the stop takes longer than the grace
 
 
@@ -68,10 +74,12 @@ def grace_seconds() -> float:
 
 
 def _handler(signum: int, frame) -> None:
-    global _requested, _grace
-    if _requested:   # a second signal: no more grace
-        os._exit(128 + signum)
-    _requested = signum
+    global _requested, _requested_at, _grace
+    if _requested:
+        if signum == _requested and time.monotonic() - _requested_at < REPEAT_SECONDS:
+            return   # the same request delivered twice (see the module doc)
+        os._exit(128 + signum)   # a second signal: no more grace
+    _requested, _requested_at = signum, time.monotonic()
     name = signal.Signals(signum).name
     grace = grace_seconds()
     print(f"received {name}: stopping after the current step, then saving the checkpoint "

@@ -166,6 +166,28 @@ def test_the_grace_ends_with_the_stage_so_a_process_that_goes_on_is_not_exited(t
     assert (proc.returncode, proc.stdout.strip()) == (0, "alive after the grace"), proc.stderr[-2000:]
 
 
+def test_the_same_signal_twice_at_once_is_one_request_and_later_a_second_one(tmp_path):
+    """At a time limit SLURM signals every process of a step and srun forwards its own copy: two
+    SIGTERMs within milliseconds are one request (the stage stops at its step); the same signal
+    after REPEAT_SECONDS (shortened here) is a second one and exits at once with 128 + 15."""
+    script = ("import os, signal, time\n"
+              "from pipeline.training import stopping\n"
+              "stopping.REPEAT_SECONDS = 0.5\n"
+              "with stopping.handling():\n"
+              "    os.kill(os.getpid(), signal.SIGTERM)\n"
+              "    os.kill(os.getpid(), signal.SIGTERM)\n"
+              "    time.sleep(0.1)\n"
+              "    print('one request:', stopping._requested == signal.SIGTERM, flush=True)\n"
+              "    time.sleep(0.6)\n"
+              "    os.kill(os.getpid(), signal.SIGTERM)\n"
+              "    time.sleep(5)\n"
+              "    print('not exited')\n")
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60,
+                          env={**run_env(), "PYTHONPATH": str(REPO)})
+    assert (proc.returncode, proc.stdout) == (128 + signal.SIGTERM, "one request: True\n"), proc.stderr[-2000:]
+    assert proc.stderr.count("received SIGTERM") == 1, proc.stderr
+
+
 # ---- Real processes ------------------------------------------------------------------------------
 
 
@@ -216,7 +238,7 @@ def test_sigterm_from_outside_stops_the_command_with_75_and_a_second_signal_exit
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     wait_for(hook / "in_loop", proc)
     proc.send_signal(signal.SIGTERM)   # asks for a stop after this step (60 s away)
-    time.sleep(1)
+    time.sleep(stopping.REPEAT_SECONDS + 1)   # sooner, it would be the same request again
     started = time.time()
     proc.send_signal(signal.SIGTERM)   # no more grace
     _, err = proc.communicate(timeout=60)
