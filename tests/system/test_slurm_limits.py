@@ -7,37 +7,73 @@ from __future__ import annotations
 import re
 import subprocess
 import time
+from pathlib import Path
 
 import pytest
 
-from conftest import BIN, project_copy, run, run_env
+from conftest import BIN, TINY, project_copy, run, run_env
+
+
+STEP_SECONDS = 0.25   # each SFT step this much longer in the cluster's jobs (slow_steps)
+STEPS = 400           # 100 s of steps: more than the one-minute limit gives a job, whatever the CPU
+
+
+def slow_steps(folder: Path) -> Path:
+    """A sitecustomize that makes every supervised step STEP_SECONDS longer in the process that
+    imports the training loop (the stage, not Snakemake or sbatch): the jobs' time is sleep, the
+    same on any CPU and under any load, and the model is the one the steps compute."""
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "sitecustomize.py").write_text(
+        "import importlib.abc, importlib.util, sys, time\n"
+        "class Slow(importlib.abc.MetaPathFinder):\n"
+        "    def find_spec(self, name, path, target=None):\n"
+        "        if name != 'pipeline.training.supervised':\n"
+        "            return None\n"
+        "        sys.meta_path.remove(self)\n"
+        "        spec = importlib.util.find_spec(name)\n"
+        "        run = spec.loader.exec_module\n"
+        "        def exec_module(module):\n"
+        "            run(module)\n"
+        "            real = module.check_finite\n"
+        "            def slow(at, what, value):\n"
+        "                if what == 'loss':\n"
+        f"                    time.sleep({STEP_SECONDS})\n"
+        "                return real(at, what, value)\n"
+        "            module.check_finite = slow\n"
+        "        spec.loader.exec_module = exec_module\n"
+        "        return spec\n"
+        "sys.meta_path.insert(0, Slow())\n")
+    return folder
 
 
 @pytest.mark.slurm
 def test_a_stage_stopped_by_the_warning_and_by_its_time_limit_finishes_after_retries_with_the_model_of_one_run(tmp_path):
-    """SFT whose work (about 100 s at one thread) outlasts its one-minute time limit. Its first job
-    gets the warning signal (SIGURG to the job's steps, as `--signal` sends it; sent here by scancel
-    once training runs, so the test need not guess when SLURM sends it) and stops after its step
-    with exit 75; the next job is ended by the time limit's SIGTERM and stops the same way;
-    Snakemake submits it again each time (`retries`) and the last job finishes. The model and step
-    log equal an uninterrupted run at the same thread count. The shipped profile retries 3 times;
-    this copy 8, so that a slower or busier machine, whose run takes more time-limited jobs, still
-    finishes. prepare's one-minute job gets the
-    profile's warning at once (it is due 5 minutes before the limit), while it starts, and lives:
-    the job command ignores it until a stage handles it."""
-    override = {"data": {"n_sft": 4000}, "sft": {"epochs": 60.0, "save_every": 1000, "eval_every": 1000}}
+    """SFT whose steps (STEPS of STEP_SECONDS each, slow_steps) outlast its one-minute time limit.
+    Its first job gets the warning signal (SIGURG to the job's steps, as `--signal` sends it; sent
+    here by scancel once training runs, so the test need not guess when SLURM sends it) and stops
+    after its step with exit 75; the next job is ended by the time limit's SIGTERM and stops the
+    same way; Snakemake submits it again each time (`retries`) and the last job finishes. The model
+    and step log equal an uninterrupted run (no sleep) at the same thread count. The shipped profile
+    retries 3 times; this copy 8, so that a slower or busier machine, whose run takes more
+    time-limited jobs, still finishes. prepare's one-minute job gets the profile's warning at once
+    (it is due 5 minutes before the limit), while it starts, and lives: the job command ignores it
+    until a stage handles it."""
+    batch = TINY["sft"]["batch_size"]
+    override = {"sft": {"epochs": STEPS * batch / TINY["data"]["n_sft"], "save_every": 10 * STEPS,
+                        "eval_every": 10 * STEPS}}
     one_thread = {"runtime": 1, "cpus_per_task": 1}
     repo = project_copy(tmp_path, "limit", override, jobs={"prepare": one_thread, "sft": {**one_thread, "slurm_extra": "''"}},
                         profile={"retries": 8})
     ref = project_copy(tmp_path, "ref", override)
     env = {**run_env(), "OMP_NUM_THREADS": "1", "PIPELINE_STOP_SIGNAL": "URG"}
     run(["bin/pipeline", "prepare", "--params", "params.yaml", "--out", "data/prepared"], ref, env=env)
-    # The uninterrupted run on the other CPU while the cluster runs its job on one.
-    reference = subprocess.Popen(["bin/pipeline", "sft", "--params", "params.yaml", "--data", "data/prepared",
-                                  "--out", "outputs/sft"], cwd=ref, env=env, stdout=subprocess.DEVNULL,
-                                 stderr=subprocess.PIPE, text=True)
+    run(["bin/pipeline", "sft", "--params", "params.yaml", "--data", "data/prepared", "--out", "outputs/sft"],
+        ref, env=env)   # the uninterrupted run, seconds without the sleep
+    assert len((ref / "outputs/sft/train.tsv").read_text().splitlines()) == 1 + STEPS   # a header, a row a step
+    hook = slow_steps(tmp_path / "hook")
     snake = subprocess.Popen([str(BIN / "snakemake"), "--profile", "profiles/slurm", "--slurm-init-seconds-before-status-checks",
-                              "1", "--seconds-between-status-checks", "2", "sft"], cwd=repo, env=env,
+                              "1", "--seconds-between-status-checks", "2", "sft"], cwd=repo,
+                             env={**env, "PYTHONPATH": str(hook)},
                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
         deadline = time.monotonic() + 600
@@ -45,7 +81,7 @@ def test_a_stage_stopped_by_the_warning_and_by_its_time_limit_finishes_after_ret
             assert snake.poll() is None, snake.stdout.read()[-4000:]
             log = (repo / "logs/sft.log").read_text() if (repo / "logs/sft.log").exists() else ""
             steps = [int(n) for n in re.findall(r"sft: (\d+)/\d+ steps", log)]
-            if steps and steps[-1] >= 500:
+            if steps and steps[-1] >= 1:
                 break
             time.sleep(0.5)
         first = next((repo / "logs/slurm/rule_sft").glob("*.log")).stem
@@ -53,13 +89,16 @@ def test_a_stage_stopped_by_the_warning_and_by_its_time_limit_finishes_after_ret
         out, _ = snake.communicate(timeout=1200)
     finally:
         snake.kill()
-    assert reference.wait(timeout=600) == 0, reference.stderr.read()[-2000:]
     assert snake.returncode == 0, out[-4000:]
     assert len(list((repo / "logs/slurm/rule_prepare").glob("*.log"))) == 1     # not ended by the warning
     # The warning's job, the time limit's job (or more) and the one that finished.
     jobs = list((repo / "logs/slurm/rule_sft").glob("*.log"))
     assert len(jobs) >= 3, jobs
     assert out.count("Trying to restart job") == len(jobs) - 1, out[-4000:]
+    # A job ended by the time limit: its stage stopped at its step (75), not at once (143: SLURM and
+    # srun each deliver the SIGTERM, and a repeat is not a second signal).
+    limited = [j.read_text() for j in jobs if "DUE TO TIME LIMIT" in j.read_text()]
+    assert limited and all("returned non-zero exit status 75." in t for t in limited), limited[-1:]
     log = (repo / "logs/sft.log").read_text()                    # the last job's
     assert re.search(r"sft: resuming from outputs/sft/checkpoint at step [1-9]", log), log[-3000:]
     for f in ("model/model.safetensors", "train.tsv", "eval.tsv"):
