@@ -7,48 +7,20 @@ from __future__ import annotations
 import re
 import subprocess
 import time
-from pathlib import Path
 
 import pytest
 
 from conftest import BIN, TINY, project_copy, run, run_env
+from slow_steps import slow_steps_hook
 
 
-STEP_SECONDS = 0.25   # each SFT step this much longer in the cluster's jobs (slow_steps)
+STEP_SECONDS = 0.25   # each SFT step this much longer in the cluster's jobs (slow_steps_hook)
 STEPS = 400           # 100 s of steps: more than the one-minute limit gives a job, whatever the CPU
-
-
-def slow_steps(folder: Path) -> Path:
-    """A sitecustomize that makes every supervised step STEP_SECONDS longer in the process that
-    imports the training loop (the stage, not Snakemake or sbatch): the jobs' time is sleep, the
-    same on any CPU and under any load, and the model is the one the steps compute."""
-    folder.mkdir(parents=True, exist_ok=True)
-    (folder / "sitecustomize.py").write_text(
-        "import importlib.abc, importlib.util, sys, time\n"
-        "class Slow(importlib.abc.MetaPathFinder):\n"
-        "    def find_spec(self, name, path, target=None):\n"
-        "        if name != 'pipeline.training.supervised':\n"
-        "            return None\n"
-        "        sys.meta_path.remove(self)\n"
-        "        spec = importlib.util.find_spec(name)\n"
-        "        run = spec.loader.exec_module\n"
-        "        def exec_module(module):\n"
-        "            run(module)\n"
-        "            real = module.check_finite\n"
-        "            def slow(at, what, value):\n"
-        "                if what == 'loss':\n"
-        f"                    time.sleep({STEP_SECONDS})\n"
-        "                return real(at, what, value)\n"
-        "            module.check_finite = slow\n"
-        "        spec.loader.exec_module = exec_module\n"
-        "        return spec\n"
-        "sys.meta_path.insert(0, Slow())\n")
-    return folder
 
 
 @pytest.mark.slurm
 def test_a_stage_stopped_by_the_warning_and_by_its_time_limit_finishes_after_retries_with_the_model_of_one_run(tmp_path):
-    """SFT whose steps (STEPS of STEP_SECONDS each, slow_steps) outlast its one-minute time limit.
+    """SFT whose steps (STEPS of STEP_SECONDS each, slow_steps_hook) outlast its one-minute time limit.
     Its first job gets the warning signal (SIGURG to the job's steps, as `--signal` sends it; sent
     here by scancel once training runs, so the test need not guess when SLURM sends it) and stops
     after its step with exit 75; the next job is ended by the time limit's SIGTERM and stops the
@@ -70,7 +42,7 @@ def test_a_stage_stopped_by_the_warning_and_by_its_time_limit_finishes_after_ret
     run(["bin/pipeline", "sft", "--params", "params.yaml", "--data", "data/prepared", "--out", "outputs/sft"],
         ref, env=env)   # the uninterrupted run, seconds without the sleep
     assert len((ref / "outputs/sft/train.tsv").read_text().splitlines()) == 1 + STEPS   # a header, a row a step
-    hook = slow_steps(tmp_path / "hook")
+    hook = slow_steps_hook(tmp_path / "hook", STEP_SECONDS)
     snake = subprocess.Popen([str(BIN / "snakemake"), "--profile", "profiles/slurm", "--slurm-init-seconds-before-status-checks",
                               "1", "--seconds-between-status-checks", "2", "sft"], cwd=repo,
                              env={**env, "PYTHONPATH": str(hook)},

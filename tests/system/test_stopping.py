@@ -28,6 +28,7 @@ from pipeline.ppo import trainer as ppo_trainer
 from pipeline.stages import ppo, reward, sft
 from pipeline.stages.prepare import write as prepare_run
 from pipeline.training import stopping, supervised
+from slow_steps import slow_steps_hook
 
 TIME_KEYS = ("seconds", "time", "tokens_per_second", "peak_rss")
 SEED = int(os.environ.get("PIPELINE_TEST_SEED", random.SystemRandom().randrange(10_000)))
@@ -191,28 +192,11 @@ def test_the_same_signal_twice_at_once_is_one_request_and_later_a_second_one(tmp
 # ---- Real processes ------------------------------------------------------------------------------
 
 
-def _slow_steps_hook(tmp_path: Path, seconds: float) -> Path:
-    """A sitecustomize (seen only by the child) that makes every supervised step take `seconds`
-    longer, so a signal sent from outside lands inside the loop; `in_loop` appears at the first."""
-    hook = tmp_path / "hook"
-    hook.mkdir(parents=True, exist_ok=True)
-    (hook / "sitecustomize.py").write_text(
-        "import pathlib, time\n"
-        "from pipeline.training import supervised\n"
-        "real = supervised.check_finite\n"
-        "def slow(at, name, value):\n"
-        "    if name == 'loss':\n"
-        f"        pathlib.Path({str(hook / 'in_loop')!r}).touch()\n"
-        f"        time.sleep({seconds})\n"
-        "    return real(at, name, value)\n"
-        "supervised.check_finite = slow\n")
-    return hook
-
-
 def test_sigterm_from_outside_stops_the_command_with_75_and_a_second_signal_exits_at_once(data, tmp_path):
     params = tmp_path / "params.yaml"
     write_params(params, merge(TINY, {"sft": {"epochs": 2.0, "save_every": 2}}))
-    env = {**run_env(), "PYTHONPATH": f"{_slow_steps_hook(tmp_path, 0.2)}{os.pathsep}{REPO}"}
+    hook = slow_steps_hook(tmp_path / "hook", 0.2)
+    env = {**run_env(), "PYTHONPATH": f"{hook}{os.pathsep}{REPO}"}
     cmd = [sys.executable, "-m", "pipeline", "sft", "--params", str(params), "--data", str(data),
            "--out", str(tmp_path / "out"), "--no-progress"]
     proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
@@ -232,7 +216,7 @@ def test_sigterm_from_outside_stops_the_command_with_75_and_a_second_signal_exit
     assert (tmp_path / "out/model/model.safetensors").is_file()
 
     # Two signals: the second ends the process at once, whatever step it is in.
-    hook = _slow_steps_hook(tmp_path / "slow", 60)
+    hook = slow_steps_hook(tmp_path / "slow", 60)
     proc = subprocess.Popen([*cmd[:-2], str(tmp_path / "again"), "--no-progress"],
                             env={**env, "PYTHONPATH": f"{hook}{os.pathsep}{REPO}"},
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)

@@ -1,0 +1,37 @@
+"""A sitecustomize that slows every supervised step, for tests that signal or time-limit a stage
+from outside: the step's time is sleep, the same on any CPU and under any load, so a signal lands
+inside the loop and a time limit ends a job mid-run, while the model is the one the steps compute."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+
+def slow_steps_hook(folder: Path, seconds: float) -> Path:
+    """`folder`, holding a sitecustomize.py that makes each supervised step `seconds` longer (a
+    process started with `folder` on PYTHONPATH) and touches `folder/in_loop` at the first step.
+    It patches the training loop's module when it is first imported, so only the process that runs
+    a stage (not Snakemake, sbatch or the launcher) is slowed."""
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "sitecustomize.py").write_text(
+        "import importlib.abc, importlib.util, pathlib, sys, time\n"
+        "class Slow(importlib.abc.MetaPathFinder):\n"
+        "    def find_spec(self, name, path, target=None):\n"
+        "        if name != 'pipeline.training.supervised':\n"
+        "            return None\n"
+        "        sys.meta_path.remove(self)\n"
+        "        spec = importlib.util.find_spec(name)\n"
+        "        run = spec.loader.exec_module\n"
+        "        def exec_module(module):\n"
+        "            run(module)\n"
+        "            real = module.check_finite\n"
+        "            def slow(at, what, value):\n"
+        "                if what == 'loss':\n"
+        f"                    pathlib.Path({str(folder / 'in_loop')!r}).touch()\n"
+        f"                    time.sleep({seconds})\n"
+        "                return real(at, what, value)\n"
+        "            module.check_finite = slow\n"
+        "        spec.loader.exec_module = exec_module\n"
+        "        return spec\n"
+        "sys.meta_path.insert(0, Slow())\n")
+    return folder
