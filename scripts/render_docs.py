@@ -230,6 +230,48 @@ def render_stage_resources(root: Path) -> str:
     return "\n".join(lines)
 
 
+GPU_CHECK_ORDER = ["sft", "sft+lora", "reward", "ppo", "grpo+lora", "dpo+lora", "evaluate"]   # scripts/gpu_check.py's runs
+
+
+def render_gpu_check(root: Path) -> str:
+    """docs/guide/gpu-check.md: each committed GPU check (docs/data/gpu-check-*.json, the `--out` of
+    scripts/gpu_check.py), one table per run and suite."""
+    runs = sorted((root / "docs" / "data").glob("gpu-check-*.json"),
+                  key=lambda p: (-int(get(read_json(root, f"docs/data/{p.name}") or {}, "size/new_tokens") or 0), p.name))
+    if not runs:
+        return "The check has not been run on a GPU by the project: no page here quotes a GPU number."
+    lines: list[str] = []
+    for path in runs:
+        d = read_json(root, f"docs/data/{path.name}") or {}
+        size, versions = d.get("size", {}), d.get("versions", {})
+        for procs, suite in sorted(d.get("suites", {}).items()):
+            lines += [f"{d.get('device', 'an unrecorded GPU')}, {procs} process{'es' if procs != '1' else ''}, "
+                      f"{d.get('date', 'undated')} (`{d.get('command', 'scripts/gpu_check.py')}`; torch "
+                      f"{versions.get('torch', NA)}, transformers {versions.get('transformers', NA)}): a Llama of "
+                      f"{num(get(d, 'model/parameters'), ',.0f')} parameters, {size.get('layers', NA)} layers, "
+                      f"{size.get('hidden', NA)} wide, responses of {size.get('new_tokens', NA)} tokens.", "",
+                      "| stage | time | memory plan | measured peak | tokens/s | TFLOP/s | log-prob diff, mean / max |",
+                      "| --- | --- | --- | --- | --- | --- | --- |"]
+            for name, r in sorted(suite.items(), key=lambda kv: GPU_CHECK_ORDER.index(kv[0])
+                                  if kv[0] in GPU_CHECK_ORDER else len(GPU_CHECK_ORDER)):
+                if "error" in r:
+                    lines.append(f"| {name} | failed | | | | | |")
+                    continue
+                rate = num(r.get("tokens_per_second"), ",.0f")
+                if "update_tokens_per_second" in r:
+                    rate = f"rollout {rate}, update {num(r.get('update_tokens_per_second'), ',.0f')}"
+                diff = (f"{num(r.get('val/logprob_diff_mean'), '.1e')} / {num(r.get('val/logprob_diff_max'), '.1e')}"
+                        if "val/logprob_diff_mean" in r else "")
+                lines.append(f"| {name} | {num(r.get('resources/wall_seconds'), '.1f', ' s')} | "
+                             f"{num(r.get('plan_gib'), '.2f', ' GiB')} | {num(r.get('resources/peak_device_gib'), '.2f', ' GiB')} | "
+                             f"{rate if r.get('tokens_per_second') is not None else ''} | {num(r.get('tflops'), '.2f') if r.get('tflops') is not None else ''} | {diff} |")
+            skipped = [s for s in d.get("skipped", []) if s.startswith(f"{procs}p ")]
+            if skipped:
+                lines.append(f"\nNot run within the time budget: {', '.join(s.split(' ', 1)[1] for s in skipped)}.")
+            lines.append("")
+    return "\n".join(lines).rstrip()
+
+
 def render_compare_run(root: Path) -> str:
     """docs/guide/methods.md: the committed `make compare` (outputs/compare/metrics.json), one seed per method."""
     m = read_json(root, "outputs/compare/metrics.json")
@@ -348,6 +390,7 @@ def render_frontier(root: Path) -> str:
 
 RENDERERS: dict[str, Callable[[Path], str]] = {
     "headline": render_headline,
+    "gpu-check": render_gpu_check,
     "seeds": render_seeds,
     "demo": render_demo,
     "stage-resources": render_stage_resources,
