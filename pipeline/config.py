@@ -452,6 +452,9 @@ class PPOConfig:
                                               "against a training forward when they are not recomputed")
     tis_cap: Optional[float] = num(None, gt=1.0, doc="truncated importance sampling: weight each token's "
                                                      "policy loss by min(pi_old / pi_sampler, tis_cap); None: off")
+    # Who samples the rollouts: our own KV-cache sampler, or a vLLM engine in each training process
+    # (experimental; CUDA and vLLM installed; pipeline/models/vllm_engine.py). Measurement uses ours.
+    rollout_engine: Literal["torch", "vllm"] = "torch"
     shared_backbone: bool = False         # one trunk, two heads: the critic is a value head on the actor
     vf_coef: float = num(1.0, gt=0.0, doc="weight of the value loss (matters with shared_backbone)")
     lora: LoraConfig = field(default_factory=LoraConfig)          # actor adapter (reference = adapter off)
@@ -472,6 +475,18 @@ class PPOConfig:
             raise ConfigError(f"{s}.samples_per_prompt: advantage: {self.advantage} takes each response's baseline "
                               f"from the other responses to its prompt, so it needs >= 2, got {self.samples_per_prompt}")
         self._check_rest()
+
+    def _check_vllm(self) -> None:
+        """What a vLLM engine would sample or score otherwise than the trainer is refused."""
+        s = self._section
+        for name, value, off in (("top_k", self.sampling.top_k, 0), ("top_p", self.sampling.top_p, 1.0)):
+            if value != off:
+                raise ConfigError(f"{s}.sampling.{name}: {value} with {s}.rollout_engine: vllm: vLLM's log-probs are of "
+                                  f"the {name}-filtered distribution and the trainer's of the unfiltered one, so the "
+                                  f"PPO ratio would compare two policies; set {name}: {off}, or rollout_engine: torch")
+        if self.recompute_logprobs is False:
+            raise ConfigError(f"{s}.recompute_logprobs: false with {s}.rollout_engine: vllm: pi_old must come from a "
+                              "training forward; the engine's log-probs are only measured against it")
 
     def check_shape(self) -> None:
         """The batch sizes against the process count (each process a whole share of every batch)."""
@@ -500,6 +515,8 @@ class PPOConfig:
                               f"{self.kl_coef}); set one of them to 0, never both (double penalty)")
         if self.adaptive_kl and self.kl_coef == 0:
             raise ConfigError(f"{s}.adaptive_kl: needs {s}.kl_coef > 0 as its initial value")
+        if self.rollout_engine == "vllm":
+            self._check_vllm()
         if type(self.recompute_logprobs) is not bool and self.recompute_logprobs != "auto":
             # Literal's check lets 1 and 0.0 through (1 == True); only YAML's true/false are booleans.
             raise ConfigError(f"{s}.recompute_logprobs: expected auto, true or false, got {self.recompute_logprobs!r}")

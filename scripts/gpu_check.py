@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import argparse
 import csv
+import importlib.util
 import json
 import os
 import subprocess
@@ -84,11 +85,16 @@ class Run:
 def runs() -> list[Run]:
     """The stages in order; `inputs` name the scratch folders they read ("base" is the random model)."""
     lora = {"r": 16, "alpha": 32.0}
+    # With vLLM installed, PPO again with its rollouts from vLLM: the same prompts and seeds, so the
+    # two rows' rollout tokens/s and log-prob differences compare the engines.
+    vllm = [Run("ppo+vllm", "ppo", {"data": "data", "sft": "base", "reward": "reward/model"},
+                {"ppo": {"rollout_engine": "vllm"}})] if importlib.util.find_spec("vllm") is not None else []
     return [
         Run("sft", "sft", {"data": "data"}),
         Run("sft+lora", "sft", {"data": "data"}, {"sft": {"lora": lora}}, lora=True),
         Run("reward", "reward", {"data": "data", "sft": "base"}),
         Run("ppo", "ppo", {"data": "data", "sft": "base", "reward": "reward/model"}),
+        *vllm,
         Run("grpo+lora", "grpo", {"data": "data", "sft": "base", "reward": "reward/model"},
             {"grpo": {"lora": lora}}, lora=True),
         Run("dpo+lora", "dpo", {"data": "data", "sft": "base"}, {"dpo": {"lora": lora}}, lora=True),

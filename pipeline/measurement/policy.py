@@ -30,10 +30,11 @@ import torch
 from ..config import SamplingConfig
 from ..data.padding import left_pad, positions, right_pad
 from ..data.tokenizer import decode_response, encode_prompt, encode_response, end_ids
-from ..models.generation import sample, stop_ids
+from ..models.generation import stop_ids
 from ..models.logprobs import logprobs_from_logits, response_logits
+from ..models.rollout_engine import TORCH, Request, RolloutEngine
 from ..tracking.metric_names import METRICS_JSON, Metric
-from ..training.distributed import SINGLE, Context, generator
+from ..training.distributed import SINGLE, Context
 from .stats import best_of_n_choices, best_of_n_kl, distinct_n, mean_ci
 
 Judge = Callable[[object, str], float]
@@ -104,16 +105,17 @@ class _Part:
 
 def measure_policies(policies: Sequence[Policy], tok, prompts: list, sampling: SamplingConfig, *,
                      ctx: Context = SINGLE, reward: Any = None, judge: Optional[Judge] = None, ref: Any = None,
-                     max_prompt_length: int | None = None, batch_size: int = GENERATION_BATCH) -> dict[str, Measured]:
-    """Each policy's responses to `prompts` and, per response, the reward source's score ("rm"),
-    the KL to `ref` ("kl") and the judge's gold score ("gold"), each only when given. Collective
-    (every rank calls it with the same arguments and gets every result)."""
+                     max_prompt_length: int | None = None, batch_size: int = GENERATION_BATCH,
+                     engine: RolloutEngine = TORCH) -> dict[str, Measured]:
+    """Each policy's responses to `prompts` (sampled by `engine`) and, per response, the reward
+    source's score ("rm"), the KL to `ref` ("kl") and the judge's gold score ("gold"), each only when
+    given. Collective (every rank calls it with the same arguments and gets every result)."""
     mine = shares(len(prompts), ctx, batch_size)
     ids = {s: [encode_prompt(tok, p, max_prompt_length) for p in prompts[s:e]] for s, e in mine}
     parts: dict[str, dict[int, _Part]] = {}
     for pol in policies:                          # 1. sampling, each policy whole in turn
         with whole(pol.model) as model:
-            parts[pol.name] = {s: _sample(model, tok, ids[s], sampling, pol, s) for s, _ in mine}
+            parts[pol.name] = {s: _sample(model, tok, ids[s], sampling, pol, s, engine) for s, _ in mine}
     if ref is not None:                           # 2. KL: the policies' log-probs, then the reference's
         for pol in policies:
             with whole(pol.model) as model:
@@ -141,11 +143,11 @@ def measure_policies(policies: Sequence[Policy], tok, prompts: list, sampling: S
     return _gathered(parts, ctx, [pol.name for pol in policies])
 
 
-def _sample(model, tok, ids: list[list[int]], sampling: SamplingConfig, pol: Policy, start: int) -> _Part:
-    device = next(model.parameters()).device
-    rows = None if pol.greedy else [generator(device, prompt_seed(pol.seed, start + i)) for i in range(len(ids))]
-    out = sample(model, ids, tok.pad_token_id, stop_ids(tok, model, sampling), sampling, greedy=pol.greedy,
-                 row_generators=rows)
+def _sample(model, tok, ids: list[list[int]], sampling: SamplingConfig, pol: Policy, start: int,
+            engine: RolloutEngine) -> _Part:
+    seeds = [prompt_seed(pol.seed, start + i) for i in range(len(ids))]
+    out = engine.generate(model, Request(ids, tok.pad_token_id, tuple(stop_ids(tok, model, sampling)), sampling,
+                                         greedy=pol.greedy, seeds=seeds))
     ends = end_ids(tok, model)
     return _Part([decode_response(tok, row.tolist(), ends) for row in out.response_ids], out.ended.tolist())
 

@@ -30,12 +30,13 @@ TOLERANCE = 1e-4
 
 
 def resolve_recompute(setting: RecomputeSetting, precision: str, param_dtype: torch.dtype,
-                      device_type: str, tis: bool = False) -> tuple[bool, str]:
+                      device_type: str, tis: bool = False, engine: str = "torch") -> tuple[bool, str]:
     """Whether the old log-probs come from a training forward (True) or from the sampler (False),
     and why, in words for the log. `auto` recomputes wherever the two can differ: a precision other
     than fp32 (`distributed.precision`), weights stored in another dtype (`model.dtype` reaches PPO
     as the dtype of the SFT checkpoint), or a CUDA device; and whenever truncated importance
-    sampling is on (its weight is the ratio of the two, so both must exist)."""
+    sampling is on (its weight is the ratio of the two, so both must exist), and whenever another
+    engine than our sampler samples (`engine`: a different implementation of the same policy)."""
     where = f"{precision} precision, {str(param_dtype).removeprefix('torch.')} weights on {device_type}"
     if setting is True or setting is False:
         return setting, f"ppo.recompute_logprobs: {str(setting).lower()}; {where}"
@@ -50,6 +51,8 @@ def resolve_recompute(setting: RecomputeSetting, precision: str, param_dtype: to
         reasons.append("a CUDA device")
     if tis:
         reasons.append("ppo.tis_cap is set")
+    if engine != "torch":
+        reasons.append(f"rollout_engine: {engine}")
     if reasons:
         return True, f"auto: {', '.join(reasons)}"
     return False, f"auto: fp32 on {device_type}, where the sampler's and the trainer's are shown equal"

@@ -13,7 +13,8 @@ import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from ..config import SamplingConfig
-from ..models.generation import sample, stop_ids
+from ..models.generation import stop_ids
+from ..models.rollout_engine import TORCH, Request, RolloutEngine
 from ..data.padding import positions
 from ..data.tokenizer import decode_response, encode_prompt, end_ids
 
@@ -59,12 +60,15 @@ class Rollout:
 
 @torch.no_grad()   # not inference_mode: see pipeline/ppo/scoring.py
 def rollout(actor: PreTrainedModel, tok: PreTrainedTokenizerBase, prompts: list, cfg: SamplingConfig,
-            generator: torch.Generator, max_prompt_length: int | None = None) -> Rollout:
-    """Sample one response per prompt with the KV cache (generation.sample), stopping at eos or at
-    `cfg.stop_token` (TRL's stop-token truncation: nothing after it is part of the response).
-    Prompts longer than `max_prompt_length` tokens keep their right end."""
+            generator: torch.Generator, max_prompt_length: int | None = None,
+            engine: RolloutEngine = TORCH) -> Rollout:
+    """Sample one response per prompt from `actor` by `engine` (default: our KV-cache sampler),
+    all rows from the stream `generator`, stopping at eos or at `cfg.stop_token` (TRL's stop-token
+    truncation: nothing after it is part of the response). Prompts longer than `max_prompt_length`
+    tokens keep their right end."""
     ids = [encode_prompt(tok, p, max_prompt_length) for p in prompts]
-    out = sample(actor, ids, tok.pad_token_id, stop_ids(tok, actor, cfg), cfg, generator)
+    out = engine.generate(actor, Request(ids, tok.pad_token_id, tuple(stop_ids(tok, actor, cfg)), cfg,
+                                         stream=generator))
     ends = end_ids(tok, actor)
     responses = [decode_response(tok, row.tolist(), ends) for row in out.response_ids]
     input_ids = torch.cat([out.prompt_ids, out.response_ids], dim=1)

@@ -31,7 +31,7 @@ from ..errors import check_finite
 from ..measurement.stats import distinct_n
 from ..training.batches import BatchSampler
 from ..training import nonfinite
-from ..training.distributed import generator
+from ..models.rollout_engine import TORCH, RolloutEngine, generator
 from ..training.nonfinite import NonfiniteGuard
 from . import advantages as adv
 from . import group_advantages as group
@@ -71,8 +71,8 @@ class PPOTrainer:
     the maths of one process holding the whole batch."""
 
     def __init__(self, cfg: PPOConfig, models: PPOModels, prompts: list[str],
-                 judge: Optional[Callable[[str, str], float]] = None):
-        self.cfg, self.m, self.prompts, self.judge = cfg, models, prompts, judge
+                 judge: Optional[Callable[[str, str], float]] = None, engine: RolloutEngine = TORCH):
+        self.cfg, self.m, self.prompts, self.judge, self.engine = cfg, models, prompts, judge, engine
         self.ctx = models.ctx
         self.kl_ctl = (adv.AdaptiveKLController(cfg.kl_coef, cfg.kl_target, cfg.kl_horizon) if cfg.adaptive_kl
                        else adv.FixedKLController(cfg.kl_coef))
@@ -88,7 +88,8 @@ class PPOTrainer:
         param = next(p for p in models.actor.model.parameters() if p.is_floating_point())
         device = "cuda" if "cuda" in (param.device.type, self.ctx.device.type) else param.device.type
         self.recompute, self.recompute_reason = resolve_recompute(
-            cfg.recompute_logprobs, cfg.distributed.precision, param.dtype, device, tis=cfg.tis_cap is not None)
+            cfg.recompute_logprobs, cfg.distributed.precision, param.dtype, device, tis=cfg.tis_cap is not None,
+            engine=engine.name)
         self._announced = False   # the log line on whose log-probs are used, once per process
         self.guard = NonfiniteGuard(cfg._section, cfg.on_nonfinite, cfg.max_skipped_updates)   # restored on resume
 
@@ -246,7 +247,8 @@ class PPOTrainer:
         k = cfg.samples_per_prompt
         prompts = self.ctx.shard([self.prompts[i] for i in next(self.prompt_sampler) for _ in range(k)])
         with self.m.actor.gathered() as policy, self.m.actor.autocast():   # ZeRO-3: gathered once per rollout
-            ro = rollout(policy, self.m.tok, prompts, cfg.sampling, self.sample_gen, cfg.max_prompt_length)   # 1
+            ro = rollout(policy, self.m.tok, prompts, cfg.sampling, self.sample_gen, cfg.max_prompt_length,   # 1
+                         self.engine)
         t1 = time.perf_counter()
         critic = self.m.critic.model if self.m.critic is not None else None
         with self.m.actor.autocast():

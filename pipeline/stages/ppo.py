@@ -17,12 +17,16 @@ import logging
 from pathlib import Path
 from typing import Any, Callable, Optional
 
+import torch
+
 from ..config import Params, PPOConfig, SamplingConfig
+from ..errors import ConfigError
 from ..data import inputs
 from ..measurement.policy import Policy, measure_policies, summary
 from ..measurement.stats import mean_ci
 from ..models import lora
 from ..models.reward_source import FunctionSource
+from ..models.rollout_engine import TORCH, RolloutEngine
 from ..ppo import checkpoint
 from ..ppo.detector import Detector
 from ..ppo.placement import PPOModels, place_models
@@ -203,6 +207,29 @@ def run(params: Params, data_dir: Path, sft_dir: Path, reward_dir: Path, out: Pa
     return metrics
 
 
+def rollout_engine(run: StageRun, inputs_: list[Path]) -> RolloutEngine:
+    """The engine of the rollouts (`rollout_engine`): our sampler, or vLLM in this process, its
+    memory what the stage's memory plan leaves of the device and its weights the actor's (loaded
+    at each rollout; the SFT model's folder gives the architecture)."""
+    cfg: PPOConfig = getattr(run.params, run.spec.name)
+    if cfg.rollout_engine == "torch":
+        return TORCH
+    key = f"{run.spec.name}.rollout_engine"
+    if run.ctx.device.type != "cuda":
+        raise ConfigError(f"{key}: vllm needs a CUDA device; this process has {run.ctx.device}")
+    from ..models import vllm_engine   # imports vllm itself only when the engine is made
+    plan = memory_plan.stage_plan(run.spec.name, run.spec.plan, run.params, dict(zip(run.spec.inputs, inputs_)))
+    device_gib = torch.cuda.get_device_properties(run.ctx.device).total_memory / 2 ** 30
+    try:
+        return vllm_engine.VllmEngine(
+            inputs_[1], dtype="bfloat16" if cfg.distributed.precision == "bf16" else "float32",
+            seed=cfg.seed, memory_fraction=vllm_engine.memory_fraction(plan.total if plan else 0.0, device_gib),
+            max_model_len=vllm_engine.max_model_len(cfg.max_prompt_length, cfg.sampling.max_new_tokens),
+            world_size=run.ctx.world_size)
+    except ImportError as err:   # vllm itself is imported when the engine is made
+        raise ConfigError(f"{key}: vllm is not installed here ({err}); see docs/guide/rollout-engines.md") from None
+
+
 def _run(run: StageRun, data_dir: Path, sft_dir: Path, reward_dir: Path, progress: bool):
     params, ctx, out, fp, section = run.params, run.ctx, run.out, run.fingerprint, run.spec.name
     cfg: PPOConfig = getattr(params, section)
@@ -213,6 +240,7 @@ def _run(run: StageRun, data_dir: Path, sft_dir: Path, reward_dir: Path, progres
     if cfg.reward_source != "reward_model":   # its contract, on one probe pair, before any model is built
         FunctionSource(cfg.reward_source, probe=(prompts[0][1], "a probe response ."), key=f"{section}.reward_source",
                        timeout=cfg.reward_timeout)
+    engine = rollout_engine(run, [data_dir, sft_dir, reward_dir])   # before the trainer takes the device
     models = place_models(params, sft_dir, reward_dir, ctx, section)
     prompts, n_trunc, n_drop = inputs.fit_prompts(prompts, models.tok, cfg.max_prompt_length, cfg.overlong,
                                                   f"{section}.max_prompt_length")
@@ -221,7 +249,7 @@ def _run(run: StageRun, data_dir: Path, sft_dir: Path, reward_dir: Path, progres
     if ctx.is_main:
         critic = {"critic": models.critic} if models.critic is not None else {}
         write_deepspeed_config(out / "deepspeed_config.json", actor=models.actor, **critic, frozen=models.frozen)
-    trainer = PPOTrainer(cfg, models, prompts, judge)
+    trainer = PPOTrainer(cfg, models, prompts, judge, engine)
     step_log = StepLog(out / "train.tsv", tracker=run.tracker, series="train", write=ctx.is_main)
     detector = Detector(cfg.detector) if cfg.detector.enabled else None
     saved_log = checkpoint.load(trainer, run.checkpoint, fp)

@@ -95,12 +95,6 @@ def resolve_device(cfg: DistributedConfig, local_rank: int = 0) -> torch.device:
     return torch.device("cuda", local_rank)
 
 
-def generator(device: torch.device, seed: int) -> torch.Generator:
-    """A seeded random stream on `device` (CUDA), so sampling draws there; the CPU's elsewhere."""
-    gen = torch.Generator(device=device) if device.type == "cuda" else torch.Generator()
-    return gen.manual_seed(seed)
-
-
 @dataclass(frozen=True)
 class Context:
     """Who this process is. A single plain process is rank 0 of 1 with no process group.

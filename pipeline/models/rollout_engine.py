@@ -1,0 +1,64 @@
+"""One interface for everything that samples responses: PPO's and GRPO's rollouts and every
+measurement (pipeline/measurement/policy.py). Token-id prompts go in; responses, the log-probs of
+their tokens and their end flags come out (`generation.Sampled`).
+
+An engine is asked with a `Request`: the prompts, the ids that end a response, the stage's
+`SamplingConfig`, and where the random numbers come from, either one seed per row (a measurement:
+a prompt's response depends on its own seed only) or one stream for every row (a rollout: each rank
+its own stream). `TorchSampler`, our own KV-cache loop (generation.sample), is the default engine:
+it samples the trainer's model itself, is bit-reproducible and is what the CPU runs use. A fast
+engine with weights of its own (pipeline/models/vllm_engine.py) loads the trainer's weights when it
+is asked to generate, so the caller's code is the same for both.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol, Sequence
+
+import torch
+
+from ..config import SamplingConfig
+from .generation import Sampled, sample
+
+
+@dataclass(frozen=True)
+class Request:
+    """What a stage asks an engine for: one response per prompt."""
+    prompts: list[list[int]]            # B prompts as token ids, unpadded
+    pad_id: int
+    stop_ids: tuple[int, ...]           # a response ends at the first of these (kept as its last token)
+    sampling: SamplingConfig
+    greedy: bool = False
+    seeds: Sequence[int] | None = None  # B seeds: each row its own stream (measurement)
+    stream: torch.Generator | None = None   # or one stream for every row (rollouts)
+
+
+class RolloutEngine(Protocol):
+    """Samples `request` from `model`'s current weights (the trainer's whole model: gathered under
+    ZeRO-3, its LoRA adapters active)."""
+    name: str
+
+    def generate(self, model: torch.nn.Module, request: Request) -> Sampled: ...
+
+
+def generator(device: torch.device, seed: int) -> torch.Generator:
+    """A seeded random stream on `device` (CUDA), so sampling draws there; the CPU's elsewhere."""
+    gen = torch.Generator(device=device) if device.type == "cuda" else torch.Generator()
+    return gen.manual_seed(seed)
+
+
+class TorchSampler:
+    """Our own sampler (generation.sample) on the model itself: nothing to load or free."""
+    name = "torch"
+
+    def generate(self, model: torch.nn.Module, request: Request) -> Sampled:
+        rows = None
+        if request.seeds is not None and not request.greedy:
+            device = next(model.parameters()).device
+            rows = [generator(device, s) for s in request.seeds]
+        return sample(model, request.prompts, request.pad_id, request.stop_ids, request.sampling,
+                      generator=request.stream, greedy=request.greedy, row_generators=rows)
+
+
+TORCH = TorchSampler()
