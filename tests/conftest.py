@@ -286,6 +286,17 @@ def tiny_run_copy(tiny_run: TinyRun, tmp_path: Path) -> Path:
     return copy_run(tiny_run, tmp_path / "repo")
 
 
+def tiny_ppo_inputs(root: Path, n_ppo_prompts: int = 8, n_eval_prompts: int = 4) -> Path:
+    """`root` with PPO's inputs: a small prepared dataset (root/data), an untrained tiny policy
+    (root/sft) and a reward model built from it with offset 0.5 (root/rm)."""
+    from pipeline.config import DataConfig
+    from pipeline.stages.prepare import write as prepare_run
+    prepare_run(DataConfig(n_sft=8, n_sft_eval=4, n_pairs=8, n_pairs_eval=4, n_ppo_prompts=n_ppo_prompts,
+                           n_eval_prompts=n_eval_prompts), root / "data")
+    tiny_policy_and_reward_model(root, root / "data", offset=0.5)
+    return root
+
+
 def tiny_policy_and_reward_model(root: Path, data_dir: Path, offset: float = 0.0) -> tuple[Path, Path]:
     """An untrained tiny 'SFT' policy on the prepared tokenizer and a reward model built from it
     (root/sft, root/rm): enough for the PPO and tracking machinery, which never needs them trained."""

@@ -12,8 +12,8 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from conftest import tiny_policy_and_reward_model
-from pipeline.config import DataConfig, GRPOConfig, Params, PPOConfig, SamplingConfig, check_process_shape, from_dict
+from conftest import tiny_ppo_inputs
+from pipeline.config import GRPOConfig, Params, PPOConfig, SamplingConfig, check_process_shape, from_dict
 from pipeline.errors import ConfigError
 from pipeline.ppo import advantages as adv
 from pipeline.ppo import group_advantages as group
@@ -21,7 +21,6 @@ from pipeline.ppo.placement import place_models
 from pipeline.ppo.trainer import PPOTrainer
 from pipeline.stages import grpo as stage
 from pipeline.stages import registry
-from pipeline.stages.prepare import write as prepare_run
 from pipeline.training import memory_plan
 
 # 8 responses per iteration = 2 prompts x k = 4; minibatches of 4 rows, micro-batches of 2.
@@ -32,11 +31,7 @@ PROMPTS = ["Review the film Silent River . Focus on the music .", "Review the fi
 
 @pytest.fixture(scope="module")
 def dirs(tmp_path_factory):
-    root = tmp_path_factory.mktemp("critic_free")
-    prepare_run(DataConfig(n_sft=8, n_sft_eval=4, n_pairs=8, n_pairs_eval=4, n_ppo_prompts=16, n_eval_prompts=4),
-                root / "data")
-    tiny_policy_and_reward_model(root, root / "data", offset=0.5)
-    return root
+    return tiny_ppo_inputs(tmp_path_factory.mktemp("critic_free"), n_ppo_prompts=16)
 
 
 def _params(**grpo) -> Params:

@@ -9,9 +9,9 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from conftest import tiny_policy_and_reward_model
+from conftest import tiny_ppo_inputs
 from pipeline.models import reward_model as rm
-from pipeline.config import DataConfig, DetectorConfig, Params, PPOConfig, SamplingConfig, from_dict
+from pipeline.config import DetectorConfig, Params, PPOConfig, SamplingConfig, from_dict
 from pipeline.errors import ConfigError
 from pipeline.models.generation import sample
 from pipeline.stages import ppo as stage
@@ -20,7 +20,6 @@ from pipeline.ppo.rollout import rollout
 from pipeline.ppo.scoring import policy_logprobs, score_rollout
 from pipeline.errors import NumericalError
 from pipeline.ppo.trainer import PPOTrainer
-from pipeline.stages.prepare import write as prepare_run
 from pipeline.data.tokenizer import encode_prompt
 
 TINY_PPO = dict(iterations=4, rollout_batch_size=8, minibatch_size=4, micro_batch_size=2, ppo_epochs=2,
@@ -31,11 +30,7 @@ TINY_PPO = dict(iterations=4, rollout_batch_size=8, minibatch_size=4, micro_batc
 @pytest.fixture(scope="module")
 def dirs(tmp_path_factory):
     """Prepared data, a tiny 'SFT' model and a reward model built from it (untrained is enough)."""
-    root = tmp_path_factory.mktemp("ppo")
-    prepare_run(DataConfig(n_sft=8, n_sft_eval=4, n_pairs=8, n_pairs_eval=4, n_ppo_prompts=32, n_eval_prompts=8),
-                root / "data")
-    tiny_policy_and_reward_model(root, root / "data", offset=0.5)
-    return root
+    return tiny_ppo_inputs(tmp_path_factory.mktemp("ppo"), n_ppo_prompts=32, n_eval_prompts=8)
 
 
 def _params(**ppo):

@@ -15,8 +15,8 @@ import pytest
 import torch
 
 import fake_device
-from conftest import HELPERS, free_port, tiny_policy_and_reward_model
-from pipeline.config import DataConfig, DistributedConfig, Params, PPOConfig, SamplingConfig
+from conftest import HELPERS, free_port, tiny_ppo_inputs
+from pipeline.config import DistributedConfig, Params, PPOConfig, SamplingConfig
 from pipeline.errors import ConfigError
 from pipeline.ppo.placement import place_models
 from pipeline.ppo.rollout import Rollout, rollout
@@ -37,11 +37,7 @@ TINY_PPO = dict(iterations=2, rollout_batch_size=4, minibatch_size=2, micro_batc
 
 @pytest.fixture(scope="module")
 def dirs(tmp_path_factory):
-    root = tmp_path_factory.mktemp("devices")
-    prepare_run(DataConfig(n_sft=8, n_sft_eval=4, n_pairs=8, n_pairs_eval=4, n_ppo_prompts=8, n_eval_prompts=4),
-                root / "data")
-    tiny_policy_and_reward_model(root, root / "data", offset=0.5)
-    return root
+    return tiny_ppo_inputs(tmp_path_factory.mktemp("devices"))
 
 
 def _params(**ppo) -> Params:

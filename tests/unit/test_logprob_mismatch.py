@@ -10,14 +10,13 @@ import math
 import pytest
 import torch
 
-from conftest import tiny_policy_and_reward_model
-from pipeline.config import DataConfig, Params, PPOConfig, SamplingConfig
+from conftest import tiny_ppo_inputs
+from pipeline.config import Params, PPOConfig, SamplingConfig
 from pipeline.ppo import trainer as trainer_mod
 from pipeline.ppo.losses import policy_loss, truncated_is_weights
 from pipeline.ppo.mismatch import logprob_diff, ratio_deviation, resolve_recompute
 from pipeline.ppo.placement import place_models
 from pipeline.ppo.trainer import PPOTrainer
-from pipeline.stages.prepare import write as prepare_run
 
 TINY = dict(iterations=2, rollout_batch_size=8, minibatch_size=4, micro_batch_size=2, ppo_epochs=1,
             lr=1e-3, critic_lr=1e-3, sampling=SamplingConfig(max_new_tokens=10))
@@ -27,11 +26,7 @@ PROMPTS = ["Review the film Silent River . Focus on the music .",
 
 @pytest.fixture(scope="module")
 def dirs(tmp_path_factory):
-    root = tmp_path_factory.mktemp("mismatch")
-    prepare_run(DataConfig(n_sft=8, n_sft_eval=4, n_pairs=8, n_pairs_eval=4, n_ppo_prompts=8, n_eval_prompts=4),
-                root / "data")
-    tiny_policy_and_reward_model(root, root / "data", offset=0.5)
-    return root
+    return tiny_ppo_inputs(tmp_path_factory.mktemp("mismatch"))
 
 
 def _trainer(dirs, **ppo) -> PPOTrainer:

@@ -13,8 +13,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import REPO, tiny_policy_and_reward_model
-from pipeline.config import DataConfig, LoraConfig, Params, PPOConfig, SamplingConfig
+from conftest import REPO, tiny_ppo_inputs
+from pipeline.config import LoraConfig, Params, PPOConfig, SamplingConfig
 from pipeline.data.tokenizer import encode_prompt, load_tokenizer
 from pipeline.errors import ConfigError
 from pipeline.measurement.policy import Policy, measure_policies, prompt_seed
@@ -23,7 +23,6 @@ from pipeline.models.generation import sample, stop_ids
 from pipeline.models.rollout_engine import TORCH, Request
 from pipeline.ppo.placement import place_models
 from pipeline.ppo.trainer import PPOTrainer
-from pipeline.stages.prepare import write as prepare_run
 
 FAKE = REPO / "tests" / "helpers" / "fake_vllm"
 PROMPTS = ["Review the film Silent River . Focus on the music .",
@@ -34,11 +33,7 @@ SAMPLING = SamplingConfig(max_new_tokens=10)
 
 @pytest.fixture(scope="module")
 def dirs(tmp_path_factory):
-    root = tmp_path_factory.mktemp("engines")
-    prepare_run(DataConfig(n_sft=8, n_sft_eval=4, n_pairs=8, n_pairs_eval=4, n_ppo_prompts=8, n_eval_prompts=4),
-                root / "data")
-    tiny_policy_and_reward_model(root, root / "data", offset=0.5)
-    return root
+    return tiny_ppo_inputs(tmp_path_factory.mktemp("engines"))
 
 
 @pytest.fixture
