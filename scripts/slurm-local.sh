@@ -31,14 +31,14 @@ install() {
     apt-get install -y -q slurm-wlm >/dev/null 2>&1 || { apt-get update -q >/dev/null && apt-get install -y -q slurm-wlm >/dev/null; }
 }
 
-write_conf() {
+# The config this version of the script writes, on stdout.
+render_conf() {
     local node name host
     host=$(hostname -s)
     # slurmd -C: "NodeName=<host> CPUs=... RealMemory=..." for this machine (the line's rest: UpTime).
     node=$(slurmd -C | head -1)
     name=$(node_name)
-    mkdir -p /etc/slurm "$STATE/ctld" "$STATE/d-$name" "$STATE/d-$name-2" "$LOGS"
-    cat > "$CONF" <<CONF
+    cat <<CONF
 # Written by scripts/slurm-local.sh: a test cluster on this one machine (partition two: two nodes).
 ClusterName=local
 SlurmctldHost=$host
@@ -61,7 +61,9 @@ SlurmctldPidFile=$STATE/slurmctld.pid
 SlurmdPidFile=$STATE/slurmd-%n.pid
 SlurmctldLogFile=$LOGS/slurmctld.log
 SlurmdLogFile=$LOGS/slurmd-%n.log
-MinJobAge=300
+# A finished job stays in scontrol show job for an hour (default 5 minutes): tests read the
+# state of a pipeline's first job after its last one ends.
+MinJobAge=3600
 $node Port=6818 State=UNKNOWN
 ${node/NodeName=$name /NodeName=$name-2 NodeHostname=$host NodeAddr=127.0.0.1 } Port=6819 State=UNKNOWN
 PartitionName=local Nodes=$name Default=YES MaxTime=INFINITE State=UP
@@ -69,14 +71,22 @@ PartitionName=two Nodes=$name,$name-2 MaxTime=INFINITE State=UP
 CONF
 }
 
+write_conf() {
+    local name
+    name=$(node_name)
+    mkdir -p /etc/slurm "$STATE/ctld" "$STATE/d-$name" "$STATE/d-$name-2" "$LOGS"
+    render_conf > "$CONF"
+}
+
 start() {
     need_root
     install
     if scontrol ping 2>/dev/null | grep -q "is UP"; then
-        if [ -n "$(sinfo -h -p two 2>/dev/null)" ] || ! grep -q "^# Written by scripts/slurm-local.sh" "$CONF"; then
+        # A cluster this script did not write is left alone; one an older version wrote is restarted.
+        if ! grep -q "^# Written by scripts/slurm-local.sh" "$CONF" || [ "$(render_conf)" = "$(cat "$CONF")" ]; then
             echo "slurm-local: already running"; sinfo; return
         fi
-        echo "slurm-local: restarting a cluster of an older version of this script (one node)"
+        echo "slurm-local: restarting a cluster that an older version of this script configured"
         stop >/dev/null
     fi
     write_conf

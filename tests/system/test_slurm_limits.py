@@ -14,13 +14,17 @@ from conftest import BIN, TINY, project_copy, run, run_env
 from slow_steps import slow_steps_hook
 
 
-STEP_SECONDS = 0.25   # each SFT step this much longer in the cluster's jobs (slow_steps_hook)
-STEPS = 400           # 100 s of steps: more than the one-minute limit gives a job, whatever the CPU
+STEP_SECONDS = 0.5    # each SFT step this much longer in the cluster's jobs (slow_steps_hook)
+STEPS = 400           # 200 s of steps: more than the two-minute limit gives a job, whatever the CPU
+# Two minutes, not one: a job's fixed cost (Snakemake's start in the job, imports, the final
+# measurement) reaches a minute on a busy machine, and a job that finished its stage a second after
+# its limit is still TIMEOUT to SLURM, so one-minute jobs could keep repeating that last minute.
+LIMIT_MINUTES = 2
 
 
 @pytest.mark.slurm
 def test_a_stage_stopped_by_the_warning_and_by_its_time_limit_finishes_after_retries_with_the_model_of_one_run(tmp_path):
-    """SFT whose steps (STEPS of STEP_SECONDS each, slow_steps_hook) outlast its one-minute time limit.
+    """SFT whose steps (STEPS of STEP_SECONDS each, slow_steps_hook) outlast its time limit.
     Its first job gets the warning signal (SIGURG to the job's steps, as `--signal` sends it; sent
     here by scancel once training runs, so the test need not guess when SLURM sends it) and stops
     after its step with exit 75; the next job is ended by the time limit's SIGTERM and stops the
@@ -34,7 +38,8 @@ def test_a_stage_stopped_by_the_warning_and_by_its_time_limit_finishes_after_ret
     override = {"sft": {"epochs": STEPS * batch / TINY["data"]["n_sft"], "save_every": 10 * STEPS,
                         "eval_every": 10 * STEPS}}
     one_thread = {"runtime": 1, "cpus_per_task": 1}
-    repo = project_copy(tmp_path, "limit", override, jobs={"prepare": one_thread, "sft": {**one_thread, "slurm_extra": "''"}},
+    sft_job = {**one_thread, "runtime": LIMIT_MINUTES, "slurm_extra": "''"}
+    repo = project_copy(tmp_path, "limit", override, jobs={"prepare": one_thread, "sft": sft_job},
                         profile={"retries": 8})
     ref = project_copy(tmp_path, "ref", override)
     env = {**run_env(), "OMP_NUM_THREADS": "1", "PIPELINE_STOP_SIGNAL": "URG"}
@@ -58,7 +63,7 @@ def test_a_stage_stopped_by_the_warning_and_by_its_time_limit_finishes_after_ret
             time.sleep(0.5)
         first = next((repo / "logs/slurm/rule_sft").glob("*.log")).stem
         subprocess.run(["scancel", "--signal=URG", first], check=True, timeout=30)
-        out, _ = snake.communicate(timeout=1200)
+        out, _ = snake.communicate(timeout=1700)   # under pytest's 1800 s
     finally:
         snake.kill()
     assert snake.returncode == 0, out[-4000:]
