@@ -17,7 +17,12 @@ import signal
 import sys
 from pathlib import Path
 
-from .training import distributed, stopping
+from .training import stopping
+
+if __name__ == "__main__":   # before the imports below, which take seconds (training/stopping.py)
+    stopping.while_starting()
+
+from .training import distributed   # noqa: E402 (the signals above come first)
 from .config import check_process_shape
 from .errors import ConfigError, DataError, Stopped, UserError
 from .stages import registry

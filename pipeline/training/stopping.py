@@ -16,6 +16,11 @@ SLURM sends SIGTERM to every process of a job step, and srun forwards its own co
 tasks, so a stage gets it twice within milliseconds.
 The grace ends with the stage: a process that goes on after it (a notebook, a test) is not exited.
 
+Before a stage takes over its signals, and after it hands them back, the command (`python -m
+pipeline`) exits at once on SIGTERM with EXIT_STOPPED too (`while_starting`): installed before the
+libraries are imported, which takes seconds (torch alone several, more on a busy node), so a time
+limit that lands while a job is starting gives the same status as one that lands mid-training.
+
 Multi-process stages: the command the user runs re-runs itself under torchrun (or the DeepSpeed
 launcher). That parent forwards both signals to the stage's processes (not to the launcher, which
 would tear the processes down after its own 30 s), and the launcher itself ignores the warning
@@ -33,12 +38,12 @@ import subprocess
 import sys
 import threading
 import time
-from typing import Iterator, Sequence
-
-import torch
+from typing import TYPE_CHECKING, Iterator, Sequence
 
 from ..errors import ConfigError, Stopped
-from .distributed import Context
+
+if TYPE_CHECKING:   # no torch at import: `while_starting` runs before the heavy imports
+    from .distributed import Context
 
 log = logging.getLogger(__name__)
 
@@ -71,6 +76,21 @@ def grace_seconds() -> float:
         return max(0.0, float(os.environ.get(GRACE_ENV, DEFAULT_GRACE)))
     except ValueError:
         raise ConfigError(f"{GRACE_ENV}: expected seconds, got {os.environ[GRACE_ENV]!r}") from None
+
+
+def while_starting() -> None:
+    """The command's signals outside a training stage's steps: SIGTERM exits at once with
+    EXIT_STOPPED (nothing computed is lost: a training stage's checkpoints are whole, every output
+    is written atomically, and a re-run starts or resumes it), the warning signal is ignored."""
+    signal.signal(signal.SIGTERM, _exit_stopped)
+    with contextlib.suppress(ConfigError):   # a bad PIPELINE_STOP_SIGNAL is reported by the stage
+        signal.signal(warning_signal(), signal.SIG_IGN)
+
+
+def _exit_stopped(signum: int, frame) -> None:
+    os.write(2, f"received {signal.Signals(signum).name} outside a training step: exiting at once with "
+                f"status {EXIT_STOPPED}; run the command again\n".encode())
+    os._exit(EXIT_STOPPED)
 
 
 def _handler(signum: int, frame) -> None:
@@ -121,6 +141,7 @@ def requested(ctx: Context) -> int:
     mine = _requested
     if ctx.world_size == 1:
         return mine
+    import torch
     flags = ctx.sum(torch.tensor([float(mine > 0), float(mine)], dtype=torch.float64, device=ctx.device))
     return int(flags[1] / flags[0]) if flags[0] > 0 else 0
 

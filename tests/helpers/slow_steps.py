@@ -1,6 +1,7 @@
-"""A sitecustomize that slows every supervised step, for tests that signal or time-limit a stage
-from outside: the step's time is sleep, the same on any CPU and under any load, so a signal lands
-inside the loop and a time limit ends a job mid-run, while the model is the one the steps compute."""
+"""Sitecustomizes that slow a process down where a test wants a signal to land, for tests that
+signal or time-limit a stage from outside: every supervised step (the step's time is sleep, the same
+on any CPU and under any load, so a signal lands inside the loop and a time limit ends a job mid-run,
+while the model is the one the steps compute), or the command's start (its import of torch)."""
 
 from __future__ import annotations
 
@@ -33,5 +34,22 @@ def slow_steps_hook(folder: Path, seconds: float) -> Path:
         "            module.check_finite = slow\n"
         "        spec.loader.exec_module = exec_module\n"
         "        return spec\n"
+        "sys.meta_path.insert(0, Slow())\n")
+    return folder
+
+
+def slow_start_hook(folder: Path, seconds: float) -> Path:
+    """`folder`, holding a sitecustomize.py that makes a process's first `import torch` wait
+    `seconds`, after touching `folder/importing`: a signal sent then lands while the command starts."""
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "sitecustomize.py").write_text(
+        "import importlib.abc, pathlib, sys, time\n"
+        "class Slow(importlib.abc.MetaPathFinder):\n"
+        "    def find_spec(self, name, path, target=None):\n"
+        "        if name == 'torch':\n"
+        "            sys.meta_path.remove(self)\n"
+        f"            pathlib.Path({str(folder / 'importing')!r}).touch()\n"
+        f"            time.sleep({seconds})\n"
+        "        return None\n"
         "sys.meta_path.insert(0, Slow())\n")
     return folder

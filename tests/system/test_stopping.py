@@ -28,7 +28,7 @@ from pipeline.ppo import trainer as ppo_trainer
 from pipeline.stages import ppo, reward, sft
 from pipeline.stages.prepare import write as prepare_run
 from pipeline.training import stopping, supervised
-from slow_steps import slow_steps_hook
+from slow_steps import slow_start_hook, slow_steps_hook
 
 TIME_KEYS = ("seconds", "time", "tokens_per_second", "peak_rss")
 SEED = int(os.environ.get("PIPELINE_TEST_SEED", random.SystemRandom().randrange(10_000)))
@@ -229,6 +229,29 @@ def test_sigterm_from_outside_stops_the_command_with_75_and_a_second_signal_exit
     assert proc.returncode == 128 + signal.SIGTERM, err[-2000:]
     assert time.time() - started < 20, "the second signal did not exit at once"
     assert "received SIGTERM: stopping after the current step" in err
+
+
+def test_a_signal_while_the_command_starts_gives_75_too_and_the_warning_signal_is_ignored(tmp_path):
+    """A time limit can land while a job's command is still importing its libraries (seconds, more
+    on a busy node): SIGTERM then exits at once with the same 75 as at a step; the warning signal,
+    which SLURM may send that early, is ignored. The command here is `check`, which starts as every
+    stage does."""
+    params = tmp_path / "params.yaml"
+    write_params(params, TINY)
+    hook = slow_start_hook(tmp_path / "hook", 3)
+    env = {**run_env(), "PYTHONPATH": f"{hook}{os.pathsep}{REPO}"}
+    cmd = [sys.executable, "-m", "pipeline", "check", "--params", str(params)]
+    outcome = {}
+    for sig in (signal.SIGUSR1, signal.SIGTERM):
+        (hook / "importing").unlink(missing_ok=True)
+        proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        wait_for(hook / "importing", proc)   # the command is importing torch
+        proc.send_signal(sig)
+        out, err = proc.communicate(timeout=120)
+        outcome[sig.name] = (proc.returncode, out.strip(), err.strip().splitlines()[-1:] if err.strip() else [])
+    assert outcome["SIGUSR1"] == (0, f"{params}: ok", []), outcome
+    assert outcome["SIGTERM"] == (75, "", ["received SIGTERM outside a training step: exiting at once with "
+                                           "status 75; run the command again"]), outcome
 
 
 def test_the_warning_signal_to_the_launching_command_stops_both_ranks_of_ppo_at_one_iteration(
