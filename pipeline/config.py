@@ -443,6 +443,12 @@ class PPOConfig:
     score_micro_batch_size: Optional[int] = num(None, ge=1, doc="rollouts per scoring forward (reference, "
                                                 "critic, reward, recomputed log-probs); None: micro_batch_size")
     sampling: SamplingConfig = field(default_factory=SamplingConfig)
+    # Our sampler's memory and speed (rollout_engine: torch): responses per sampling call, so long
+    # responses' KV cache fits (0: a process's whole rollout batch at once), and ended responses
+    # leaving the batch. Either draws the rollouts' one random stream otherwise: other samples, the
+    # same training (pipeline/models/generation.py); both off keeps the committed runs' bits.
+    rollout_micro_batch_size: int = num(0, ge=0, doc="responses per sampling call; 0: all at once")
+    rollout_drop_finished: bool = False
     max_prompt_length: int = num(256, ge=4, doc="training prompt tokens; longer ones follow `overlong`")
     overlong: Literal["truncate", "drop", "error"] = "truncate"
     # pi_old's log-probs: from a training forward (true), the sampler's (false), or auto: recompute

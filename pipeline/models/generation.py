@@ -54,7 +54,7 @@ SYNC_EVERY = 16
 @torch.no_grad()   # not inference_mode: see pipeline/ppo/scoring.py
 def sample(model: PreTrainedModel, prompts: list[list[int]], pad_id: int, stop_ids: Sequence[int],
            cfg: SamplingConfig, generator: torch.Generator | None = None, greedy: bool = False,
-           row_generators: Sequence[torch.Generator] | None = None) -> Sampled:
+           row_generators: Sequence[torch.Generator] | None = None, drop_finished: bool = False) -> Sampled:
     """Sample (or greedily decode) up to `cfg.max_new_tokens` per prompt; a response ends at the
     first of `stop_ids` (kept as its last token: eos ids, and the stop token when one is set).
 
@@ -63,7 +63,12 @@ def sample(model: PreTrainedModel, prompts: list[list[int]], pad_id: int, stop_i
     `row_generators` gives each row its own (the measurement: a prompt's response depends on its
     own seed only, not on which prompts share its batch or its process). A row's stream gives all
     its uniforms up front, one per token, and each token is drawn by inverting its CDF, for every
-    row at once (one call per row per batch, not one per row per token)."""
+    row at once (one call per row per batch, not one per row per token).
+
+    `drop_finished`: a row that has ended leaves the batch (its KV cache rows too), so the forwards
+    shrink as responses end. The same responses with `row_generators` or `greedy` (each row's
+    numbers are its own); with one `generator` the stream is drawn for fewer rows, so they differ.
+    Off by default: the committed runs' bits are those of the full batch."""
     device = next(model.parameters()).device
     prompt_ids, prompt_mask = (t.to(device) for t in left_pad(prompts, pad_id))
     B, P = prompt_ids.shape
@@ -81,24 +86,36 @@ def sample(model: PreTrainedModel, prompts: list[list[int]], pad_id: int, stop_i
     sync_every = 1 if device.type == "cpu" else SYNC_EVERY
     uniforms = None if row_generators is None or greedy else torch.stack(   # (B, max_new_tokens)
         [torch.rand(cfg.max_new_tokens, generator=g, device=g.device) for g in row_generators]).to(device)
+    live = torch.arange(B, device=device)                        # (b,) the rows still in the batch
     tokens, logps, masks = [], [], []
     for t in range(cfg.max_new_tokens):
-        logits = out.logits[:, -1, :].float() / cfg.temperature  # (B, V)
+        logits = out.logits[:, -1, :].float() / cfg.temperature  # (b, V)
         logprobs_all = torch.log_softmax(logits, dim=-1)
         if greedy:
             token = logits.argmax(-1)
         else:
             probs = torch.softmax(filter_logits(logits, cfg.top_k, cfg.top_p), dim=-1)
-            token = draw(probs, generator) if uniforms is None else inverse_cdf(probs, uniforms[:, t])
+            token = draw(probs, generator) if uniforms is None else inverse_cdf(probs, uniforms[live, t])
+        logp = logprobs_all.gather(-1, token[:, None]).squeeze(-1)               # (b,)
+        if drop_finished:   # back to every row: the ended ones were dropped, they get padding
+            token = torch.full((B,), pad_id, dtype=token.dtype, device=device).index_copy(0, live, token)
+            logp = torch.zeros(B, dtype=logp.dtype, device=device).index_copy(0, live, logp)
         token = torch.where(done, torch.full_like(token, pad_id), token)   # (B,)
         masks.append(~done)
         tokens.append(token)
-        logps.append(logprobs_all.gather(-1, token[:, None]).squeeze(-1).masked_fill(done, 0.0))
+        logps.append(logp.masked_fill(done, 0.0))
         done = done | torch.isin(token, stops)
         if (t + 1) % sync_every == 0 and bool(done.all()):
             break
-        attn = torch.cat([attn, torch.ones((B, 1), dtype=attn.dtype, device=device)], dim=-1)
-        out = model(input_ids=token[:, None], attention_mask=attn, position_ids=next_pos,
+        step = token
+        if drop_finished and (t + 1) % sync_every == 0 and bool(done[live].any()):
+            keep = (~done[live]).nonzero().squeeze(-1)          # (b',) positions in the live batch
+            cache.batch_select_indices(keep)
+            attn, next_pos, live = attn[keep], next_pos[keep], live[keep]
+        if drop_finished:
+            step = token[live]
+        attn = torch.cat([attn, torch.ones((attn.size(0), 1), dtype=attn.dtype, device=device)], dim=-1)
+        out = model(input_ids=step[:, None], attention_mask=attn, position_ids=next_pos,
                     cache=cache, use_cache=True)
         next_pos = next_pos + 1
     response_mask = torch.stack(masks, dim=1)
@@ -108,6 +125,26 @@ def sample(model: PreTrainedModel, prompts: list[list[int]], pad_id: int, stop_i
     return Sampled(prompt_ids=prompt_ids, prompt_mask=prompt_mask,
                    response_ids=torch.stack(tokens, dim=1)[:, :width], response_mask=response_mask[:, :width],
                    logprobs=torch.stack(logps, dim=1)[:, :width], ended=done)
+
+
+def concat(parts: Sequence[Sampled], pad_id: int) -> Sampled:
+    """Results of consecutive sub-batches as one, rows in order: prompts left-padded to the widest
+    prompt, responses right-padded to the longest response (padding, mask False, log-prob 0)."""
+    if len(parts) == 1:
+        return parts[0]
+    P = max(p.prompt_ids.size(1) for p in parts)
+    R = max(p.response_ids.size(1) for p in parts)
+
+    def widen(x: torch.Tensor, width: int, fill, left: bool) -> torch.Tensor:   # (b, w) -> (b, width)
+        extra = x.new_full((x.size(0), width - x.size(1)), fill)
+        return torch.cat([extra, x] if left else [x, extra], dim=1)
+
+    return Sampled(prompt_ids=torch.cat([widen(p.prompt_ids, P, pad_id, True) for p in parts]),
+                   prompt_mask=torch.cat([widen(p.prompt_mask, P, False, True) for p in parts]),
+                   response_ids=torch.cat([widen(p.response_ids, R, pad_id, False) for p in parts]),
+                   response_mask=torch.cat([widen(p.response_mask, R, False, False) for p in parts]),
+                   logprobs=torch.cat([widen(p.logprobs, R, 0.0, False) for p in parts]),
+                   ended=torch.cat([p.ended for p in parts]))
 
 
 def inverse_cdf(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:

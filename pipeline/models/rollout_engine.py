@@ -19,7 +19,7 @@ from typing import Protocol, Sequence
 import torch
 
 from ..config import SamplingConfig
-from .generation import Sampled, sample
+from .generation import Sampled, concat, sample
 
 
 @dataclass(frozen=True)
@@ -32,6 +32,11 @@ class Request:
     greedy: bool = False
     seeds: Sequence[int] | None = None  # B seeds: each row its own stream (measurement)
     stream: torch.Generator | None = None   # or one stream for every row (rollouts)
+    # Our sampler's memory and speed (an engine with its own scheduler ignores them): at most this
+    # many prompts per sampling call (0: all at once), so long responses' KV cache fits; ended rows
+    # leave the batch. Either changes the bits of a `stream` request (see generation.sample).
+    micro_batch: int = 0
+    drop_finished: bool = False
 
 
 class RolloutEngine(Protocol):
@@ -57,8 +62,14 @@ class TorchSampler:
         if request.seeds is not None and not request.greedy:
             device = next(model.parameters()).device
             rows = [generator(device, s) for s in request.seeds]
-        return sample(model, request.prompts, request.pad_id, request.stop_ids, request.sampling,
-                      generator=request.stream, greedy=request.greedy, row_generators=rows)
+        n = len(request.prompts)
+        size = request.micro_batch or n
+        parts = [sample(model, request.prompts[i:i + size], request.pad_id, request.stop_ids, request.sampling,
+                        generator=request.stream, greedy=request.greedy,
+                        row_generators=None if rows is None else rows[i:i + size],
+                        drop_finished=request.drop_finished)
+                 for i in range(0, n, size)]
+        return concat(parts, request.pad_id)
 
 
 TORCH = TorchSampler()

@@ -248,7 +248,7 @@ class PPOTrainer:
         prompts = self.ctx.shard([self.prompts[i] for i in next(self.prompt_sampler) for _ in range(k)])
         with self.m.actor.gathered() as policy, self.m.actor.autocast():   # ZeRO-3: gathered once per rollout
             ro = rollout(policy, self.m.tok, prompts, cfg.sampling, self.sample_gen, cfg.max_prompt_length,   # 1
-                         self.engine)
+                         self.engine, cfg.rollout_micro_batch_size, cfg.rollout_drop_finished)
         t1 = time.perf_counter()
         critic = self.m.critic.model if self.m.critic is not None else None
         with self.m.actor.autocast():

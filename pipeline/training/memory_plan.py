@@ -135,6 +135,9 @@ def candidates(stage: str, cfg: Any, plan: Plan, on_cpu: bool = False) -> list[S
     score = cfg.score_micro_batch_size or cfg.micro_batch_size
     if score > 1:
         suggest(f"{stage}.score_micro_batch_size", score // 2, "a smaller scoring forward")
+    rows = cfg.rollout_micro_batch_size or cfg.rollout_batch_size // dist.world_size
+    if rows > 1:
+        suggest(f"{stage}.rollout_micro_batch_size", rows // 2, "sampling in smaller calls, the same training")
     suggest(f"{stage}.rollout_batch_size", cfg.rollout_batch_size // 2, "fewer responses; changes training")
     return out
 
@@ -283,7 +286,7 @@ def ppo_planner(params: Params, actor: ModelShape, critic: Optional[ModelShape],
                        reward=reward if cfg.reward_source == "reward_model" else None,
                        extra_frozen=auditors if det.enabled and det.auditor is not None else (),
                        lora=cfg.lora, critic_lora=cfg.critic_lora, score_micro_batch=cfg.score_micro_batch_size,
-                       reward_length=reward_length)
+                       reward_length=reward_length, rollout_micro_batch=cfg.rollout_micro_batch_size)
     return plan
 
 

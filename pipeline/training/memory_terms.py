@@ -348,13 +348,13 @@ def rl_plan(stage: str, actor: ModelShape, dist: DistributedConfig, *, micro_bat
             reward: Optional[ModelShape] = None, extra_frozen: tuple[ModelShape, ...] = (),
             samples_per_prompt: int = 1, cached_ref_logprobs: bool = False, lora: LoraConfig = LoraConfig(),
             critic_lora: LoraConfig = LoraConfig(), score_micro_batch: Optional[int] = None,
-            reward_length: Optional[int] = None) -> Plan:
+            reward_length: Optional[int] = None, rollout_micro_batch: int = 0) -> Plan:
     """PPO and its relatives, per rank (pipeline/ppo/trainer.py's steps). `critic` None: a
     critic-free method (GRPO-like); `samples_per_prompt` k: k responses per prompt (the rollout
     grows k-fold); `cached_ref_logprobs`: no reference model is placed; `reward` None: a reward
     function instead of a model; `rollout_batch` counts prompts, globally; `score_micro_batch`:
     rollouts per scoring forward (None: micro_batch); `reward_length`: the tokens the reward model
-    reads of each rollout (None: all)."""
+    reads of each rollout (None: all); `rollout_micro_batch`: responses per sampling call (0: all)."""
     plan = Plan(stage, dist.num_processes, checkpointing=actor.checkpointing and (critic or actor).checkpointing)
     n, c, ckpt = dist.world_size, compute_bytes(dist), dist.gradient_checkpointing
     seq = prompt_length + response_length
@@ -375,6 +375,8 @@ def rl_plan(stage: str, actor: ModelShape, dist: DistributedConfig, *, micro_bat
         frozen_states(plan, model.params, dist, n)
     # 1. rollout: the rank's share of the prompts, k responses each, the actor gathered under ZeRO-3.
     sequences = -(-rollout_batch // n) * samples_per_prompt
+    if rollout_micro_batch:   # sampled that many at a time; the KV cache is freed between calls
+        sequences = min(sequences, rollout_micro_batch)
     w_actor, w_frozen = (weight_bytes(dist, trained=True) * actor_whole, weight_bytes(dist, trained=False)) \
         if zero3(dist) else (0, 0)
     plan.add("rollout", w_actor + sampling_bytes(actor, sequences, prompt_length, response_length, c))

@@ -63,6 +63,20 @@ def test_ppo_vs_trl_builds_the_shared_models_and_times_our_trainer(tmp_path, mon
         ratio = out.strip().splitlines()[-1]                     # "ratio ...: 1.14x ..."
         assert ratio.startswith("ratio") and float(ratio.split(": ", 1)[1].split("x", 1)[0]) > 0, out
 
+    # Our sampler's rollout options on the same SFT model and the prepared prompts: four ways timed,
+    # dropping ended rows changes no response of its own stream, a quarter of the rows a quarter of the KV cache.
+    load("rollout_speed").main(["--sft", str(tmp_path / "sft" / "model"), "--data", str(tmp_path / "data"),
+                                "--batch", "16", "--max-new-tokens", "24", "--repeats", "1"])
+    out = capsys.readouterr().out
+    assert "16 prompts, up to 24 new tokens" in out and out.splitlines()[0].endswith("with row streams: True"), out
+    rows = re.findall(r"^  (\S.*?)\s+([\d.]+) s\s+(\d+) tokens\s+([\d.]+)x  KV cache at its longest\s+([\d.]+) MiB$",
+                      out, flags=re.M)
+    assert [r[0] for r in rows] == ["default", "drop finished", "micro-batch 4", "micro-batch 4 + drop"], out
+    assert all(float(r[1]) > 0 and 0 < int(r[2]) <= 16 * 24 for r in rows), out
+    kv = [float(r[4]) for r in rows]
+    assert kv[0] == kv[1] == pytest.approx(4 * kv[2], rel=0.01) and kv[2] == kv[3], out
+    assert out.strip().splitlines()[-1].startswith("RATIO rollout default/drop-finished: "), out
+
 
 def test_stages_benchmark_runs_both_sides_and_compares_their_models(tmp_path):
     """benchmarks/stages.py --base HEAD on the tiny params: every stage of both sides ran, the ratio

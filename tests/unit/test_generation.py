@@ -163,3 +163,67 @@ def test_inverse_cdf_draws_each_token_at_its_probability_and_never_a_filtered_on
     freq = torch.bincount(drawn, minlength=5).double() / len(u)
     assert freq[0] == freq[2] == 0
     assert torch.allclose(freq, probs[0].double(), atol=4e-3)
+
+
+STOPS = [EOS, 3, 4, 5, 6]   # a stop set this wide ends most rows of the untrained model early, unevenly
+
+
+def _batch_sizes(model) -> list[int]:
+    """Records the batch size of each forward of `model` (prefill first)."""
+    sizes: list[int] = []
+    model.register_forward_pre_hook(lambda mod, args, kwargs: sizes.append(kwargs["input_ids"].size(0)),
+                                    with_kwargs=True)
+    return sizes
+
+
+@pytest.mark.parametrize("arch", ["llama", "gpt2"])
+def test_ended_rows_leave_the_batch_and_the_responses_stay_the_same(arch):
+    """drop_finished: the decoding forwards shrink as rows end (the KV cache rows go with them), and
+    with each row's own stream (or greedy) every response, its mask, its end flag and its
+    log-probs are those of the full batch (log-probs to float rounding: a smaller batch's products
+    may round otherwise)."""
+    model = _tiny(arch)
+    cfg = SamplingConfig(max_new_tokens=24)
+    prompts = [[2, 5 + i, 7, 8 + i][: 2 + i % 3] for i in range(8)]
+    gens = lambda: [torch.Generator().manual_seed(s) for s in range(8)]   # noqa: E731
+    for kw in ({"row_generators": gens}, {"greedy": True}):
+        args = {k: (v() if callable(v) else v) for k, v in kw.items()}
+        full = sample(model, prompts, PAD, STOPS, cfg, **args)
+        sizes = _batch_sizes(model)
+        args = {k: (v() if callable(v) else v) for k, v in kw.items()}
+        dropped = sample(model, prompts, PAD, STOPS, cfg, drop_finished=True, **args)
+        model._forward_pre_hooks.clear()
+        lengths = full.response_mask.sum(1)
+        assert lengths.min() < lengths.max() and sizes[0] == 8 and min(sizes) < 8, (lengths, sizes)
+        assert sizes == sorted(sizes, reverse=True)
+        for name in ("prompt_ids", "response_ids", "response_mask", "ended"):
+            assert torch.equal(getattr(dropped, name), getattr(full, name)), (kw, name)
+        torch.testing.assert_close(dropped.logprobs, full.logprobs, rtol=0, atol=1e-5)
+        assert torch.equal(dropped.logprobs == 0, full.logprobs == 0)   # zero exactly where masked
+
+
+def test_sub_batches_give_the_responses_of_one_batch():
+    """Request.micro_batch through our engine: with each row's own stream the responses are those
+    of one batch (5 prompts by 2: three calls, re-padded to one layout); with one stream, each call
+    continues the stream where the last stopped."""
+    from pipeline.models.rollout_engine import TORCH, Request
+
+    model = _tiny("llama")
+    cfg = SamplingConfig(max_new_tokens=12)
+    prompts = [[2, 5, 6, 7], [2, 10], [2, 12, 13, 14, 15, 16], [2, 9, 9], [2, 11, 4, 7]]
+    seeds = [31, 32, 33, 34, 35]
+    one = TORCH.generate(model, Request(prompts, PAD, tuple(STOPS), cfg, seeds=seeds))
+    split = TORCH.generate(model, Request(prompts, PAD, tuple(STOPS), cfg, seeds=seeds, micro_batch=2))
+    for name in ("prompt_ids", "prompt_mask", "response_ids", "response_mask", "ended"):
+        assert torch.equal(getattr(split, name), getattr(one, name)), name
+    torch.testing.assert_close(split.logprobs, one.logprobs, rtol=0, atol=1e-5)
+    stream = TORCH.generate(model, Request(prompts, PAD, tuple(STOPS), cfg, stream=torch.Generator().manual_seed(4),
+                                           micro_batch=2))
+    gen = torch.Generator().manual_seed(4)
+    parts = [sample(model, prompts[i:i + 2], PAD, STOPS, cfg, generator=gen) for i in (0, 2, 4)]
+    for i, part in zip((0, 2, 4), parts):
+        n, P = part.response_ids.shape, part.prompt_ids.size(1)
+        assert torch.equal(stream.response_ids[i:i + 2, :n[1]], part.response_ids)
+        assert not stream.response_mask[i:i + 2, n[1]:].any() and (stream.response_ids[i:i + 2, n[1]:] == PAD).all()
+        assert torch.equal(stream.prompt_ids[i:i + 2, -P:], part.prompt_ids)
+        assert not stream.prompt_mask[i:i + 2, :-P].any()

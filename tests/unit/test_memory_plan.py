@@ -373,6 +373,11 @@ def test_rollout_phase_by_hand():
     assert z3.device["rollout"] == 2 * m.params + kv + prefill + logits
     z2 = mt.rl_plan("ppo", m, ds(num_processes=2, zero_stage=2, precision="bf16"), **common)
     assert z2.device["rollout"] == kv + prefill + logits
+    # ppo.rollout_micro_batch_size 2: the rank's 4 sequences sampled 2 at a time; 8 does not split them.
+    half = mt.rl_plan("ppo", m, ds(num_processes=2, zero_stage=2, precision="bf16"), rollout_micro_batch=2, **common)
+    assert half.device["rollout"] == kv // 2 + layer(2, 10, 2) + logits // 2
+    whole = mt.rl_plan("ppo", m, ds(num_processes=2, zero_stage=2, precision="bf16"), rollout_micro_batch=8, **common)
+    assert whole.device["rollout"] == z2.device["rollout"]
 
 
 def test_scoring_phase_by_hand():
