@@ -41,8 +41,9 @@ SEED_RANGE = 2 ** 31  # per-row seeds drawn from a rollout's stream
 
 def memory_fraction(plan_gib: float, device_gib: float, margin: float = 0.05) -> float:
     """vLLM's `gpu_memory_utilization`: the share of the device its weights and KV pool may take
-    while it is awake, i.e. what the memory plan leaves beside the trainer's peak (the trainer's
-    activations are freed during a rollout, its weights and optimizer state are not)."""
+    while it is awake, i.e. what the memory plan leaves beside what the trainer holds during a
+    rollout (`Plan.beside_engine`: its weights, optimizer state and the gathered actor; its
+    activations are freed then). The plan itself counts the engine's weights and least KV pool."""
     free = 1.0 - plan_gib / device_gib - margin
     if free < 0.1:
         raise ConfigError(f"rollout_engine: vllm: the memory plan ({plan_gib:.1f} GiB) leaves {max(free, 0):.0%} of "

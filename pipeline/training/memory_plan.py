@@ -220,7 +220,7 @@ def assess(stage: str, cfg: Any, planner: Planner, plan: Plan) -> tuple[float, s
 
 
 LABELS = {"weights": "weights", "grads": "gradients", "optimizer": "optimizer states", "frozen": "frozen models",
-          "update": "update: activations", "rollout": "rollout: KV, logits", "scoring": "scoring forwards",
+          "update": "update: activations", "rollout": "rollout: KV, logits, engine", "scoring": "scoring forwards",
           "measurement": "final measurement", "loading": "checkpoint read"}
 
 
@@ -286,7 +286,8 @@ def ppo_planner(params: Params, actor: ModelShape, critic: Optional[ModelShape],
                        reward=reward if cfg.reward_source == "reward_model" else None,
                        extra_frozen=auditors if det.enabled and det.auditor is not None else (),
                        lora=cfg.lora, critic_lora=cfg.critic_lora, score_micro_batch=cfg.score_micro_batch_size,
-                       reward_length=reward_length, rollout_micro_batch=cfg.rollout_micro_batch_size)
+                       reward_length=reward_length, rollout_micro_batch=cfg.rollout_micro_batch_size,
+                       engine=cfg.rollout_engine)
     return plan
 
 

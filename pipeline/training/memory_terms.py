@@ -192,6 +192,7 @@ class Plan:
     processes: int = 1   # processes per node: a rank's CPU bytes count this many times in the node's RAM
     checkpointing: bool = True   # every trained model's class supports gradient checkpointing
     trains: bool = True          # False: a measuring stage's plan (no gradients, no optimizer)
+    engine: float = 0.0          # of the rollout phase, the bytes of a colocated rollout engine (vLLM)
     device: dict[str, float] = field(default_factory=lambda: dict.fromkeys(STATES + PHASES, 0.0))
     cpu: dict[str, float] = field(default_factory=lambda: dict.fromkeys(CPU_ROWS, 0.0))
 
@@ -203,6 +204,12 @@ class Plan:
     def total(self) -> float:
         """Bytes per rank on the device: the states plus the largest phase."""
         return sum(self.device[r] for r in STATES) + self.device[self.peak_phase]
+
+    @property
+    def beside_engine(self) -> float:
+        """Bytes per rank the trainer holds while a colocated rollout engine is awake: the states and
+        the rollout phase without the engine's own bytes (the other phases' memory is freed then)."""
+        return sum(self.device[r] for r in STATES) + self.device["rollout"] - self.engine
 
     @property
     def cpu_total(self) -> float:
@@ -315,6 +322,14 @@ def forward_bytes(m: ModelShape, batch: int, seq: int, response_length: int, nby
     return layer_bytes(m, batch, seq, nbytes) + batch * (response_length + 1) * m.vocab * (nbytes + 8)
 
 
+def engine_bytes(m: ModelShape, sequences: int, tokens: int, weight_nbytes: int, nbytes: int) -> float:
+    """A colocated vLLM engine awake for a rollout: its own copy of the policy's weights, a KV pool
+    of at least `sequences` x `tokens` (the least it can sample the rollout with; it takes what the
+    plan leaves beyond that) and the batch's logits."""
+    return (m.params * weight_nbytes + kv_cache_bytes(m, sequences, tokens, nbytes)
+            + sampler_logits_bytes(m, sequences, nbytes))
+
+
 def measurement_bytes(m: ModelShape, prompt_length: int, response_length: int, nbytes: int) -> float:
     """The final measurement's work with policy `m`: sampling, then the KL forward."""
     seq = prompt_length + response_length
@@ -348,13 +363,15 @@ def rl_plan(stage: str, actor: ModelShape, dist: DistributedConfig, *, micro_bat
             reward: Optional[ModelShape] = None, extra_frozen: tuple[ModelShape, ...] = (),
             samples_per_prompt: int = 1, cached_ref_logprobs: bool = False, lora: LoraConfig = LoraConfig(),
             critic_lora: LoraConfig = LoraConfig(), score_micro_batch: Optional[int] = None,
-            reward_length: Optional[int] = None, rollout_micro_batch: int = 0) -> Plan:
+            reward_length: Optional[int] = None, rollout_micro_batch: int = 0, engine: str = "torch") -> Plan:
     """PPO and its relatives, per rank (pipeline/ppo/trainer.py's steps). `critic` None: a
     critic-free method (GRPO-like); `samples_per_prompt` k: k responses per prompt (the rollout
     grows k-fold); `cached_ref_logprobs`: no reference model is placed; `reward` None: a reward
     function instead of a model; `rollout_batch` counts prompts, globally; `score_micro_batch`:
     rollouts per scoring forward (None: micro_batch); `reward_length`: the tokens the reward model
-    reads of each rollout (None: all); `rollout_micro_batch`: responses per sampling call (0: all)."""
+    reads of each rollout (None: all); `rollout_micro_batch`: responses per sampling call (0: all);
+    `engine`: who samples the rollouts (torch: our sampler; vllm: an engine with weights of its own,
+    in bf16 when the stage is, else fp32)."""
     plan = Plan(stage, dist.num_processes, checkpointing=actor.checkpointing and (critic or actor).checkpointing)
     n, c, ckpt = dist.world_size, compute_bytes(dist), dist.gradient_checkpointing
     seq = prompt_length + response_length
@@ -379,7 +396,12 @@ def rl_plan(stage: str, actor: ModelShape, dist: DistributedConfig, *, micro_bat
         sequences = min(sequences, rollout_micro_batch)
     w_actor, w_frozen = (weight_bytes(dist, trained=True) * actor_whole, weight_bytes(dist, trained=False)) \
         if zero3(dist) else (0, 0)
-    plan.add("rollout", w_actor + sampling_bytes(actor, sequences, prompt_length, response_length, c))
+    if engine == "vllm":   # its weights and KV pool; the actor gathered (ZeRO-3) is what it loads
+        plan.engine = engine_bytes(actor, sequences, prompt_length + response_length,
+                                   2 if dist.precision == "bf16" else 4, c)
+        plan.add("rollout", w_actor + plan.engine)
+    else:
+        plan.add("rollout", w_actor + sampling_bytes(actor, sequences, prompt_length, response_length, c))
     # 2. scoring: each model's forward over one micro-batch (the reward model's over SCORE_BATCH rows).
     b = score_micro_batch or micro_batch
     scored = [forward_bytes(m, b, seq, response_length, c) for m in (actor, critic) if m is not None]

@@ -305,3 +305,36 @@ def test_the_stage_asks_for_vllm_only_on_cuda_and_otherwise_uses_ours():
         rollout_engine(run, [])
     run.params = Params(ppo=PPOConfig())
     assert rollout_engine(run, []) is TORCH
+
+
+def test_the_stage_gives_vllm_what_its_plan_leaves_beside_the_trainer(vllm, dirs, monkeypatch):
+    """The plan of a vLLM rollout counts the engine's own weights and least KV pool; the engine's
+    share of an (80 GiB) device is what the plan leaves beside what the trainer holds then (its
+    states: its activations are freed), in GiB against GiB."""
+    from types import SimpleNamespace
+    from pipeline.models.vllm_engine import memory_fraction
+    from pipeline.stages import registry
+    from pipeline.stages.ppo import rollout_engine
+    from pipeline.training import memory_plan, memory_terms as mt
+
+    spec = registry.spec("ppo")
+    folders = dict(zip(spec.inputs, [dirs / "data", dirs / "sft", dirs / "rm"]))
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device: SimpleNamespace(total_memory=80 * 2 ** 30))
+    plans = {}
+    for name in ("torch", "vllm"):
+        params = Params(ppo=PPOConfig(rollout_engine=name))
+        plans[name] = memory_plan.stage_plan("ppo", spec.plan, params, folders)
+    ours, theirs = plans["torch"], plans["vllm"]
+    actor = mt.shape_of(__import__("transformers").AutoConfig.from_pretrained(dirs / "sft"))
+    cfg = PPOConfig()
+    rows, tokens = cfg.rollout_batch_size, cfg.max_prompt_length + cfg.sampling.max_new_tokens
+    assert ours.engine == 0 and theirs.engine == mt.engine_bytes(actor, rows, tokens, 4, 4) > actor.params * 4
+    assert theirs.device["rollout"] == theirs.engine      # fp32, one process: no gathered copy
+    assert {k: v for k, v in theirs.device.items() if k != "rollout"} == \
+        {k: v for k, v in ours.device.items() if k != "rollout"}
+    assert theirs.beside_engine == sum(theirs.device[r] for r in mt.STATES) < theirs.total
+    run = SimpleNamespace(params=Params(ppo=PPOConfig(rollout_engine="vllm")), spec=spec,
+                          ctx=SimpleNamespace(device=torch.device("cuda", 0), world_size=1))
+    rollout_engine(run, list(folders.values()))
+    share = vllm.calls[0][1]["gpu_memory_utilization"]
+    assert share == memory_fraction(theirs.beside_engine / 2 ** 30, 80.0) and 0.9 < share <= 0.95
