@@ -29,11 +29,13 @@ configfile: "params.yaml"
 
 try:
     stage_graph.check_no_overrides(workflow.config_settings.overwrite_config)
-    PARAMS = registry.load_params("params.yaml")   # validated before any job is submitted
     STAGES = stage_graph.load_all()          # dvc.yaml, then compare/dvc.yaml (the methods side by side)
     SHAPES = cluster.shapes_of(workflow.resource_settings, {s.name: stage_graph.rule_name(s) for s in STAGES})
-    cluster.check_shape(PARAMS, SHAPES, registry.cluster_checked())
     if workflow.is_main_process:             # not again inside each job (a SLURM job parses this file too)
+        # Validated before any job is submitted. Not in a job: reading every stage's declaration
+        # imports torch and transformers (seconds per job), and the job's stage validates them anyway.
+        PARAMS = registry.load_params("params.yaml")
+        cluster.check_shape(PARAMS, SHAPES, registry.cluster_checked())
         stage_graph.write_param_files(STAGES, "params.yaml")
         stage_graph.drop_stale_benchmarks(STAGES)
 except UserError as err:

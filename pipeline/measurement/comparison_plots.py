@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from .plots import save_figure, plt
+from .plots import pyplot, save_figure
 
 
 def evaluation_plots(m: dict, policies: tuple[str, ...], has_gold: bool, out: Path) -> dict:
@@ -14,7 +14,7 @@ def evaluation_plots(m: dict, policies: tuple[str, ...], has_gold: bool, out: Pa
     against KL to the SFT policy, the trade-off PPO's KL penalty controls. Returns {file name:
     figure}, the figures still open (see save_figure)."""
     keys = ["rm", "gold"] if has_gold else ["rm"]
-    fig, ax = plt.subplots(figsize=(6, 3.8))
+    fig, ax = pyplot().subplots(figsize=(6, 3.8))
     width = 0.8 / len(keys)
     for j, key in enumerate(keys):
         xs = [i + (j - (len(keys) - 1) / 2) * width for i in range(len(policies))]
@@ -29,7 +29,7 @@ def evaluation_plots(m: dict, policies: tuple[str, ...], has_gold: bool, out: Pa
 
     # Best-of-n points joined in order of n: the frontier a cheap baseline traces, which PPO's single
     # point is read against; SFT (KL 0) and PPO stand alone.
-    fig, ax = plt.subplots(figsize=(5, 3.8))
+    fig, ax = pyplot().subplots(figsize=(5, 3.8))
     bon = [p for p in policies if p.startswith("best_of_")]
     for key, marker in zip(keys, ("o", "s")):
         label = {"rm": "reward model", "gold": "gold annotator"}[key]
@@ -51,7 +51,7 @@ def evaluation_plots(m: dict, policies: tuple[str, ...], has_gold: bool, out: Pa
 
 def frontier_plot(points: list[dict], path: Path) -> None:
     """Gold and RM score of the PPO policy against its KL to SFT, one point per experiment."""
-    fig, ax = plt.subplots(figsize=(5.5, 4))
+    fig, ax = pyplot().subplots(figsize=(5.5, 4))
     kls = [p["kl"] for p in points]
     ax.plot(kls, [p["rm"] for p in points], marker="o", label="reward model")
     if all(p["gold"] is not None for p in points):

@@ -8,12 +8,17 @@ import os
 import tempfile
 from pathlib import Path
 
-import matplotlib
-
 from ..files import umask_mode
 
-matplotlib.use("Agg")  # no display, no network: DVC's own renderer loads its JS from the web
-import matplotlib.pyplot as plt  # noqa: E402
+
+def pyplot():
+    """matplotlib.pyplot on the Agg backend (no display, no network: DVC's own renderer loads its
+    JS from the web), imported when a stage first plots: the command line reads every stage's
+    module, and a stage that plots nothing should not pay a second for matplotlib."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    return plt
 
 
 def save_figure(fig, path: Path, close: bool = True):
@@ -28,20 +33,20 @@ def save_figure(fig, path: Path, close: bool = True):
         os.replace(tmp, path)
     finally:
         if close:
-            plt.close(fig)
+            pyplot().close(fig)
         if os.path.exists(tmp):
             os.unlink(tmp)
     return None if close else fig
 
 
 def close_figure(fig) -> None:
-    plt.close(fig)
+    pyplot().close(fig)
 
 
 def calibration_plot(bins: list[dict], path: Path):
     """Reliability diagram: observed preference rate against the reward model's prediction; the
     figure is returned open (see save_figure)."""
-    fig, ax = plt.subplots(figsize=(4.5, 4.5))
+    fig, ax = pyplot().subplots(figsize=(4.5, 4.5))
     ax.plot([0, 1], [0, 1], color="grey", linestyle="--", label="perfect calibration")
     ax.plot([b["predicted"] for b in bins], [b["observed"] for b in bins], marker="o", label="reward model")
     ax.set_xlabel("predicted P(preferred) = sigmoid(r_a - r_b)")

@@ -29,7 +29,7 @@ from ..data import inputs
 from ..files import atomic_write_text, read_json_object
 from ..errors import ConfigError, DataError, shown
 from ..measurement import held_out
-from ..measurement.plots import close_figure, plt, save_figure
+from ..measurement.plots import close_figure, pyplot, save_figure
 from ..tracking.sinks import StepLog
 from ..training import loading, memory_plan
 from .skeleton import stage_run
@@ -171,7 +171,7 @@ def gold_vs_kl_plot(m: dict[str, Any], names: tuple[str, ...], has_gold: bool, p
     """Score (gold where there is an annotator, else RM) against KL to SFT: a point per method with
     its 95% interval, best-of-n joined in order of n. Returns the open figure (see save_figure)."""
     key = "gold" if has_gold else "rm"
-    fig, ax = plt.subplots(figsize=(6.4, 4.2))
+    fig, ax = pyplot().subplots(figsize=(6.4, 4.2))
     bon = [n for n in names if n.startswith("best_of_")]
     if bon:
         ax.plot([0.0] + [m[f"{n}/kl"] for n in bon], [m[f"sft/{key}"]] + [m[f"{n}/{key}"] for n in bon],

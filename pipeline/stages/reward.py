@@ -15,7 +15,6 @@ from pathlib import Path
 from typing import Any, Optional
 
 import torch
-from scipy.stats import spearmanr
 
 from ..config import Params
 from ..data import inputs
@@ -154,6 +153,7 @@ def calibration(diff: torch.Tensor, bins: int) -> tuple[list[dict], float]:
 
 
 def _spearman(x: list[float], y: list[float]) -> float:
+    from scipy.stats import spearmanr   # here: the command line imports every stage's module
     return float(spearmanr(x, y).statistic)
 
 
