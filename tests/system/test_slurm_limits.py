@@ -15,7 +15,7 @@ from slow_steps import slow_steps_hook
 
 
 STEP_SECONDS = 0.5    # each SFT step this much longer in the cluster's jobs (slow_steps_hook)
-STEPS = 400           # 200 s of steps: more than the two-minute limit gives a job, whatever the CPU
+STEPS = 300           # 150 s of steps: more than the two-minute limit gives a job, whatever the CPU
 # Two minutes, not one: a job's fixed cost (Snakemake's start in the job, imports, the final
 # measurement) reaches a minute on a busy machine, and a job that finished its stage a second after
 # its limit is still TIMEOUT to SLURM, so one-minute jobs could keep repeating that last minute.
