@@ -8,19 +8,29 @@ from __future__ import annotations
 from pathlib import Path
 
 
-def slow_steps_hook(folder: Path, seconds: float) -> Path:
-    """`folder`, holding a sitecustomize.py that makes each supervised step `seconds` longer (a
-    process started with `folder` on PYTHONPATH) and touches `folder/in_loop` at the first step.
-    It patches the training loop's module when it is first imported, so only the process that runs
-    a stage (not Snakemake, sbatch or the launcher) is slowed."""
+def _first_import_hook(folder: Path, module: str, body: str) -> Path:
+    """`folder`, holding a sitecustomize.py whose meta-path finder runs `body` (the lines of
+    `find_spec`'s rest, indented 8 spaces; it returns the spec to use, or None for the usual one)
+    when the process first imports `module`, then leaves the import machinery."""
     folder.mkdir(parents=True, exist_ok=True)
     (folder / "sitecustomize.py").write_text(
         "import importlib.abc, importlib.util, pathlib, sys, time\n"
         "class Slow(importlib.abc.MetaPathFinder):\n"
         "    def find_spec(self, name, path, target=None):\n"
-        "        if name != 'pipeline.training.supervised':\n"
+        f"        if name != {module!r}:\n"
         "            return None\n"
         "        sys.meta_path.remove(self)\n"
+        f"{body}"
+        "sys.meta_path.insert(0, Slow())\n")
+    return folder
+
+
+def slow_steps_hook(folder: Path, seconds: float) -> Path:
+    """`folder`, holding a sitecustomize.py that makes each supervised step `seconds` longer (a
+    process started with `folder` on PYTHONPATH) and touches `folder/in_loop` at the first step.
+    It patches the training loop's module when it is first imported, so only the process that runs
+    a stage (not Snakemake, sbatch or the launcher) is slowed."""
+    return _first_import_hook(folder, "pipeline.training.supervised",
         "        spec = importlib.util.find_spec(name)\n"
         "        run = spec.loader.exec_module\n"
         "        def exec_module(module):\n"
@@ -33,23 +43,13 @@ def slow_steps_hook(folder: Path, seconds: float) -> Path:
         "                return real(at, what, value)\n"
         "            module.check_finite = slow\n"
         "        spec.loader.exec_module = exec_module\n"
-        "        return spec\n"
-        "sys.meta_path.insert(0, Slow())\n")
-    return folder
+        "        return spec\n")
 
 
 def slow_start_hook(folder: Path, seconds: float) -> Path:
     """`folder`, holding a sitecustomize.py that makes a process's first `import torch` wait
     `seconds`, after touching `folder/importing`: a signal sent then lands while the command starts."""
-    folder.mkdir(parents=True, exist_ok=True)
-    (folder / "sitecustomize.py").write_text(
-        "import importlib.abc, pathlib, sys, time\n"
-        "class Slow(importlib.abc.MetaPathFinder):\n"
-        "    def find_spec(self, name, path, target=None):\n"
-        "        if name == 'torch':\n"
-        "            sys.meta_path.remove(self)\n"
-        f"            pathlib.Path({str(folder / 'importing')!r}).touch()\n"
-        f"            time.sleep({seconds})\n"
-        "        return None\n"
-        "sys.meta_path.insert(0, Slow())\n")
-    return folder
+    return _first_import_hook(folder, "torch",
+        f"        pathlib.Path({str(folder / 'importing')!r}).touch()\n"
+        f"        time.sleep({seconds})\n"
+        "        return None\n")

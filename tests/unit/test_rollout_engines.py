@@ -312,6 +312,7 @@ def test_the_stage_gives_vllm_what_its_plan_leaves_beside_the_trainer(vllm, dirs
     share of an (80 GiB) device is what the plan leaves beside what the trainer holds then (its
     states: its activations are freed), in GiB against GiB."""
     from types import SimpleNamespace
+    from transformers import AutoConfig
     from pipeline.models.vllm_engine import memory_fraction
     from pipeline.stages import registry
     from pipeline.stages.ppo import rollout_engine
@@ -325,7 +326,7 @@ def test_the_stage_gives_vllm_what_its_plan_leaves_beside_the_trainer(vllm, dirs
         params = Params(ppo=PPOConfig(rollout_engine=name))
         plans[name] = memory_plan.stage_plan("ppo", spec.plan, params, folders)
     ours, theirs = plans["torch"], plans["vllm"]
-    actor = mt.shape_of(__import__("transformers").AutoConfig.from_pretrained(dirs / "sft"))
+    actor = mt.shape_of(AutoConfig.from_pretrained(dirs / "sft"))
     cfg = PPOConfig()
     rows, tokens = cfg.rollout_batch_size, cfg.max_prompt_length + cfg.sampling.max_new_tokens
     assert ours.engine == 0 and theirs.engine == mt.engine_bytes(actor, rows, tokens, 4, 4) > actor.params * 4
