@@ -93,17 +93,21 @@ def slurm_available() -> tuple[bool, str]:
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     """The order in which the workers take whole files (`make test` runs pytest-xdist with
-    `--dist loadfile --no-loadscope-reorder`): the SLURM tier's files first, then system/, stages/
-    and unit/, in each the files with more tests first. The SLURM tests spend minutes waiting on the
-    cluster (scheduling, a one-minute time limit, retries) with one CPU busy at most: started first,
-    those waits overlap the other workers' work instead of ending the run alone; the long system
-    files follow, and the short unit files fill the end."""
+    `--dist loadfile --no-loadscope-reorder`): the SLURM tier's files first, then the files with
+    the most `long` tests (whole pipelines for a minute or more), then system/, stages/ and unit/, in
+    each the files with more tests first. The SLURM tests spend minutes waiting on the cluster
+    (scheduling, a one-minute time limit, retries) with one CPU busy at most: started first, those
+    waits overlap the other workers' work instead of ending the run alone. Long files next, for the
+    same reason: a worker that takes one near the end runs it alone while the others stand idle; the
+    short unit files fill the end."""
     files: dict = {}
     for item in items:
         files.setdefault(item.path, []).append(item)
     slurm = {path for path, tests in files.items() if any(t.get_closest_marker("slurm") for t in tests)}
+    long = {path: sum(t.get_closest_marker("long") is not None for t in tests) for path, tests in files.items()}
     tiers = {"system": 0, "stages": 1, "unit": 2}
-    order = sorted(files, key=lambda path: (path not in slurm, tiers.get(path.parent.name, 3), -len(files[path])))
+    order = sorted(files, key=lambda path: (path not in slurm, -long[path], tiers.get(path.parent.name, 3),
+                                            -len(files[path])))
     items[:] = [item for path in order for item in files[path]]
 
 

@@ -78,6 +78,7 @@ def test_ppo_vs_trl_builds_the_shared_models_and_times_our_trainer(tmp_path, mon
     assert out.strip().splitlines()[-1].startswith("RATIO rollout default/drop-finished: "), out
 
 
+@pytest.mark.long
 def test_stages_benchmark_runs_both_sides_and_compares_their_models(tmp_path):
     """benchmarks/stages.py --base HEAD on the tiny params: every stage of both sides ran, the ratio
     is each side's time, and the models of the working tree and HEAD are compared by md5 (a fresh

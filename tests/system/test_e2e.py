@@ -18,6 +18,7 @@ from pipeline.stages.metric_registry import check_run
 from pipeline.data.tokenizer import decode_response, encode_prompt
 
 
+@pytest.mark.long
 def test_dvc_repro_tiny_pipeline(tiny_run, tiny_run_copy):
     # The shared run is `.venv/bin/dvc repro` as the README writes it, from a shell without the venv
     # on PATH; this test checks what it wrote, then works on in its own copy.
@@ -151,6 +152,7 @@ def test_dvc_repro_tiny_pipeline(tiny_run, tiny_run_copy):
     assert set(status) == {"sft"}             # reward reruns after, when the SFT model changes
 
 
+@pytest.mark.long
 def test_dvc_exp_run_changes_param_and_reports_eval_metrics(tiny_run_copy):
     """`dvc exp run -S ppo.kl_coef=...` gives an experiment whose params and evaluate metrics
     line up in `dvc exp show`, next to the baseline (the shared finished run)."""

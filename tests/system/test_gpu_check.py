@@ -81,6 +81,7 @@ def test_a_failing_stage_is_named_with_its_log_and_fails_the_check(tmp_path, mon
     assert results["failed"] == ["1p evaluate", "1p after"] and "error" in results["suites"]["1"]["evaluate"]
 
 
+@pytest.mark.long
 def test_two_processes_run_every_stage_on_the_cpu_with_gloo(tmp_path):
     """The check's two-process path (DeepSpeed ZeRO-3, the stages' own commands under torchrun) on
     a tiny model: every stage runs, and every number it prints is there and plausible."""

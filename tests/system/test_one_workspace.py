@@ -1,7 +1,7 @@
 """Two runs, one workspace. A second `dvc repro`, Snakemake beside DVC (either way round), a second
 Snakemake, or a stage command run by hand on a folder a stage is writing: each is refused in one
 line while the first run goes on, and the first run ends with the models of an undisturbed run.
-(Two queued experiments at once: tests/unit/test_tracking.py, against the experiments run one by one.)"""
+(Two queued experiments at once: tests/system/test_tracking_runs.py, against the experiments run one by one.)"""
 
 from __future__ import annotations
 
@@ -75,6 +75,7 @@ def _one_line_error(proc: subprocess.CompletedProcess, text: str) -> None:
     assert proc.returncode != 0 and text in printed and "Traceback" not in printed, printed[-3000:]
 
 
+@pytest.mark.long
 @pytest.mark.parametrize("first", ["dvc", "snakemake"])
 def test_dvc_and_snakemake_refuse_to_run_beside_each_other_and_the_first_run_is_undisturbed(
         first, tiny_run: TinyRun, tmp_path):

@@ -270,6 +270,7 @@ def _final(repo: Path) -> dict:
     return out
 
 
+@pytest.mark.long
 def test_dvc_repro_after_sigkill_in_each_training_stage_resumes(tmp_path):
     params = merge(TINY, LONGER)
     whole = copy_repo(tmp_path / "whole")
@@ -341,6 +342,7 @@ def _repro_killed_after(repo: Path, seconds: float | None, log: Path, when_exist
         return False
 
 
+@pytest.mark.long
 def test_dvc_repro_killed_at_random_times_ends_identical(tmp_path, tiny_run):
     """SIGKILLs of a real `dvc repro` of the whole pipeline at random moments (not only at
     checkpoints), and once in the window between a stage's last write and DVC's lock update: the

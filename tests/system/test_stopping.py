@@ -254,6 +254,7 @@ def test_a_signal_while_the_command_starts_gives_75_too_and_the_warning_signal_i
                                            "status 75; run the command again"]), outcome
 
 
+@pytest.mark.long
 def test_the_warning_signal_to_the_launching_command_stops_both_ranks_of_ppo_at_one_iteration(
         data, sft_model, reward_model, tmp_path):
     """Two processes (DeepSpeed ZeRO-2 under torchrun): SIGUSR1 to the command the user ran, which
