@@ -263,6 +263,7 @@ def run_stage(args: argparse.Namespace, argv: list[str] | None) -> int:
     out = args.out
     if (out.exists() or out.is_symlink()) and not out.is_dir():
         raise DataError(f"{out}: --out names an existing file; the {args.stage} stage writes a folder there")
+    quiet_libraries()   # here, not before a launch: a launching command loads no library that prints
     module = registry.module(args.stage)   # this stage's code only
     folders = {name: getattr(args, name) for name in spec.inputs}   # --data, --sft, ... as declared
     options = {k: v for k, v in vars(args).items() if k not in _COMMON and k not in folders}
@@ -280,8 +281,6 @@ _COMMON = {"stage", "verbose", "log_level", "out", "params", "no_progress", "nod
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     configure_logging(args.log_level, args.verbose)
-    if args.stage not in TOOLS:
-        quiet_libraries()
     if args.stage == "frontier":
         from .measurement import frontier
         frontier.main(args.out)

@@ -7,15 +7,18 @@ stops the stage with `file:line: what is wrong`.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 from pathlib import Path
 
 import torch
-from transformers import PreTrainedTokenizerBase
 
 from ..errors import DataError
 from ..files import read_records
 from .padding import right_pad
 from .tokenizer import cut_prompt, encode_prompt, encode_response
+
+if TYPE_CHECKING:   # annotations only (pipeline/models/checkpoints.py says why)
+    from transformers import PreTrainedTokenizerBase
 
 IGNORE = -100  # label value that HF causal-LM losses skip
 

@@ -23,12 +23,14 @@ from __future__ import annotations
 
 import logging
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-from tokenizers import Tokenizer, models, pre_tokenizers, processors
-from transformers import AutoTokenizer, PreTrainedTokenizerBase, PreTrainedTokenizerFast
 
 from ..errors import CheckpointError, DataError, loading
 from ..files import check_folder
+
+if TYPE_CHECKING:   # imported where used (pipeline/models/checkpoints.py says why)
+    from transformers import PreTrainedTokenizerBase, PreTrainedTokenizerFast
 
 log = logging.getLogger(__name__)
 
@@ -43,6 +45,9 @@ def format_prompt(prompt: str) -> str:
 
 def build_word_tokenizer(words: list[str]) -> PreTrainedTokenizerFast:
     """A word-level tokenizer over `words` plus the format's marker and the special tokens."""
+    from tokenizers import Tokenizer, models, pre_tokenizers, processors
+    from transformers import PreTrainedTokenizerFast
+
     vocab: dict[str, int] = {}
     for token in [PAD, BOS, EOS, UNK, *words, "Response", ":"]:
         vocab.setdefault(token, len(vocab))
@@ -80,6 +85,8 @@ def load_tokenizer(path: str | Path, trust_remote_code: bool = False,
     model entering the pipeline), a missing pad token is one the tokenizer already has
     (`reusable_pad_token`), or else a new token; only then does the caller resize the model's
     embeddings (models.init_policy). Either way one warning names the token."""
+    from transformers import AutoTokenizer
+
     check_folder(path)
     with loading(path, "the tokenizer"):
         tok = AutoTokenizer.from_pretrained(str(path), trust_remote_code=trust_remote_code)

@@ -10,11 +10,14 @@ from __future__ import annotations
 
 import contextlib
 from pathlib import Path
-from typing import Any, Iterator
+from typing import TYPE_CHECKING, Any, Iterator
 
 import torch
-from transformers import AutoModelForCausalLM, GPT2Config, LlamaConfig, PreTrainedModel
-from transformers import PreTrainedTokenizerBase
+# transformers' model and config classes take seconds to import, and the commands that build no model
+# (the CLI's parser, check, plan's shapes, a launching command, Snakemake's validation) import the
+# stage modules and so this one: they are imported in the functions that build or load a model.
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from ..config import ModelConfig
 from ..files import check_folder, read_json_object
@@ -24,6 +27,7 @@ from ..data.tokenizer import load_tokenizer
 
 def tiny_config(cfg: ModelConfig, tok: PreTrainedTokenizerBase):
     """A transformers config for the tiny default model, sized by the `model` section."""
+    from transformers import GPT2Config, LlamaConfig
     special = dict(bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)
     if cfg.arch == "llama":
         return LlamaConfig(vocab_size=len(tok), hidden_size=cfg.hidden_size,
@@ -90,6 +94,8 @@ def init_policy(cfg: ModelConfig, tokenizer_dir: Path, seed: int) -> tuple[PreTr
     """The SFT starting point: a tiny model from config, or `name_or_path` with its own tokenizer
     (one of its own tokens made pad if it has none, a new one only when it has no spare token;
     dtype and attention implementation from params)."""
+    from transformers import AutoModelForCausalLM
+
     if cfg.name_or_path is None:
         tok = load_tokenizer(tokenizer_dir)
         torch.manual_seed(seed)
@@ -105,6 +111,8 @@ def load_policy(path: Path, trust_remote_code: bool = False,
                 dtype: torch.dtype | None = None) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
     """Load a checkpoint this pipeline wrote (in `dtype`, or as saved), refusing anything but
     safetensors weights."""
+    from transformers import AutoModelForCausalLM
+
     path = Path(path)
     if not (path / "config.json").is_file():
         raise CheckpointError(f"{path}: not a Hugging Face checkpoint (no config.json)")

@@ -8,16 +8,18 @@ at the first eos. Shapes: B batch, P prompt length (after left padding), R respo
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Sequence
+from typing import TYPE_CHECKING, Sequence
 
 import torch
-from transformers import DynamicCache, PreTrainedModel
 
 from ..config import SamplingConfig
 from ..errors import CheckpointError, ConfigError
 from ..data.padding import left_pad, positions
 from ..data.tokenizer import end_ids
 from .logprobs import keeps_logits
+
+if TYPE_CHECKING:   # imported where used (pipeline/models/checkpoints.py says why)
+    from transformers import DynamicCache, PreTrainedModel
 
 
 @dataclass
@@ -74,6 +76,7 @@ def sample(model: PreTrainedModel, prompts: list[list[int]], pad_id: int, stop_i
     B, P = prompt_ids.shape
     attn = prompt_mask.long()                                   # (B, P + t)
     pos = positions(attn)                                        # (B, P) positions ignore left pads
+    from transformers import DynamicCache
     cache = DynamicCache()
     # Only the last position's logits are needed; on the CPU all of them are still computed, which
     # keeps the committed CPU runs' bits (a one-row product rounds differently from a P-row one).

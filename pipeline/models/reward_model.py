@@ -16,18 +16,20 @@ from __future__ import annotations
 import json
 
 import math
-from typing import Callable
+from typing import TYPE_CHECKING, Callable
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
-from transformers import AutoModelForSequenceClassification, PreTrainedModel, PreTrainedTokenizerBase
 
 from ..data.padding import positions, right_pad
 from ..errors import CheckpointError
 from .lora import unwrap
 from .checkpoints import fit_embeddings, from_checkpoint, modifying
 from ..data.tokenizer import cut_prompt, encode_prompt, encode_response, load_tokenizer
+
+if TYPE_CHECKING:   # imported where a model is loaded (pipeline/models/checkpoints.py says why)
+    from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 OFFSET_KEY = "reward_offset"
 
@@ -50,6 +52,8 @@ def init_reward_model(path: str | Path, seed: int, head_std: float | None, trust
 
     Head init N(0, 1/sqrt(hidden + 1)), bias 0, as in Stiennon et al. 2020 / lm-human-preferences.
     """
+    from transformers import AutoModelForSequenceClassification
+
     tok = load_tokenizer(path, trust_remote_code, add_pad=True)
     kwargs = {"trust_remote_code": trust_remote_code, **(load_kwargs or {})}
     # A fresh head is expected; an unexpected weight is the causal LM's own head (an untied lm_head).
@@ -72,6 +76,8 @@ def load_reward_model(path: str | Path, trust_remote_code: bool = False,
                       dtype: torch.dtype | None = None) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
     """Load a trained reward model (safetensors only; in `dtype`, or as saved) and check it has one
     scalar output."""
+    from transformers import AutoModelForSequenceClassification
+
     path = Path(path)
     if not list(path.glob("*.safetensors")):
         raise CheckpointError(f"{path}: no safetensors weights; this pipeline does not load pickled checkpoints")

@@ -22,10 +22,9 @@ from __future__ import annotations
 import contextlib
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
-from transformers import PreTrainedTokenizerBase
 
 from ..models import lora
 from ..models import reward_model as rm
@@ -36,6 +35,9 @@ from ..training.engines import FrozenModel, TrainEngine, make_engine
 from ..errors import CheckpointError
 from ..models.checkpoints import load_policy
 from ..models.reward_source import RewardModelSource, RewardSource, make_reward_source
+
+if TYPE_CHECKING:   # annotations only (pipeline/models/checkpoints.py says why)
+    from transformers import PreTrainedTokenizerBase
 
 
 @dataclass

@@ -8,15 +8,18 @@ token's position; the logits at column P - 1 + t predict response token t.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
-from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from ..config import SamplingConfig
 from ..models.generation import stop_ids
 from ..models.rollout_engine import TORCH, Request, RolloutEngine
 from ..data.padding import positions
 from ..data.tokenizer import decode_response, encode_prompt, end_ids
+
+if TYPE_CHECKING:   # annotations only (pipeline/models/checkpoints.py says why)
+    from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 
 @dataclass

@@ -8,15 +8,18 @@ update does, so the ratio is 1 at the first minibatch.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
-from transformers import PreTrainedModel
 
 from ..models import logprobs
 from ..models import reward_model as rm
 from ..models.reward_source import RewardSource
 from .mismatch import logprob_diff
 from .rollout import Rollout
+
+if TYPE_CHECKING:   # annotations only (pipeline/models/checkpoints.py says why)
+    from transformers import PreTrainedModel
 
 
 def response_logits(model: PreTrainedModel, ro: Rollout, temperature: float) -> torch.Tensor:

@@ -152,6 +152,28 @@ def test_deepspeed_cpu_notice_is_silenced_and_other_warnings_are_not():
     assert NOTICE not in out and "still shown" in out
 
 
+def test_commands_that_build_no_model_import_no_model_library(tmp_path):
+    """The CLI's parser, `check`, and a stage command that only launches its processes read the
+    stage registry and the params and import neither transformers nor DeepSpeed (seconds per process
+    at every Snakemake job, launch and check); the launched copies load them to build models."""
+    from conftest import TINY, merge, write_params
+    params = tmp_path / "params.yaml"
+    write_params(params, merge(TINY, {"distributed": {"backend": "deepspeed", "num_processes": 2}}))
+    out = _python(
+        "import sys\n"
+        "from pipeline import __main__ as cli\n"
+        "from pipeline.training import stopping\n"
+        "def launch(cmd):\n"
+        "    loaded = sorted(m for m in ('transformers', 'deepspeed', 'peft', 'mlflow') if m in sys.modules)\n"
+        "    print('launching', cmd[0].rsplit('/', 1)[-1], 'with', loaded)\n"
+        "    return 0\n"
+        "stopping.launch = launch\n"
+        f"assert cli.main(['check', '--params', {str(params)!r}]) == 0\n"
+        f"assert cli.main(['sft', '--params', {str(params)!r}, '--out', {str(tmp_path / 'sft')!r}]) == 0\n")
+    assert "params.yaml: ok" in out and "launching torchrun with []" in out, out
+    assert not (tmp_path / "sft").exists()
+
+
 def test_log_level_from_flags_and_environment(monkeypatch, capsys):
     import logging
     from pipeline.__main__ import configure_logging

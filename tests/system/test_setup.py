@@ -14,8 +14,10 @@ from pathlib import Path
 
 from conftest import REPO
 
-LOCAL = {"pipeline", "conftest", "fake_device", "real_checkpoints", "measure_ranks", "zero3_load_ranks",
-         "memory_probe", "fuzz_inputs", "seed_grid", "demo_seeds", "benchmarks", "gpu_check", "slow_steps"}
+# This project's own modules: the package, the tests' shared fixtures and helpers (imported by their bare
+# names: tests/conftest.py), and the scripts and benchmarks that import each other.
+LOCAL = {"pipeline", "conftest", "seed_grid", "demo_seeds", "benchmarks", "gpu_check",
+         *(p.stem for p in (REPO / "tests" / "helpers").glob("*.py"))}
 # Imported, never declared: vLLM (the experimental rollout engine) pins another torch and transformers
 # than this project (docs/guide/rollout-engines.md), so no extra can name it; imported only inside a
 # function of the one module that uses it (checked below).
