@@ -296,4 +296,10 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    code = main()
+    # A rank of a launched group ends without the interpreter's finalization (why: end_process).
+    # The module is loaded only where a stage ran in a group.
+    launched = sys.modules.get("pipeline.training.distributed")
+    if launched is not None:
+        launched.end_process(code)
+    sys.exit(code)

@@ -13,7 +13,9 @@ see engines.py for how DeepSpeed's gradient averaging is undone).
 
 from __future__ import annotations
 
+import atexit
 import contextlib
+import ctypes
 import dataclasses
 import datetime
 import logging
@@ -22,6 +24,7 @@ import os
 import shutil
 import socket
 import sys
+import threading
 import warnings
 from dataclasses import dataclass
 from typing import Any, Container, Iterator, Mapping, Sequence, TypeVar
@@ -35,6 +38,8 @@ from ..errors import ConfigError
 T = TypeVar("T")
 
 LAUNCHED_ENV = "LOCAL_RANK"  # set by torchrun and by the deepspeed launcher in each process
+# True once this process has joined a group that a launcher started (`end_process` reads it).
+_joined_launched_group = False
 
 
 def launch_command(cfg: DistributedConfig, argv: Sequence[str]) -> list[str]:
@@ -210,6 +215,8 @@ def init(cfg: DistributedConfig) -> Context:
     `distributed.device` resolves to: NCCL between GPUs, gloo between CPU processes."""
     if cfg.backend == "none":
         return Context(device=resolve_device(cfg))
+    global _joined_launched_group
+    launched = LAUNCHED_ENV in os.environ
     local = int(os.environ.get("LOCAL_RANK", 0))
     device = resolve_device(cfg, local)
     if device.type == "cpu":   # DeepSpeed would otherwise pick a GPU it finds for its own buffers
@@ -227,6 +234,7 @@ def init(cfg: DistributedConfig) -> Context:
     if not dist.is_initialized():
         deepspeed.init_distributed(dist_backend="nccl" if device.type == "cuda" else "gloo",
                                    timeout=datetime.timedelta(minutes=cfg.timeout_minutes))
+    _joined_launched_group = launched
     world = dist.get_world_size()
     if world != cfg.world_size:
         raise ConfigError(f"distributed: params ask for {cfg.world_size} processes but {world} were started")
@@ -258,3 +266,31 @@ def shutdown(ctx: Context) -> None:
     if ctx.active:
         dist.barrier()
         dist.destroy_process_group()
+
+
+def end_process(code: int) -> None:
+    """Exit with `code` now, without finalizing the interpreter, if this process joined a group its
+    launcher started; return otherwise. The exit handlers still run, and the streams are flushed.
+
+    Why: gloo's worker threads outlive `destroy_process_group` while anything still holds the group
+    (DeepSpeed keeps its own). A worker that then drops a finished collective releases tensors that
+    Python owns, which takes the GIL; during finalization a thread taking the GIL is ended by
+    pthread_exit, whose unwinding through that noexcept destructor calls std::terminate. The rank
+    aborts ("terminate called without an active exception", SIGABRT) after a complete stage, and
+    the launcher reports the stage failed. A core dump of one such rank:
+    ProcessGroupGloo::runLoop -> ~AsyncBarrierWork -> ~AsyncAllgatherWork -> decref -> take_gil ->
+    PyThread_exit_thread, while the main thread was in Py_FinalizeEx."""
+    if not _joined_launched_group:
+        return
+    # What finalization does before it tears anything down, with the interpreter whole: wait for
+    # the threads that are not daemons (an executor's pending work among them), then the exit
+    # handlers (MLflow's, logging's, temporary folders').
+    threading._shutdown()
+    atexit._run_exitfuncs()
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (OSError, ValueError):   # a closed pipe or stream: nothing more can reach it
+            pass
+    ctypes.CDLL(None).fflush(None)    # what C and C++ code buffered in stdio
+    os._exit(code)

@@ -443,3 +443,46 @@ def test_zero3_partitions_each_model_as_it_loads(tmp_path):
             assert h["partition"] <= h["whole"] / 2 + 2 * h["params"], name   # a half, up to padding
         assert held["head_as_seeded"]
     assert sum(r["policy"]["partition"] for r in ranks) >= ranks[0]["policy"]["whole"]
+
+
+# A process that joins a group of one, then runs `python -m pipeline`'s end. Its exit handler and a
+# thread still working write files; an object alive at the end prints when the interpreter finalizes it.
+END_OF_A_RANK = """
+import atexit, os, runpy, sys, threading, time
+from pipeline.config import DistributedConfig
+from pipeline.training import distributed
+
+class Finalized:
+    def __del__(self):
+        print("finalized", flush=True)
+
+alive = Finalized()
+ctx = distributed.init(DistributedConfig(backend="deepspeed", device="cpu"))
+handler = sys.argv[1]
+atexit.register(lambda: open(handler, "w").write(str(ctx.world_size)))
+threading.Thread(target=lambda: (time.sleep(1), open(handler + ".thread", "w").write("done"))).start()
+print("buffered", end="")
+distributed.shutdown(ctx)
+sys.argv = ["pipeline", "check", "--params", sys.argv[2]]
+runpy.run_module("pipeline", run_name="__main__")
+"""
+
+
+@pytest.mark.parametrize("launched", [True, False], ids=["launched", "alone"])
+def test_a_launched_rank_ends_without_finalizing_the_interpreter_and_keeps_its_exit_handlers(tmp_path, launched):
+    """A rank that a launcher started ends, after `python -m pipeline` returns, with os._exit: gloo's
+    worker threads, still alive while DeepSpeed holds its groups, can then never meet a finalizing
+    interpreter (pipeline.training.distributed.end_process says why). Its threads finish, its exit
+    handlers run and its output arrives; a process that joined no launched group ends as any Python
+    program does."""
+    params = tmp_path / "params.yaml"
+    write_params(params, TINY)
+    env = {k: v for k, v in run_env().items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
+    if launched:   # what torchrun gives each process
+        env.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
+    proc = subprocess.run([sys.executable, "-c", END_OF_A_RANK, str(tmp_path / "handler"), str(params)], cwd=REPO,
+                          env={**env, "OMP_NUM_THREADS": "1"}, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert f"\nbuffered{params}: ok\n" in proc.stdout, proc.stdout    # check's report too, flushed before the exit
+    assert (tmp_path / "handler").read_text() == "1" and (tmp_path / "handler.thread").read_text() == "done"
+    assert ("finalized" in proc.stdout) is not launched
