@@ -2,6 +2,7 @@
 
     .venv/bin/python scripts/lock.py            # make lock (after installing every extra)
     .venv/bin/python scripts/lock.py --check    # exit 1 when a lock differs from what it would write
+    .venv/bin/python scripts/lock.py --resolve  # requirements-vllm.lock, resolved by uv (network)
 
 `requirements.lock` pins what the pipeline itself needs (pyproject's `dependencies` and everything
 they pull in); `requirements-<extra>.lock` pins what one optional extra adds on top of it (`dev`:
@@ -10,6 +11,11 @@ of the packages reachable from its requirements through the installed packages' 
 user who installs the pipeline alone is pinned to the same versions as the tests, and an extra's
 packages never creep into the pipeline's lock. The installs pass the locks as constraints
 (`pip install -c requirements.lock -c requirements-dev.lock -e '.[dev]'`).
+
+The `vllm` extra cannot be installed here (its wheels need CUDA, its mistral-common Python 3.13)
+and moves torch and transformers to older releases, so its lock is a whole environment of its own,
+resolved for its platform by `uv pip compile` rather than read off this one:
+`pip install -c requirements-vllm.lock -e '.[vllm]'` on Python 3.13.
 """
 
 from __future__ import annotations
@@ -17,6 +23,7 @@ from __future__ import annotations
 import argparse
 import importlib.metadata as md
 import re
+import subprocess
 import sys
 import tomllib
 from pathlib import Path
@@ -33,6 +40,11 @@ INSTALLER = {"pip", "setuptools", "wheel"}
 # What one build of torch brings and another does not (the CUDA build's runtime libraries and its
 # compiler): the build a user installs (scripts/venv.sh, TORCH=) picks them, the lock does not.
 BUILD_SPECIFIC = re.compile(r"^(nvidia-.*|cuda-.*|triton)$")
+# Extras resolved for another platform (Python version, uv's platform tag), each into a whole lock.
+RESOLVED = {"vllm": ("3.13", "x86_64-manylinux_2_28")}
+RESOLVED_HEAD = ("# Exact versions of a whole environment with the '{extra}' extra, on Python {python} ({platform}).\n"
+                 "# pip constraints of `pip install -c requirements-{extra}.lock -e '.[{extra}]'`.\n"
+                 "# Resolved by `uv pip compile` (scripts/lock.py --resolve); do not edit by hand.\n")
 
 
 def canonical(name: str) -> str:
@@ -78,7 +90,8 @@ def _project() -> dict:
 
 
 def extras() -> list[str]:
-    return sorted(_project().get("optional-dependencies", {}))
+    """The extras whose lock is read off this environment (every extra but the resolved ones)."""
+    return sorted(set(_project().get("optional-dependencies", {})) - set(RESOLVED))
 
 
 def locks(only: list[str] | None = None) -> dict[str, str]:
@@ -87,7 +100,7 @@ def locks(only: list[str] | None = None) -> dict[str, str]:
     core = closure([Requirement(r) for r in project["dependencies"]])
     out = {"requirements.lock": _text("every package the pipeline needs", core)}
     for extra, reqs in sorted(project.get("optional-dependencies", {}).items()):
-        if only is not None and extra not in only:
+        if extra in RESOLVED or (only is not None and extra not in only):
             continue
         added = {k: v for k, v in closure([Requirement(r) for r in reqs]).items() if k not in core}
         out[f"requirements-{extra}.lock"] = _text(f"what the '{extra}' extra adds to requirements.lock", added)
@@ -101,13 +114,35 @@ def _text(what: str, pins: dict[str, str]) -> str:
     return HEAD.format(what=what) + "".join(f"{line}\n" for line in sorted(lines, key=str.lower))
 
 
+def resolve(extra: str) -> str:
+    """The text of requirements-<extra>.lock: pyproject's dependencies with `extra`, resolved by uv
+    for RESOLVED[extra]'s Python and platform (it reads the wheels' metadata from the index)."""
+    python, platform = RESOLVED[extra]
+    cmd = [sys.executable, "-m", "uv", "pip", "compile", "pyproject.toml", "--extra", extra, "--python-version", python,
+           "--python-platform", platform, "--no-header", "--no-annotate", "--quiet"]
+    try:
+        proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True)
+    except FileNotFoundError:
+        sys.exit(f"lock: {sys.executable} does not run")
+    if proc.returncode != 0:
+        if "No module named uv" in proc.stderr:
+            sys.exit("lock: --resolve needs uv in this environment (pip install uv)")
+        sys.exit(f"lock: uv could not resolve the '{extra}' extra for Python {python}:\n{proc.stderr.strip()}")
+    lines = sorted((line for line in proc.stdout.splitlines() if line and not line.startswith(("#", "-e"))),
+                   key=str.lower)
+    return RESOLVED_HEAD.format(extra=extra, python=python, platform=platform) + "".join(f"{line}\n" for line in lines)
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--check", action="store_true", help="compare with the committed locks; write nothing")
     ap.add_argument("--extras", nargs="*", default=None, help="only these extras' locks (default: every extra)")
+    ap.add_argument("--resolve", action="store_true",
+                    help=f"write the locks of the extras resolved for another platform ({', '.join(RESOLVED)}) with uv")
     args = ap.parse_args()
     stale = []
-    for name, text in locks(args.extras).items():
+    written = {f"requirements-{e}.lock": resolve(e) for e in RESOLVED} if args.resolve else locks(args.extras)
+    for name, text in written.items():
         path = ROOT / name
         if args.check:
             if not path.is_file() or path.read_text() != text:

@@ -24,8 +24,9 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 OUT = ROOT / "tests" / "helpers" / "fake_vllm" / "vllm_api.json"
-# The newest vLLM on PyPI when the engine was written. It pins torch 2.14.0 and transformers < 5.21,
-# not this project's torch 2.13.0 and transformers 5.24.0: see docs/guide/rollout-engines.md.
+# The newest vLLM that installs from PyPI (0.34.0's x86_64 wheel needs a flashinfer-python that PyPI
+# lacks). It needs torch 2.14.0 and transformers < 5.21: the vllm extra's own environment,
+# requirements-vllm.lock (docs/guide/rollout-engines.md). pyproject.toml's extra pins the same release.
 PIN = "0.33.0"
 
 # (file in the wheel, class, what to read): "init"/method names give their parameters; "fields"

@@ -7,6 +7,8 @@ at the first eos. Shapes: B batch, P prompt length (after left padding), R respo
 
 from __future__ import annotations
 
+import functools
+import inspect
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Sequence
 
@@ -78,10 +80,11 @@ def sample(model: PreTrainedModel, prompts: list[list[int]], pad_id: int, stop_i
     pos = positions(attn)                                        # (B, P) positions ignore left pads
     from transformers import DynamicCache
     cache = DynamicCache()
+    given = {cache_keyword(): cache}
     # Only the last position's logits are needed; on the CPU all of them are still computed, which
     # keeps the committed CPU runs' bits (a one-row product rounds differently from a P-row one).
     keep = {"logits_to_keep": 1} if device.type != "cpu" and keeps_logits(model) else {}
-    out = model(input_ids=prompt_ids, attention_mask=attn, position_ids=pos, cache=cache, use_cache=True, **keep)
+    out = model(input_ids=prompt_ids, attention_mask=attn, position_ids=pos, use_cache=True, **given, **keep)
     check_cache(model, cache, P)
     next_pos = pos[:, -1:] + 1                            # (B, 1)
     done = torch.zeros(B, dtype=torch.bool, device=device)
@@ -118,8 +121,7 @@ def sample(model: PreTrainedModel, prompts: list[list[int]], pad_id: int, stop_i
         if drop_finished:
             step = token[live]
         attn = torch.cat([attn, torch.ones((attn.size(0), 1), dtype=attn.dtype, device=device)], dim=-1)
-        out = model(input_ids=step[:, None], attention_mask=attn, position_ids=next_pos,
-                    cache=cache, use_cache=True)
+        out = model(input_ids=step[:, None], attention_mask=attn, position_ids=next_pos, use_cache=True, **given)
         next_pos = next_pos + 1
     response_mask = torch.stack(masks, dim=1)
     # Columns after every row ended (sampled between two syncs) hold only padding: cut them, so the
@@ -165,14 +167,24 @@ def draw(probs: torch.Tensor, generator: torch.Generator | None) -> torch.Tensor
     return torch.multinomial(probs.to(where), 1, generator=generator).squeeze(-1).to(probs.device)
 
 
+@functools.cache
+def cache_keyword() -> str:
+    """The keyword a transformers model's forward takes its KV cache by, in the installed release:
+    `cache` (transformers 5.24, requirements.lock's; the old name still accepted, deprecated) or
+    `past_key_values` (5.20, the vllm extra's). The library renamed it in every model at once, so
+    its Llama tells."""
+    from transformers.models.llama.modeling_llama import LlamaModel
+    return "cache" if "cache" in inspect.signature(LlamaModel.forward).parameters else "past_key_values"
+
+
 def check_cache(model: PreTrainedModel, cache: DynamicCache, prompt_length: int) -> None:
     """The prefill must have filled the KV cache with the whole prompt: a model class that ignores
-    the `cache` keyword would otherwise sample every token without seeing its prompt."""
+    the cache keyword would otherwise sample every token without seeing its prompt."""
     held = cache.get_seq_length()
     if held != prompt_length:
         raise CheckpointError(f"{type(model).__name__}: its forward ignored the KV cache (it holds {held} "
                               f"positions after a prompt of {prompt_length}); the sampler needs a model whose "
-                              "forward takes transformers' `cache` keyword")
+                              f"forward takes transformers' `{cache_keyword()}` keyword")
 
 
 def stop_ids(tok, model: PreTrainedModel, cfg: SamplingConfig) -> list[int]:

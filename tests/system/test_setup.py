@@ -18,10 +18,10 @@ from conftest import REPO
 # names: tests/conftest.py), and the scripts and benchmarks that import each other.
 LOCAL = {"pipeline", "conftest", "seed_grid", "demo_seeds", "benchmarks", "gpu_check",
          *(p.stem for p in (REPO / "tests" / "helpers").glob("*.py"))}
-# Imported, never declared: vLLM (the experimental rollout engine) pins another torch and transformers
-# than this project (docs/guide/rollout-engines.md), so no extra can name it; imported only inside a
-# function of the one module that uses it (checked below).
-UNDECLARED = {"vllm": "pipeline/models/vllm_engine.py"}
+# Modules of an optional extra that the pipeline imports lazily: the extra, and the one module that
+# imports it, inside a function (checked below), so that nothing else needs the extra installed.
+# vLLM (the experimental rollout engine) cannot be installed here: its wheels need CUDA.
+LAZY = {"vllm": ("vllm", "pipeline/models/vllm_engine.py")}
 
 
 def _norm(name: str) -> str:
@@ -66,10 +66,10 @@ def test_every_import_is_declared_in_the_group_that_needs_it():
         names = set().union(*(declared[g] for g in allowed))
         for module in sorted(_imports(folder)):
             dists = {_norm(d) for d in provides.get(module, [module])}
-            if not dists & names and module not in UNDECLARED:
+            if not dists & names and not (module in LAZY and dists & declared[LAZY[module][0]]):
                 missing.append(f"{folder}: import {module} (from {', '.join(sorted(dists))})")
     assert missing == []
-    for module, where in UNDECLARED.items():
+    for module, (_, where) in LAZY.items():
         importers = {str(p.relative_to(REPO)) for p in (REPO / "pipeline").rglob("*.py") if module in _imports_of(p)}
         assert importers == {where}, importers
         top = ast.parse((REPO / where).read_text()).body
@@ -208,3 +208,44 @@ def test_one_lock_per_part_of_the_install_and_each_matches_this_environment():
     assert {"pytest", "pytest-xdist", "pytest-timeout"} <= dev.keys() and "trl" in bench
     assert not (core.keys() & dev.keys()) and not (core.keys() & bench.keys())   # an extra adds, never repeats
     assert "pip" not in core and not any("+" in v for v in core.values())       # releases, not local builds
+
+
+def test_the_vllm_lock_is_a_whole_environment_inside_the_projects_ranges():
+    """requirements-vllm.lock is resolved for another platform (scripts/lock.py --resolve), not read
+    off this environment: it pins the vLLM that scripts/vllm_api.py read the API of, and every direct
+    dependency at a version pyproject.toml admits, as requirements.lock does. Where the two locks
+    differ (torch, transformers) pyproject's range admits both and nothing newer than the newer."""
+    import importlib.util
+
+    from packaging.requirements import Requirement
+    from packaging.version import Version
+
+    def module(name: str):
+        spec = importlib.util.spec_from_file_location(name, REPO / "scripts" / f"{name}.py")
+        loaded = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(loaded)
+        return loaded
+
+    lock, api = module("lock"), module("vllm_api")
+
+    def pins(path: Path) -> dict[str, str]:
+        lines = [line for line in path.read_text().splitlines() if line and not line.startswith("#")]
+        return {_norm(name): version for name, version in (line.split("==") for line in lines)}
+    core, whole = pins(REPO / "requirements.lock"), pins(REPO / "requirements-vllm.lock")
+    python, platform = lock.RESOLVED["vllm"]
+    assert (REPO / "requirements-vllm.lock").read_text().startswith(lock.RESOLVED_HEAD.format(
+        extra="vllm", python=python, platform=platform))
+    project = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]
+    assert project["optional-dependencies"]["vllm"] == [f"vllm=={api.PIN}"] and whole["vllm"] == api.PIN
+    differ = []
+    for text in project["dependencies"]:
+        req = Requirement(text)
+        name = _norm(req.name)
+        assert req.specifier.contains(core[name]) and req.specifier.contains(whole[name]), (text, core[name], whole[name])
+        if core[name] != whole[name]:
+            differ.append(name)
+            # The range's ends are the two tested releases: nothing newer than the newer lock's.
+            newest = max(Version(core[name]), Version(whole[name]))
+            assert not any(req.specifier.contains(v) for v in (f"{newest.major}.{newest.minor}.{newest.micro + 1}",
+                                                               f"{newest.major}.{newest.minor + 1}.0")), text
+    assert sorted(differ) == ["torch", "transformers"]

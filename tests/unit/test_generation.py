@@ -6,7 +6,7 @@ from transformers import AutoModelForCausalLM, GPT2Config, LlamaConfig
 
 from pipeline.config import SamplingConfig
 from pipeline.data.padding import left_pad, right_pad
-from pipeline.models.generation import filter_logits, sample
+from pipeline.models.generation import cache_keyword, filter_logits, sample
 
 EOS, PAD = 1, 0
 
@@ -140,16 +140,31 @@ def test_a_model_that_ignores_the_kv_cache_is_refused():
     from pipeline.errors import CheckpointError
     model = _tiny("llama")
 
-    class Forgetful(torch.nn.Module):   # drops the cache keyword before the real forward
+    class Forgetful(torch.nn.Module):   # drops the cache keyword (either name) before the real forward
         def __init__(self, inner):
             super().__init__()
             self.inner = inner
 
-        def forward(self, cache=None, use_cache=None, **kw):
+        def forward(self, cache=None, past_key_values=None, use_cache=None, **kw):
             return self.inner(**kw)
 
     with pytest.raises(CheckpointError, match="ignored the KV cache .*holds 0 positions after a prompt of 3"):
         sample(Forgetful(model), [[2, 3, 4]], PAD, [EOS], SamplingConfig(max_new_tokens=4), greedy=True)
+
+
+def test_the_cache_goes_by_the_keyword_the_installed_transformers_takes():
+    """transformers renamed `past_key_values` to `cache` (5.24 takes both, 5.20 only the old name):
+    the sampler passes the name every model class of the installed release takes."""
+    import inspect
+
+    from transformers import GPT2LMHeadModel, LlamaForCausalLM
+    for cls in (LlamaForCausalLM, GPT2LMHeadModel):
+        assert cache_keyword() in inspect.signature(cls.forward).parameters, cls
+    model, prompt = _tiny("llama"), torch.tensor([[2, 3, 4]])
+    from transformers import DynamicCache
+    cache = DynamicCache()
+    model(input_ids=prompt, use_cache=True, **{cache_keyword(): cache})
+    assert cache.get_seq_length() == 3
 
 
 def test_inverse_cdf_draws_each_token_at_its_probability_and_never_a_filtered_one():
