@@ -77,8 +77,12 @@ class ModelConfig:
     intermediate_size: int = num(192, ge=8)
     max_position_embeddings: int = num(128, ge=16)
     trust_remote_code: bool = False
-    dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"   # weights of a loaded model (auto: as saved)
     attn_implementation: Optional[Literal["eager", "sdpa", "flash_attention_2"]] = None  # None: transformers' choice
+
+    # A key that no longer exists, with what took its place: refused by name, never silently ignored.
+    _removed: typing.ClassVar[dict[str, str]] = {"dtype": "a model loads in the dtype its role needs, whatever its checkpoint's "
+                         "(fp32 master weights when trained, `distributed.precision` computes; "
+                         "pipeline/training/loading.py); delete the key"}
 
     def __post_init__(self) -> None:
         if self.hidden_size % self.num_heads:
@@ -769,6 +773,9 @@ def from_dict(cls: type, data: Any, where: str) -> Any:
         moved = getattr(cls, "_moved", {}).get(key)
         if key not in fields and moved is not None:
             raise ConfigError(f"{where}{sep}{key}: moved to {moved}; write it there (the old key is not read)")
+        removed = getattr(cls, "_removed", {}).get(key)
+        if key not in fields and removed is not None:
+            raise ConfigError(f"{where}{sep}{key}: no longer a key: {removed}")
         if key not in fields:
             raise ConfigError(f"{where}{sep}{key}: unknown key (known: {', '.join(sorted(fields))})")
     kwargs = {name: _convert(data[name], hints[name], f.metadata, f"{where}{sep}{name}")

@@ -42,11 +42,11 @@ def tiny_config(cfg: ModelConfig, tok: PreTrainedTokenizerBase):
                       attn_pdrop=0.0, **special)
 
 
-def load_kwargs(cfg: ModelConfig) -> dict:
-    """`from_pretrained` arguments from the `model` params: dtype and attention implementation."""
-    kwargs: dict = {"trust_remote_code": cfg.trust_remote_code}
-    if cfg.dtype != "auto":
-        kwargs["dtype"] = getattr(torch, cfg.dtype)
+def load_kwargs(cfg: ModelConfig, dtype: torch.dtype) -> dict:
+    """`from_pretrained` arguments: the dtype the loading rule gives the model's role
+    (pipeline/training/loading.py; never the checkpoint's own), the attention implementation and
+    remote code from the `model` params."""
+    kwargs: dict = {"trust_remote_code": cfg.trust_remote_code, "dtype": dtype}
     if cfg.attn_implementation is not None:
         kwargs["attn_implementation"] = cfg.attn_implementation
     return kwargs
@@ -90,10 +90,11 @@ def from_checkpoint(auto_cls: Any, path: str | Path, *, strict: bool, expected_m
     return model
 
 
-def init_policy(cfg: ModelConfig, tokenizer_dir: Path, seed: int) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
-    """The SFT starting point: a tiny model from config, or `name_or_path` with its own tokenizer
-    (one of its own tokens made pad if it has none, a new one only when it has no spare token;
-    dtype and attention implementation from params)."""
+def init_policy(cfg: ModelConfig, tokenizer_dir: Path, seed: int,
+                dtype: torch.dtype = torch.float32) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
+    """The SFT starting point: a tiny model from config (built in fp32), or `name_or_path` in
+    `dtype` with its own tokenizer (one of its own tokens made pad if it has none, a new one only
+    when it has no spare token; attention implementation from params)."""
     from transformers import AutoModelForCausalLM
 
     if cfg.name_or_path is None:
@@ -102,7 +103,7 @@ def init_policy(cfg: ModelConfig, tokenizer_dir: Path, seed: int) -> tuple[PreTr
         model = AutoModelForCausalLM.from_config(tiny_config(cfg, tok))
     else:
         tok = load_tokenizer(cfg.name_or_path, cfg.trust_remote_code, add_pad=True)
-        model = from_checkpoint(AutoModelForCausalLM, cfg.name_or_path, strict=False, **load_kwargs(cfg))
+        model = from_checkpoint(AutoModelForCausalLM, cfg.name_or_path, strict=False, **load_kwargs(cfg, dtype))
         model = fit_embeddings(model, tok)
     return model, tok
 

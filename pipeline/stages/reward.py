@@ -93,7 +93,7 @@ SPEC = StageSpec(
     headline=("eval/accuracy", "eval/accuracy_of_ceiling", "eval/spearman_gold_sft_samples"),
     metrics=declared_metrics, files=METRIC_FILES,
     plan=lambda params, shapes: memory_plan_of(params, shapes), reads=(
-    "data.task", "model.trust_remote_code", "model.dtype", "model.attn_implementation",
+    "data.task", "model.trust_remote_code", "model.attn_implementation",
     "sft.sampling",              # how the SFT policy samples for the RM-vs-gold correlation
     "sft.dataset",               # held-out demonstrations: the normalisation reference
     "prompts.dataset",           # held-out prompts for the SFT-samples correlation
@@ -263,8 +263,7 @@ def train(run: StageRun, data_dir: Path, sft_dir: Path, progress: bool = True):
     init = cfg.name_or_path if cfg.name_or_path is not None else sft_dir
     with loading.partitioned(cfg.distributed, ctx):   # ZeRO-3: each rank loads its partition only
         model, tok = rm.init_reward_model(init, cfg.seed, cfg.head_init_std, params.model.trust_remote_code,
-                                          load_kwargs(params.model) if cfg.name_or_path is not None
-                                          else {"dtype": loading.load_dtype(cfg.distributed, trained=True)})
+                                          load_kwargs(params.model, loading.load_dtype(cfg.distributed, trained=True)))
     model = lora.wrap(model, cfg.lora, "SEQ_CLS", "reward.lora")
     encoded = rm.EncodedPairs(tok, cfg.max_length)      # every prompt and response tokenised once, not once per epoch
     train_pairs, n_trunc, n_drop = fit_pairs(train_pairs, encoded, cfg.overlong)

@@ -44,7 +44,7 @@ from ..measurement.stats import mean_ci
 from ..models import lora
 from ..models.checkpoints import load_policy
 from ..models.reward_source import RewardModelSource
-from ..training import demonstrations, memory_plan, supervised
+from ..training import demonstrations, loading, memory_plan, supervised
 from ..training.distributed import SINGLE, Context
 from ..training.resume import fingerprint, input_paths
 from ..workflow import code_deps
@@ -231,7 +231,7 @@ def train(run: StageRun, data_dir: Path, sft_dir: Path, reward_dir: Path,
     records = inputs.prompt_records(params, data_dir, "train")
     eval_rows = inputs.demonstrations(params, data_dir, "eval")
     eval_prompts = inputs.prompts(params, data_dir, "eval")[:cfg.n_eval_prompts]
-    model, tok = load_policy(sft_dir, params.model.trust_remote_code)
+    model, tok = load_policy(sft_dir, params.model.trust_remote_code, loading.load_dtype(cfg.distributed, trained=True))
     prompts, p_trunc, p_drop = inputs.fit_prompts(records, tok, params.prompts.max_length, params.prompts.overlong,
                                                    "prompts.max_length")
     if cfg.n_prompts is not None and len(prompts) < cfg.n_prompts:

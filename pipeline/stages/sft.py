@@ -83,7 +83,8 @@ def train(run: StageRun, data_dir: Path, progress: bool = True) -> tuple[Any, An
     # seeded initialisation then does not depend on the placement) and partitioned by its engine.
     pretrained = params.model.name_or_path is not None
     with loading.partitioned(cfg.distributed, ctx) if pretrained else contextlib.nullcontext():
-        model, tok = init_policy(params.model, data_dir / "tokenizer", cfg.seed)
+        model, tok = init_policy(params.model, data_dir / "tokenizer", cfg.seed,
+                                 loading.load_dtype(cfg.distributed, trained=True))
     model = lora.wrap(model, cfg.lora, "CAUSAL_LM", "sft.lora")
     train_ex, n_trunc, n_drop = tokenize_demonstrations(train_rows, tok, cfg.max_length, source, cfg.overlong)
     eval_ex, _, _ = tokenize_demonstrations(eval_rows, tok, cfg.max_length, source, cfg.overlong)

@@ -25,7 +25,8 @@ atomic writing of what it produces.
   the old code's model. A re-run of unchanged code (a kill before DVC recorded the stage,
   `dvc repro -f`) resumes, at the final step if training had finished.
 - `finish` (rank 0): `model/` (safetensors and tokenizer) swapped in atomically, config.json
-  (the resolved params, keys sorted, and `runtime`: the device type and process count it ran on),
+  (the resolved params, keys sorted, and `runtime`: the device type, process and thread counts it
+  ran on and, for a training stage, the dtypes of its weights, optimizer states and compute),
   metrics.json, then the files to the tracker. metrics.json gains where it ran (`resources/gpus`,
   0 on the CPU) and the stage's cost:
   `resources/wall_seconds` (this process, from the skeleton's start to finish: a resumed stage's
@@ -109,7 +110,11 @@ class StageRun:
     def runtime(self) -> dict[str, Any]:
         """Where the stage ran: config.json's `runtime` (not part of the params or the fingerprint)."""
         import torch   # the thread count changes floating-point sums, so a run's bits
-        return {"device": self.ctx.device.type, "processes": self.ctx.world_size, "threads": torch.get_num_threads()}
+        out = {"device": self.ctx.device.type, "processes": self.ctx.world_size, "threads": torch.get_num_threads()}
+        if self.spec.training:   # what the trained weights, their optimizer states and the forwards were in
+            from ..training.loading import dtypes
+            out["dtypes"] = dtypes(getattr(self.params, self.spec.name).distributed)
+        return out
 
     def resources(self) -> dict[str, float]:
         """What this process has cost so far (see the module doc)."""

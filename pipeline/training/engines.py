@@ -373,7 +373,9 @@ class DeepSpeedEngine(TrainEngine):
 class FrozenModel:
     """Reference or reward model: inference only. Partitioned with ZeRO-3 when training is stage 3
     (every rank holds a slice; `offload_frozen` keeps the slices on the CPU, DeepSpeed fetching
-    them per forward), otherwise replicated on this rank's device, 16-bit under mixed precision."""
+    them per forward), otherwise replicated on this rank's device, in the dtype it was loaded in
+    (pipeline/training/loading.py: 16-bit under DeepSpeed's mixed precision, fp32 under plain
+    PyTorch's autocast)."""
 
     def __init__(self, model: torch.nn.Module, dist: DistributedConfig, ctx: Context, micro_batch_size: int):
         model.eval().requires_grad_(False)
@@ -386,8 +388,10 @@ class FrozenModel:
             self.engine, *_ = deepspeed.initialize(model=model, config=self.ds_config)
             self.model = self.engine.module
         else:
-            dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(dist.precision)
-            self.model = model.to(device=ctx.device, dtype=dtype) if dtype else model.to(ctx.device)
+            # Moved, never cast: it was loaded in the loading rule's dtype, and `Module.to(dtype)`
+            # would also round fp32 buffers (RoPE's inverse frequencies) that the trained model
+            # keeps, so the reference would no longer be the actor's function (KL 1e-3 at iteration 0).
+            self.model = model.to(ctx.device)
 
     @contextlib.contextmanager
     def gathered(self) -> Iterator[torch.nn.Module]:

@@ -1,10 +1,15 @@
 """How a stage loads the models it places: in which dtype, and, under ZeRO-3, already partitioned.
 
-- dtype: a trained model is loaded in the dtype its optimizer steps: fp32 for plain PyTorch (bf16
-  there is autocast over fp32 weights) and DeepSpeed fp32; the 16-bit dtype under DeepSpeed's
-  bf16/fp16, whose engine keeps the fp32 master copy itself. A frozen model is loaded in the dtype
-  it computes in: 16-bit under bf16/fp16, fp32 otherwise. So a bf16 checkpoint is never silently
-  trained in bf16 by a plain fp32 optimizer, and a 16-bit run never holds an fp32 copy it drops.
+- dtype, whatever dtype the checkpoint was saved in (a hub model's is bf16 almost always): a trained
+  model is loaded in the dtype its optimizer steps: fp32 for plain PyTorch (bf16 there is autocast
+  over fp32 weights) and DeepSpeed fp32; the 16-bit dtype under DeepSpeed's bf16/fp16, whose engine
+  keeps the fp32 master copy (and fp32 optimizer states) itself. A frozen model is loaded as the
+  trained ones compute: in the 16-bit dtype under DeepSpeed's bf16/fp16; fp32 under plain PyTorch,
+  where the same autocast that runs the actor runs the reference and reward models, so the
+  reference is the actor's own function before the first update (KL and ratio exactly 0 and 1).
+  So a bf16 checkpoint is never trained as bf16 weights by an fp32 optimizer (AdamW's updates at a
+  hub learning rate fall below half a bf16 ulp and are lost), and a 16-bit run never holds an fp32
+  copy it drops. Every stage loads through `load_dtype`; config.json records `dtypes(...)`.
 - ZeRO-3: `partitioned(...)` keeps transformers' DeepSpeed integration (`HfDeepSpeedConfig`) alive
   while models are built or loaded, so `from_pretrained` / `from_config` construct them under
   `deepspeed.zero.Init`: each rank holds its partition from the start, and a model larger than
@@ -25,11 +30,19 @@ SIXTEEN_BIT = {"bf16": torch.bfloat16, "fp16": torch.float16}
 
 
 def load_dtype(dist: DistributedConfig, trained: bool) -> torch.dtype:
-    """The dtype a model is loaded in under `dist` (see the module doc)."""
+    """The dtype a model is loaded in under `dist` (see the module doc). `trained` is kept in the
+    signature because the two roles are distinct decisions, even where they agree today."""
     half = SIXTEEN_BIT.get(dist.precision)
-    if half is None or (trained and dist.backend == "none"):
+    if half is None or dist.backend == "none":
         return torch.float32
     return half
+
+
+def dtypes(dist: DistributedConfig) -> dict[str, str]:
+    """What a trained model's numbers are under `dist`: the weights the optimizer updates (its
+    master copy), the optimizer's states and the forwards' compute dtype (config.json's `dtypes`)."""
+    return {"weights": "float32", "optimizer_states": "float32",
+            "compute": str(SIXTEEN_BIT.get(dist.precision, torch.float32)).removeprefix("torch.")}
 
 
 def zero3(dist: DistributedConfig) -> bool:

@@ -86,17 +86,18 @@ def _bpe(specials: list[str], bos: str | None) -> Tokenizer:
     return tok
 
 
-def _save(folder: str | Path, tok, model, generation: GenerationConfig) -> Path:
+def _save(folder: str | Path, tok, model, generation: GenerationConfig, dtype: torch.dtype) -> Path:
+    """Saved as the hub saves them when `dtype` is bf16: the weights cast, config.json's dtype too."""
     folder = Path(folder)
     model.generation_config = generation
-    model.save_pretrained(str(folder))
+    model.to(dtype).save_pretrained(str(folder))
     tok.save_pretrained(str(folder))
     return folder
 
 
-def llama3_like(folder: str | Path) -> Path:
+def llama3_like(folder: str | Path, dtype: torch.dtype = torch.float32) -> Path:
     """A Llama-3.1-Instruct-shaped checkpoint in `folder`: eos <|eot_id|>, no pad, generation
-    config ending on <|end_of_text|>, <|eom_id|> or <|eot_id|>."""
+    config ending on <|end_of_text|>, <|eom_id|> or <|eot_id|>; weights saved in `dtype`."""
     bpe = _bpe(LLAMA3_SPECIALS, bos="<|begin_of_text|>")
     tok = PreTrainedTokenizerFast(tokenizer_object=bpe, bos_token="<|begin_of_text|>", eos_token="<|eot_id|>",
                                   clean_up_tokenization_spaces=False, model_max_length=131072)
@@ -108,10 +109,10 @@ def llama3_like(folder: str | Path) -> Path:
         num_key_value_heads=2, max_position_embeddings=512, rms_norm_eps=1e-5, tie_word_embeddings=False,
         bos_token_id=tok.bos_token_id, eos_token_id=ends))
     return _save(folder, tok, model, GenerationConfig(bos_token_id=tok.bos_token_id, eos_token_id=ends,
-                                                      do_sample=True, temperature=0.6, top_p=0.9))
+                                                      do_sample=True, temperature=0.6, top_p=0.9), dtype)
 
 
-def qwen25_like(folder: str | Path) -> Path:
+def qwen25_like(folder: str | Path, dtype: torch.dtype = torch.float32) -> Path:
     """A Qwen2.5-Instruct-shaped checkpoint in `folder`: no bos, eos <|im_end|>, no pad, generation
     config ending on <|im_end|> or <|endoftext|>, a default system message in the template. The
     tokenizer is transformers' own Qwen2Tokenizer (its pre-tokenizer, its class in the saved
@@ -131,4 +132,4 @@ def qwen25_like(folder: str | Path) -> Path:
         bos_token_id=endoftext, eos_token_id=im_end))
     return _save(folder, tok, model, GenerationConfig(bos_token_id=endoftext, eos_token_id=[im_end, endoftext],
                                                       do_sample=True, temperature=0.7, top_p=0.8, top_k=20,
-                                                      repetition_penalty=1.05))
+                                                      repetition_penalty=1.05), dtype)

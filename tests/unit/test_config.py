@@ -324,6 +324,13 @@ def test_ppo_logprob_settings(tmp_path):
 # ---- The prompts section ------------------------------------------------------------------------
 
 
+def test_the_removed_dtype_key_is_refused_by_name(tmp_path):
+    """A params file written for the old `model.dtype` is told why the key went, not silently read."""
+    message = load_error(tmp_path, "model:\n  dtype: bfloat16\n")
+    assert message.startswith("params.yaml: model.dtype: no longer a key: a model loads in the dtype its role needs")
+    assert message.endswith("delete the key")
+
+
 def test_moved_keys_name_their_new_place(tmp_path):
     for section in ("ppo", "grpo"):
         message = load_error(tmp_path, f"{section}:\n  dataset:\n    path: prompts.jsonl\n")

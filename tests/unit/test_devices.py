@@ -284,8 +284,11 @@ def test_the_tiny_pipeline_on_a_device_that_is_not_the_cpu_measures_what_the_cpu
         pipeline(tmp_path / "dev")
     timings = ("resources/", "train/seconds", "train/time_", "train/tokens_per_second")
     for stage in ("sft", "reward", "ppo", "evaluate"):
-        assert json.loads((tmp_path / "dev" / stage / "config.json").read_text())["runtime"] == \
+        runtime = json.loads((tmp_path / "dev" / stage / "config.json").read_text())["runtime"]
+        assert {k: runtime[k] for k in ("device", "processes", "threads")} == \
             {"device": fake_device.NAME, "processes": 1, "threads": torch.get_num_threads()}
+        assert runtime.get("dtypes") == (None if stage == "evaluate" else
+                                         {"weights": "float32", "optimizer_states": "float32", "compute": "float32"})
         want, got = (_flat(json.loads((tmp_path / w / stage / "metrics.json").read_text())) for w in ("cpu", "dev"))
         assert got.keys() == want.keys() and got["resources/gpus"] == 0
         for key, value in want.items():

@@ -61,12 +61,11 @@ def test_reading_an_undeclared_param_raises_and_names_the_key():
 
 def test_resolved_config_holds_exactly_the_declared_keys():
     params = Params()
-    spec = StageSpec("x", reads=("model.dtype", "prompts.dataset.path", "evaluate"), inputs=())
+    spec = StageSpec("x", reads=("model.arch", "prompts.dataset.path", "evaluate"), inputs=())
     assert resolve(params, spec) == {"evaluate": {**dataclasses.asdict(params.evaluate), "best_of_n": [4, 16, 64]},
-                                     "model": {"dtype": "auto"}, "prompts": {"dataset": {"path": None}}}
+                                     "model": {"arch": "llama"}, "prompts": {"dataset": {"path": None}}}
     # The reward stage's config (and so its fingerprint) includes how its backbone is loaded.
-    assert resolve(params, SPECS["reward"])["model"] == {"attn_implementation": None, "dtype": "auto",
-                                                          "trust_remote_code": False}
+    assert resolve(params, SPECS["reward"])["model"] == {"attn_implementation": None, "trust_remote_code": False}
 
 
 @pytest.mark.parametrize("stage", sorted(SPECS))
