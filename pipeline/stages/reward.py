@@ -69,6 +69,8 @@ def declared_metrics() -> list[Metric]:
         m(METRICS_JSON, "eval/chosen_std", "their standard deviation"),
         m(METRICS_JSON, "eval/rejected_mean", "mean normalised RM score of the held-out rejected responses"),
         m(METRICS_JSON, "eval/rejected_std", "their standard deviation"),
+        m(METRICS_JSON, "eval/pairs_imbalance", "held-out pairs the busiest rank scored minus the idlest's (each rank "
+                                                "scores its share on its device; 0 in one process)"),
         m(METRICS_JSON, "eval/calibration_error", "expected calibration error of sigmoid(r_a - r_b) (count-weighted "
                                                   "\\|predicted - observed\\| over the bins of `calibration.tsv`; "
                                                   "`calibration.png` shows them)"),
@@ -126,13 +128,24 @@ def batch_scores(model, tok, pairs: list[Pair], max_length: int, device: torch.d
 
 
 @torch.no_grad()   # not inference_mode: see pipeline/ppo/scoring.py
-def score_pairs(model, tok, pairs: list[Pair], max_length: int, batch_size: int = 64,
-                shared_prompt: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+def score_pairs(model, tok, pairs: list[Pair], max_length: int, ctx: Context = SINGLE,
+                device: torch.device | None = None, batch_size: int = 64,
+                shared_prompt: bool = True) -> tuple[torch.Tensor, torch.Tensor, int]:
+    """Collective. Raw (N,) scores of every pair's chosen and rejected response, in the pairs' order
+    on every rank (on the CPU): each rank scores its share on `device` (`Context.eval_parts`, the
+    same number of forwards per rank), and the shares are gathered. Also returns the imbalance:
+    the most pairs one rank scored minus the fewest."""
     model.eval()
-    chosen, rejected = zip(*(batch_scores(model, tok, pairs[i:i + batch_size], max_length, shared_prompt=shared_prompt)
-                             for i in range(0, len(pairs), batch_size)))
+    mine: list[list[tuple[float, float]]] = []
+    for part in ctx.eval_parts(pairs, batch_size):
+        rc, rr = batch_scores(model, tok, part or pairs[:1], max_length, device, shared_prompt)
+        mine.append(list(zip(rc.tolist(), rr.tolist()))[:len(part)])
     model.train()
-    return torch.cat(chosen), torch.cat(rejected)
+    ranks = ctx.gather(mine)   # ranks[r][k]: rank r's share of the k-th span of pairs
+    ordered = [s for k in range(len(mine)) for r in ranks for s in r[k]]
+    counts = [sum(map(len, r)) for r in ranks]
+    chosen, rejected = (torch.tensor(col, dtype=torch.float32, device="cpu") for col in zip(*ordered))
+    return chosen, rejected, max(counts) - min(counts)
 
 
 def calibration(diff: torch.Tensor, bins: int) -> tuple[list[dict], float]:
@@ -194,6 +207,16 @@ def held_out(params: Params, data_dir: Path, eval_pairs: list[Pair]) -> HeldOut:
     return HeldOut(eval_pairs, demos, prompts, ceiling)
 
 
+@dataclass(frozen=True)
+class Scored:
+    """What the trained reward model measured, every rank on its device (`train`'s `measure`)."""
+    chosen: torch.Tensor      # (N,) raw scores of the held-out pairs' chosen responses, in order
+    rejected: torch.Tensor    # (N,) the same for the rejected ones
+    offset: float             # the stored normalisation offset (0 without `reward.normalize`)
+    imbalance: int            # most minus fewest held-out pairs one rank scored
+    sft_samples: Optional[Measured]   # the SFT policy's responses scored before normalisation
+
+
 def sft_samples(engine, tok, params: Params, sft_dir: Path, held: HeldOut, ctx: Context = SINGLE) -> Optional[Measured]:
     """Collective. Responses of the SFT policy (the distribution PPO starts from) to the held-out
     prompts, scored by the trained reward model (`engine`'s, whole on every rank) and the gold judge;
@@ -209,15 +232,15 @@ def sft_samples(engine, tok, params: Params, sft_dir: Path, held: HeldOut, ctx: 
                        reward=source, ctx=ctx)
 
 
-def evaluate(model, tok, params: Params, held: HeldOut, out_dir: Path, sampled: Optional[Measured],
+def evaluate(params: Params, held: HeldOut, out_dir: Path, scored: Scored,
              tracker: Tracker = NO_TRACKER) -> dict[str, Any]:
-    """Metrics of the trained (and normalised) reward model; writes calibration.tsv/png. `sampled`:
-    the SFT policy's responses scored by this model before normalisation (`sft_samples`)."""
-    cfg, judge, eval_pairs = params.reward, inputs.judge(params), held.pairs
-    rc, rr = score_pairs(model, tok, eval_pairs, cfg.max_length, shared_prompt=cfg.shared_prompt)
-    rc, rr = rc - rm.offset(model), rr - rm.offset(model)
+    """Metrics of the trained (and normalised) reward model from its `scored` held-out pairs and
+    SFT samples (`measure`, every rank on its device); writes calibration.tsv/png."""
+    cfg, judge, eval_pairs, sampled = params.reward, inputs.judge(params), held.pairs, scored.sft_samples
+    rc, rr = scored.chosen - scored.offset, scored.rejected - scored.offset
     bins, ece = calibration(rc - rr, cfg.calibration_bins)
     m: dict[str, Any] = {
+        "eval/pairs_imbalance": scored.imbalance,
         "eval/accuracy": float((rc > rr).float().mean()),
         "eval/chosen_mean": float(rc.mean()), "eval/chosen_std": float(rc.std()),
         "eval/rejected_mean": float(rr.mean()), "eval/rejected_std": float(rr.std()),
@@ -282,19 +305,22 @@ def train(run: StageRun, data_dir: Path, sft_dir: Path, progress: bool = True):
                                                                engine.device, shared_prompt=cfg.shared_prompt,
                                                                encoded=encoded))
 
-    def measure(engine) -> tuple[Optional[float], Optional[Measured]]:
+    def measure(engine) -> tuple[Optional[float], Scored]:
         # Every rank, with the trained model whole on its device: the offset (the same on every rank),
-        # then the SFT policy's samples scored by it, each rank its share of the prompts.
+        # the held-out pairs and the SFT policy's samples scored by it, each rank its share.
         offset = None
-        if cfg.normalize:
-            with whole(engine) as trained:
+        with whole(engine) as trained:
+            if cfg.normalize:
                 offset = normalise(trained, tok, params, held.demonstrations)
-        return offset, sft_samples(engine, tok, params, sft_dir, held, ctx)
+            rc, rr, imbalance = score_pairs(trained, tok, eval_pairs, cfg.max_length, ctx, engine.device,
+                                            shared_prompt=cfg.shared_prompt)
+            stored = rm.offset(trained)
+        return offset, Scored(rc, rr, stored, imbalance, sft_samples(engine, tok, params, sft_dir, held, ctx))
 
     def report(model, result, measured) -> dict[str, Any]:
-        offset, sampled = measured
+        offset, scored = measured
         return {**({"eval/offset": offset} if offset is not None else {}),
-                **evaluate(model, tok, params, held, out_dir, sampled, run.tracker)}
+                **evaluate(params, held, out_dir, scored, run.tracker)}
 
     recipe = supervised.Recipe(model, len(train_pairs), task, measure, report,
                                counts={"data/truncated": n_trunc, "data/dropped": n_drop})

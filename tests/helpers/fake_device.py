@@ -14,6 +14,12 @@ applying the rule a CUDA kernel applies to its operands:
 - factories given `device="fakegpu"` make device tensors (under `FakeGpu()`, which also catches
   the calls that have no tensor operand).
 
+While the device is in use, a matrix product of plain CPU tensors larger than `CPU_MATMUL_FLOPS`
+is an error (`CpuComputeError`): a model forward on the CPU while the process's device is not the
+CPU is one rank computing alone what belongs on its accelerator (a final evaluation on a model
+moved to the CPU, while on a real GPU run the other ranks wait in a collective). The mode sees the
+calls made on wrapper level, so the fake device's own CPU kernels are not counted.
+
 What it cannot see: `torch.cuda.*` calls (the code under test is handed this device instead of
 CUDA, see `use_fake_gpu`), NCCL (the collective double in test_devices.py), and random streams
 (a CPU generator is accepted for sampling on this device; CUDA would refuse it).
@@ -186,17 +192,45 @@ def _flat(x: Any) -> list:
     return out
 
 
+# Above this, a product of CPU tensors is model-sized work (one tiny-model layer on one sequence
+# is ~1e6 FLOPs); host-side bookkeeping (statistics, a CI's resampling) is far below.
+CPU_MATMUL_FLOPS = 1e6
+_MATMULS = {"aten.mm.default", "aten.addmm.default", "aten.bmm.default", "aten.baddbmm.default"}
+
+
+class CpuComputeError(RuntimeError):
+    """Model-sized compute on the CPU while the process's device is not the CPU."""
+
+
+def _matmul_flops(name: str, args: tuple) -> float:
+    a, b = (args[1], args[2]) if name in ("aten.addmm.default", "aten.baddbmm.default") else (args[0], args[1])
+    return 2.0 * a.numel() * b.shape[-1]
+
+
 class FakeGpu(TorchDispatchMode):
     """Active while code runs on the fake device: factories with `device="fakegpu"` (no tensor
-    operand, so no tensor's dispatch sees them) make device tensors."""
+    operand, so no tensor's dispatch sees them) make device tensors, and a large CPU matrix
+    product fails (module doc)."""
+
+    def __init__(self, cpu_matmul_flops: float | None = CPU_MATMUL_FLOPS):
+        super().__init__()
+        self.cpu_matmul_flops = cpu_matmul_flops
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        name = str(func)
+        if (self.cpu_matmul_flops is not None and name in _MATMULS
+                and not any(isinstance(a, FakeGpuTensor) for a in args)
+                and _matmul_flops(name, args) > self.cpu_matmul_flops):
+            shapes = [tuple(a.shape) for a in args if isinstance(a, torch.Tensor)]
+            raise CpuComputeError(f"{name} of CPU tensors {shapes} ({_matmul_flops(name, args):.2g} FLOPs) while the "
+                                  f"device is {NAME}: this rank computes on the CPU what belongs on its device")
         return _dispatch(func, args, kwargs or {})
 
 
 @contextlib.contextmanager
-def use_fake_gpu() -> Iterator[torch.device]:
-    """The fake device, with its mode active. `Module.to` swaps each parameter's contents in place
+def use_fake_gpu(cpu_matmul_flops: float | None = CPU_MATMUL_FLOPS) -> Iterator[torch.device]:
+    """The fake device, with its mode active (`cpu_matmul_flops`: the largest CPU matrix product
+    allowed meanwhile; None: any). `Module.to` swaps each parameter's contents in place
     meanwhile: its default gives a wrapper-subclass result a new Parameter per module, which would
     untie tied weights (an LM head and its embedding) that a real `.to("cuda")` keeps tied."""
     import safetensors.torch as st
@@ -210,7 +244,7 @@ def use_fake_gpu() -> Iterator[torch.device]:
     for name, fn in storage.items():
         setattr(st, name, lambda t, fn=fn: fn(t.elem if isinstance(t, FakeGpuTensor) else t))
     try:
-        with FakeGpu():
+        with FakeGpu(cpu_matmul_flops):
             yield device
     finally:
         torch.__future__.set_swap_module_params_on_conversion(swap)

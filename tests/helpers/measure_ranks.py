@@ -1,6 +1,8 @@
 """One rank of the sharded-measurement test (tests/unit/test_devices.py): measures two tiny policies on
-70 prompts with `measure_policies` in a gloo group of WORLD_SIZE processes, on the fake accelerator,
-every collective through a double with NCCL's rule (device tensors only), and writes what it got.
+70 prompts with `measure_policies`, and scores 151 held-out preference pairs with a tiny reward model
+as the reward stage's final evaluation does (`reward.score_pairs`), in a gloo group of WORLD_SIZE
+processes, on the fake accelerator, every collective through a double with NCCL's rule (device
+tensors only), and writes what it got.
 
     RANK=r WORLD_SIZE=n MASTER_ADDR=127.0.0.1 MASTER_PORT=p python tests/helpers/measure_ranks.py OUT.json
 """
@@ -21,9 +23,11 @@ DEVICE = fake_device.install()
 
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
-from transformers import AutoModelForCausalLM  # noqa: E402
+from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification  # noqa: E402
 
 from pipeline.config import ModelConfig, SamplingConfig  # noqa: E402
+from pipeline.data.preferences import Pair  # noqa: E402
+from pipeline.stages import reward  # noqa: E402
 from pipeline.data.tokenizer import build_word_tokenizer  # noqa: E402
 from pipeline.measurement.policy import Policy, measure_policies  # noqa: E402
 from pipeline.models.checkpoints import tiny_config  # noqa: E402
@@ -87,15 +91,25 @@ def main(out: Path) -> None:
         torch.manual_seed(seed)
         models.append(AutoModelForCausalLM.from_config(tiny_config(cfg, tok)).eval())
     prompts = (PROMPTS * 24)[:70]   # two batches of 64 and 6: one per rank of two
+    torch.manual_seed(2)
+    scalar = tiny_config(cfg, tok)
+    scalar.num_labels = 1
+    scorer = AutoModelForSequenceClassification.from_config(scalar).eval()
+    rng = torch.Generator().manual_seed(3)
+    words = reviews.vocabulary()
+    pairs = [Pair(PROMPTS[i % 3], *(" ".join(words[j] for j in torch.randint(len(words), (n,), generator=rng))
+                                     for n in (5 + i % 7, 3 + i % 5))) for i in range(151)]
     with fake_device.use_fake_gpu() as dev:
         policy, ref = (m.to(dev) for m in models)
         ctx = Context(rank=rank, world_size=world, device=dev)
         per = measure_policies([Policy("a", policy, 3), Policy("b", ref, 4, greedy=True)], tok, prompts,
                                SamplingConfig(max_new_tokens=10), ctx=ctx, reward=Lengths(),
                                judge=reviews.gold_score, ref=ref)
+        chosen, rejected, imbalance = reward.score_pairs(scorer.to(dev), tok, pairs, 64, ctx, dev, batch_size=32)
         total = float(ctx.sum(torch.tensor([1.0], device="cpu"))[0])
     if rank == 0:
         out.write_text(json.dumps({"per": {k: [m.texts, m.ended, m.values] for k, m in per.items()},
+                                   "pairs": [chosen.tolist(), rejected.tolist()], "imbalance": imbalance,
                                    "ranks": total, "collectives": group.calls}))
     dist.barrier()
     dist.destroy_process_group()

@@ -238,11 +238,17 @@ def _ranks(world: int, out: Path) -> dict:
 
 
 def test_two_processes_measure_what_one_measures(tmp_path):
-    """measure_policies in 2 gloo processes (the prompts shared out, every collective refusing host
-    tensors as NCCL does, the models on a non-CPU device) equals 1 process, value for value."""
+    """measure_policies and the reward model's final evaluation in 2 gloo processes (the prompts and
+    pairs shared out, every collective refusing host tensors as NCCL does, the models on a non-CPU
+    device where no CPU matrix product is allowed) equal 1 process, value for value and in order."""
     one = _ranks(1, tmp_path / "one.json")
     two = _ranks(2, tmp_path / "two.json")
     assert two["per"] == one["per"]
+    # The same scores in the same order; a pair's batch-mates (and so its padding) differ, hence float tolerance.
+    assert len(one["pairs"][0]) == len(two["pairs"][1]) == 151 and one["pairs"][0] != one["pairs"][1]
+    assert two["pairs"][0] == pytest.approx(one["pairs"][0], rel=1e-5, abs=1e-6)
+    assert two["pairs"][1] == pytest.approx(one["pairs"][1], rel=1e-5, abs=1e-6)
+    assert (one["imbalance"], two["imbalance"]) == (0, 1)   # spans of 64 pairs: 32 + 32, 32 + 32, then 12 + 11
     assert (one["ranks"], two["ranks"]) == (1.0, 2.0)   # the group really had two ranks
     assert two["collectives"] >= 2
     texts, ended, values = one["per"]["a"]
