@@ -27,10 +27,12 @@ import sys
 import threading
 import warnings
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, Container, Iterator, Mapping, Sequence, TypeVar
 
 import torch
 import torch.distributed as dist
+from torch.distributed import distributed_c10d as c10d
 
 from ..config import DistributedConfig
 from ..errors import ConfigError
@@ -86,10 +88,31 @@ def needs_launch(cfg: DistributedConfig) -> bool:
     return cfg.world_size > 1 and LAUNCHED_ENV not in os.environ
 
 
+log = logging.getLogger(__name__)
+
+
+def unusable_gpu(devices: Path = Path("/dev")) -> str | None:
+    """Why torch cannot use the NVIDIA GPU this machine has (its device files are in `devices`), or
+    None: no such GPU, or torch uses it."""
+    found = sorted(p.name for p in devices.glob("nvidia[0-9]*"))
+    if not found or torch.cuda.is_available():
+        return None
+    if torch.version.cuda is None:
+        return f"this machine has a GPU (/dev/{found[0]}) but torch {torch.__version__} is a CPU build"
+    return (f"this machine has a GPU (/dev/{found[0]}) but torch {torch.__version__} (CUDA {torch.version.cuda}) "
+            "cannot use it (a driver older than that CUDA, or CUDA_VISIBLE_DEVICES hiding it)")
+
+
 def resolve_device(cfg: DistributedConfig, local_rank: int = 0) -> torch.device:
     """Where this process's models live (`distributed.device`): the GPU of its local rank when asked
-    for or, with auto, when torch sees one; else the CPU."""
-    if cfg.device == "cpu" or (cfg.device == "auto" and not torch.cuda.is_available()):
+    for or, with auto, when torch sees one; else the CPU, with one warning when the machine has a
+    GPU that torch cannot use (a user who installed the CPU build would otherwise wait hours)."""
+    if cfg.device == "cpu":
+        return torch.device("cpu")
+    if cfg.device == "auto" and not torch.cuda.is_available():
+        why = unusable_gpu()
+        if why is not None:
+            log.warning("distributed.device: auto runs on the CPU: %s", why)
         return torch.device("cpu")
     if not torch.cuda.is_available():
         raise ConfigError("distributed.device: cuda, but torch sees no GPU (torch.cuda.is_available() is False: "
@@ -231,9 +254,13 @@ def init(cfg: DistributedConfig) -> Context:
                            "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(_free_port())})
     if device.type == "cuda":
         torch.cuda.set_device(device)
+    timeout = datetime.timedelta(minutes=cfg.timeout_minutes)
     if not dist.is_initialized():
-        deepspeed.init_distributed(dist_backend="nccl" if device.type == "cuda" else "gloo",
-                                   timeout=datetime.timedelta(minutes=cfg.timeout_minutes))
+        deepspeed.init_distributed(dist_backend="nccl" if device.type == "cuda" else "gloo", timeout=timeout)
+    # The groups made later take torch's default for their backend (NCCL: 10 minutes), not the world
+    # group's; DeepSpeed makes its own (a copy of the world group that ZeRO's collectives use, the
+    # sequence-parallel ones) without a timeout, so the default is made ours for this process.
+    c10d.default_pg_timeout = c10d.default_pg_nccl_timeout = timeout
     _joined_launched_group = launched
     world = dist.get_world_size()
     if world != cfg.world_size:

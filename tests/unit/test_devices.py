@@ -178,6 +178,42 @@ def test_backend_none_uses_the_gpu_torch_sees(monkeypatch):
         DistributedConfig(precision="fp16")
 
 
+def test_auto_says_so_when_the_machine_has_a_gpu_torch_cannot_use(monkeypatch, tmp_path, caplog):
+    """A CPU build of torch on a GPU machine runs on the CPU, with one warning saying why."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert distributed.unusable_gpu(tmp_path) is None                       # no GPU: nothing to say
+    (tmp_path / "nvidia0").touch()
+    (tmp_path / "nvidiactl").touch()
+    monkeypatch.setattr(torch.version, "cuda", None)
+    assert distributed.unusable_gpu(tmp_path) == f"this machine has a GPU (/dev/nvidia0) but torch {torch.__version__} is a CPU build"
+    monkeypatch.setattr(torch.version, "cuda", "13.0")
+    assert "(CUDA 13.0) cannot use it" in distributed.unusable_gpu(tmp_path)
+    monkeypatch.setattr(distributed, "unusable_gpu", lambda: "a reason")
+    with caplog.at_level("WARNING", logger="pipeline.training.distributed"):
+        assert distributed.resolve_device(DistributedConfig()) == torch.device("cpu")
+        assert distributed.resolve_device(DistributedConfig(device="cpu")) == torch.device("cpu")
+    assert [r.getMessage() for r in caplog.records] == ["distributed.device: auto runs on the CPU: a reason"]
+
+
+def test_the_collective_timeout_reaches_the_groups_deepspeed_makes():
+    """`timeout_minutes` is the world group's and every later group's, DeepSpeed's copy of the world
+    group (ZeRO's collectives) included: torch gives a group made without one its backend's default
+    (10 minutes under NCCL, 30 under gloo)."""
+    import subprocess
+    import sys
+    from conftest import REPO, run_env
+    script = ("import torch\n"
+              "from pipeline.config import DistributedConfig\n"
+              "from pipeline.training import distributed\n"
+              "with distributed.session(DistributedConfig(backend='deepspeed', timeout_minutes=7)):\n"
+              "    from deepspeed.utils import groups\n"
+              "    print('RESULT', groups._clone_world_group()._get_backend(torch.device('cpu')).options._timeout)\n")
+    proc = subprocess.run([sys.executable, "-c", script], cwd=REPO, env=run_env(), capture_output=True, text=True,
+                          timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stdout.split("RESULT", 1)[1].strip() == "0:07:00"
+
+
 def test_offload_frozen_below_zero_3_is_refused_with_its_key():
     with pytest.raises(ConfigError, match="distributed.offload_frozen: needs zero_stage 3"):
         DistributedConfig(backend="deepspeed", zero_stage=2, offload_frozen=True)
