@@ -8,6 +8,7 @@ in `adapter/` and merged into the base for `model/`, so later stages and users l
 
 from __future__ import annotations
 
+import copy
 from pathlib import Path
 
 import torch
@@ -89,11 +90,16 @@ def unwrap(model: torch.nn.Module) -> torch.nn.Module:
 
 def fresh_copy(model: torch.nn.Module) -> torch.nn.Module:
     """A fresh, unpartitioned model of the same architecture (and the same adapters, untrained):
-    the container ZeRO-3's gathered weights are loaded into."""
-    config = getattr(unwrap(model), "config", None)
+    the container ZeRO-3's gathered weights are loaded into. It keeps the model's generation
+    config, which a model built from its config alone would lose (a hub model's several eos ids)."""
+    hf = unwrap(model)
+    config = getattr(hf, "config", None)
     if config is None:
         raise TypeError(f"cannot rebuild {type(model).__name__} without a config")
+    plain = type(hf)(config)
+    if getattr(hf, "generation_config", None) is not None:
+        plain.generation_config = copy.deepcopy(hf.generation_config)
     if not is_peft(model):
-        return type(model)(config)
+        return plain
     from peft import get_peft_model
-    return get_peft_model(type(unwrap(model))(config), model.peft_config["default"])
+    return get_peft_model(plain, model.peft_config["default"])

@@ -203,3 +203,23 @@ def test_deepspeed_engine_skips_a_non_finite_gradient_at_every_zero_stage(zero_s
     assert not math.isfinite(steps[2]["norm"]) and all(math.isfinite(s["norm"]) for s in steps[:2] + steps[3:])
     assert steps[3]["lr"] == steps[2]["lr"] != steps[1]["lr"]
     assert all(s["finite"] for s in steps)
+
+
+def test_the_zero3_export_container_keeps_the_generation_config(tmp_path):
+    """ZeRO-3's whole model is rebuilt from the config (lora.fresh_copy) and saved from there: a hub
+    model's generation config (its several eos ids, its sampling defaults) must come along, or the
+    saved policy stops at one eos only."""
+    from transformers import AutoModelForCausalLM
+
+    from pipeline.config import LoraConfig
+    from pipeline.models import lora
+    from real_checkpoints import qwen25_like
+    hub = qwen25_like(tmp_path / "hub")   # config.json: one eos id; generation_config.json: two
+    ends = AutoModelForCausalLM.from_pretrained(str(hub)).generation_config.eos_token_id
+    assert isinstance(ends, list) and len(ends) == 2
+    for r in (0, 4):   # PEFT wraps the model it is given in place: a fresh one each time
+        copy = lora.fresh_copy(lora.wrap(AutoModelForCausalLM.from_pretrained(str(hub)),
+                                         LoraConfig(r=r, target_modules="q_proj,v_proj"), "CAUSAL_LM", "x"))
+        assert lora.is_peft(copy) == (r > 0)
+        assert lora.unwrap(copy).generation_config.eos_token_id == ends
+        assert lora.unwrap(copy).generation_config.temperature == 0.7
