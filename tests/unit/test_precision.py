@@ -124,3 +124,33 @@ def test_the_reference_computes_as_the_actor_before_the_first_update(trained, ba
     """KL(actor || reference) and the ratio are exactly 0 and 1 at iteration 0: with plain PyTorch's
     bf16 autocast over an fp32 actor, a bf16 reference was 2e-3 nats per token away."""
     assert trained[backend]["first_logprob_gap"] <= 1e-6
+
+
+# Where each loader takes its dtype: positional index (0-based) or keyword; `init_reward_model`
+# takes it inside its `load_kwargs` (models.checkpoints.load_kwargs, or {"dtype": ...}).
+LOADERS = {"init_policy": (3, "dtype"), "load_policy": (2, "dtype"), "load_reward_model": (2, "dtype"),
+           "init_reward_model": (4, "load_kwargs"), "from_checkpoint": (None, "dtype")}
+
+
+def test_every_load_site_in_the_pipeline_names_its_dtype():
+    """No model is loaded "as saved": every call of a loader in pipeline/ states the dtype (the
+    loading rule's, or the dtype of the model it sits beside), so a bf16 checkpoint never becomes
+    bf16 weights that an fp32 optimizer steps. The one exception is MLflow's serving wrapper, which
+    loads a finished model for inference outside any stage."""
+    import ast
+
+    bad = []
+    for path in sorted((REPO / "pipeline").rglob("*.py")):
+        if path.name == "mlflow_models.py":
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            if not isinstance(node, ast.Call):
+                continue
+            name = getattr(node.func, "attr", getattr(node.func, "id", None))
+            if name not in LOADERS:
+                continue
+            index, keyword = LOADERS[name]
+            named = any(k.arg in (keyword, None) for k in node.keywords)   # None: **kwargs
+            if not named and (index is None or len(node.args) <= index):
+                bad.append(f"{path.relative_to(REPO)}:{node.lineno}: {name}")
+    assert bad == []
