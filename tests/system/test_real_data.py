@@ -152,10 +152,11 @@ def test_chat_template_is_the_prompt_format_in_every_stage(files):
     assert plain.convert_ids_to_tokens(ids) == ["<bos>", "Review", "the", "film", "Lost", "River", ".", "Response", ":"]
 
 
-def test_missing_pad_token_is_added_and_dtype_attention_come_from_params(files, caplog):
+def test_missing_pad_token_is_added_attention_from_params_dtype_from_the_loading_rule(files, caplog):
+    """The attention implementation comes from params; the dtype from the loading rule, passed in."""
     with caplog.at_level(logging.WARNING):
-        model, tok = init_policy(ModelConfig(name_or_path=str(files / "gpt2"), dtype="bfloat16",
-                                             attn_implementation="eager"), files, seed=0)
+        model, tok = init_policy(ModelConfig(name_or_path=str(files / "gpt2"), attn_implementation="eager"),
+                                 files, seed=0, dtype=torch.bfloat16)
     base = load_tokenizer(files / "gpt2", add_pad=True)
     assert tok.pad_token == "<pad>" and tok.pad_token_id == len(tok) - 1 != tok.eos_token_id
     assert model.get_input_embeddings().weight.size(0) == len(tok) == len(base)
