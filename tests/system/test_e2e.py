@@ -107,7 +107,10 @@ def test_dvc_repro_tiny_pipeline(tiny_run, tiny_run_copy):
     for module in (sft_stage, reward_stage, ppo_stage, evaluate_stage):
         written = json.loads((repo / "outputs" / module.SPEC.name / "config.json").read_text())
         threads = int(tiny_run.threads) if tiny_run.threads else torch.get_num_threads()   # what the run had
-        assert written.pop("runtime") == {"device": "cpu", "processes": 1, "threads": threads}, module.SPEC.name
+        # A training stage also says what its weights, optimizer states and forwards were in.
+        dtypes = {"dtypes": {"weights": "float32", "optimizer_states": "float32", "compute": "float32"}}
+        assert written.pop("runtime") == {"device": "cpu", "processes": 1, "threads": threads,
+                                          **(dtypes if module.SPEC.training else {})}, module.SPEC.name
         assert written == resolve(params, module.SPEC), module.SPEC.name
 
     # Every name the run wrote is defined in docs/metrics.md's registry, and every name defined
