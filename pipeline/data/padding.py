@@ -15,11 +15,11 @@ def pad(seqs: list[list[int]], pad_id: int, left: bool) -> tuple[torch.Tensor, t
     """(B, W) ids and bool mask, W the longest sequence, each row's tokens at its right end (`left`
     padding) or at its left end."""
     width = max(map(len, seqs))
-    ids = torch.full((len(seqs), width), pad_id, dtype=torch.long)
-    mask = torch.zeros((len(seqs), width), dtype=torch.bool)
+    ids = torch.full((len(seqs), width), pad_id, dtype=torch.long, device="cpu")
+    mask = torch.zeros((len(seqs), width), dtype=torch.bool, device="cpu")
     for i, s in enumerate(seqs):
         cols = slice(width - len(s), width) if left else slice(0, len(s))
-        ids[i, cols] = torch.tensor(s, dtype=torch.long)
+        ids[i, cols] = torch.tensor(s, dtype=torch.long, device="cpu")
         mask[i, cols] = True
     return ids, mask
 

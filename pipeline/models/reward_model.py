@@ -65,7 +65,7 @@ def init_reward_model(path: str | Path, seed: int, head_std: float | None, trust
     std = head_std if head_std is not None else 1.0 / math.sqrt(layer.in_features + 1)
     gen = torch.Generator().manual_seed(seed)
     with modifying([p for p in (layer.weight, layer.bias) if p is not None]), torch.no_grad():
-        layer.weight.copy_(torch.randn(layer.weight.shape, generator=gen) * std)
+        layer.weight.copy_(torch.randn(layer.weight.shape, generator=gen, device="cpu") * std)
         if layer.bias is not None:
             layer.bias.zero_()
     setattr(model.config, OFFSET_KEY, 0.0)
@@ -291,12 +291,12 @@ def branch_batch(rows: list[Row], pad_id: int, dtype: torch.dtype) -> tuple[torc
         ids.append(row_ids + [pad_id] * pad)
         segment.append(row_seg + [-1] * pad)
         pos.append(row_pos + [0] * pad)
-    ids, segment, pos = (torch.tensor(x, dtype=torch.long) for x in (ids, segment, pos))   # (R, T) each
-    causal = torch.ones(width, width, dtype=torch.bool).tril()                          # (T, T)
+    ids, segment, pos = (torch.tensor(x, dtype=torch.long, device="cpu") for x in (ids, segment, pos))   # (R, T) each
+    causal = torch.ones(width, width, dtype=torch.bool, device="cpu").tril()                          # (T, T)
     key_seg, query_seg = segment[:, None, :], segment[:, :, None]                        # (R, 1, T), (R, T, 1)
     allowed = causal & ((key_seg == 0) | (key_seg == query_seg))                         # (R, T, T)
-    mask = torch.zeros(allowed.shape, dtype=dtype).masked_fill(~allowed, torch.finfo(dtype).min)
-    return ids, mask[:, None], pos, torch.tensor(last_row), torch.tensor(last_col)
+    mask = torch.zeros(allowed.shape, dtype=dtype, device="cpu").masked_fill(~allowed, torch.finfo(dtype).min)
+    return ids, mask[:, None], pos, torch.tensor(last_row, device="cpu"), torch.tensor(last_col, device="cpu")
 
 
 def branch_scores(model: PreTrainedModel, rows: list[Row], pad_id: int, device: torch.device | None = None,

@@ -86,7 +86,7 @@ class FunctionSource:
         if len(values) != len(prompts) or not all(math.isfinite(v) for v in values):
             raise ConfigError(f"{self.key}: {shown(self.spec)!r} must return {len(prompts)} finite "
                               f"score(s) for {len(prompts)} pair(s), got {shown(values)}")
-        return torch.tensor(values, dtype=torch.float32)
+        return torch.tensor(values, dtype=torch.float32, device="cpu")
 
 
 class _OutOfTime(Exception):

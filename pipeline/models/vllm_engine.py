@@ -90,9 +90,9 @@ def to_sampled(outputs: list, request: Request, device: torch.device) -> Sampled
         ended.append(done.finish_reason == "stop")
     prompt_ids, prompt_mask = left_pad(request.prompts, request.pad_id)
     response_ids, response_mask = right_pad(rows, request.pad_id)
-    logprobs = torch.zeros(response_ids.shape, dtype=torch.float32)                  # (B, R), 0 on padding
+    logprobs = torch.zeros(response_ids.shape, dtype=torch.float32, device="cpu")                  # (B, R), 0 on padding
     for i, row in enumerate(logps):
-        logprobs[i, :len(row)] = torch.tensor(row, dtype=torch.float32)
+        logprobs[i, :len(row)] = torch.tensor(row, dtype=torch.float32, device="cpu")
     return Sampled(prompt_ids=prompt_ids.to(device), prompt_mask=prompt_mask.to(device),
                    response_ids=response_ids.to(device), response_mask=response_mask.to(device),
                    logprobs=logprobs.to(device), ended=torch.tensor(ended, dtype=torch.bool, device=device))

@@ -162,7 +162,7 @@ def place_models(params: Params, sft_dir: Path, reward_dir: Path, ctx: Context =
         placed.append(FrozenModel(model, dist, ctx, cfg.micro_batch_size))
         return placed[-1]
 
-    with loading.partitioned(dist, ctx):
+    with loading.partitioned(dist, ctx, trained=False):
         if lora.is_peft(actor.model):
             ref: torch.nn.Module = AdapterOff(actor.model, actor)
             ref_holder: Any = ref

@@ -106,8 +106,8 @@ def pair_logprobs(
 
 def response_lengths(pairs: list[TokenPair]) -> tuple[torch.Tensor, torch.Tensor]:
     """(N,) int64 token counts of the chosen and of the rejected responses (SimPO, averaged IPO)."""
-    return (torch.tensor([len(p.chosen) for p in pairs], dtype=torch.long),
-            torch.tensor([len(p.rejected) for p in pairs], dtype=torch.long))
+    return (torch.tensor([len(p.chosen) for p in pairs], dtype=torch.long, device="cpu"),
+            torch.tensor([len(p.rejected) for p in pairs], dtype=torch.long, device="cpu"))
 
 
 def _pad_id(model) -> int:

@@ -50,11 +50,14 @@ def zero3(dist: DistributedConfig) -> bool:
 
 
 @contextlib.contextmanager
-def partitioned(dist: DistributedConfig, ctx: Context) -> Iterator[None]:
+def partitioned(dist: DistributedConfig, ctx: Context, trained: bool = True) -> Iterator[None]:
     """Models built or loaded inside are partitioned over the ranks as they are built (ZeRO-3;
     nothing changes otherwise). transformers reads the DeepSpeed config through a weak reference
     to the `HfDeepSpeedConfig` object: this context keeps it alive. Of that config only the ZeRO
-    section and the precision matter here (the engines get their own full config)."""
+    section and the precision matter here (the engines get their own full config). `trained`:
+    the role of the models built inside, whose engine config they are built under: the partitions
+    of frozen models stay on the CPU with `offload_frozen`, a trained model's only with
+    `offload_param` (its engine's own setting)."""
     if not zero3(dist):
         yield
         return
@@ -62,8 +65,9 @@ def partitioned(dist: DistributedConfig, ctx: Context) -> Iterator[None]:
 
     from .engines import deepspeed_config
     import_deepspeed()
+    # lr: only the optimizer section (with offload_optimizer) needs one, and zero.Init reads none of it.
     keep = HfDeepSpeedConfig(deepspeed_config(dist, world_size=ctx.world_size, micro_batch_size=1,
-                                              accumulation_steps=1, max_grad_norm=None, train=False))
+                                              accumulation_steps=1, max_grad_norm=None, lr=1.0, train=trained))
     try:
         yield
     finally:

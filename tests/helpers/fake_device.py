@@ -239,17 +239,21 @@ def use_fake_gpu(cpu_matmul_flops: float | None = CPU_MATMUL_FLOPS) -> Iterator[
     swap = torch.__future__.get_swap_module_params_on_conversion()
     torch.__future__.set_swap_module_params_on_conversion(True)
     # safetensors finds tied tensors by their storage pointers, which a wrapper has none of: it is
-    # shown the CPU tensor inside (for a CUDA tensor it reads the device pointer).
-    storage = {name: getattr(st, name) for name in ("storage_ptr", "storage_size", "_end_ptr", "_is_complete")}
-    for name, fn in storage.items():
-        setattr(st, name, lambda t, fn=fn: fn(t.elem if isinstance(t, FakeGpuTensor) else t))
+    # shown the CPU tensor inside (for a CUDA tensor it reads the device pointer). PEFT's adapter
+    # saving imported two of those functions by name.
+    import peft.utils.other as peft_other
+    patched = [(module, name, getattr(module, name)) for module, names in (
+        (st, ("storage_ptr", "storage_size", "_end_ptr", "_is_complete")),
+        (peft_other, ("storage_ptr", "storage_size"))) for name in names if hasattr(module, name)]
+    for module, name, fn in patched:
+        setattr(module, name, lambda t, fn=fn: fn(t.elem if isinstance(t, FakeGpuTensor) else t))
     try:
         with FakeGpu(cpu_matmul_flops):
             yield device
     finally:
         torch.__future__.set_swap_module_params_on_conversion(swap)
-        for name, fn in storage.items():
-            setattr(st, name, fn)
+        for module, name, fn in patched:
+            setattr(module, name, fn)
 
 
 def real(x: Any) -> Any:

@@ -445,6 +445,35 @@ def test_zero3_partitions_each_model_as_it_loads(tmp_path):
     assert sum(r["policy"]["partition"] for r in ranks) >= ranks[0]["policy"]["whole"]
 
 
+def test_offload_frozen_builds_each_model_under_its_own_roles_config(tmp_path):
+    """PPO at ZeRO-3 with `offload_frozen`, 2 processes: the actor and the critic are built (zero.Init)
+    under their engines' config, whose parameters stay on the device, and only the reference and
+    reward model under the frozen config that keeps their partitions on the CPU; after
+    `deepspeed.initialize` the trained engines do not offload parameters and the frozen one does.
+    (Built under the frozen config, the trained models' partitions were left on the CPU while
+    their engines did not offload them.)"""
+    from conftest import tiny_policy_and_reward_model
+    from pipeline.config import DataConfig
+    from pipeline.stages.prepare import write as prepare_run
+    prepare_run(DataConfig(n_sft=8, n_sft_eval=4, n_pairs=8, n_pairs_eval=4, n_ppo_prompts=8, n_eval_prompts=4),
+                tmp_path / "data")
+    sft, rm = tiny_policy_and_reward_model(tmp_path, tmp_path / "data")
+    env = {**run_env(), "PYTHONPATH": str(REPO), "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1",
+           "MASTER_PORT": str(free_port()), "OMP_NUM_THREADS": "1"}
+    env.setdefault("TORCH_EXTENSIONS_DIR", str(REPO / ".cache" / "torch_extensions"))
+    procs = [subprocess.Popen([sys.executable, str(HELPERS / "zero3_placement_ranks.py"), str(sft), str(rm),
+                               str(tmp_path / "placed")], env={**env, "RANK": str(r), "LOCAL_RANK": str(r)},
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for r in range(2)]
+    for p in procs:
+        _, err = p.communicate(timeout=600)
+        assert p.returncode == 0, err[-4000:]
+    for r in range(2):
+        placed = json.loads((tmp_path / f"placed.rank{r}.json").read_text())
+        # Built in this order: actor, critic (their own models), reference, reward model.
+        assert placed["built_under"] == ["none", "none", "cpu", "cpu"]
+        assert placed["engine_offload"] == {"actor": [False, "None"], "critic": [False, "None"], "frozen": [True, "cpu"]}
+
+
 # A process that joins a group of one, then runs `python -m pipeline`'s end. Its exit handler and a
 # thread still working write files; an object alive at the end prints when the interpreter finalizes it.
 END_OF_A_RANK = """
