@@ -128,6 +128,10 @@ class VllmEngine:
 
     def generate(self, model: torch.nn.Module, request: Request) -> Sampled:
         device = next(model.parameters()).device
+        # The trainer's freed blocks go back to the driver before the engine maps its weights and KV
+        # pool, and the engine's after it sleeps, before the trainer's next forward: PyTorch's caching
+        # allocator keeps freed memory reserved otherwise, and the two would not both fit.
+        _empty_cache()
         self.llm.wake_up(tags=["weights"])
         loaded = self.llm.apply_model(lambda m: sorted(m.load_weights(hf_weights(model))))
         self.llm.wake_up(tags=["kv_cache"])
@@ -137,9 +141,15 @@ class VllmEngine:
                                         use_tqdm=False)
         finally:
             self.llm.sleep(level=SLEEP_LEVEL)
+            _empty_cache()
         if not loaded or not loaded[0]:
             raise RuntimeError("vLLM loaded none of the trainer's weights")
         return to_sampled(outputs, request, device)
+
+
+def _empty_cache() -> None:
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
 
 
 def max_model_len(prompt_tokens: int, new_tokens: int) -> int:

@@ -210,6 +210,20 @@ def test_a_rollout_from_vllm_is_our_samplers_layout_with_the_trainers_weights(vl
     assert (trainer - got.logprobs).abs().masked_fill(~got.response_mask, 0).max() < 1e-5
 
 
+def test_the_caching_allocator_gives_memory_back_around_the_engines_wake_and_sleep(vllm, dirs, monkeypatch):
+    """On a GPU the trainer's freed blocks are returned before the engine wakes and the engine's
+    after it sleeps (PyTorch's allocator would keep them reserved, and colocated, the two would not
+    fit): torch.cuda.empty_cache at both places in the call order."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "empty_cache", lambda: vllm.calls.append(("empty_cache", {})))
+    model, tok = _policy(dirs)
+    engine = _engine(vllm, dirs)
+    del vllm.calls[:]
+    engine.generate(model, _request(tok, model, stream=torch.Generator().manual_seed(1)))
+    assert [c[0] for c in vllm.calls] == ["empty_cache", "wake_up", "apply_model", "wake_up", "generate", "sleep",
+                                          "empty_cache"]
+
+
 def test_lora_weights_reach_vllm_merged_and_the_trainers_stay_untouched(vllm, dirs):
     model, tok = _policy(dirs)
     peft = lora.wrap(model, LoraConfig(r=4, alpha=8, target_modules="q_proj,v_proj"), "CAUSAL_LM", "ppo.lora")
