@@ -1,8 +1,9 @@
 """A colocated vLLM engine for PPO's and GRPO's rollouts (`rollout_engine: vllm`; experimental).
 
-One engine per training process, in that process (vLLM's `external_launcher` backend: the
-processes torchrun started are vLLM's data-parallel ranks, and vLLM runs in-process, so its model
-is reachable with `LLM.apply_model`). The engine starts with placeholder weights and sleeps; each
+One engine per training process, in that process, each sampling its own rank's prompts (vLLM's
+`external_launcher` backend with tensor parallelism 1 and no data-parallel group of vLLM's own, as
+TRL's colocate mode and verl run it: vLLM runs in-process, so its model is reachable with
+`LLM.apply_model`, and no rank waits on another's generation). The engine starts with placeholder weights and sleeps; each
 `generate` wakes its weights, loads the trainer's current weights into them parameter by parameter
 (by Hugging Face name, which vLLM's `load_weights` maps onto its fused layers), wakes its KV cache,
 samples, and sleeps again (level 1: weights to host memory, KV cache freed), so the trainer has the
@@ -102,15 +103,14 @@ class VllmEngine:
     """vLLM colocated with this training process (see the module's docstring)."""
     name = "vllm"
 
-    def __init__(self, model_dir: Path, *, dtype: str, seed: int, memory_fraction: float, max_model_len: int,
-                 world_size: int = 1):
+    def __init__(self, model_dir: Path, *, dtype: str, seed: int, memory_fraction: float, max_model_len: int):
         import vllm   # the optional extra; imported here only
         os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")   # in-process: apply_model reaches the model
         self.vllm = vllm
         self.llm = vllm.LLM(model=str(model_dir), skip_tokenizer_init=True, dtype=dtype, seed=seed,
                             gpu_memory_utilization=memory_fraction, max_model_len=max_model_len,
                             enable_sleep_mode=True, distributed_executor_backend="external_launcher",
-                            tensor_parallel_size=1, data_parallel_size=world_size,
+                            tensor_parallel_size=1,
                             logprobs_mode="processed_logprobs", load_format="dummy", enable_prefix_caching=False)
         self.llm.sleep(level=SLEEP_LEVEL)
 

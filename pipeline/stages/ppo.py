@@ -225,8 +225,7 @@ def rollout_engine(run: StageRun, inputs_: list[Path]) -> RolloutEngine:
             inputs_[1], dtype="bfloat16" if cfg.distributed.precision == "bf16" else "float32",
             seed=cfg.seed, memory_fraction=vllm_engine.memory_fraction(plan.beside_engine / 2 ** 30 if plan else 0.0,
                                                                        device_gib),
-            max_model_len=vllm_engine.max_model_len(cfg.max_prompt_length, cfg.sampling.max_new_tokens),
-            world_size=run.ctx.world_size)
+            max_model_len=vllm_engine.max_model_len(cfg.max_prompt_length, cfg.sampling.max_new_tokens))
     except ImportError as err:   # vllm itself is imported when the engine is made
         raise ConfigError(f"{key}: vllm is not installed here ({err}); see docs/guide/rollout-engines.md") from None
 

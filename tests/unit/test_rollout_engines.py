@@ -113,7 +113,7 @@ def test_the_fake_takes_exactly_the_pinned_vllm_calls(vllm):
     assert "processed_logprobs" in api["literals"]["LogprobsMode"]
     # Each name the engine uses is in the extract, and the fake refuses one that is not.
     llm = {p["name"] for p in api["classes"]["LLM"]["methods"]["__init__"]} | set(api["classes"]["EngineArgs"]["fields"])
-    assert {"enable_sleep_mode", "distributed_executor_backend", "logprobs_mode", "load_format", "data_parallel_size",
+    assert {"enable_sleep_mode", "distributed_executor_backend", "logprobs_mode", "load_format", "tensor_parallel_size",
             "gpu_memory_utilization", "max_model_len", "skip_tokenizer_init"} <= llm
     assert {"seed", "max_tokens", "stop_token_ids", "logprobs", "detokenize", "temperature"} <= set(
         api["classes"]["SamplingParams"]["fields"])
@@ -122,6 +122,15 @@ def test_the_fake_takes_exactly_the_pinned_vllm_calls(vllm):
         vllm.LLM(model="x", enable_sleeping=True)
     with pytest.raises(TypeError, match="SamplingParams has no fields \\['stop_ids'\\]"):
         vllm.SamplingParams(stop_ids=[2])
+
+
+def test_each_rank_runs_an_engine_of_its_own(vllm, dirs):
+    """One engine per training process with tensor parallelism 1 and no vLLM data-parallel group, as
+    TRL's colocate mode and verl make theirs: each rank samples its own prompts and waits on no other."""
+    _engine(vllm, dirs)
+    made = vllm.calls[0][1]
+    assert made["distributed_executor_backend"] == "external_launcher" and made["tensor_parallel_size"] == 1
+    assert "data_parallel_size" not in made
 
 
 def test_the_extract_is_what_the_script_reads_from_a_wheel(tmp_path):
