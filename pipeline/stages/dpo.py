@@ -261,7 +261,8 @@ def memory_plan_of(params: Params, shapes: memory_plan.Shapes) -> Optional[memor
         return None
     sft = shapes.model("sft")
     return memory_plan.supervised_planner("dpo", params, sft, (sft,), rows=2,   # a pair: two sequences
-                                          sampled=lambda cfg: params.prompts.sampling.max_new_tokens)
+                                          sampled=lambda cfg: params.prompts.sampling.max_new_tokens,
+                                          beside=(sft,))   # the SFT policy, loaded for the KL
 
 
 def run(params: Params, data_dir: Path, sft_dir: Path, out: Path, progress: bool = True) -> dict[str, Any]:

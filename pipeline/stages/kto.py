@@ -290,7 +290,8 @@ def memory_plan_of(params: Params, shapes: memory_plan.Shapes) -> Optional[memor
         return None
     sft = shapes.model("sft")
     return memory_plan.supervised_planner("kto", params, sft, (sft,), rows=2,
-                                          sampled=lambda cfg: params.prompts.sampling.max_new_tokens)
+                                          sampled=lambda cfg: params.prompts.sampling.max_new_tokens,
+                                          beside=(sft,))   # the SFT policy, loaded for the KL
 
 
 def train(run: StageRun, data_dir: Path, sft_dir: Path, progress: bool = True) -> tuple[Any, Any, dict]:

@@ -346,16 +346,19 @@ def eval_pairs_loss(model, tok, pairs: list[Pair], max_length: int, ctx: Context
 
 
 def memory_plan_of(params: Params, shapes: memory_plan.Shapes) -> Optional[memory_plan.Planner]:
-    """One trained scalar-head model: reward.name_or_path's checkpoint, or the SFT policy's trunk."""
+    """One trained scalar-head model: reward.name_or_path's checkpoint, or the SFT policy's trunk;
+    its measurement loads the SFT policy beside it (the SFT samples it scores)."""
     name, attn = params.reward.name_or_path, params.model.attn_implementation
     if shapes.predicted:   # before any checkpoint: the policy with a scalar head, reading the SFT checkpoint
+        sft = shapes.model("sft")
         return memory_plan.supervised_planner("reward", params, shapes.reward_start or shapes.scalar,
-                                              (shapes.reward_start or shapes.model("sft"),), rows=2)
+                                              (shapes.reward_start or sft,), rows=2, beside=(sft,))
     if name is None and not shapes.ready("sft"):
         return None
     rm = with_attention(checkpoint_shape(name, True, params.model.trust_remote_code) if name is not None
                         else shapes.model("sft", True), attn)
-    return memory_plan.supervised_planner("reward", params, rm, (rm,), rows=2)   # a pair: two sequences
+    beside = (shapes.model("sft"),) if shapes.ready("sft") else ()
+    return memory_plan.supervised_planner("reward", params, rm, (rm,), rows=2, beside=beside)   # a pair: two sequences
 
 
 def run(params: Params, data_dir: Path, sft_dir: Path, out: Path, progress: bool = True) -> dict[str, Any]:

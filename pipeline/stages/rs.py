@@ -263,10 +263,11 @@ def memory_plan_of(params: Params, shapes: memory_plan.Shapes) -> Optional[memor
     """The SFT policy fine-tuned, after it sampled the candidates the reward model scored."""
     if not shapes.ready("sft", "reward"):
         return None
-    sft = shapes.model("sft")
+    sft, reward = shapes.model("sft"), shapes.model("reward", True)
     return memory_plan.supervised_planner(
-        "rs", params, sft, (sft, shapes.model("reward", True)),   # then its candidates, with the same policy
-        sampled=lambda cfg: max(params.prompts.sampling.max_new_tokens, cfg.sampling.max_new_tokens))
+        "rs", params, sft, (sft, reward),   # then its candidates, with the same policy
+        sampled=lambda cfg: max(params.prompts.sampling.max_new_tokens, cfg.sampling.max_new_tokens),
+        beside=(sft, reward))   # measured: the SFT policy for the KL and the reward model
 
 
 def run(params: Params, data_dir: Path, sft_dir: Path, reward_dir: Path, out: Path,

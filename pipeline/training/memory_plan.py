@@ -257,17 +257,19 @@ def _micro(cfg: Any) -> int:
 
 
 def supervised_planner(stage: str, params: Params, model: ModelShape, read: tuple[ModelShape, ...], rows: int = 1,
-                       sampled: Optional[Callable[[Any], int]] = None) -> Planner:
+                       sampled: Optional[Callable[[Any], int]] = None,
+                       beside: tuple[ModelShape, ...] = ()) -> Planner:
     """One trained model (sft, reward, dpo, rs, ...): `rows` sequences per example in one forward (a
     preference pair is two); `sampled(cfg)`: the most new tokens the trained policy samples on the
     held-out prompts (up to prompts.max_length long) with its own weights, or None when it
-    samples none on this device (the reward model is measured by the SFT policy's samples, on the CPU)."""
+    samples none (the reward model is measured on the SFT policy's samples); `beside`: the models
+    the measurement loads whole beside the trained one (memory_terms.supervised_plan)."""
     if sampled is None:
         return lambda cfg: supervised_plan(stage, model, cfg.distributed, rows * _micro(cfg), cfg.max_length,
-                                           cfg.lora, read)
+                                           cfg.lora, read, beside=beside)
     prompt = params.prompts.max_length
     return lambda cfg: supervised_plan(stage, model, cfg.distributed, rows * _micro(cfg), cfg.max_length, cfg.lora,
-                                       read, (prompt, sampled(cfg)))
+                                       read, (prompt, sampled(cfg)), beside)
 
 
 def ppo_planner(params: Params, actor: ModelShape, critic: Optional[ModelShape], reward: Optional[ModelShape],

@@ -342,10 +342,12 @@ def measurement_bytes(m: ModelShape, prompt_length: int, response_length: int, n
 
 def supervised_plan(stage: str, m: ModelShape, dist: DistributedConfig, micro_batch: int, seq: int,
                     lora: LoraConfig = LoraConfig(), read: tuple[ModelShape, ...] = (),
-                    sampled: Optional[tuple[int, int]] = None) -> Plan:
+                    sampled: Optional[tuple[int, int]] = None, beside: tuple[ModelShape, ...] = ()) -> Plan:
     """One trained model (SFT's causal LM, or a reward model: m with a scalar head) reading the
     checkpoints `read`. Under ZeRO-3 it is gathered whole at the end (engines.full_model); with
-    `sampled` (prompt, response lengths) the trained policy is measured on held-out prompts."""
+    `sampled` (prompt, response lengths) the trained policy is measured on held-out prompts; `beside`:
+    the models its measurement loads whole on each rank beside it, in the trained model's dtype (the
+    SFT policy for the KL, a reward model), while its training states are still held."""
     plan = Plan(stage, dist.num_processes, checkpointing=m.checkpointing)
     trainable = m.adapter_params(lora) if lora.enabled else m.params
     whole = m.params + m.adapter_params(lora)
@@ -353,7 +355,8 @@ def supervised_plan(stage: str, m: ModelShape, dist: DistributedConfig, micro_ba
     c = compute_bytes(dist)
     plan.add("update", activation_bytes(m, micro_batch, seq, c, dist.gradient_checkpointing))
     gathered = weight_bytes(dist, trained=True) * whole if zero3(dist) else 0
-    plan.add("measurement", gathered + (measurement_bytes(m, *sampled, c) if sampled else 0))
+    loaded = weight_bytes(dist, trained=True) * sum(b.params for b in beside)
+    plan.add("measurement", gathered + loaded + (measurement_bytes(m, *sampled, c) if sampled else 0))
     loading(plan, *read)
     return plan
 

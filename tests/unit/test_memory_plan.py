@@ -631,3 +631,28 @@ def test_on_the_cpu_nothing_is_moved_to_ram(tiny_default):
     keys = [t.key for t in mp.advice("sft", params.sft, planner, on_cpu=True)]
     assert keys and not [k for k in keys if "offload" in k or "num_processes" in k]
     assert {"sft.distributed.precision", "sft.distributed.zero_stage"} <= set(keys)
+
+
+# What each training stage's final measurement loads whole beside the model it trained (read from
+# the stages' `measure`: the SFT policy for the KL or for the samples the reward model scores, the
+# reward model for rejection sampling's scores). PPO and GRPO measure with the models they placed.
+LOADED_FOR_MEASUREMENT = {"reward": ("sft",), "dpo": ("sft",), "kto": ("sft",), "rs": ("sft", "reward"),
+                          "sft": (), "ppo": (), "grpo": ()}
+
+
+def test_a_measurement_counts_every_model_it_loads_beside_the_trained_one(tiny_default):
+    """The measurement term of each training stage's plan: the weights of the models it loads after
+    training (fp32 here) plus its sampling work; every training stage of the registry is listed."""
+    training = sorted(name for name, spec in registry.specs().items() if spec.training)
+    assert sorted(LOADED_FOR_MEASUREMENT) == training
+    data, params = tiny_default / "data", Params()
+    hf = mt.policy_config(params, data)
+    shapes = {"sft": mt.shape_of(hf), "reward": mt.shape_of(hf, scalar_head=True)}
+    prompt = params.prompts.max_length
+    sampled = {"dpo": params.prompts.sampling.max_new_tokens, "kto": params.prompts.sampling.max_new_tokens,
+               "rs": max(params.prompts.sampling.max_new_tokens, params.rs.sampling.max_new_tokens)}
+    for stage in ("reward", "dpo", "kto", "rs"):
+        plan, = mp.planned(params, data, plans(stage))
+        work = mt.measurement_bytes(shapes["sft"], prompt, sampled[stage], 4) if stage in sampled else 0
+        loaded = 4 * sum(shapes[m].params for m in LOADED_FOR_MEASUREMENT[stage])
+        assert plan.device["measurement"] == loaded + work, stage
