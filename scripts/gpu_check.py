@@ -5,10 +5,13 @@
     .venv/bin/python scripts/gpu_check.py --tiny --processes 2   # the same path on the CPU (gloo), tiny
 
 Runs the stages' own commands (`python -m pipeline <stage>`, launched as `dvc repro` launches them)
-in a scratch folder: SFT with LoRA off and on, the reward model, PPO with GAE, GRPO with a LoRA
-actor, DPO with LoRA, and evaluate with best-of-n. The model is a Llama built from a config with
+in a scratch folder: SFT with LoRA off and on, the reward model (its final evaluation on 2,048
+held-out pairs, every rank its share on its GPU), PPO with GAE, GRPO with a LoRA actor, DPO with LoRA,
+KTO, rejection sampling, and evaluate with best-of-n. The model is a Llama built from a config with
 random weights and a vocabulary of 32,768 tokens (the default task's words and filler tokens), saved
-as a Hugging Face checkpoint that `model.name_or_path` names; nothing is downloaded. The policy that
+in bf16 as hub checkpoints are (the stages train it as fp32 master weights) as a Hugging Face
+checkpoint that `model.name_or_path` names; nothing is downloaded. Without a CUDA device it stops at
+once (exit 2) unless `--tiny`. The policy that
 PPO, GRPO, DPO and evaluate start from is that random model, whose eos has about one chance in the
 vocabulary size per token, so their responses run to `--new-tokens` (512).
 
@@ -27,7 +30,7 @@ MFU counts model FLOPs only (Kaplan et al. 2020, "Scaling Laws for Neural Langua
 token forward, 6N forward and backward; N the parameters less the input embedding, attention
 ignored). Training stages: 6N per trained token (DPO and the reward model's two sequences of a pair
 both count); the token count is the mean tokenized length of the stage's training file times the
-examples trained, so it is an estimate. PPO and GRPO: rollout 2N per generated token, update 6N per
+examples trained, so it is an estimate; KTO and rejection sampling report time and memory only. PPO and GRPO: rollout 2N per generated token, update 6N per
 response token per model trained (actor, and the critic with GAE). The peak is the GPU's dense bf16
 rate from a table of common GPUs (GPU_PEAK_TFLOPS=<number> sets it for others).
 """
@@ -98,6 +101,8 @@ def runs() -> list[Run]:
         Run("grpo+lora", "grpo", {"data": "data", "sft": "base", "reward": "reward/model"},
             {"grpo": {"lora": lora}}, lora=True),
         Run("dpo+lora", "dpo", {"data": "data", "sft": "base"}, {"dpo": {"lora": lora}}, lora=True),
+        Run("kto", "kto", {"data": "data", "sft": "base"}),
+        Run("rs", "rs", {"data": "data", "sft": "base", "reward": "reward/model"}),
         Run("evaluate", "evaluate", {"data": "data", "sft": "base", "reward": "reward/model", "ppo": "ppo/model"}),
     ]
 
@@ -130,8 +135,11 @@ def check_params(size: Size, processes: int, cuda: bool, base: Path) -> dict[str
         rl.update(rollout_batch_size=8, minibatch_size=4, micro_batch_size=2, n_eval_prompts=4)
         batch = 8
     supervised = {"batch_size": batch, "epochs": 1.0, "eval_every": 100, "save_every": 100}
+    # The reward model's final evaluation on a validation split of real size: a stage whose held-out
+    # work ran on one rank's CPU (or on rank 0 alone) shows there, not on a few dozen pairs.
+    held_out_pairs = batch if size is TINY else 2048
     return {
-        "data": {"n_sft": 4 * batch, "n_sft_eval": batch, "n_pairs": 4 * batch, "n_pairs_eval": batch,
+        "data": {"n_sft": 4 * batch, "n_sft_eval": batch, "n_pairs": 4 * batch, "n_pairs_eval": held_out_pairs,
                  "n_ppo_prompts": 256, "n_eval_prompts": 32},
         "model": {"name_or_path": str(base), "max_position_embeddings": 2 * seq},
         "distributed": dist,
@@ -140,12 +148,16 @@ def check_params(size: Size, processes: int, cuda: bool, base: Path) -> dict[str
         "ppo": rl,
         "grpo": {**rl, "samples_per_prompt": 4},
         "dpo": {**supervised, "max_length": seq, "n_eval_prompts": rl["n_eval_prompts"]},
+        "kto": {**supervised, "max_length": seq, "n_eval_prompts": rl["n_eval_prompts"]},
+        "rs": {**supervised, "n": 2, "n_prompts": batch, "max_length": seq, "n_eval_prompts": rl["n_eval_prompts"],
+               "sampling": gen},
         "evaluate": {"n_prompts": rl["n_eval_prompts"], "best_of_n": [2], "bootstrap": 100},
     }
 
 
-def build_base(size: Size, folder: Path) -> dict[str, int]:
-    """The random Llama every stage starts from, with its word tokenizer, as a checkpoint."""
+def build_base(size: Size, folder: Path) -> dict[str, Any]:
+    """The random Llama every stage starts from, with its word tokenizer, as a checkpoint saved in
+    bf16 as hub checkpoints are (the stages train it as fp32 master weights all the same)."""
     import torch
     from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM
 
@@ -165,10 +177,10 @@ def build_base(size: Size, folder: Path) -> dict[str, int]:
         bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id))
     model.generation_config = GenerationConfig(bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id,
                                                pad_token_id=tok.pad_token_id)
-    model.save_pretrained(str(folder))
+    model.to(torch.bfloat16).save_pretrained(str(folder))
     tok.save_pretrained(str(folder))
     total = sum(p.numel() for p in model.parameters())
-    return {"vocab": len(tok), "parameters": total,
+    return {"vocab": len(tok), "parameters": total, "saved_dtype": "bfloat16",
             "parameters_counted": total - model.get_input_embeddings().weight.numel()}
 
 
@@ -379,6 +391,10 @@ def main(argv: Optional[list[str]] = None) -> int:
     start = time.monotonic()
     import torch
     cuda = torch.cuda.is_available()
+    if not cuda and not args.tiny:
+        print(f"gpu_check: torch {torch.__version__} sees no CUDA device; run it on a GPU machine "
+              "(or --tiny for the same path on the CPU)", file=sys.stderr)
+        return 2
     gpus = torch.cuda.device_count() if cuda else 0
     suites = args.processes or ([1, 2] if gpus >= 2 else [1])
     if any(p < 1 for p in suites):
