@@ -53,7 +53,9 @@ def hold(root: Path) -> None:
 
 def dvc_commands(rwlock: Path) -> list[str]:
     """`<cmd> (pid N)` of the live processes DVC's rwlock file lists (a stage's command runs under
-    them); entries of dead processes, which DVC itself ignores, are left out."""
+    them), the program named by its file name (DVC records the path it was started by, as long as
+    the user's checkout path, which would push what the user needs out of a quoted message);
+    entries of dead processes, which DVC itself ignores, are left out."""
     try:
         doc = json.loads(rwlock.read_text(encoding="utf-8"))
     except (OSError, ValueError):
@@ -67,5 +69,7 @@ def dvc_commands(rwlock: Path) -> list[str]:
             continue
         except (PermissionError, KeyError, TypeError, ValueError):
             pass
-        live.append(f"{info.get('cmd', '?')} (pid {info.get('pid', '?')})")
+        program, _, args = str(info.get("cmd", "?")).partition(" ")
+        cmd = " ".join(filter(None, (os.path.basename(program), args)))
+        live.append(f"{cmd} (pid {info.get('pid', '?')})")
     return sorted(set(live))

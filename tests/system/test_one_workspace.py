@@ -119,3 +119,23 @@ def test_dvc_and_snakemake_refuse_to_run_beside_each_other_and_the_first_run_is_
 def _holder(repo: Path) -> str:
     """`<pid> on <host>` as the folder's lock file names the run holding it."""
     return (repo / "outputs/sft" / files.LOCK).read_text().strip().split("pid ", 1)[1]
+
+
+def test_the_refusal_names_the_running_dvc_command_whatever_the_checkout_path(tmp_path):
+    """DVC's rwlock records the command by the path it was started with, as long as the user's
+    checkout path: the refusal names the program by its file name, so the part the user needs
+    (`repro -f -s sft`, its pid) is never cut off the quoted message."""
+    import json
+
+    from pipeline.workflow import workspace
+    long = "/home/a-user-with-a-long-name/projects/rlhf-experiments-2026/a-checkout-of-the-pipeline"
+    rwlock = tmp_path / ".dvc" / "tmp" / "rwlock"
+    rwlock.parent.mkdir(parents=True)
+    rwlock.write_text(json.dumps({"write": {"outputs/sft": {"pid": os.getpid(), "cmd": f"{long}/.venv/bin/dvc repro -f -s sft"}},
+                                  "read": {"data": [{"pid": os.getpid(), "cmd": "dvc"}]}}))
+    assert workspace.dvc_commands(rwlock) == [f"dvc (pid {os.getpid()})", f"dvc repro -f -s sft (pid {os.getpid()})"]
+    rwlock.write_text(json.dumps({"write": {"outputs/sft": {"pid": os.getpid(), "cmd": f"{long}/.venv/bin/dvc repro -f -s sft"}}}))
+    with pytest.raises(BusyError) as err:
+        workspace.hold(tmp_path)
+    assert str(err.value).endswith(f": DVC is running in this workspace (dvc repro -f -s sft (pid {os.getpid()})); "
+                                   "wait for it to end, then run Snakemake again")
