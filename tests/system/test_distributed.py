@@ -415,26 +415,37 @@ def test_node_rank_and_master_addr_from_the_command_line():
         with_node(params, "sft", 2, None)
 
 
-def test_zero3_partitions_each_model_as_it_loads(tmp_path):
-    """Under ZeRO-3 a model is built partitioned (zero.Init through transformers' DeepSpeed
-    integration): after loading, each of 2 ranks holds about half of every model's weights and no
-    rank materialises a whole weight; a fresh reward head still gets its seeded initialisation."""
+def _tiny_models(root: Path) -> tuple[Path, Path]:
+    """An untrained tiny policy and reward model on a prepared tokenizer (conftest's), under `root`."""
     from conftest import tiny_policy_and_reward_model
     from pipeline.config import DataConfig
     from pipeline.stages.prepare import write as prepare_run
     prepare_run(DataConfig(n_sft=8, n_sft_eval=4, n_pairs=8, n_pairs_eval=4, n_ppo_prompts=8, n_eval_prompts=4),
-                tmp_path / "data")
-    sft, _ = tiny_policy_and_reward_model(tmp_path, tmp_path / "data")
+                root / "data")
+    return tiny_policy_and_reward_model(root, root / "data")
+
+
+def _two_ranks(helper: str, args: list, out: Path) -> list[dict]:
+    """tests/helpers/`helper` as the 2 ranks of a DeepSpeed group on this machine (gloo, one thread
+    each), given `args` and `out`; what each rank wrote to `out`.rank<r>.json."""
     env = {**run_env(), "PYTHONPATH": str(REPO), "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1",
            "MASTER_PORT": str(free_port()), "OMP_NUM_THREADS": "1"}
     env.setdefault("TORCH_EXTENSIONS_DIR", str(REPO / ".cache" / "torch_extensions"))
-    procs = [subprocess.Popen([sys.executable, str(HELPERS / "zero3_load_ranks.py"), str(sft),
-                               str(tmp_path / "held")], env={**env, "RANK": str(r), "LOCAL_RANK": str(r)},
+    procs = [subprocess.Popen([sys.executable, str(HELPERS / helper), *map(str, args), str(out)],
+                              env={**env, "RANK": str(r), "LOCAL_RANK": str(r)},
                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for r in range(2)]
     for p in procs:
         _, err = p.communicate(timeout=600)
         assert p.returncode == 0, err[-4000:]
-    ranks = [json.loads((tmp_path / f"held.rank{r}.json").read_text()) for r in range(2)]
+    return [json.loads(out.with_suffix(f".rank{r}.json").read_text()) for r in range(2)]
+
+
+def test_zero3_partitions_each_model_as_it_loads(tmp_path):
+    """Under ZeRO-3 a model is built partitioned (zero.Init through transformers' DeepSpeed
+    integration): after loading, each of 2 ranks holds about half of every model's weights and no
+    rank materialises a whole weight; a fresh reward head still gets its seeded initialisation."""
+    sft, _ = _tiny_models(tmp_path)
+    ranks = _two_ranks("zero3_load_ranks.py", [sft], tmp_path / "held")
     for held in ranks:
         for name in ("policy", "reward"):
             h = held[name]
@@ -452,23 +463,7 @@ def test_offload_frozen_builds_each_model_under_its_own_roles_config(tmp_path):
     `deepspeed.initialize` the trained engines do not offload parameters and the frozen one does.
     (Built under the frozen config, the trained models' partitions were left on the CPU while
     their engines did not offload them.)"""
-    from conftest import tiny_policy_and_reward_model
-    from pipeline.config import DataConfig
-    from pipeline.stages.prepare import write as prepare_run
-    prepare_run(DataConfig(n_sft=8, n_sft_eval=4, n_pairs=8, n_pairs_eval=4, n_ppo_prompts=8, n_eval_prompts=4),
-                tmp_path / "data")
-    sft, rm = tiny_policy_and_reward_model(tmp_path, tmp_path / "data")
-    env = {**run_env(), "PYTHONPATH": str(REPO), "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1",
-           "MASTER_PORT": str(free_port()), "OMP_NUM_THREADS": "1"}
-    env.setdefault("TORCH_EXTENSIONS_DIR", str(REPO / ".cache" / "torch_extensions"))
-    procs = [subprocess.Popen([sys.executable, str(HELPERS / "zero3_placement_ranks.py"), str(sft), str(rm),
-                               str(tmp_path / "placed")], env={**env, "RANK": str(r), "LOCAL_RANK": str(r)},
-                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for r in range(2)]
-    for p in procs:
-        _, err = p.communicate(timeout=600)
-        assert p.returncode == 0, err[-4000:]
-    for r in range(2):
-        placed = json.loads((tmp_path / f"placed.rank{r}.json").read_text())
+    for placed in _two_ranks("zero3_placement_ranks.py", list(_tiny_models(tmp_path)), tmp_path / "placed"):
         # Built in this order: actor, critic (their own models), reference, reward model.
         assert placed["built_under"] == ["none", "none", "cpu", "cpu"]
         assert placed["engine_offload"] == {"actor": [False, "None"], "critic": [False, "None"], "frozen": [True, "cpu"]}
