@@ -9,7 +9,7 @@ BIN := $(CURDIR)/$(VENV)/bin
 export PATH := $(BIN):$(PATH)
 export TORCH_EXTENSIONS_DIR ?= $(CURDIR)/.cache/torch_extensions
 
-.PHONY: install pipeline compare test lock bench snakemake slurm commit register remote push offline-page gpu-check demo
+.PHONY: install pipeline compare test lock bench snakemake slurm commit register remote push offline-page gpu-check demo hub-rehearsal
 
 # PYTHON: the interpreter (default: the newest of python3.13, 3.12, 3.11); TORCH: empty (pip's
 # default torch: the CUDA build on Linux x86_64) | cpu (the CPU-only build) | cu126, ... (see scripts/venv.sh).
@@ -31,6 +31,11 @@ pipeline: install
 SEED ?= 0
 demo: install
 	$(BIN)/python scripts/demo.py --seed $(SEED)
+
+# The hub path rehearsed offline (recipes/hub-rehearsal.yaml): a bf16, BPE, chat-template, no-pad
+# checkpoint built here, then the whole pipeline from it in .rehearsal/repo (about 15 minutes).
+hub-rehearsal: install
+	$(BIN)/python scripts/hub_rehearsal.py run
 
 # The alignment methods side by side (compare/dvc.yaml): the default pipeline if needed, then DPO,
 # GRPO, rejection-sampling fine-tuning and their comparison with PPO, SFT and best-of-n.
