@@ -19,6 +19,7 @@ from typing import Protocol, Sequence
 import torch
 
 from ..config import SamplingConfig
+from ..devices import generator
 from .generation import Sampled, concat, sample
 
 
@@ -45,12 +46,6 @@ class RolloutEngine(Protocol):
     name: str
 
     def generate(self, model: torch.nn.Module, request: Request) -> Sampled: ...
-
-
-def generator(device: torch.device, seed: int) -> torch.Generator:
-    """A seeded random stream on `device` (CUDA), so sampling draws there; the CPU's elsewhere."""
-    gen = torch.Generator(device=device) if device.type == "cuda" else torch.Generator()
-    return gen.manual_seed(seed)
 
 
 class TorchSampler:

@@ -5,10 +5,11 @@ PPO's ratio pi_theta / pi_old must be exactly 1 at the first minibatch (seed 000
 003 §2): pi_old must be what the *training* forward computes for the sampled tokens. The KV-cached
 sampler computes log-probs of the same weights as it goes, and reusing them saves one actor forward
 per iteration, but they equal the training forward's only where both run the same arithmetic: in
-float32 on this CPU they agree to ~1e-7. In bf16/fp16, or on a GPU (other kernels for one-token
-cached attention than for the full sequence, reduced-precision accumulation) they do not, and the
-ratio is off from the first step, with clipping hiding it (Yao et al. 2025, "Your efficient RL
-framework secretly brings you off-policy RL training"). So the trainer recomputes them there.
+float32 on this CPU they agree to ~1e-7. In bf16/fp16, or on a GPU or any other device that is not
+the CPU (other kernels for one-token cached attention than for the full sequence, reduced-precision
+accumulation) they do not, and the ratio is off from the first step, with clipping hiding it (Yao
+et al. 2025, "Your efficient RL framework secretly brings you off-policy RL training"). So the
+trainer recomputes them there.
 
 Pure functions: settings, dtypes and tensors in, a decision or a dict of detached float stats out.
 Shapes follow ``pipeline/ppo/__init__.py``.
@@ -20,6 +21,7 @@ from typing import Literal, Union
 
 import torch
 
+from .. import devices
 from .advantages import _check_mask
 
 RecomputeSetting = Union[bool, Literal["auto"]]
@@ -34,7 +36,8 @@ def resolve_recompute(setting: RecomputeSetting, precision: str, param_dtype: to
     """Whether the old log-probs come from a training forward (True) or from the sampler (False),
     and why, in words for the log. `auto` recomputes wherever the two can differ: a precision other
     than fp32 (`distributed.precision`), weights stored in another dtype (`model.dtype` reaches PPO
-    as the dtype of the SFT checkpoint), or a CUDA device; and whenever truncated importance
+    as the dtype of the SFT checkpoint), or a device that is not the CPU (`device_type`: a GPU's
+    kernels are not the ones whose agreement was measured); and whenever truncated importance
     sampling is on (its weight is the ratio of the two, so both must exist), and whenever another
     engine than our sampler samples (`engine`: a different implementation of the same policy)."""
     where = f"{precision} precision, {str(param_dtype).removeprefix('torch.')} weights on {device_type}"
@@ -47,8 +50,8 @@ def resolve_recompute(setting: RecomputeSetting, precision: str, param_dtype: to
         reasons.append(f"{precision} precision")
     if param_dtype != torch.float32:
         reasons.append(f"{str(param_dtype).removeprefix('torch.')} weights")
-    if device_type == "cuda":
-        reasons.append("a CUDA device")
+    if devices.is_accelerator(device_type):
+        reasons.append(f"a {device_type} device")
     if tis:
         reasons.append("ppo.tis_cap is set")
     if engine != "torch":

@@ -26,6 +26,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from .. import devices
 from ..models import lora
 from ..models import reward_model as rm
 from ..config import Params, PPOConfig
@@ -49,7 +50,7 @@ class PPOModels:
     tok: PreTrainedTokenizerBase
     ctx: Context = SINGLE
     frozen: FrozenModel | None = None   # how the reference/reward models were placed (its DeepSpeed config)
-    memory: dict[str, float] | None = None   # GPU GiB each model added when placed (CUDA only)
+    memory: dict[str, float] | None = None   # GPU GiB each model added when placed (a GPU's only)
     auditor: RewardSource | None = None      # ppo.detector.auditor's reward model, or None
     ref_holder: Any = None   # what holds the reference whole for a measurement (`gathered()`); see reference()
 
@@ -141,7 +142,7 @@ def place_models(params: Params, sft_dir: Path, reward_dir: Path, ctx: Context =
                            micro_batch_size=cfg.micro_batch_size, accumulation_steps=accumulation)
     trained, frozen_dtype = loading.load_dtype(dist, trained=True), loading.load_dtype(dist, trained=False)
 
-    memory = _MemoryMeter()
+    memory = _MemoryMeter(ctx.device)
     with loading.partitioned(dist, ctx):
         actor_model, tok = load_policy(sft_dir, trust, trained)
     actor_model = lora.wrap(actor_model, cfg.lora, "CAUSAL_LM", f"{section}.lora")
@@ -202,14 +203,16 @@ def _critic(cfg: PPOConfig, actor: TrainEngine, vocab_size: int, sft_dir: Path, 
 
 
 class _MemoryMeter:
-    """GPU memory each model adds when placed (weights, and optimizer states for trained ones)."""
+    """GPU memory each model adds when placed (weights, and optimizer states for trained ones), on
+    `device` where its torch module counts allocations (devices.allocated); nothing elsewhere."""
 
-    def __init__(self) -> None:
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
         self.used: dict[str, float] = {}
-        self.last = torch.cuda.memory_allocated() if torch.cuda.is_available() else 0
+        self.last = devices.allocated(device)
 
     def mark(self, name: str) -> None:
-        if torch.cuda.is_available():
-            now = torch.cuda.memory_allocated()
+        now = devices.allocated(self.device)
+        if now is not None and self.last is not None:
             self.used[name] = (now - self.last) / 2 ** 30
-            self.last = now
+        self.last = now

@@ -215,6 +215,8 @@ def rollout_engine(run: StageRun, inputs_: list[Path]) -> RolloutEngine:
     if cfg.rollout_engine == "torch":
         return TORCH
     key = f"{run.spec.name}.rollout_engine"
+    # CUDA itself, not any accelerator (devices.is_accelerator): vLLM's kernels, its memory
+    # fraction and its weight loading are CUDA's, so no other device can host it.
     if run.ctx.device.type != "cuda":
         raise ConfigError(f"{key}: vllm needs a CUDA device; this process has {run.ctx.device}")
     from ..models import vllm_engine   # imports vllm itself only when the engine is made

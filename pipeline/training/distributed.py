@@ -34,6 +34,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed import distributed_c10d as c10d
 
+from .. import devices
 from ..config import DistributedConfig
 from ..errors import ConfigError
 
@@ -252,11 +253,10 @@ def init(cfg: DistributedConfig) -> Context:
     if LAUNCHED_ENV not in os.environ:  # one process without a launcher: a group of one
         os.environ.update({"RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0",
                            "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(_free_port())})
-    if device.type == "cuda":
-        torch.cuda.set_device(device)
+    devices.set_current(device)   # NCCL and DeepSpeed's buffers use the current GPU: this rank's
     timeout = datetime.timedelta(minutes=cfg.timeout_minutes)
     if not dist.is_initialized():
-        deepspeed.init_distributed(dist_backend="nccl" if device.type == "cuda" else "gloo", timeout=timeout)
+        deepspeed.init_distributed(dist_backend=devices.collective_backend(device), timeout=timeout)
     # The groups made later take torch's default for their backend (NCCL: 10 minutes), not the world
     # group's; DeepSpeed makes its own (a copy of the world group that ZeRO's collectives use, the
     # sequence-parallel ones) without a timeout, so the default is made ours for this process.

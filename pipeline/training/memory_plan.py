@@ -50,13 +50,18 @@ def runs_on_cpu(dist: Any) -> bool:
 
 def device_memory(dist: Any) -> tuple[float, str]:
     """Bytes one rank may use, and where the number comes from: `distributed.device_memory_gb`
-    when set; else the free memory of this process's CUDA device; else this machine's available
-    RAM shared by the node's processes."""
+    when set; else the free memory of this process's GPU (pipeline/devices.py); else this
+    machine's available RAM shared by the node's processes."""
     if dist.device_memory_gb is not None:
         return dist.device_memory_gb * GIB, "distributed.device_memory_gb"
     import torch
-    if dist.device != "cpu" and torch.cuda.is_available():
-        return float(torch.cuda.mem_get_info()[0]), f"free on {torch.cuda.get_device_name()}"
+
+    from .. import devices
+    # The device the config resolves to, as resolve_device would (a plan is made before any process
+    # has one: `python -m pipeline plan`); CUDA is the one besides the CPU that `distributed.device` offers.
+    free = devices.free_memory(torch.device("cuda" if dist.device != "cpu" and torch.cuda.is_available() else "cpu"))
+    if free is not None:   # None on the CPU: its memory is the machine's RAM
+        return float(free[0]), f"free on {free[1]}"
     import psutil
     n = dist.num_processes
     return float(psutil.virtual_memory().available) / n, "available RAM" + (f" / {n} processes" if n > 1 else "")
