@@ -201,19 +201,23 @@ def explained_variance(
     values: torch.Tensor,  # (B, R) critic predictions
     returns: torch.Tensor,  # (B, R) targets from gae
     mask: torch.Tensor,  # (B, R) bool response_mask
+    reduce: Callable[[torch.Tensor], torch.Tensor] = local,
+    largest: Callable[[float], float] = float,
 ) -> float:
     """1 - Var[returns - values] / Var[returns] over real tokens (CleanRL's
     ``explained_variance``): 1 is a perfect critic, 0 no better than a constant.
     NaN when the returns are constant up to rounding, since the ratio is then undefined: returns
     assembled in float32 (``(returns - values) + values``) keep a variance of rounding noise,
-    about (eps * |returns|)^2, and dividing by it gave values near -1e33."""
+    about (eps * |returns|)^2, and dividing by it gave values near -1e33.
+    With the batch split across ranks, ``reduce`` sums over them and ``largest`` takes the largest
+    value of any rank, so every rank gets the whole batch's number."""
     _check_mask(mask, values, returns)
-    var_returns = masked_var(returns, mask, unbiased=False)
-    scale = float(returns.abs().masked_fill(~mask, 0.0).max()) if mask.any() else 0.0
+    var_returns = masked_var(returns, mask, unbiased=False, reduce=reduce)
+    scale = largest(float(returns.abs().masked_fill(~mask, 0.0).max()) if mask.any() else 0.0)
     rounding = (ROUNDING_ULPS * torch.finfo(returns.dtype).eps * scale) ** 2
     if float(var_returns) <= rounding:
         return float("nan")
-    return float(1.0 - masked_var(returns - values, mask, unbiased=False) / var_returns)
+    return float(1.0 - masked_var(returns - values, mask, unbiased=False, reduce=reduce) / var_returns)
 
 
 class AdaptiveKLController:

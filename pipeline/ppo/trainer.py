@@ -26,12 +26,13 @@ from typing import Callable, Iterator, Optional
 
 import torch
 
+from .. import devices
 from ..config import PPOConfig
 from ..errors import check_finite
 from ..measurement.stats import distinct_n
 from ..training.batches import BatchSampler
 from ..training import nonfinite
-from ..models.rollout_engine import TORCH, RolloutEngine, generator
+from ..models.rollout_engine import TORCH, RolloutEngine
 from ..training.nonfinite import NonfiniteGuard
 from . import advantages as adv
 from . import group_advantages as group
@@ -78,17 +79,19 @@ class PPOTrainer:
                        else adv.FixedKLController(cfg.kl_coef))
         # rollout_batch_size counts responses: rollout_batch_size / k prompts per iteration, each k times.
         self.prompt_sampler = BatchSampler(len(prompts), cfg.rollout_batch_size // cfg.samples_per_prompt, cfg.seed)
-        # Each rank its own sampling stream (rank 0's is the single-process one), on its device: a CUDA
-        # run draws on the GPU, a CPU run on the CPU as the committed runs did.
-        self.sample_gen = generator(self.ctx.device, cfg.seed + 1 + 7919 * self.ctx.rank)
+        # Each rank its own sampling stream (rank 0's is the single-process one), on its device: a GPU
+        # run draws on the GPU, a CPU run on the CPU as the committed runs did (devices.generator).
+        self.sample_gen = devices.generator(self.ctx.device, cfg.seed + 1 + 7919 * self.ctx.rank)
         self.shuffle_gen = torch.Generator().manual_seed(cfg.seed + 2)
         self.iteration = 0  # iterations completed
         self.actor_lr = models.actor.lr   # learning rate of the actor's last update
         # Whose log-probs are pi_old: decided once, from what the actor really is (mismatch.py).
         param = next(p for p in models.actor.model.parameters() if p.is_floating_point())
-        device = "cuda" if "cuda" in (param.device.type, self.ctx.device.type) else param.device.type
+        # An accelerator counts where either the weights or the process's device is one (ZeRO-3 may
+        # offload the weights to the CPU while the forwards still run on the GPU).
+        device = next((d for d in (param.device, self.ctx.device) if devices.is_accelerator(d)), param.device)
         self.recompute, self.recompute_reason = resolve_recompute(
-            cfg.recompute_logprobs, cfg.distributed.precision, param.dtype, device, tis=cfg.tis_cap is not None,
+            cfg.recompute_logprobs, cfg.distributed.precision, param.dtype, device.type, tis=cfg.tis_cap is not None,
             engine=engine.name)
         self._announced = False   # the log line on whose log-probs are used, once per process
         self.guard = NonfiniteGuard(cfg._section, cfg.on_nonfinite, cfg.max_skipped_updates)   # restored on resume
@@ -127,7 +130,8 @@ class PPOTrainer:
             rewards = adv.masked_whiten(rewards, mask, shift_mean=False, reduce=reduce)
         advantages, returns = adv.gae(rewards, values, mask, cfg.gamma, cfg.lam)
         advantages = adv.masked_whiten(advantages, mask, reduce=reduce)   # over the global batch
-        stats["val/explained_variance"] = adv.explained_variance(values, returns, mask)
+        largest = (lambda v: self.ctx.reduce_stats({"v": v}, max_keys={"v"})["v"]) if self.ctx.world_size > 1 else float
+        stats["val/explained_variance"] = adv.explained_variance(values, returns, mask, reduce, largest)
         return advantages, returns
 
     # ---- step 5 ------------------------------------------------------------------------------
@@ -271,9 +275,10 @@ class PPOTrainer:
             "tokens_per_second/rollout": n_tokens / max(t1 - t0, 1e-9),
             "tokens_per_second/update": n_tokens * stats["policy/epochs"] / max(t3 - t2, 1e-9),
         })
-        if torch.cuda.is_available():   # this process's peak since the last iteration
-            stats["memory/peak_gib"] = torch.cuda.max_memory_allocated() / 2 ** 30
-            torch.cuda.reset_peak_memory_stats()
+        peak = devices.peak_memory_gib(self.ctx.device)   # this process's peak since the last iteration
+        if peak is not None:
+            stats["memory/peak_gib"] = peak
+            devices.reset_peak(self.ctx.device)
         # Diversity of this rank's rollouts (averaged over ranks below): a mode-collapse sign for the
         # over-optimisation detector; the auditor RM scores the same rollouts without being optimised.
         stats["objective/distinct_2"] = distinct_n(ro.responses, 2)

@@ -1,10 +1,12 @@
-"""One rank of the sharded-measurement test (tests/unit/test_devices.py): measures two tiny policies on
+"""One rank of the sharded-measurement tests (tests/unit/test_devices.py): measures two tiny policies on
 70 prompts with `measure_policies`, and scores 151 held-out preference pairs with a tiny reward model
-as the reward stage's final evaluation does (`reward.score_pairs`), in a gloo group of WORLD_SIZE
-processes, on the fake accelerator, every collective through a double with NCCL's rule (device
-tensors only), and writes what it got.
+as the reward stage's final evaluation does (`reward.score_pairs`), then runs the stages' other
+collectives (stage_collectives.py: the stop decision, PPO's whitening, the stages reward, dpo, kto,
+rs and ppo on the tiny inputs in INPUTS with the params in PARAMS.json), in a gloo group of
+WORLD_SIZE processes, on the fake accelerator, every collective through a double with NCCL's rule
+(device tensors only), and writes what it got (rank 0: OUT/result.json, the stages' folders under OUT).
 
-    RANK=r WORLD_SIZE=n MASTER_ADDR=127.0.0.1 MASTER_PORT=p python tests/helpers/measure_ranks.py OUT.json
+    RANK=r WORLD_SIZE=n MASTER_ADDR=127.0.0.1 MASTER_PORT=p python tests/helpers/measure_ranks.py OUT INPUTS PARAMS.json
 """
 
 from __future__ import annotations
@@ -34,6 +36,7 @@ from pipeline.models.checkpoints import tiny_config  # noqa: E402
 from pipeline.tasks import reviews  # noqa: E402
 from pipeline.training import distributed  # noqa: E402
 from pipeline.training.distributed import Context  # noqa: E402
+import stage_collectives  # noqa: E402
 
 PROMPTS = ["Review the film Silent River . Focus on the music .",
            "What did you think of Lost Lantern ? Talk about the acting .",
@@ -79,7 +82,7 @@ class Lengths:
         return torch.tensor([float(len(r)) for r in responses], device=DEVICE)
 
 
-def main(out: Path) -> None:
+def main(out: Path, inputs: Path, params: Path) -> None:
     world, rank = int(os.environ["WORLD_SIZE"]), int(os.environ["RANK"])
     dist.init_process_group("gloo", rank=rank, world_size=world)
     group = NcclRuleGroup()
@@ -107,13 +110,16 @@ def main(out: Path) -> None:
                                judge=reviews.gold_score, ref=ref)
         chosen, rejected, imbalance = reward.score_pairs(scorer.to(dev), tok, pairs, 64, ctx, dev, batch_size=32)
         total = float(ctx.sum(torch.tensor([1.0], device="cpu"))[0])
+        measured = group.calls
+        stages = stage_collectives.run(ctx, out, inputs, params)
     if rank == 0:
-        out.write_text(json.dumps({"per": {k: [m.texts, m.ended, m.values] for k, m in per.items()},
-                                   "pairs": [chosen.tolist(), rejected.tolist()], "imbalance": imbalance,
-                                   "ranks": total, "collectives": group.calls}))
+        (out / "result.json").write_text(json.dumps({
+            "per": {k: [m.texts, m.ended, m.values] for k, m in per.items()},
+            "pairs": [chosen.tolist(), rejected.tolist()], "imbalance": imbalance, "ranks": total,
+            "collectives": measured, "stages": {**stages, "collectives": group.calls - measured}}))
     dist.barrier()
     dist.destroy_process_group()
 
 
 if __name__ == "__main__":
-    main(Path(sys.argv[1]))
+    main(*map(Path, sys.argv[1:4]))

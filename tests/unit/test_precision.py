@@ -154,3 +154,89 @@ def test_every_load_site_in_the_pipeline_names_its_dtype():
             if not named and (index is None or len(node.args) <= index):
                 bad.append(f"{path.relative_to(REPO)}:{node.lineno}: {name}")
     assert bad == []
+
+
+# What each stage loads with `from_pretrained` on the inputs below: (kind, input folder, role).
+# Kind: "policy" (a causal LM) or "scalar" (a reward model or critic); role: "trained" when the
+# model (or a LoRA wrapper around it) is what a training engine steps, "frozen" otherwise (a
+# reference, a reward, a policy measured). The sft stage loads `model.name_or_path`, set to the
+# SFT checkpoint; evaluate's PPO policy and compare's method are the folder "tuned".
+LOADS = {
+    "sft": {("policy", "sft", "trained")},
+    "reward": {("scalar", "sft", "trained"), ("policy", "sft", "frozen")},
+    "ppo": {("policy", "sft", "trained"), ("scalar", "rm", "trained"), ("policy", "sft", "frozen"),
+            ("scalar", "rm", "frozen")},
+    "evaluate": {("policy", "sft", "frozen"), ("scalar", "rm", "frozen"), ("policy", "tuned", "frozen")},
+    "dpo": {("policy", "sft", "trained"), ("policy", "sft", "frozen")},
+    "kto": {("policy", "sft", "trained"), ("policy", "sft", "frozen")},
+    "grpo": {("policy", "sft", "trained"), ("policy", "sft", "frozen"), ("scalar", "rm", "frozen")},
+    "rs": {("policy", "sft", "trained"), ("scalar", "rm", "frozen"), ("policy", "sft", "frozen")},
+    "compare": {("policy", "sft", "frozen"), ("scalar", "rm", "frozen"), ("policy", "tuned", "frozen")},
+}
+
+
+def test_every_stage_loads_its_trained_models_in_fp32_and_its_frozen_ones_as_the_rule_says(tmp_path, monkeypatch):
+    """Every stage that loads a model, run on checkpoints saved in bf16 (as the hub saves them) with
+    `precision: bf16` under `backend: none`, with `from_pretrained` (where every load of
+    transformers ends) and the training engines spied: each load is the one LOADS lists for its
+    stage, asks for fp32 and holds fp32 parameters, trained and frozen alike (loading.load_dtype:
+    without DeepSpeed the 16-bit precision is autocast over fp32 weights)."""
+    import shutil
+    from pathlib import Path
+
+    import torch
+    from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification, PreTrainedModel
+
+    from conftest import TINY, merge, tiny_policy_and_reward_model
+    from pipeline.config import DataConfig, Params, from_dict
+    from pipeline.stages import registry
+    from pipeline.stages.prepare import write as prepare_run
+    from pipeline.training import engines
+
+    data = tmp_path / "data"
+    prepare_run(DataConfig(n_sft=8, n_sft_eval=4, n_pairs=8, n_pairs_eval=4, n_ppo_prompts=8, n_eval_prompts=4), data)
+    sft, rm = tiny_policy_and_reward_model(tmp_path, data)
+    for folder, auto in ((sft, AutoModelForCausalLM), (rm, AutoModelForSequenceClassification)):
+        auto.from_pretrained(folder).to(torch.bfloat16).save_pretrained(folder)
+    shutil.copytree(sft, tmp_path / "tuned")   # a trained policy for evaluate and compare
+    for folder in (sft, rm, tmp_path / "tuned"):
+        assert json.loads((folder / "config.json").read_text())["dtype"] == "bfloat16"
+
+    loads, trained = [], []
+    load = PreTrainedModel.from_pretrained.__func__
+    start_engine = engines.TrainEngine.__init__
+
+    def spy_load(cls, path, *args, **kwargs):
+        out = load(cls, path, *args, **kwargs)
+        model = out[0] if isinstance(out, tuple) else out   # output_loading_info=True gives (model, info)
+        loads.append((cls.__name__, Path(path).name, kwargs.get("dtype"), {p.dtype for p in model.parameters()}, model))
+        return out
+
+    def spy_engine(self, model, *args, **kwargs):
+        trained.append(model)
+        start_engine(self, model, *args, **kwargs)
+
+    monkeypatch.setattr(PreTrainedModel, "from_pretrained", classmethod(spy_load))
+    monkeypatch.setattr(engines.TrainEngine, "__init__", spy_engine)
+    bf16 = {stage: {"distributed": {"precision": "bf16"}} for stage in registry.distributed()}
+    short = {"sampling": {"max_new_tokens": 6}}
+    params = from_dict(Params, merge(merge(TINY, bf16), {
+        "model": {"name_or_path": str(sft)}, "prompts": short, "sft": short, "rs": short,
+        "ppo": {"iterations": 1, **short}, "grpo": {"iterations": 1, **short},
+        "evaluate": {"n_prompts": 4, "best_of_n": [2]}, "compare": {"n_prompts": 4}}), "tiny: ")
+    folders = {"data": data, "sft": sft, "reward": rm, "ppo": tmp_path / "tuned"}
+    seen = {}
+    for name, spec in registry.specs().items():
+        if not spec.inputs:   # prepare: it loads no model
+            continue
+        loads.clear()
+        trained.clear()
+        extra = {"policy": [f"tuned={tmp_path / 'tuned'}"]} if name == "compare" else {}
+        registry.module(name).run(params, *[folders[i] for i in spec.inputs], tmp_path / "out" / name, progress=False,
+                                  **extra)
+        rows = [("policy" if cls.endswith("ForCausalLM") else "scalar", folder,
+                 "trained" if any(m is model for engine in trained for m in engine.modules()) else "frozen", asked, held)
+                for cls, folder, asked, held, model in loads]
+        seen[name] = {row[:3] for row in rows}
+        assert [row for row in rows if row[3:] != (torch.float32, {torch.float32})] == [], name
+    assert seen == LOADS
