@@ -1,23 +1,32 @@
 """GPU check: every stage of the pipeline on this machine's GPUs, on a model built here.
 
-    make gpu-check                                   # one process; then two NCCL processes when two GPUs are visible
-    .venv/bin/python scripts/gpu_check.py --budget-s 900 --out gpu_check.json
-    .venv/bin/python scripts/gpu_check.py --tiny --processes 2   # the same path on the CPU (gloo), tiny
+    make gpu-check                                   # the one-GPU suites; two processes too when two GPUs are visible
+    .venv/bin/python scripts/gpu_check.py --budget-s 600 --out gpu_check.json
+    .venv/bin/python scripts/gpu_check.py --tiny --suite ds1   # the same path on the CPU (gloo), tiny
 
 Runs the stages' own commands (`python -m pipeline <stage>`, launched as `dvc repro` launches them)
-in a scratch folder: SFT with LoRA off and on, the reward model (its final evaluation on 2,048
-held-out pairs, every rank its share on its GPU), PPO with GAE, GRPO with a LoRA actor, DPO with LoRA,
-KTO, rejection sampling, and evaluate with best-of-n. The model is a Llama built from a config with
-random weights and a vocabulary of 32,768 tokens (the default task's words and filler tokens), saved
-in bf16 as hub checkpoints are (the stages train it as fp32 master weights) as a Hugging Face
-checkpoint that `model.name_or_path` names; nothing is downloaded. Without a CUDA device it stops at
-once (exit 2) unless `--tiny`. The policy that
-PPO, GRPO, DPO and evaluate start from is that random model, whose eos has about one chance in the
-vocabulary size per token, so their responses run to `--new-tokens` (512).
+in a scratch folder. Suite `1` (one process, `distributed.backend: none`: plain PyTorch, bf16
+autocast) runs every registry stage and compare: SFT with LoRA off and on, the reward model (its
+final evaluation on 2,048 held-out pairs, every rank its share on its GPU), PPO with GAE, GRPO with
+a LoRA actor, DPO with LoRA, KTO, rejection sampling, evaluate with best-of-n, and compare over the
+methods. Suite `ds1` runs DeepSpeed at one process, bf16: SFT under ZeRO-2, SFT with LoRA and
+gradient checkpointing, the reward model and PPO under ZeRO-3 (it needs DeepSpeed installed; without it the
+suite is named as not run). Suite `2`, where two GPUs are visible, runs every stage again over two
+NCCL processes under ZeRO-3. On the CPU (`--tiny`, for the tests) the same settings run in fp32
+with gloo. Without a CUDA device the check stops at once (exit 2) unless `--tiny`.
 
-One process runs with `distributed.backend: none` (plain PyTorch on the GPU, bf16 autocast); two
-run DeepSpeed ZeRO-3 in bf16 over NCCL. On the CPU (`--tiny`, for the tests) the same settings run in
-fp32 with gloo.
+The model is a Llama built from a config with random weights and a vocabulary of 32,768 tokens
+(the default task's words and filler tokens), saved in bf16 as hub checkpoints are (the stages
+train it as fp32 master weights) as a Hugging Face checkpoint that `model.name_or_path` names;
+nothing is downloaded. The policy that PPO, GRPO, DPO and evaluate start from is that random
+model, whose eos has about one chance in the vocabulary size per token, so their responses run to
+`--new-tokens` (128).
+
+Each stage process counts the matrix products it runs on CPU tensors while its device is a GPU
+(`PIPELINE_COUNT_CPU_MATMULS`, pipeline/devices.py); a stage whose count passes CPU_MATMUL_GFLOP
+fails the check, as a stage whose model forward ran on one rank's CPU (while the others waited in
+a collective) would on a real run. The counting sees every operation in Python, so the rates
+below are a little lower than an uncounted run's.
 
 Per stage it prints the memory plan (`python -m pipeline plan`'s total per rank) next to the peak
 measured (GPU: torch's peak allocation; CPU: the process's peak RSS), tokens per second, the model
@@ -53,6 +62,8 @@ from typing import Any, Optional
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
+from pipeline.devices import COUNT_CPU_MATMULS  # noqa: E402
+
 # Dense bf16 TFLOP/s without sparsity, from the vendors' data sheets (SXM parts where there are two).
 PEAK_TFLOPS = {"H200": 989.0, "H100": 989.0, "H800": 989.0, "H20": 148.0, "GH200": 989.0, "B200": 2250.0,
                "A100": 312.0, "A800": 312.0, "A10G": 70.0, "A10": 125.0, "L40S": 362.0, "L4": 121.0,
@@ -70,8 +81,15 @@ class Size:
     new_tokens: int       # the responses' length (the random policy does not stop earlier)
 
 
-# ~0.2B parameters (0.15B of transformer blocks, 2 x 33.5M of embeddings and output head).
-DEFAULT = Size(hidden=1024, layers=12, heads=16, intermediate=2816, vocab=32768, new_tokens=512)
+# ~0.2B parameters (0.15B of transformer blocks, 2 x 33.5M of embeddings and output head). Responses of
+# 128 tokens: every stage of both one-GPU suites in BUDGET_S on one H100, where each command's start
+# (imports, CUDA context, model load) is some 15-20 s of it.
+DEFAULT = Size(hidden=1024, layers=12, heads=16, intermediate=2816, vocab=32768, new_tokens=128)
+BUDGET_S = 300.0
+# More than this of matrix products on CPU tensors in a stage process whose device is a GPU fails the
+# stage: model-sized work on one rank's CPU (one forward of the check's model on one sequence of 64
+# tokens is ~20 GFLOP), where host-side bookkeeping does none.
+CPU_MATMUL_GFLOP = 1.0
 TINY = Size(hidden=32, layers=1, heads=2, intermediate=64, vocab=4096, new_tokens=24)
 
 
@@ -83,11 +101,41 @@ class Run:
     inputs: dict[str, str]                   # --data/--sft/--reward/--ppo: a folder under the scratch root
     params: dict[str, Any] = field(default_factory=dict)   # merged over the check's params
     lora: bool = False
+    policies: dict[str, str] = field(default_factory=dict)  # compare's --policy NAME=FOLDER (this suite's)
 
 
-def runs() -> list[Run]:
-    """The stages in order; `inputs` name the scratch folders they read ("base" is the random model)."""
+@dataclass(frozen=True)
+class Suite:
+    """One set of runs and the distributed settings they share; `name` keys its results."""
+    name: str
+    processes: int
+    deepspeed: bool
+
+    def title(self, cuda: bool) -> str:
+        precision = "bf16" if cuda else "fp32"
+        if not self.deepspeed:
+            return f"1 process: backend none (plain PyTorch), {'bf16 autocast' if cuda else 'fp32'}"
+        return (f"{self.processes} process{'es' if self.processes > 1 else ''}: DeepSpeed "
+                f"{'ZeRO-3' if self.processes > 1 else 'ZeRO-2 and ZeRO-3'}, {precision}, {'NCCL' if cuda else 'gloo'}")
+
+
+# "1": every registry stage and compare in one plain process; "ds1": DeepSpeed at world size 1
+# (ZeRO-2; ZeRO-3 with LoRA and gradient checkpointing, for the reward model and for PPO's four
+# models), what a one-GPU machine can check of it; "2": every stage again over two processes (ZeRO-3), where two GPUs are visible.
+SUITES = {"1": Suite("1", 1, False), "ds1": Suite("ds1", 1, True), "2": Suite("2", 2, True)}
+
+
+def runs(suite: Suite = SUITES["1"]) -> list[Run]:
+    """The stages of `suite` in order; `inputs` name the scratch folders they read ("base" is the random model)."""
     lora = {"r": 16, "alpha": 32.0}
+    if suite.name == "ds1":
+        return [
+            Run("sft", "sft", {"data": "data"}, {"sft": {"distributed": {"zero_stage": 2}}}),
+            Run("sft+lora", "sft", {"data": "data"}, {"sft": {"lora": lora, "distributed": {
+                "zero_stage": 3, "gradient_checkpointing": True}}}, lora=True),
+            Run("reward", "reward", {"data": "data", "sft": "base"}),
+            Run("ppo", "ppo", {"data": "data", "sft": "base", "reward": "reward/model"}),
+        ]
     # With vLLM installed, PPO again with its rollouts from vLLM: the same prompts and seeds, so the
     # two rows' rollout tokens/s and log-prob differences compare the engines.
     vllm = [Run("ppo+vllm", "ppo", {"data": "data", "sft": "base", "reward": "reward/model"},
@@ -104,6 +152,8 @@ def runs() -> list[Run]:
         Run("kto", "kto", {"data": "data", "sft": "base"}),
         Run("rs", "rs", {"data": "data", "sft": "base", "reward": "reward/model"}),
         Run("evaluate", "evaluate", {"data": "data", "sft": "base", "reward": "reward/model", "ppo": "ppo/model"}),
+        Run("compare", "compare", {"data": "data", "sft": "base", "reward": "reward/model"},
+            policies={name: f"{name.replace('+', '-')}/model" for name in ("ppo", "grpo+lora", "dpo+lora", "kto", "rs")}),
     ]
 
 
@@ -118,12 +168,13 @@ def merge(base: dict, override: dict) -> dict:
     return out
 
 
-def check_params(size: Size, processes: int, cuda: bool, base: Path) -> dict[str, Any]:
+def check_params(size: Size, suite: Suite, cuda: bool, base: Path) -> dict[str, Any]:
     """The overrides of the repository's params.yaml every run shares: small data, a few steps of
-    each stage, responses of `size.new_tokens`, and the distributed settings of `processes`."""
+    each stage, responses of `size.new_tokens`, and the distributed settings of `suite`."""
+    processes = suite.processes
     gen = {"max_new_tokens": size.new_tokens}
     seq = 64 + size.new_tokens           # the longest prompt the check keeps plus a whole response
-    if processes == 1:
+    if not suite.deepspeed:
         dist = {"backend": "none", "device": "auto", "precision": "bf16" if cuda else "fp32"}
     else:
         dist = {"backend": "deepspeed", "num_processes": processes, "zero_stage": 3,
@@ -243,7 +294,8 @@ def throughput(run: Run, out: Path, params: Any, n: int, tokens_per_example: flo
             for key in ("val/logprob_diff_mean", "val/logprob_diff_max"):
                 if key in last:
                     got[key] = max(r[key] for r in rows if key in r)
-    for key in ("resources/peak_device_gib", "resources/peak_rss_gib", "resources/wall_seconds"):
+    for key in ("resources/peak_device_gib", "resources/peak_rss_gib", "resources/wall_seconds",
+                "resources/cpu_matmul_gflop"):
         if isinstance(metrics.get(key), (int, float)):
             got[key] = float(metrics[key])
     return got
@@ -255,6 +307,17 @@ def planned_gib(stage: str, params: Any, inputs: dict[str, Path]) -> Optional[fl
     from pipeline.training import memory_plan
     plan = memory_plan.stage_plan(stage, registry.spec(stage).plan, params, inputs)
     return None if plan is None else plan.total / GIB
+
+
+def cpu_compute(r: dict[str, Any]) -> Optional[str]:
+    """Why a finished stage fails the check for the work its process did on CPU tensors while its
+    device was a GPU (`resources/cpu_matmul_gflop`, counted only there); None when it does not."""
+    gflop = r.get("resources/cpu_matmul_gflop")
+    if gflop is None or gflop <= CPU_MATMUL_GFLOP:
+        return None
+    return (f"its process ran {gflop:.3g} GFLOP of matrix products on CPU tensors while its device was the GPU "
+            f"(more than {CPU_MATMUL_GFLOP:g}): model work on one rank's CPU, which on several GPUs the other ranks "
+            "wait for in a collective")
 
 
 def line(name: str, r: dict[str, Any], peak: Optional[float], cuda: bool) -> str:
@@ -277,47 +340,48 @@ def line(name: str, r: dict[str, Any], peak: Optional[float], cuda: bool) -> str
     return "  ".join(parts[:2]) + ("; " + "; ".join(parts[2:]) if parts[2:] else "")
 
 
-def run_suite(processes: int, size: Size, cuda: bool, root: Path, deadline: float, results: dict[str, Any],
+def run_suite(suite: Suite, size: Size, cuda: bool, root: Path, deadline: float, results: dict[str, Any],
               save) -> tuple[list[str], list[str]]:
-    """Every run of `runs()` with `processes` processes; returns (failed, skipped) names."""
+    """Every run of `runs(suite)`; returns (failed, skipped) names."""
     from pipeline.config import load_params
     from pipeline.files import atomic_write_text
     from pipeline.training.distributed import _free_port   # each run its own port (see below)
 
-    say(f"\n== {processes} process{'es' if processes > 1 else ''}: "
-        + ("backend none (plain PyTorch)" if processes == 1 else "DeepSpeed ZeRO-3")
-        + f", {'bf16' if cuda else 'fp32'}, {'NCCL' if cuda else 'gloo'}" * (processes > 1)
-        + (f", {'bf16 autocast' if cuda else 'fp32'}" if processes == 1 else ""))
-    suite: dict[str, Any] = results.setdefault("suites", {}).setdefault(str(processes), {})
+    say(f"\n== {suite.title(cuda)}")
+    done: dict[str, Any] = results.setdefault("suites", {}).setdefault(suite.name, {})
+    tag = f"{suite.name}p" if suite.name.isdigit() else suite.name   # how failures name the suite
     from ruamel.yaml import YAML
     repo_params = YAML(typ="safe", pure=True).load((REPO / "params.yaml").read_text())
-    shared = check_params(size, processes, cuda, root / "base")
+    shared = check_params(size, suite, cuda, root / "base")
+    here = root / f"p{suite.name}"
     failed: list[str] = []
     skipped: list[str] = []
     # PYTHONFAULTHANDLER: a rank that dies of a signal (an abort in a library's threads) prints its
     # Python stacks before it goes, so its log says where.
-    env = {**os.environ, "PIPELINE_TRACKING": "off", "PYTHONUNBUFFERED": "1", "PYTHONFAULTHANDLER": "1"}
+    env = {**os.environ, "PIPELINE_TRACKING": "off", "PYTHONUNBUFFERED": "1", "PYTHONFAULTHANDLER": "1",
+           COUNT_CPU_MATMULS: "1"}
     durations: list[float] = []
-    for run in runs():
-        out = root / f"p{processes}" / run.name.replace("+", "-")
+    for run in runs(suite):
+        out = here / run.name.replace("+", "-")
         # The data and the random base are shared; the other inputs are this suite's own outputs.
-        inputs = {k: root / v if v in ("data", "base") else root / f"p{processes}" / v for k, v in run.inputs.items()}
-        missing = [str(p) for p in inputs.values() if not p.exists()]
+        inputs = {k: root / v if v in ("data", "base") else here / v for k, v in run.inputs.items()}
+        policies = {name: here / folder for name, folder in run.policies.items()}
+        missing = [str(p) for p in [*inputs.values(), *policies.values()] if not p.exists()]
         if missing:
             say(f"{run.name:10s} not run: its input {missing[0]} was not written (a stage above failed)")
-            failed.append(f"{processes}p {run.name}")
+            failed.append(f"{tag} {run.name}")
             continue
         typical = max(durations, default=0.0)
         if time.monotonic() + typical > deadline:
             say(f"{run.name:10s} skipped: the time budget has {max(0, deadline - time.monotonic()):.0f}s left, "
                 f"a stage here took up to {typical:.0f}s")
-            skipped.append(f"{processes}p {run.name}")
+            skipped.append(f"{tag} {run.name}")
             continue
         values = merge(merge(repo_params, shared), run.params)
         # Each run its own free port: a launcher still releasing the last one, or another job on
         # this machine, must not meet this one.
         values["distributed"]["master_port"] = _free_port()
-        path = root / f"params-{processes}p-{run.name.replace('+', '-')}.yaml"
+        path = root / f"params-{tag}-{run.name.replace('+', '-')}.yaml"
         atomic_write_text(path, json.dumps(values, indent=1) + "\n")   # JSON is YAML
         params = load_params(path)
         record: dict[str, Any] = {"stage": run.stage, "lora": run.lora}
@@ -326,8 +390,10 @@ def run_suite(processes: int, size: Size, cuda: bool, root: Path, deadline: floa
         except Exception as err:   # the check measures anyway
             record["plan_gib"], record["plan_error"] = None, f"{type(err).__name__}: {err}"
         cmd = [sys.executable, "-m", "pipeline", run.stage, "--params", str(path), "--no-progress",
-               *(x for k, p in inputs.items() for x in (f"--{k}", str(p))), "--out", str(out)]
-        log = root / "logs" / f"{processes}p-{run.name.replace('+', '-')}.log"
+               *(x for k, p in inputs.items() for x in (f"--{k}", str(p))),
+               *(x for name, p in policies.items() for x in ("--policy", f"{name.replace('+', '-')}={p}")),
+               "--out", str(out)]
+        log = root / "logs" / f"{tag}-{run.name.replace('+', '-')}.log"
         log.parent.mkdir(parents=True, exist_ok=True)
         start = time.monotonic()
         with open(log, "w") as f:
@@ -347,7 +413,7 @@ def run_suite(processes: int, size: Size, cuda: bool, root: Path, deadline: floa
             for text in tail:
                 say(f"    {text}")
             record["error"] = "\n".join(tail)
-            failed.append(f"{processes}p {run.name}")
+            failed.append(f"{tag} {run.name}")
         else:
             try:
                 n = results["model"]["parameters_counted"]
@@ -355,11 +421,16 @@ def run_suite(processes: int, size: Size, cuda: bool, root: Path, deadline: floa
                     if run.stage in ("sft", "reward", "dpo") else 0.0
                 record.update(throughput(run, out, params, n, per_example))
                 say(line(run.name, record, results.get("peak_tflops"), cuda))
+                wrong = cpu_compute(record)
+                if wrong:
+                    say(f"{run.name:10s} FAILED: {wrong}")
+                    record["error"] = wrong
+                    failed.append(f"{tag} {run.name}")
             except Exception as err:   # the stage ran; reading its numbers did not: a failure of the check
                 say(f"{run.name:10s} FAILED reading its results: {type(err).__name__}: {err}")
                 record["error"] = f"{type(err).__name__}: {err}"
-                failed.append(f"{processes}p {run.name}")
-        suite[run.name] = record
+                failed.append(f"{tag} {run.name}")
+        done[run.name] = record
         save()
     return failed, skipped
 
@@ -379,12 +450,17 @@ def main(argv: Optional[list[str]] = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0],
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--tiny", action="store_true", help="a tiny model with short responses (the tests' CPU run)")
-    ap.add_argument("--processes", type=int, action="append", default=None,
-                    help="run the suite with this many processes (repeatable; default: 1, and 2 when two GPUs "
-                         "are visible)")
+    ap.add_argument("--suite", choices=sorted(SUITES), action="append", default=None,
+                    help="run this suite (repeatable): 1 (plain PyTorch, every stage), ds1 (DeepSpeed at one "
+                         "process), 2 (two processes, ZeRO-3); default: 1 and ds1, and 2 when two GPUs are visible; "
+                         "--tiny: 1")
+    ap.add_argument("--processes", type=int, choices=(1, 2), action="append", default=None,
+                    help="the same as --suite 1 or --suite 2")
     ap.add_argument("--budget-s", type=float, default=None,
-                    help="skip a stage that would end after this many seconds (default: 360 per suite)")
-    ap.add_argument("--new-tokens", type=int, default=None, help="response length (default: 512; --tiny: 24)")
+                    help=f"skip a stage that would end after this many seconds (default: {BUDGET_S:.0f} for the "
+                         f"one-GPU suites, {BUDGET_S:.0f} more for the two-process one)")
+    ap.add_argument("--new-tokens", type=int, default=None,
+                    help=f"response length (default: {DEFAULT.new_tokens}; --tiny: {TINY.new_tokens})")
     ap.add_argument("--out", type=Path, default=None, help="write every number measured as JSON here")
     ap.add_argument("--keep", type=Path, default=None, help="work in this folder and keep it (default: a temporary one)")
     args = ap.parse_args(argv)
@@ -396,15 +472,16 @@ def main(argv: Optional[list[str]] = None) -> int:
               "(or --tiny for the same path on the CPU)", file=sys.stderr)
         return 2
     gpus = torch.cuda.device_count() if cuda else 0
-    suites = args.processes or ([1, 2] if gpus >= 2 else [1])
-    if any(p < 1 for p in suites):
-        ap.error("--processes: at least 1")
-    if cuda and max(suites) > gpus:
-        ap.error(f"--processes {max(suites)}: only {gpus} GPU(s) visible")
+    asked = (args.suite or []) + [str(p) for p in args.processes or []]
+    deepspeed = importlib.util.find_spec("deepspeed") is not None
+    default = ["1"] if args.tiny else ["1", "ds1"] + ["2"] * (gpus >= 2)
+    suites = [SUITES[name] for name in dict.fromkeys(asked or default)]
+    if cuda and max(s.processes for s in suites) > gpus:
+        ap.error(f"suite 2: only {gpus} GPU visible")
     size = TINY if args.tiny else DEFAULT
     if args.new_tokens is not None:
         size = Size(**{**size.__dict__, "new_tokens": args.new_tokens})
-    budget = args.budget_s if args.budget_s is not None else 360.0 * len(suites)
+    budget = args.budget_s if args.budget_s is not None else BUDGET_S * (1 + any(s.processes > 1 for s in suites))
     deadline = start + budget
     device = ", ".join(torch.cuda.get_device_name(i) for i in range(gpus)) if cuda else "cpu (no CUDA device)"
     results: dict[str, Any] = {"device": device, "gpus": gpus, "versions": versions(), "size": size.__dict__,
@@ -434,12 +511,16 @@ def main(argv: Optional[list[str]] = None) -> int:
         from pipeline.stages.prepare import write as prepare
         from ruamel.yaml import YAML
         values = merge(YAML(typ="safe", pure=True).load((REPO / "params.yaml").read_text()),
-                       check_params(size, 1, cuda, root / "base"))
+                       check_params(size, SUITES["1"], cuda, root / "base"))
         atomic_write_text(root / "params-prepare.yaml", json.dumps(values, indent=1) + "\n")
         prepare(load_params(root / "params-prepare.yaml").data, root / "data")
         save()
-        for processes in suites:
-            f, s = run_suite(processes, size, cuda, root, deadline, results, save)
+        for suite in suites:
+            if suite.deepspeed and not deepspeed:
+                say(f"\n== {suite.title(cuda)}: not run, DeepSpeed is not installed here")
+                skipped.append(f"{suite.name} (DeepSpeed not installed)")
+                continue
+            f, s = run_suite(suite, size, cuda, root, deadline, results, save)
             failed += f
             skipped += s
     results["seconds"] = time.monotonic() - start
@@ -450,7 +531,7 @@ def main(argv: Optional[list[str]] = None) -> int:
         say(f"gpu_check: FAILED: {', '.join(failed)}")
         return 1
     if skipped:
-        say(f"gpu_check: incomplete: {', '.join(skipped)} did not fit the budget (--budget-s)")
+        say(f"gpu_check: incomplete: {', '.join(skipped)} not run (the budget, --budget-s, or as said)")
         return 3
     say("gpu_check: every stage ran")
     return 0

@@ -230,7 +230,9 @@ def render_stage_resources(root: Path) -> str:
     return "\n".join(lines)
 
 
-GPU_CHECK_ORDER = ["sft", "sft+lora", "reward", "ppo", "grpo+lora", "dpo+lora", "evaluate"]   # scripts/gpu_check.py's runs
+GPU_CHECK_SUITES = {"1": "1 process (plain PyTorch)", "ds1": "1 process (DeepSpeed ZeRO-2 and ZeRO-3)",
+                    "2": "2 processes (DeepSpeed ZeRO-3)"}
+GPU_CHECK_ORDER = ["sft", "sft+lora", "reward", "ppo", "ppo+vllm", "grpo+lora", "dpo+lora", "kto", "rs", "evaluate", "compare"]   # scripts/gpu_check.py's runs
 
 
 def render_gpu_check(root: Path) -> str:
@@ -245,7 +247,7 @@ def render_gpu_check(root: Path) -> str:
         d = read_json(root, f"docs/data/{path.name}") or {}
         size, versions = d.get("size", {}), d.get("versions", {})
         for procs, suite in sorted(d.get("suites", {}).items()):
-            lines += [f"{d.get('device', 'an unrecorded GPU')}, {procs} process{'es' if procs != '1' else ''}, "
+            lines += [f"{d.get('device', 'an unrecorded GPU')}, {GPU_CHECK_SUITES.get(procs, procs)}, "
                       f"{d.get('date', 'undated')} (`{d.get('command', 'scripts/gpu_check.py')}`; torch "
                       f"{versions.get('torch', NA)}, transformers {versions.get('transformers', NA)}): a Llama of "
                       f"{num(get(d, 'model/parameters'), ',.0f')} parameters, {size.get('layers', NA)} layers, "
@@ -265,11 +267,46 @@ def render_gpu_check(root: Path) -> str:
                 lines.append(f"| {name} | {num(r.get('resources/wall_seconds'), '.1f', ' s')} | "
                              f"{num(r.get('plan_gib'), '.2f', ' GiB')} | {num(r.get('resources/peak_device_gib'), '.2f', ' GiB')} | "
                              f"{rate if r.get('tokens_per_second') is not None else ''} | {num(r.get('tflops'), '.2f') if r.get('tflops') is not None else ''} | {diff} |")
-            skipped = [s for s in d.get("skipped", []) if s.startswith(f"{procs}p ")]
+            tag = f"{procs}p " if procs.isdigit() else f"{procs} "   # how the check names a suite's runs
+            skipped = [s for s in d.get("skipped", []) if s.startswith(tag)]
             if skipped:
                 lines.append(f"\nNot run within the time budget: {', '.join(s.split(' ', 1)[1] for s in skipped)}.")
             lines.append("")
     return "\n".join(lines).rstrip()
+
+
+def render_hub_rehearsal(root: Path) -> str:
+    """docs/guide/own-model-and-data.md: the hub rehearsal (docs/data/hub-rehearsal.json, written by
+    `scripts/hub_rehearsal.py run --record`) and its master-weights check
+    (docs/data/hub-rehearsal-master-weights.json, `scripts/hub_rehearsal.py master-weights --out`)."""
+    d = read_json(root, "docs/data/hub-rehearsal.json")
+    if d is None:
+        return "The rehearsal has not been recorded: run `scripts/hub_rehearsal.py run --record`."
+    base, win = d.get("base", {}), d.get("ppo_vs_sft_gold", {})
+    lines = [f"One run ({d.get('date', 'undated')}; {d.get('machine', 'an unrecorded CPU')}, {d.get('threads', NA)} threads, "
+             f"{minutes(d['seconds']) if isinstance(d.get('seconds'), (int, float)) else NA} in all with the base's build): "
+             f"a base saved in {base.get('saved_dtype', NA)}, {base.get('tokenizer', NA)} with a chat template, "
+             f"end ids {base.get('eos_token_id', NA)}, pad token {base.get('pad_token') or 'none'}; SFT and the reward "
+             f"model at learning rate {num(get(d, 'lr/sft'), 'g')} and {num(get(d, 'lr/reward'), 'g')}, trained as "
+             f"{get(d, 'dtypes/sft/weights') or NA} weights with {get(d, 'dtypes/sft/optimizer_states') or NA} "
+             "optimizer states.", "",
+             "| policy | gold (95% CI) | KL to SFT, nats |", "| --- | --- | --- |"]
+    for name, g in d.get("gold", {}).items():
+        ci = g.get("ci95")
+        lines.append(f"| {policy_label(name)} | {num(g.get('gold'), '.2f')} (± {num(ci, '.2f')}) | {num(g.get('kl'), '.2f')} |")
+    lines += ["", f"PPO beats SFT by the gold annotator on {pct(win.get('win_rate'))} of the held-out prompts "
+                  f"(95% CI {interval(win.get('low'), win.get('high'))}); the reward model's held-out accuracy is "
+                  f"{pct(get(d, 'reward/accuracy'))} ({pct(get(d, 'reward/accuracy_of_ceiling'))} of the noise ceiling)."]
+    runs = read_json(root, "docs/data/hub-rehearsal-master-weights.json") or []
+    if runs:
+        lines += ["", "The recipe's SFT stage from the bf16 base and from its exact fp32 upcast, with each version's code:", "",
+                  "| code | base | final train loss | held-out loss | weights moved |", "| --- | --- | --- | --- | --- |"]
+        for r in runs:
+            for kind in ("bf16", "fp32_upcast"):
+                k = r.get(kind, {})
+                lines.append(f"| {r.get('code', NA)} | {kind.replace('_', ' ')} | {num(k.get('train_loss'), '.4f')} | "
+                             f"{num(k.get('eval_loss'), '.4f')} | {pct(k.get('share_of_weights_moved'), 2)} |")
+    return "\n".join(lines)
 
 
 def render_compare_run(root: Path) -> str:
@@ -398,6 +435,7 @@ RENDERERS: dict[str, Callable[[Path], str]] = {
     "compare-seeds": render_compare_seeds,
     "compare-sweeps": render_compare_sweeps,
     "frontier": render_frontier,
+    "hub-rehearsal": render_hub_rehearsal,
 }
 
 

@@ -28,11 +28,14 @@ atomic writing of what it produces.
   (the resolved params, keys sorted, and `runtime`: the device type, process and thread counts it
   ran on and, for a training stage, the dtypes of its weights, optimizer states and compute),
   metrics.json, then the files to the tracker. metrics.json gains where it ran (`resources/gpus`,
-  0 on the CPU) and the stage's cost:
+  0 on the CPU, the process count on any other device) and the stage's cost:
   `resources/wall_seconds` (this process, from the skeleton's start to finish: a resumed stage's
-  last process only) and `resources/peak_rss_gib` (its peak resident memory; with CUDA also
-  `resources/peak_device_gib`, the peak memory torch allocated on this rank's GPU), so methods
-  can be compared on what they cost (the compare stage's table).
+  last process only) and `resources/peak_rss_gib` (its peak resident memory; on a GPU also
+  `resources/peak_device_gib`, the peak memory torch allocated on this rank's device, where its
+  torch module counts it: pipeline/devices.py), so methods
+  can be compared on what they cost (the compare stage's table). With PIPELINE_COUNT_CPU_MATMULS set
+  on a device that is not the CPU (what scripts/gpu_check.py does), the stage body runs under a
+  counter of matrix products on CPU tensors, `resources/cpu_matmul_gflop` (devices.py says why).
 """
 
 from __future__ import annotations
@@ -45,6 +48,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterator, Optional, Sequence
 
+from .. import devices
 from ..config import Params, check_process_shape
 from ..files import PENDING, atomic_dir, atomic_write_json, atomic_write_text, commit, discard, exclusive, pending
 from ..models.checkpoints import save_checkpoint
@@ -84,6 +88,7 @@ class StageRun:
     tracker: Tracker
     fingerprint: str
     started: float = field(default_factory=time.perf_counter)
+    cpu_matmuls: Any = None     # devices.counting_cpu_matmuls' counter, when the stage counts them
 
     @property
     def checkpoint(self) -> Path:
@@ -119,13 +124,15 @@ class StageRun:
     def resources(self) -> dict[str, float]:
         """What this process has cost so far (see the module doc)."""
         out = {"resources/wall_seconds": time.perf_counter() - self.started,
-               "resources/gpus": self.ctx.world_size if self.ctx.device.type == "cuda" else 0,
+               "resources/gpus": self.ctx.world_size if devices.is_accelerator(self.ctx.device) else 0,
                # ru_maxrss is in KiB on Linux, bytes on macOS
                "resources/peak_rss_gib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
                / (2 ** 30 if sys.platform == "darwin" else 2 ** 20)}
-        torch = sys.modules.get("torch")
-        if torch is not None and torch.cuda.is_available() and torch.cuda.is_initialized():
-            out["resources/peak_device_gib"] = torch.cuda.max_memory_allocated() / 2 ** 30
+        peak = devices.peak_memory_gib(self.ctx.device)
+        if peak is not None:
+            out["resources/peak_device_gib"] = peak
+        if self.cpu_matmuls is not None:
+            out["resources/cpu_matmul_gflop"] = self.cpu_matmuls.flops / 1e9
         return out
 
 
@@ -155,8 +162,9 @@ def stage_run(spec: StageSpec, params: Params, out: Path, inputs: Sequence[str |
             fp = fingerprint(resolved, [*local, *code])
             # The fingerprint tags the MLflow run too: a resumed run finds the killed run it continues by it.
             with stage_tracking(spec.name, resolved, local, enabled=ctx.is_main, fingerprint=fp,
-                                headline=spec.headline) as tracker:
-                yield StageRun(spec, declared(params, spec), resolved, out, out / PENDING, ctx, tracker, fp, started)
+                                headline=spec.headline) as tracker, devices.counting_cpu_matmuls(ctx.device) as counted:
+                yield StageRun(spec, declared(params, spec), resolved, out, out / PENDING, ctx, tracker, fp, started,
+                               counted)
         except BaseException:   # an error, a full disk, a stop signal: the checkpoint keeps the state
             if ctx.is_main:
                 discard(out)
@@ -179,4 +187,7 @@ def declared_metrics(stage: str, condition: Optional[str] = None) -> list[Metric
     if gpu is not None:
         out.append(m("resources/peak_device_gib", "peak GPU memory torch allocated in the stage's process (rank 0), "
                                                   "GiB", gpu))
+    out.append(m("resources/cpu_matmul_gflop", "GFLOP of matrix products the stage's process (rank 0) ran on CPU "
+                                               "tensors while its device was a GPU (model-sized work there is one "
+                                               "rank computing what belongs on its device)", "cpu_matmuls"))
     return out

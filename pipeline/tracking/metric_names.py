@@ -89,6 +89,8 @@ CONDITIONS = {
     "auditor": "`ppo.detector.auditor` is set and the detector is enabled",
     "dual_clip": "`ppo.dual_clip` is set",
     "cuda": "the stage's process sees a CUDA device (`torch.cuda.is_available()`)",
+    "cpu_matmuls": "`PIPELINE_COUNT_CPU_MATMULS` is set (scripts/gpu_check.py sets it) and the stage's device is "
+                   "not the CPU",
     "method_lora": "`lora.r > 0` in the section of a compare/dvc.yaml method (`dpo`, `rs`)",
     "compare": "the alignment methods of compare/dvc.yaml ran (`dvc repro compare/dvc.yaml`, `make compare`)",
     "tis": "`ppo.tis_cap` is set (truncated importance sampling)",

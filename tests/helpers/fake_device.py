@@ -20,9 +20,13 @@ CPU is one rank computing alone what belongs on its accelerator (a final evaluat
 moved to the CPU, while on a real GPU run the other ranks wait in a collective). The mode sees the
 calls made on wrapper level, so the fake device's own CPU kernels are not counted.
 
-What it cannot see: `torch.cuda.*` calls (the code under test is handed this device instead of
-CUDA, see `use_fake_gpu`), NCCL (the collective double in test_devices.py), and random streams
-(a CPU generator is accepted for sampling on this device; CUDA would refuse it).
+The code under test asks what depends on the device through pipeline/devices.py, keyed on "not
+the CPU", so this device takes a GPU's side of each question (recomputed log-probs, a current
+device, memory counters, which read 0 here). What it cannot see: `torch.cuda.*` calls (the code
+under test is handed this device instead of CUDA, see `use_fake_gpu`), NCCL (the collective double
+in test_devices.py), and random streams: a backend registered from Python cannot make a generator
+of its own (`torch.Generator(device="fakegpu")` raises NotImplementedError), so sampling on this
+device draws from a CPU generator (devices.generator), which CUDA would refuse.
 """
 
 from __future__ import annotations
@@ -33,6 +37,8 @@ from typing import Any, Iterator
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_map
+
+from pipeline import devices
 
 NAME = "fakegpu"
 _installed = False
@@ -61,7 +67,10 @@ def install() -> torch.device:
 
 class _Module:
     """`torch.fakegpu`: what torch asks of a backend's module (torch.utils.checkpoint records the
-    autocast state of every registered device type, so it asks for AMP's dtypes too)."""
+    autocast state of every registered device type, so it asks for AMP's dtypes too), and what
+    pipeline/devices.py asks of a GPU's: making it current (there is one device, index 0) and its
+    memory counters, which are 0: a fake tensor's memory is the CPU tensor inside it, allocated
+    by the CPU's allocator, so nothing is ever allocated on the device itself."""
 
     def is_initialized(self) -> bool:
         return True
@@ -83,6 +92,20 @@ class _Module:
 
     def get_amp_supported_dtype(self) -> list[torch.dtype]:
         return [torch.bfloat16, torch.float16]
+
+    def set_device(self, device: torch.device | int) -> None:
+        index = device if isinstance(device, int) else torch.device(device).index
+        if index not in (None, 0):
+            raise RuntimeError(f"{NAME} has one device (index 0), not {index}")
+
+    def memory_allocated(self, device: torch.device | None = None) -> int:
+        return 0
+
+    def max_memory_allocated(self, device: torch.device | None = None) -> int:
+        return 0
+
+    def reset_peak_memory_stats(self, device: torch.device | None = None) -> None:
+        pass
 
 
 def _copy_from(src: torch.Tensor, dst: torch.Tensor, non_blocking: bool = False) -> torch.Tensor:
@@ -195,16 +218,10 @@ def _flat(x: Any) -> list:
 # Above this, a product of CPU tensors is model-sized work (one tiny-model layer on one sequence
 # is ~1e6 FLOPs); host-side bookkeeping (statistics, a CI's resampling) is far below.
 CPU_MATMUL_FLOPS = 1e6
-_MATMULS = {"aten.mm.default", "aten.addmm.default", "aten.bmm.default", "aten.baddbmm.default"}
 
 
 class CpuComputeError(RuntimeError):
     """Model-sized compute on the CPU while the process's device is not the CPU."""
-
-
-def _matmul_flops(name: str, args: tuple) -> float:
-    a, b = (args[1], args[2]) if name in ("aten.addmm.default", "aten.baddbmm.default") else (args[0], args[1])
-    return 2.0 * a.numel() * b.shape[-1]
 
 
 class FakeGpu(TorchDispatchMode):
@@ -218,11 +235,11 @@ class FakeGpu(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         name = str(func)
-        if (self.cpu_matmul_flops is not None and name in _MATMULS
+        if (self.cpu_matmul_flops is not None and name in devices.MATMULS
                 and not any(isinstance(a, FakeGpuTensor) for a in args)
-                and _matmul_flops(name, args) > self.cpu_matmul_flops):
+                and devices.matmul_flops(name, args) > self.cpu_matmul_flops):
             shapes = [tuple(a.shape) for a in args if isinstance(a, torch.Tensor)]
-            raise CpuComputeError(f"{name} of CPU tensors {shapes} ({_matmul_flops(name, args):.2g} FLOPs) while the "
+            raise CpuComputeError(f"{name} of CPU tensors {shapes} ({devices.matmul_flops(name, args):.2g} FLOPs) while the "
                                   f"device is {NAME}: this rank computes on the CPU what belongs on its device")
         return _dispatch(func, args, kwargs or {})
 

@@ -63,12 +63,31 @@ def test_the_base_model_has_the_asked_vocabulary_and_ends_on_its_eos(tmp_path):
     # The default task's prompts encode without an unknown word.
     ids = tok("Review the film Silent River . Focus on the music .")["input_ids"]
     assert tok.unk_token_id not in ids
-    assert gpu_check.DEFAULT.vocab >= 32_000 and gpu_check.DEFAULT.new_tokens >= 512
+    assert gpu_check.DEFAULT.vocab >= 32_000 and gpu_check.DEFAULT.new_tokens >= 128
+
+
+def test_the_plain_suite_runs_every_registry_stage_and_the_deepspeed_one_each_zero_stage():
+    from pipeline.stages import registry
+    assert {r.stage for r in gpu_check.runs(gpu_check.SUITES["1"])} == set(registry.specs()) - {"prepare"}
+    assert {r.stage for r in gpu_check.runs(gpu_check.SUITES["2"])} == set(registry.specs()) - {"prepare"}
+    ds1 = gpu_check.runs(gpu_check.SUITES["ds1"])
+    zero = {r.name: r.params.get(r.stage, {}).get("distributed", {}) for r in ds1}
+    assert zero["sft"] == {"zero_stage": 2} and zero["sft+lora"] == {"zero_stage": 3, "gradient_checkpointing": True}
+    assert gpu_check.check_params(gpu_check.TINY, gpu_check.SUITES["ds1"], False, Path("b"))["distributed"] == {
+        "backend": "deepspeed", "num_processes": 1, "zero_stage": 3, "precision": "fp32", "device": "auto"}
+
+
+def test_a_stage_that_computed_on_the_cpu_while_on_the_gpu_fails_the_check():
+    assert gpu_check.cpu_compute({}) is None                                   # not counted (the CPU's runs)
+    assert gpu_check.cpu_compute({"resources/cpu_matmul_gflop": 0.0}) is None
+    assert gpu_check.cpu_compute({"resources/cpu_matmul_gflop": gpu_check.CPU_MATMUL_GFLOP}) is None
+    why = gpu_check.cpu_compute({"resources/cpu_matmul_gflop": 12.5})
+    assert why.startswith("its process ran 12.5 GFLOP of matrix products on CPU tensors while its device was the GPU")
 
 
 def test_a_failing_stage_is_named_with_its_log_and_fails_the_check(tmp_path, monkeypatch, capsys):
     # evaluate given a causal LM where the reward model belongs fails when it loads it.
-    monkeypatch.setattr(gpu_check, "runs", lambda: [
+    monkeypatch.setattr(gpu_check, "runs", lambda suite: [
         gpu_check.Run("evaluate", "evaluate", {"data": "data", "sft": "base", "reward": "base", "ppo": "base"}),
         gpu_check.Run("after", "ppo", {"data": "data", "sft": "base", "reward": "missing/model"})])
     monkeypatch.setenv("OMP_NUM_THREADS", "1")
@@ -83,19 +102,20 @@ def test_a_failing_stage_is_named_with_its_log_and_fails_the_check(tmp_path, mon
 
 
 @pytest.mark.long
-def test_two_processes_run_every_stage_on_the_cpu_with_gloo(tmp_path):
-    """The check's two-process path (DeepSpeed ZeRO-3, the stages' own commands under torchrun) on
-    a tiny model: every stage runs, and every number it prints is there and plausible."""
+def test_two_processes_and_deepspeed_at_one_run_every_stage_on_the_cpu_with_gloo(tmp_path):
+    """The check's DeepSpeed suites on a tiny model: two processes (ZeRO-3, the stages' own commands
+    under torchrun) and one (ZeRO-2; ZeRO-3 with LoRA and gradient checkpointing): every stage
+    runs, and every number it prints is there and plausible."""
     env = {**run_env(), "OMP_NUM_THREADS": "1"}
-    proc = subprocess.run([sys.executable, str(REPO / "scripts" / "gpu_check.py"), "--tiny", "--processes", "2",
-                           "--budget-s", "840",   # the default 360 s is a GPU's; a busy CPU takes minutes
+    proc = subprocess.run([sys.executable, str(REPO / "scripts" / "gpu_check.py"), "--tiny", "--suite", "2", "--suite", "ds1",
+                           "--budget-s", "1200",   # the default 360 s is a GPU's; a busy CPU takes minutes
                            "--out", str(tmp_path / "r.json"), "--keep", str(tmp_path / "work")], cwd=REPO, env=env, capture_output=True, text=True,
-                          timeout=900)
+                          timeout=1300)
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-3000:]
     assert proc.stdout.rstrip().endswith("gpu_check: every stage ran")
     results = json.loads((tmp_path / "r.json").read_text())
     suite = results["suites"]["2"]
-    assert sorted(suite) == sorted(r.name for r in gpu_check.runs())
+    assert sorted(suite) == sorted(r.name for r in gpu_check.runs(gpu_check.SUITES["2"]))
     for name, r in suite.items():
         assert r["plan_gib"] > 0 and r["resources/peak_rss_gib"] > 0, name
         assert f"\n{name:10s} " in proc.stdout
@@ -105,6 +125,16 @@ def test_two_processes_run_every_stage_on_the_cpu_with_gloo(tmp_path):
         # fp32 on the CPU: the sampler's and the trainer's log-probs agree to float rounding.
         assert 0 <= suite[name]["val/logprob_diff_mean"] <= suite[name]["val/logprob_diff_max"] < 1e-3
     assert {n for n in suite if suite[n]["lora"]} == {"sft+lora", "grpo+lora", "dpo+lora"}
+    ds1 = results["suites"]["ds1"]
+    assert list(ds1) == ["sft", "sft+lora", "reward", "ppo"] and ds1["sft+lora"]["lora"]
+    for name, r in ds1.items():
+        assert r["tokens_per_second"] > 0 and r["resources/peak_rss_gib"] > 0, name
+    # Each ran as the suite says: ZeRO-2 for SFT, ZeRO-3 with gradient checkpointing for SFT+LoRA.
+    work = tmp_path / "work"
+    zero = {name: json.loads((work / "pds1" / name.replace("+", "-") / "config.json").read_text())["sft"]
+            ["distributed"] for name in ("sft", "sft+lora")}
+    assert (zero["sft"]["zero_stage"], zero["sft+lora"]["zero_stage"], zero["sft+lora"]["gradient_checkpointing"]) \
+        == (2, 3, True)
     print(proc.stdout)
     assert results["failed"] == [] and results["skipped"] == [] and results["size"]["vocab"] == gpu_check.TINY.vocab
 

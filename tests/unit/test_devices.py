@@ -17,8 +17,10 @@ import torch
 
 import fake_device
 from conftest import HELPERS, free_port, tiny_ppo_inputs
+from pipeline import devices
 from pipeline.config import DistributedConfig, Params, PPOConfig, SamplingConfig
 from pipeline.errors import ConfigError
+from pipeline.ppo.mismatch import resolve_recompute
 from pipeline.ppo.placement import place_models
 from pipeline.ppo.rollout import Rollout, rollout
 from pipeline.ppo.scoring import score_rollout
@@ -165,6 +167,152 @@ def test_reductions_run_on_the_backends_device(monkeypatch):
     assert double.seen and set(double.seen) == {fake_device.NAME}
 
 
+# ---- pipeline/devices.py: every branch a GPU takes, taken by the fake accelerator -------------------
+
+
+def test_a_device_that_is_not_the_cpu_is_an_accelerator():
+    dev = fake_device.install()
+    assert [devices.is_accelerator(d) for d in (dev, "fakegpu", torch.device("cuda", 1), "cpu", torch.device("cpu"))] \
+        == [True, True, True, False, False]
+
+
+def test_sampling_streams_are_asked_of_the_device_and_the_cpu_keeps_its_own(monkeypatch):
+    """On an accelerator the stream is asked for on the device (a CUDA device gets one there). The
+    fake backend, registered from Python, cannot make one (torch raises NotImplementedError): it
+    gets the CPU's stream with the same seed, so its draws are the CPU run's. The CPU is asked for
+    the CPU's stream, as the committed runs were."""
+    dev = fake_device.install()
+    with pytest.raises(NotImplementedError):
+        torch.Generator(device=dev)
+    plain = torch.Generator().manual_seed(11)
+    asked = _spy_on_generators(monkeypatch)
+    on_device, on_cpu = devices.generator(dev, 11), devices.generator(torch.device("cpu"), 11)
+    assert asked == ["fakegpu:0", "cpu", "cpu"]   # the device's stream tried first, then the CPU's
+    assert on_device.device.type == on_cpu.device.type == "cpu"
+    assert on_device.initial_seed() == on_cpu.initial_seed() == 11
+    draws = [torch.randint(1000, (6,), generator=g, device="cpu").tolist() for g in (on_device, on_cpu, plain)]
+    assert draws[0] == draws[1] == draws[2]
+
+
+def _spy_on_generators(monkeypatch) -> list[str]:
+    """From now on, every `torch.Generator(...)` made records the device it was asked for (the list
+    returned); the streams are real ones."""
+    asked: list[str] = []
+
+    class Spy(torch.Generator):
+        def __new__(cls, device="cpu"):
+            asked.append(str(device))
+            return super().__new__(cls, device)
+
+    monkeypatch.setattr(torch, "Generator", Spy)
+    return asked
+
+
+def test_the_collective_backend_follows_the_devices_type():
+    """gloo between CPU processes, NCCL between CUDA GPUs, torch's pairing for another accelerator
+    (XCCL for XPU), gloo for one torch pairs with none (the fake one: the tests' collective double
+    checks NCCL's rule over a gloo group)."""
+    dev = fake_device.install()
+    assert [devices.collective_backend(d) for d in ("cpu", torch.device("cuda", 0), torch.device("xpu", 0), dev)] \
+        == ["gloo", "nccl", "xccl", "gloo"]
+
+
+def test_memory_counters_are_read_on_an_accelerator_only(monkeypatch):
+    """The fake device's module counts 0 bytes (its tensors' memory is the CPU's); the CPU has no
+    device counters (None, not 0); a CUDA device is asked through torch.cuda, about itself."""
+    dev = fake_device.install()
+    assert (devices.peak_memory_gib(dev), devices.allocated(dev)) == (0.0, 0)
+    devices.reset_peak(dev)
+    cpu = torch.device("cpu")
+    assert (devices.peak_memory_gib(cpu), devices.allocated(cpu), devices.free_memory(cpu)) == (None, None, None)
+    assert devices.free_memory(dev) is None   # the fake module has no mem_get_info: no number, not a made-up one
+    asked = []
+    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: True)
+    monkeypatch.setattr(torch.cuda, "max_memory_allocated", lambda d: asked.append(("peak", d)) or 3 * 2 ** 30)
+    monkeypatch.setattr(torch.cuda, "reset_peak_memory_stats", lambda d: asked.append(("reset", d)))
+    monkeypatch.setattr(torch.cuda, "memory_allocated", lambda d: asked.append(("now", d)) or 5)
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda d: asked.append(("free", d)) or (7, 8))
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda d: "H100")
+    gpu = torch.device("cuda", 1)
+    assert (devices.peak_memory_gib(gpu), devices.allocated(gpu), devices.free_memory(gpu)) == (3.0, 5, (7, "H100"))
+    devices.reset_peak(gpu)
+    assert asked == [("peak", gpu), ("now", gpu), ("free", gpu), ("reset", gpu)]
+    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: False)   # nothing allocated yet: not started for it
+    assert devices.peak_memory_gib(gpu) is None and len(asked) == 4
+
+
+def test_an_accelerator_becomes_the_current_device_and_joins_its_backend(monkeypatch):
+    """distributed.init on a device that is not the CPU makes it this process's current device
+    (torch.cuda.set_device on a GPU) before joining the group, with the device's collective backend."""
+    dev = fake_device.install()
+    made_current, joined = [], []
+    monkeypatch.setattr(torch.get_device_module(dev), "set_device", made_current.append, raising=False)
+    monkeypatch.setattr(distributed, "resolve_device", lambda cfg, local_rank=0: dev)
+    monkeypatch.setattr(distributed, "import_deepspeed", lambda: types.SimpleNamespace(
+        init_distributed=lambda dist_backend, timeout: joined.append(dist_backend)))
+    monkeypatch.setattr(distributed, "dist", types.SimpleNamespace(
+        is_initialized=lambda: False, get_world_size=lambda: 1, get_rank=lambda: 0))
+    for name in ("default_pg_timeout", "default_pg_nccl_timeout"):   # init sets them for the process
+        monkeypatch.setattr(distributed.c10d, name, getattr(distributed.c10d, name))
+    monkeypatch.setattr(distributed, "_joined_launched_group", False)
+    for key, value in {"LOCAL_RANK": "0", "RANK": "0", "WORLD_SIZE": "1"}.items():   # one launched rank
+        monkeypatch.setenv(key, value)
+    ctx = distributed.init(DistributedConfig(backend="deepspeed"))
+    assert ctx.device == dev and made_current == [dev] and joined == ["gloo"]
+    made_current.clear()
+    devices.set_current(torch.device("cpu"))
+    assert made_current == []
+
+
+def test_an_accelerator_gets_recomputed_logprobs_whatever_its_name():
+    """auto: the sampler's log-probs are trusted only on the CPU, where their agreement was measured."""
+    dev = fake_device.install()
+    assert resolve_recompute("auto", "fp32", torch.float32, dev.type) == (True, "auto: a fakegpu device")
+    assert resolve_recompute("auto", "fp32", torch.float32, "cuda") == (True, "auto: a cuda device")
+    assert resolve_recompute("auto", "fp32", torch.float32, "cpu")[0] is False
+
+
+def test_the_ppo_trainer_on_a_device_that_is_not_the_cpu_takes_the_gpu_branches(dirs, monkeypatch):
+    """Placed and stepped on the fake accelerator, PPO recomputes the old log-probs (its reason names
+    the device), asks for its sampling stream and a measurement's per-row streams on the device
+    (devices.generator: the fake one falls back to the CPU's), meters each placed model's memory
+    and reports the iteration's peak (0 bytes on the fake device); on the CPU it keeps the
+    sampler's log-probs and has no memory figures."""
+    from pipeline.models.rollout_engine import TORCH, Request
+    params = _params(iterations=1)
+    cpu = place_models(params, dirs / "sft", dirs / "rm")
+    on_cpu = PPOTrainer(params.ppo, cpu, PROMPTS)
+    cpu_stats = on_cpu.step()
+    assert (on_cpu.recompute, cpu.memory) == (False, None) and "memory/peak_gib" not in cpu_stats
+    with fake_device.use_fake_gpu() as dev:
+        m = place_models(params, dirs / "sft", dirs / "rm", Context(device=dev))
+        asked = _spy_on_generators(monkeypatch)
+        trainer = PPOTrainer(params.ppo, m, PROMPTS)
+        assert asked.count("fakegpu:0") == 1
+        assert trainer.sample_gen.initial_seed() == on_cpu.sample_gen.initial_seed() == params.ppo.seed + 1
+        TORCH.generate(m.actor.model, Request([m.tok(PROMPTS[0])["input_ids"]], m.tok.pad_token_id,
+                                              (m.tok.eos_token_id,), params.ppo.sampling, seeds=[5, 6]))
+        assert asked.count("fakegpu:0") == 3   # one per seeded row
+        stats = trainer.step()
+    assert (trainer.recompute, trainer.recompute_reason) == (True, "auto: a fakegpu device")
+    assert m.memory == {"actor": 0.0, "critic": 0.0, "reference": 0.0, "reward": 0.0}
+    assert stats["memory/peak_gib"] == 0.0
+    assert stats["objective/scores"] == pytest.approx(cpu_stats["objective/scores"], rel=1e-5)   # the same draws
+
+
+def test_a_stage_on_a_device_that_is_not_the_cpu_reports_its_devices_and_their_memory():
+    """The skeleton's resources: the process count of GPUs (0 on the CPU) and, where the device
+    counts its memory, its peak."""
+    import time
+    from pipeline.stages.skeleton import StageRun
+    dev = fake_device.install()
+    on = {where: StageRun.resources(types.SimpleNamespace(ctx=Context(world_size=2, device=d),
+                                                          started=time.perf_counter()))
+          for where, d in (("device", dev), ("cpu", torch.device("cpu")))}
+    assert on["device"]["resources/gpus"] == 2 and on["device"]["resources/peak_device_gib"] == 0.0
+    assert on["cpu"]["resources/gpus"] == 0 and "resources/peak_device_gib" not in on["cpu"]
+
+
 def test_backend_none_uses_the_gpu_torch_sees(monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
@@ -257,28 +405,63 @@ def test_the_static_check_sees_a_device_less_factory(tmp_path):
     assert [n.lineno for n in found] == [2]
 
 
-def _ranks(world: int, out: Path) -> dict:
+# Sizes at which every collective path of the stages runs at 2 processes: global batches of 4 (2 per
+# rank), and 17 held-out rows, so an evaluation pass in spans of 2 x 8 rows ends on a span of one
+# row, one rank scoring it while the other runs its dummy forward (DPO's, KTO's and the
+# demonstrations' loss of rs, whose evaluation batch is twice the training batch).
+COLLECTIVE_DATA = dict(n_sft=8, n_sft_eval=17, n_pairs=8, n_pairs_eval=17, n_ppo_prompts=8, n_eval_prompts=4)
+SUPERVISED = {"batch_size": 4, "epochs": 1.0, "eval_every": 2, "save_every": 2}
+COLLECTIVE_PARAMS = {
+    "model": {"hidden_size": 32, "num_layers": 1, "num_heads": 2, "intermediate_size": 64},
+    "prompts": {"sampling": {"max_new_tokens": 4}},
+    "reward": {**SUPERVISED, "n_sft_samples": 3},
+    "dpo": {**SUPERVISED, "n_eval_prompts": 3},
+    "kto": {**SUPERVISED, "n_eval_prompts": 3},
+    "rs": {**SUPERVISED, "n": 2, "n_prompts": 8, "n_eval_prompts": 3, "sampling": {"max_new_tokens": 4}},
+    # One minibatch per epoch: the global minibatch is the whole rollout whatever the rank count
+    # (each rank shuffles only its own rows).
+    "ppo": {"iterations": 1, "rollout_batch_size": 4, "minibatch_size": 4, "micro_batch_size": 1, "ppo_epochs": 2,
+            "save_every": 1, "n_eval_prompts": 3, "whiten_rewards": True, "sampling": {"max_new_tokens": 4}},
+}
+
+
+@pytest.fixture(scope="module")
+def groups(tmp_path_factory) -> tuple[Path, dict, dict]:
+    """tests/helpers/measure_ranks.py run by 1 process and by the 2 ranks of a gloo group, both at
+    once (the single process mostly fills the pair's waits on each other): (their folder, what the
+    one process wrote, what the pair's rank 0 wrote)."""
+    import json
     import os
     import subprocess
     import sys
-    env = {**os.environ, "WORLD_SIZE": str(world), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()),
-           "OMP_NUM_THREADS": "1"}
-    procs = [subprocess.Popen([sys.executable, str(HELPERS / "measure_ranks.py"), str(out)],
-                              env={**env, "RANK": str(r)}, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-             for r in range(world)]
-    for p in procs:
-        _, err = p.communicate(timeout=600)
-        assert p.returncode == 0, err[-3000:]
-    import json
-    return json.loads(out.read_text())
+
+    from conftest import tiny_policy_and_reward_model
+    from pipeline.config import DataConfig
+    root = tmp_path_factory.mktemp("ranks")
+    prepare_run(DataConfig(**COLLECTIVE_DATA), root / "inputs" / "data")
+    tiny_policy_and_reward_model(root / "inputs", root / "inputs" / "data")
+    (root / "params.json").write_text(json.dumps(COLLECTIVE_PARAMS))
+    procs = []
+    for world in (1, 2):
+        (root / str(world)).mkdir()
+        env = {**os.environ, "WORLD_SIZE": str(world), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()),
+               "OMP_NUM_THREADS": "1"}
+        procs += [(f"rank {r} of {world}", subprocess.Popen(
+            [sys.executable, str(HELPERS / "measure_ranks.py"), str(root / str(world)), str(root / "inputs"),
+             str(root / "params.json")], env={**env, "RANK": str(r)}, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+            text=True)) for r in range(world)]
+    # Every failed rank's last words: where one rank fails, its peer's error is only the broken link.
+    failed = [f"{name}: {err[-2000:]}" for name, p in procs for _, err in [p.communicate(timeout=600)] if p.returncode]
+    assert not failed, "\n\n".join(failed)
+    one, two = (json.loads((root / str(world) / "result.json").read_text()) for world in (1, 2))
+    return root, one, two
 
 
-def test_two_processes_measure_what_one_measures(tmp_path):
+def test_two_processes_measure_what_one_measures(groups):
     """measure_policies and the reward model's final evaluation in 2 gloo processes (the prompts and
     pairs shared out, every collective refusing host tensors as NCCL does, the models on a non-CPU
     device where no CPU matrix product is allowed) equal 1 process, value for value and in order."""
-    one = _ranks(1, tmp_path / "one.json")
-    two = _ranks(2, tmp_path / "two.json")
+    _, one, two = groups
     assert two["per"] == one["per"]
     # The same scores in the same order; a pair's batch-mates (and so its padding) differ, hence float tolerance.
     assert len(one["pairs"][0]) == len(two["pairs"][1]) == 151 and one["pairs"][0] != one["pairs"][1]
@@ -292,6 +475,63 @@ def test_two_processes_measure_what_one_measures(tmp_path):
     assert values["kl"][0] != 0.0 and one["per"]["b"][2]["kl"] == [0.0] * 70   # b is the reference itself
 
 
+# What is not the same value at 2 processes by design: timings and the process's resources (the
+# process count of devices among them); PPO's per-rank statistic that its step averages over ranks
+# (a rollout's distinct bigrams); the most minus
+# the fewest held-out pairs a rank scored. Each as the step logs and as metrics.json spell it
+# ("time/update", "train/time_update").
+PER_RANK = ("resources/", "train/seconds", "time/", "time_", "tokens_per_second", "objective/distinct_2",
+            "objective_distinct_2", "eval/pairs_imbalance")
+
+
+def _stage_outputs(folder: Path) -> dict:
+    """metrics.json and the step logs of a stage's folder, and its model's weights (float64)."""
+    import csv
+    import json
+
+    from safetensors.torch import load_file
+    out = {f"metrics/{k}": v for k, v in _flat(json.loads((folder / "metrics.json").read_text())).items()}
+    for log in ("train", "eval"):
+        if (folder / f"{log}.tsv").exists():
+            for i, row in enumerate(csv.DictReader((folder / f"{log}.tsv").open(), delimiter="\t")):
+                out.update({f"{log}/{i}/{k}": float(v) for k, v in row.items()})
+    out.update({f"weights/{k}": v.double() for k, v in load_file(folder / "model" / "model.safetensors").items()})
+    return out
+
+
+def test_every_collective_of_the_stages_reduces_over_two_processes_as_one_process(groups):
+    """The stop decision, the PPO trainer's whitening, and the stages reward, dpo, kto, rs and ppo,
+    whole (tests/helpers/stage_collectives.py), in 2 gloo processes on the fake accelerator with
+    every collective refusing host tensors as NCCL does: the sharded training steps' sums, the
+    held-out losses (uneven shares and an empty one), PPO's token counts and step statistics, and
+    the barriers of the resumable state and of the stages run, and every metric, step-log value and
+    trained weight equals the single process's, but those that are per rank by design (PER_RANK)."""
+    root, one, two = groups
+    one, two = one["stages"], two["stages"]
+    # The last rank alone was asked to stop: every rank stops, with its signal; then none does.
+    assert one["stop"] == [15, 0] and two["stop"] == [15, 0, 15, 0]
+    # Whitened over the global batch: each rank's rows as one process whitens all six (float64 sums).
+    assert len(two["whitened"]) == 6
+    assert torch.tensor(two["whitened"]).allclose(torch.tensor(one["whitened"]), rtol=0, atol=1e-12)
+    assert two["collectives"] > 0
+    # PPO's rollout: the same rows at both counts, and the ranks' shares of its tokens unequal, so a
+    # rank's own token count times the rank count is not the global batch's.
+    (rows,), ((first,), (second,)) = one["rollout_lengths"][0], two["rollout_lengths"]
+    assert first + second == rows and len(rows) == 4 and sum(first) != sum(second)
+    for stage in ("reward", "dpo", "kto", "rs", "ppo"):
+        want, got = (_stage_outputs(root / str(world) / stage) for world in (1, 2))
+        assert got.keys() == want.keys() and any(k.startswith(("eval/", "train/")) for k in want), stage
+        for key, value in want.items():
+            if any(part in key for part in PER_RANK):
+                continue
+            # The sums add in another order, and a row's batch-mates (its padding) differ: float32
+            # log-prob sums keep about 1e-5 of absolute error (DPO's margins are their differences).
+            if isinstance(value, torch.Tensor):
+                assert torch.allclose(got[key], value, rtol=1e-4, atol=1e-5), (stage, key)
+            else:
+                assert got[key] == pytest.approx(value, rel=1e-4, abs=5e-5, nan_ok=True), (stage, key)
+
+
 def _flat(d: dict, prefix: str = "") -> dict:
     out = {}
     for k, v in d.items():
@@ -299,10 +539,17 @@ def _flat(d: dict, prefix: str = "") -> dict:
     return out
 
 
+def gpu_only(stage: str) -> set[str]:
+    """The metrics.json names a stage writes on a GPU only: its peak device memory and, for the RL
+    stages, the last iteration's (pipeline/devices.py counts it where the device's module does)."""
+    return {"resources/peak_device_gib"} | ({"train/memory_peak_gib"} if stage in ("ppo", "grpo") else set())
+
+
 def test_the_tiny_pipeline_on_a_device_that_is_not_the_cpu_measures_what_the_cpu_does(tmp_path, monkeypatch):
     """sft, reward, ppo and evaluate in this process with every model on the fake accelerator (the
     device `distributed.device` resolves to): no device mix anywhere on their paths, config.json
-    records the device, and every metric but the timings equals the CPU run's."""
+    records the device, metrics.json the GPU's resources (one process on one device, its peak memory:
+    0 bytes on the fake device), and every metric but the timings equals the CPU run's."""
     import json
     import shutil
 
@@ -332,7 +579,9 @@ def test_the_tiny_pipeline_on_a_device_that_is_not_the_cpu_measures_what_the_cpu
         assert runtime.get("dtypes") == (None if stage == "evaluate" else
                                          {"weights": "float32", "optimizer_states": "float32", "compute": "float32"})
         want, got = (_flat(json.loads((tmp_path / w / stage / "metrics.json").read_text())) for w in ("cpu", "dev"))
-        assert got.keys() == want.keys() and got["resources/gpus"] == 0
+        assert got.keys() == want.keys() | gpu_only(stage)
+        assert {k: got[k] for k in gpu_only(stage)} == dict.fromkeys(gpu_only(stage), 0.0)
+        assert (got["resources/gpus"], want["resources/gpus"]) == (1, 0)
         for key, value in want.items():
             if not key.startswith(timings):
                 assert got[key] == pytest.approx(value, rel=1e-4, abs=1e-6, nan_ok=True), (stage, key)
@@ -383,7 +632,7 @@ def test_every_method_and_option_on_a_device_that_is_not_the_cpu_measures_what_t
     for stage in ("dpo", "kto", "rs", "grpo", "ppo", "compare"):
         assert json.loads((tmp_path / "dev" / stage / "config.json").read_text())["runtime"]["device"] == fake_device.NAME
         want, got = (_flat(json.loads((tmp_path / w / stage / "metrics.json").read_text())) for w in ("cpu", "dev"))
-        assert got.keys() == want.keys()
+        assert got.keys() == want.keys() | gpu_only(stage)
         for key, value in want.items():
             # The fake device runs other CPU kernels (no fused attention): log-prob differences
             # of nearly equal numbers (DPO's implicit rewards) keep about 1e-5 of absolute error.
