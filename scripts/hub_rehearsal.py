@@ -145,15 +145,17 @@ def summary(repo: Path, seconds: float) -> dict[str, Any]:
     gen = read(BASE / "generation_config.json")
     tok = read(BASE / "tokenizer_config.json")
     ev, rm, sft = read("outputs/evaluate/metrics.json"), read("outputs/reward/metrics.json"), read("outputs/sft/metrics.json")
-    import platform
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    from demo_seeds import machine
     return {
-        "seconds": round(seconds, 1), "threads": torch_threads(), "machine": platform.processor() or platform.machine(),
+        "date": time.strftime("%Y-%m-%d"), "seconds": round(seconds, 1), "threads": torch_threads(),
+        "machine": machine(),
         "base": {"saved_dtype": read(BASE / "config.json").get("dtype"), "eos_token_id": gen.get("eos_token_id"),
                  "pad_token": tok.get("pad_token"), "tie_word_embeddings": read(BASE / "config.json").get("tie_word_embeddings"),
                  "chat_template": bool(tok.get("chat_template") or (base / "chat_template.jinja").exists()),
                  "tokenizer": tok.get("tokenizer_class")},
         "dtypes": {stage: read(f"outputs/{stage}/config.json")["runtime"].get("dtypes") for stage in ("sft", "reward", "ppo")},
-        "lr": {stage: read(f"outputs/{stage}/config.json")["params"][stage]["lr"] for stage in ("sft", "reward", "ppo")},
+        "lr": {stage: read(f"outputs/{stage}/config.json")[stage]["lr"] for stage in ("sft", "reward", "ppo")},
         "sft": {"eval_loss": sft["eval"]["loss"], "well_formed": sft["sft"]["well_formed"]},
         "reward": {"accuracy": rm["eval"]["accuracy"], "accuracy_of_ceiling": rm["eval"]["accuracy_of_ceiling"]},
         "gold": {name: {"gold": ev[name]["gold"], "ci95": ev[name]["gold_ci95"], "kl": ev[name]["kl"]}
@@ -200,7 +202,7 @@ def main(argv: list[str] | None = None) -> int:
     m.add_argument("--base", type=Path, default=BASE)
     m.add_argument("--code", type=Path, default=ROOT, help="the checkout whose code and params.yaml run (default: this)")
     m.add_argument("--work", type=Path, default=ROOT / ".rehearsal" / "master-weights")
-    m.add_argument("--out", type=Path, help="write the result here as JSON")
+    m.add_argument("--out", type=Path, help="add the result to this JSON list (e.g. docs/data/hub-rehearsal-master-weights.json)")
     args = ap.parse_args(argv)
     if args.cmd == "base":
         build_base(args.out)
@@ -208,11 +210,12 @@ def main(argv: list[str] | None = None) -> int:
         run(args.dir.resolve(), args.record)
     else:
         result = master_weights(args.base, args.code.resolve(), args.work.resolve())
-        text = json.dumps(result, indent=1) + "\n"
-        if args.out:
+        print(json.dumps(result, indent=1))
+        if args.out:   # a list of runs, one per checkout's code: this one's replaces its earlier run
             from pipeline.files import atomic_write_text
-            atomic_write_text(args.out, text)
-        print(text, end="")
+            earlier = json.loads(args.out.read_text()) if args.out.is_file() else []
+            runs = [r for r in earlier if r.get("code") != result["code"]] + [result]
+            atomic_write_text(args.out, json.dumps(runs, indent=1) + "\n")
     return 0
 
 
