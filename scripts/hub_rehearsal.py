@@ -128,9 +128,16 @@ def master_weights(base: Path, code: Path, work: Path) -> dict[str, Any]:
                       "steps": metrics["train"]["steps"], "seconds": round(time.monotonic() - start, 1),
                       "share_of_weights_moved": share_moved(bases["fp32_upcast"], work / f"sft-{name}" / "model"),
                       "saved_dtype": json.loads((work / f"sft-{name}" / "model" / "config.json").read_text()).get("dtype")}
+    same = _weights(work / "sft-bf16" / "model"), _weights(work / "sft-fp32_upcast" / "model")
     return {"code": rev, "lr": recipe["sft"]["lr"], "threads": torch_threads(), **runs,
+            "identical_weights": same[0].keys() == same[1].keys() and all(torch_equal(same[0][k], same[1][k]) for k in same[0]),
             "eval_loss_gap": runs["bf16"]["eval_loss"] - runs["fp32_upcast"]["eval_loss"],
             "train_loss_gap": runs["bf16"]["train_loss"] - runs["fp32_upcast"]["train_loss"]}
+
+
+def torch_equal(a, b) -> bool:
+    import torch
+    return bool(torch.equal(a, b))
 
 
 def torch_threads() -> int:

@@ -291,7 +291,8 @@ def render_hub_rehearsal(root: Path) -> str:
              f"{get(d, 'dtypes/sft/weights') or NA} weights with {get(d, 'dtypes/sft/optimizer_states') or NA} "
              "optimizer states.", "",
              "| policy | gold (95% CI) | KL to SFT, nats |", "| --- | --- | --- |"]
-    for name, g in d.get("gold", {}).items():
+    for name in policies(d.get("gold", {})):
+        g = d["gold"][name]
         ci = g.get("ci95")
         lines.append(f"| {policy_label(name)} | {num(g.get('gold'), '.2f')} (± {num(ci, '.2f')}) | {num(g.get('kl'), '.2f')} |")
     lines += ["", f"PPO beats SFT by the gold annotator on {pct(win.get('win_rate'))} of the held-out prompts "
@@ -300,12 +301,15 @@ def render_hub_rehearsal(root: Path) -> str:
     runs = read_json(root, "docs/data/hub-rehearsal-master-weights.json") or []
     if runs:
         lines += ["", "The recipe's SFT stage from the bf16 base and from its exact fp32 upcast, with each version's code:", "",
-                  "| code | base | final train loss | held-out loss | weights moved |", "| --- | --- | --- | --- | --- |"]
+                  "| code | base | final train loss | held-out loss | weights moved | weights saved as | same weights as from the upcast |",
+                  "| --- | --- | --- | --- | --- | --- | --- |"]
         for r in runs:
             for kind in ("bf16", "fp32_upcast"):
                 k = r.get(kind, {})
+                same = ({True: "yes", False: "no"}.get(r.get("identical_weights"), NA)) if kind == "bf16" else ""
                 lines.append(f"| {r.get('code', NA)} | {kind.replace('_', ' ')} | {num(k.get('train_loss'), '.4f')} | "
-                             f"{num(k.get('eval_loss'), '.4f')} | {pct(k.get('share_of_weights_moved'), 2)} |")
+                             f"{num(k.get('eval_loss'), '.4f')} | {pct(k.get('share_of_weights_moved'), 3)} | "
+                             f"{k.get('saved_dtype') or NA} | {same} |")
     return "\n".join(lines)
 
 
