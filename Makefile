@@ -106,9 +106,10 @@ test: install
 	else echo "make test: not root: the SLURM tier runs only if a cluster already answers (scripts/slurm-local.sh needs root)"; fi
 	pytest -q -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder --durations=$(TEST_DURATIONS)
 
-# Every stage on this machine's GPUs (one process; two over NCCL when two GPUs are visible) on a
-# locally built model: memory plan vs measured peak, tokens/s, MFU, log-prob differences; exit 1 on
-# any failure. ARGS passes options, e.g. ARGS="--budget-s 900 --out gpu_check.json".
+# Every stage on this machine's GPUs on a locally built model (plain PyTorch and DeepSpeed at one
+# process; two processes over NCCL too when two GPUs are visible): memory plan vs measured peak,
+# tokens/s, MFU, log-prob differences, CPU work while on the GPU; exit 1 on any failure. ARGS passes
+# options, e.g. ARGS="--budget-s 900 --out gpu_check.json".
 gpu-check: install
 	$(BIN)/python scripts/gpu_check.py $(ARGS)
 

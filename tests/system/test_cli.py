@@ -69,7 +69,8 @@ def test_recipe_list_names_each_recipe_with_its_first_comment_line(capsys):
         first = next(li for li in path.read_text().splitlines() if li.startswith("#")).lstrip("# ").strip()
         name, description = line.split(None, 1)
         assert (name, description) == (path.stem, first)
-    assert lines[2].startswith("tldr-pythia-1b ") and "TL;DR summarisation with Pythia 1B" in lines[2]
+    assert lines[3].startswith("tldr-pythia-1b ") and "TL;DR summarisation with Pythia 1B" in lines[3]
+    assert lines[2].startswith("hub-rehearsal ") and "checkpoint packaged as hub ones are" in lines[2]
     assert lines[0].startswith("demo ") and "A first look in about three minutes" in lines[0]
     # Neither a name nor --list: one line saying what to give.
     assert main(["recipe"]) == 2

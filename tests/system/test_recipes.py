@@ -18,7 +18,14 @@ from pipeline.errors import ConfigError
 
 
 def test_recipes_exist():
-    assert recipes.names() == ["demo", "hh-rlhf-pythia-1.4b", "tldr-pythia-1b"]
+    assert recipes.names() == ["demo", "hh-rlhf-pythia-1.4b", "hub-rehearsal", "tldr-pythia-1b"]
+
+
+def test_the_hub_rehearsal_tunes_sft_and_the_reward_model_at_a_hub_learning_rate_from_its_local_base():
+    _, p, jobs = recipes.render("hub-rehearsal", REPO / "params.yaml")
+    assert p.model.name_or_path == "hub-rehearsal/base" and jobs == {}   # scripts/hub_rehearsal.py writes it there
+    assert p.sft.lr <= 2e-5 and p.reward.lr <= 2e-5 and p.prompts.gold_judge
+    assert p.sft.max_length >= 128 and p.reward.max_length >= 128      # ChatML prompts in BPE tokens
 
 
 @pytest.mark.parametrize("name", ["hh-rlhf-pythia-1.4b", "tldr-pythia-1b"])
@@ -78,7 +85,7 @@ def test_recipe_command_writes_params_and_snakemake_plans_the_stages(tmp_path):
 
 
 def test_unknown_recipe_and_bad_recipe_values(tmp_path, monkeypatch):
-    with pytest.raises(ConfigError, match=r"recipe nope: no such recipe \(known: demo, hh-rlhf-pythia-1.4b, tldr-pythia-1b\)"):
+    with pytest.raises(ConfigError, match=r"recipe nope: no such recipe \(known: demo, hh-rlhf-pythia-1.4b, hub-rehearsal, tldr-pythia-1b\)"):
         recipes.render("nope", REPO / "params.yaml")
     folder = tmp_path / "recipes"
     folder.mkdir()
