@@ -126,7 +126,7 @@ def test_two_processes_and_deepspeed_at_one_run_every_stage_on_the_cpu_with_gloo
         assert 0 <= suite[name]["val/logprob_diff_mean"] <= suite[name]["val/logprob_diff_max"] < 1e-3
     assert {n for n in suite if suite[n]["lora"]} == {"sft+lora", "grpo+lora", "dpo+lora"}
     ds1 = results["suites"]["ds1"]
-    assert list(ds1) == ["sft", "sft+lora", "reward", "ppo"] and ds1["sft+lora"]["lora"]
+    assert sorted(ds1) == sorted(r.name for r in gpu_check.runs(gpu_check.SUITES["ds1"])) and ds1["sft+lora"]["lora"]
     for name, r in ds1.items():
         assert r["tokens_per_second"] > 0 and r["resources/peak_rss_gib"] > 0, name
     # Each ran as the suite says: ZeRO-2 for SFT, ZeRO-3 with gradient checkpointing for SFT+LoRA.

@@ -16,8 +16,8 @@ from conftest import REPO
 
 # This project's own modules: the package, the tests' shared fixtures and helpers (imported by their bare
 # names: tests/conftest.py), and the scripts and benchmarks that import each other.
-LOCAL = {"pipeline", "conftest", "seed_grid", "demo_seeds", "benchmarks", "gpu_check",
-         *(p.stem for p in (REPO / "tests" / "helpers").glob("*.py"))}
+LOCAL = {"pipeline", "conftest", "benchmarks",   # and the scripts, benchmarks and test helpers, imported by file name
+         *(p.stem for folder in ("scripts", "benchmarks", "tests/helpers") for p in (REPO / folder).glob("*.py"))}
 # Modules of an optional extra that the pipeline imports lazily: the extra, and the one module that
 # imports it, inside a function (checked below), so that nothing else needs the extra installed.
 # vLLM (the experimental rollout engine) cannot be installed here: its wheels need CUDA.
