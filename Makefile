@@ -33,7 +33,7 @@ demo: install
 	$(BIN)/python scripts/demo.py --seed $(SEED)
 
 # The hub path rehearsed offline (recipes/hub-rehearsal.yaml): a bf16, BPE, chat-template, no-pad
-# checkpoint built here, then the whole pipeline from it in .rehearsal/repo (about 15 minutes).
+# checkpoint built here, then the whole pipeline from it in .rehearsal/repo (minutes; docs/guide/own-model-and-data.md).
 hub-rehearsal: install
 	$(BIN)/python scripts/hub_rehearsal.py run
 

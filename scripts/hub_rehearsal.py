@@ -1,6 +1,6 @@
 """The hub path rehearsed on a CPU: the default task from a checkpoint packaged as hub checkpoints are.
 
-    python scripts/hub_rehearsal.py base            # writes hub-rehearsal/base (about 2 minutes)
+    python scripts/hub_rehearsal.py base            # writes hub-rehearsal/base
     python -m pipeline recipe hub-rehearsal && dvc repro
 
     make hub-rehearsal                              # both, in a copy of the project (.rehearsal/)
