@@ -45,17 +45,13 @@ def _yaml(path: Path) -> dict:
     return YAML(typ="safe", pure=True).load(path.read_text(encoding="utf-8"))
 
 
-def _merge(base: dict, over: dict) -> dict:
-    for key, value in over.items():
-        base[key] = _merge(dict(base.get(key) or {}), value) if isinstance(value, dict) else value
-    return base
-
-
 def _write_params(path: Path, params_file: Path, over: dict) -> Path:
     from ruamel.yaml import YAML
+
+    from pipeline.workflow.recipes import merge
     path.parent.mkdir(parents=True, exist_ok=True)
     with open(path, "w", encoding="utf-8") as f:
-        YAML().dump(_merge(_yaml(params_file), over), f)
+        YAML().dump(merge(_yaml(params_file), over), f)
     return path
 
 
@@ -83,7 +79,7 @@ def build_base(out: Path, data_over: dict | None = None, sft_over: dict | None =
     hub_rehearsal.random_base(work / "raw")
     params = _write_params(work / "params.yaml", ROOT / "params.yaml",
                            {"data": data_cfg, "model": {"name_or_path": str(work / "raw")},
-                            "sft": _merge(dict(BASE_SFT), sft_over or {})})
+                            "sft": {**BASE_SFT, **(sft_over or {})}})
     _stage(sys.executable, ROOT, "sft", params, work / "prepared", work / "sft")
     hub_rehearsal.as_hub(work / "sft" / "model", out)
     shutil.rmtree(work, ignore_errors=True)
@@ -128,16 +124,12 @@ def master_weights(base: Path, code: Path, work: Path) -> dict[str, Any]:
                       "steps": metrics["train"]["steps"], "seconds": round(time.monotonic() - start, 1),
                       "share_of_weights_moved": share_moved(bases["fp32_upcast"], work / f"sft-{name}" / "model"),
                       "saved_dtype": json.loads((work / f"sft-{name}" / "model" / "config.json").read_text()).get("dtype")}
-    same = _weights(work / "sft-bf16" / "model"), _weights(work / "sft-fp32_upcast" / "model")
+    import torch
+    a, b = _weights(work / "sft-bf16" / "model"), _weights(work / "sft-fp32_upcast" / "model")
     return {"code": rev, "lr": recipe["sft"]["lr"], "threads": torch_threads(), **runs,
-            "identical_weights": same[0].keys() == same[1].keys() and all(torch_equal(same[0][k], same[1][k]) for k in same[0]),
+            "identical_weights": a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a),
             "eval_loss_gap": runs["bf16"]["eval_loss"] - runs["fp32_upcast"]["eval_loss"],
             "train_loss_gap": runs["bf16"]["train_loss"] - runs["fp32_upcast"]["train_loss"]}
-
-
-def torch_equal(a, b) -> bool:
-    import torch
-    return bool(torch.equal(a, b))
 
 
 def torch_threads() -> int:

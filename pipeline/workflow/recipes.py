@@ -36,10 +36,10 @@ def describe(name: str) -> str:
     return "(no description)"
 
 
-def _merge(base: Any, override: Mapping[str, Any]) -> Any:
+def merge(base: Any, override: Mapping[str, Any]) -> Any:
     for key, value in override.items():
         if isinstance(value, Mapping) and isinstance(base.get(key), Mapping) and value:
-            _merge(base[key], value)
+            merge(base[key], value)
         else:
             base[key] = value
     return base
@@ -72,7 +72,7 @@ def render(name: str, params_path: Path, shapes: Sequence[str] = ()) -> tuple[st
         raise ConfigError(f"{params_path}: expected a mapping of params sections, got {type(base).__name__}")
     changes = dict(read_yaml(recipe) or {})
     jobs = changes.pop("slurm", None) or {}
-    _merge(base, changes)
+    merge(base, changes)
     text = _dump(yaml, base)
     plain = YAML(typ="safe", pure=True).load(text)
     where = f"{recipe.name} over {Path(params_path).name}: "
@@ -90,7 +90,7 @@ def render(name: str, params_path: Path, shapes: Sequence[str] = ()) -> tuple[st
 def profile_with(profile_path: Path, jobs: Mapping[str, Mapping[str, Any]]) -> tuple[str, dict[str, Any]]:
     """The SLURM profile with `jobs` merged into its `set-resources`, as text, and as plain data."""
     yaml = _round_trip()
-    doc = _merge(yaml.load(profile_path.read_text(encoding="utf-8")), {"set-resources": jobs})
+    doc = merge(yaml.load(profile_path.read_text(encoding="utf-8")), {"set-resources": jobs})
     text = _dump(yaml, doc)
     return text, YAML(typ="safe", pure=True).load(text)
 
