@@ -19,10 +19,11 @@ from __future__ import annotations
 
 import contextlib
 import os
-from typing import Any, Callable, Iterator, Optional, Union
+from typing import Callable, Iterator, Optional, Union
 
 import torch
 import torch.distributed as dist
+from torch.utils._python_dispatch import TorchDispatchMode
 
 Device = Union[torch.device, str]
 GIB = 2 ** 30
@@ -128,36 +129,32 @@ def matmul_flops(name: str, args: tuple) -> float:
     return 2.0 * a.numel() * b.shape[-1]
 
 
-def _cpu_matmul_counter() -> Any:
-    from torch.utils._python_dispatch import TorchDispatchMode
+class CpuMatmuls(TorchDispatchMode):
+    """FLOPs of the matrix products whose operands all are CPU tensors (`flops`), and the largest
+    one with its operands' shapes (`largest`, to name the culprit)."""
 
-    class CpuMatmuls(TorchDispatchMode):
-        """FLOPs of the matrix products whose operands all are CPU tensors, and the largest one."""
+    def __init__(self) -> None:
+        super().__init__()
+        self.flops = 0.0
+        self.largest: tuple[float, str] = (0.0, "")
 
-        def __init__(self) -> None:
-            super().__init__()
-            self.flops = 0.0
-            self.largest: tuple[float, str] = (0.0, "")
-
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            name = str(func)
-            if name in MATMULS and all(a.device.type == "cpu" for a in args if isinstance(a, torch.Tensor)):
-                flops = matmul_flops(name, args)
-                self.flops += flops
-                if flops > self.largest[0]:
-                    self.largest = (flops, f"{name} {[tuple(a.shape) for a in args if isinstance(a, torch.Tensor)]}")
-            return func(*args, **(kwargs or {}))
-
-    return CpuMatmuls()
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        name = str(func)
+        if name in MATMULS and all(a.device.type == "cpu" for a in args if isinstance(a, torch.Tensor)):
+            flops = matmul_flops(name, args)
+            self.flops += flops
+            if flops > self.largest[0]:
+                self.largest = (flops, f"{name} {[tuple(a.shape) for a in args if isinstance(a, torch.Tensor)]}")
+        return func(*args, **(kwargs or {}))
 
 
 @contextlib.contextmanager
-def counting_cpu_matmuls(device: Device) -> Iterator[Optional[Any]]:
+def counting_cpu_matmuls(device: Device) -> Iterator[Optional[CpuMatmuls]]:
     """While the body runs, the FLOPs of matrix products on CPU tensors in this thread (`.flops`,
     `.largest`), when COUNT_CPU_MATMULS is set and `device` is an accelerator; else None and no
     counting. Every operation then passes through Python, so it is for checks, not for runs."""
     if not (os.environ.get(COUNT_CPU_MATMULS) and is_accelerator(device)):
         yield None
         return
-    with _cpu_matmul_counter() as counter:
+    with CpuMatmuls() as counter:
         yield counter

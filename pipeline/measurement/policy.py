@@ -12,7 +12,8 @@ turn, see `whole`), every rank taking its share of the prompts. The prompts are 
 of GENERATION_BATCH in their global order, batch j goes to rank j mod N, and the results are
 gathered in order: a batch is the same batch whatever the number of processes, so N processes
 give what one gives. No forward is a collective, so no rank waits while another works, except at
-the one gather at the end (at most one batch's time).
+the one gather at the end (at most one batch's time; the spread of batches over ranks is recorded
+for the stage's metrics, see balance.py).
 
 Random numbers: each prompt's response is drawn from its own stream, seeded by (the policy's
 seed, the prompt's global index) (`prompt_seed`), on the device the policy samples on: the same
@@ -35,6 +36,7 @@ from ..models.logprobs import logprobs_from_logits, response_logits
 from ..models.rollout_engine import TORCH, Request, RolloutEngine
 from ..tracking.metric_names import METRICS_JSON, Metric
 from ..training.distributed import SINGLE, Context
+from . import balance
 from .stats import best_of_n_choices, best_of_n_kl, distinct_n, mean_ci
 
 Judge = Callable[[object, str], float]
@@ -140,7 +142,7 @@ def measure_policies(policies: Sequence[Policy], tok, prompts: list, sampling: S
             for s, e in mine:
                 part = parts[pol.name][s]
                 part.values["gold"] = [judge(p, r) for p, r in zip(prompts[s:e], part.texts)]
-    return _gathered(parts, ctx, [pol.name for pol in policies])
+    return _gathered(parts, ctx, [pol.name for pol in policies], len(mine))
 
 
 def _sample(model, tok, ids: list[list[int]], sampling: SamplingConfig, pol: Policy, start: int,
@@ -168,10 +170,13 @@ def _logprobs(model, tok, prompts: list, responses: list[str], temperature: floa
     return out
 
 
-def _gathered(parts: dict[str, dict[int, _Part]], ctx: Context, names: list[str]) -> dict[str, Measured]:
-    """Every rank's parts, in the prompts' order, on every rank."""
+def _gathered(parts: dict[str, dict[int, _Part]], ctx: Context, names: list[str], batches: int) -> dict[str, Measured]:
+    """Every rank's parts, in the prompts' order, on every rank (`batches`: this rank's count,
+    recorded with the others')."""
     local = [(name, s, p.texts, p.ended, p.values) for name in names for s, p in parts[name].items()]
-    everything = sorted((row for rank in ctx.gather(local) for row in rank), key=lambda row: row[1])
+    ranks = ctx.gather((batches, local))
+    balance.record([n for n, _ in ranks])
+    everything = sorted((row for _, rows in ranks for row in rows), key=lambda row: row[1])
     out = {name: Measured([], []) for name in names}
     for name, _, texts, ended, values in everything:
         m = out[name]

@@ -21,6 +21,7 @@ from ..data import inputs
 from ..files import read_json_object
 from ..errors import DataError, shown
 from ..data.preferences import Pair, check_distinct
+from ..measurement import balance
 from ..measurement.plots import calibration_plot, close_figure
 from ..measurement.policy import Measured, measure, whole
 from ..models import lora
@@ -144,6 +145,7 @@ def score_pairs(model, tok, pairs: list[Pair], max_length: int, ctx: Context = S
     ranks = ctx.gather(mine)   # ranks[r][k]: rank r's share of the k-th span of pairs
     ordered = [s for k in range(len(mine)) for r in ranks for s in r[k]]
     counts = [sum(map(len, r)) for r in ranks]
+    balance.record([len(r) for r in ranks])   # forwards per rank: equal by eval_parts' construction
     chosen, rejected = (torch.tensor(col, dtype=torch.float32, device="cpu") for col in zip(*ordered))
     return chosen, rejected, max(counts) - min(counts)
 

@@ -194,7 +194,9 @@ def winners(run: StageRun, sft_policy, tok, prompts: list, reward_dir: Path, fp:
         dtype = next(sft_policy.parameters()).dtype
         reward = RewardModelSource(reward_dir, params.reward.max_length, params.model.trust_remote_code,
                                    device=ctx.device, dtype=dtype)
-        cands = sample_candidates(sft_policy.to(ctx.device), tok, prompts, params, reward, inputs.judge(params), ctx)
+        # Partitioned (ZeRO-3), the SFT policy is gathered whole for sampling; otherwise it samples where it will train.
+        policy = loading.Loaded(sft_policy if loading.is_partitioned(sft_policy) else sft_policy.to(ctx.device))
+        cands = sample_candidates(policy, tok, prompts, params, reward, inputs.judge(params), ctx)
         del reward   # freed before the first training step
         if ctx.is_main:
             rows, stats = select(prompts, cands, params.rs.min_score)
@@ -221,6 +223,13 @@ def measure_policy(model, tok, params: Params, sft_dir: Path, reward_dir: Path, 
                            ctx=ctx)
 
 
+def load_sft(params: Params, sft_dir: Path, ctx: Context = SINGLE) -> tuple[Any, Any]:
+    """The SFT policy that RS samples from and then fine-tunes, and its tokenizer: in the dtype its
+    optimizer steps (training/loading.py), and under ZeRO-3 partitioned as it loads."""
+    with loading.partitioned(params.rs.distributed, ctx):
+        return load_policy(sft_dir, params.model.trust_remote_code, loading.load_dtype(params.rs.distributed, True))
+
+
 def train(run: StageRun, data_dir: Path, sft_dir: Path, reward_dir: Path,
           progress: bool = True) -> tuple[Any, Any, dict]:
     """Steps 1-4 of the module doc; in a multi-process run rank 0 returns the whole model, the
@@ -231,7 +240,7 @@ def train(run: StageRun, data_dir: Path, sft_dir: Path, reward_dir: Path,
     records = inputs.prompt_records(params, data_dir, "train")
     eval_rows = inputs.demonstrations(params, data_dir, "eval")
     eval_prompts = inputs.prompts(params, data_dir, "eval")[:cfg.n_eval_prompts]
-    model, tok = load_policy(sft_dir, params.model.trust_remote_code, loading.load_dtype(cfg.distributed, trained=True))
+    model, tok = load_sft(params, sft_dir, ctx)
     prompts, p_trunc, p_drop = inputs.fit_prompts(records, tok, params.prompts.max_length, params.prompts.overlong,
                                                    "prompts.max_length")
     if cfg.n_prompts is not None and len(prompts) < cfg.n_prompts:

@@ -36,6 +36,8 @@ atomic writing of what it produces.
   can be compared on what they cost (the compare stage's table). With PIPELINE_COUNT_CPU_MATMULS set
   on a device that is not the CPU (what scripts/gpu_check.py does), the stage body runs under a
   counter of matrix products on CPU tensors, `resources/cpu_matmul_gflop` (devices.py says why).
+  A stage that measures on held-out prompts or pairs states how evenly its ranks shared that work:
+  `resources/measure_imbalance` (pipeline/measurement/balance.py).
 """
 
 from __future__ import annotations
@@ -50,6 +52,7 @@ from typing import Any, Iterator, Optional, Sequence
 
 from .. import devices
 from ..config import Params, check_process_shape
+from ..measurement import balance
 from ..files import PENDING, atomic_dir, atomic_write_json, atomic_write_text, commit, discard, exclusive, pending
 from ..models.checkpoints import save_checkpoint
 from ..tracking.mlflow_sink import stage_tracking
@@ -89,6 +92,7 @@ class StageRun:
     fingerprint: str
     started: float = field(default_factory=time.perf_counter)
     cpu_matmuls: Any = None     # devices.counting_cpu_matmuls' counter, when the stage counts them
+    measured: balance.Tally = field(default_factory=balance.Tally)   # the stage's sharded measurements
 
     @property
     def checkpoint(self) -> Path:
@@ -133,6 +137,8 @@ class StageRun:
             out["resources/peak_device_gib"] = peak
         if self.cpu_matmuls is not None:
             out["resources/cpu_matmul_gflop"] = self.cpu_matmuls.flops / 1e9
+        if self.measured.imbalance is not None:
+            out["resources/measure_imbalance"] = self.measured.imbalance
         return out
 
 
@@ -162,9 +168,10 @@ def stage_run(spec: StageSpec, params: Params, out: Path, inputs: Sequence[str |
             fp = fingerprint(resolved, [*local, *code])
             # The fingerprint tags the MLflow run too: a resumed run finds the killed run it continues by it.
             with stage_tracking(spec.name, resolved, local, enabled=ctx.is_main, fingerprint=fp,
-                                headline=spec.headline) as tracker, devices.counting_cpu_matmuls(ctx.device) as counted:
+                                headline=spec.headline) as tracker, devices.counting_cpu_matmuls(ctx.device) as counted, \
+                    balance.tallying() as measured:
                 yield StageRun(spec, declared(params, spec), resolved, out, out / PENDING, ctx, tracker, fp, started,
-                               counted)
+                               counted, measured)
         except BaseException:   # an error, a full disk, a stop signal: the checkpoint keeps the state
             if ctx.is_main:
                 discard(out)
@@ -190,4 +197,7 @@ def declared_metrics(stage: str, condition: Optional[str] = None) -> list[Metric
     out.append(m("resources/cpu_matmul_gflop", "GFLOP of matrix products the stage's process (rank 0) ran on CPU "
                                                "tensors while its device was a GPU (model-sized work there is one "
                                                "rank computing what belongs on its device)", "cpu_matmuls"))
+    out.append(m("resources/measure_imbalance", "most batches one process ran in the stage's sharded measurements "
+                                                "on held-out prompts or pairs minus the fewest (the largest over "
+                                                "them; 0 on one process, 1 where some ranks waited for one batch)"))
     return out

@@ -77,3 +77,22 @@ def partitioned(dist: DistributedConfig, ctx: Context, trained: bool = True) -> 
 def is_partitioned(model: torch.nn.Module) -> bool:
     """Whether ZeRO-3 partitioned `model`'s parameters (each rank holds a slice)."""
     return any(hasattr(p, "ds_id") for p in model.parameters())
+
+
+class Loaded:
+    """A model as loaded, before an engine holds it, for code that asks its holder for the model
+    whole (measurement/policy.py `whole`): loaded partitioned (ZeRO-3), it is gathered onto every
+    rank meanwhile, so each rank may run forwards alone (its share of a measurement's prompts);
+    otherwise it is the model itself."""
+
+    def __init__(self, model: torch.nn.Module):
+        self.model = model
+
+    @contextlib.contextmanager
+    def gathered(self) -> Iterator[torch.nn.Module]:
+        if not is_partitioned(self.model):
+            yield self.model
+            return
+        deepspeed = import_deepspeed()
+        with deepspeed.zero.GatheredParameters(list(self.model.parameters()), modifier_rank=None):
+            yield self.model

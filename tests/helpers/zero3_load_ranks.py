@@ -1,6 +1,7 @@
 """One rank of the ZeRO-3 loading test (tests/system/test_distributed.py): joins a 2-process DeepSpeed
-group (gloo), loads a policy and initialises a reward model inside `loading.partitioned`, and
-writes what this rank holds of them.
+group (gloo), loads a policy and initialises a reward model inside `loading.partitioned`, loads the
+rs stage's SFT policy as the stage does and samples from it as its candidates are sampled, and
+writes what this rank holds of them and what it sampled.
 
     RANK=r LOCAL_RANK=r WORLD_SIZE=2 MASTER_ADDR=127.0.0.1 MASTER_PORT=p python tests/helpers/zero3_load_ranks.py SFT_DIR OUT.json
 """
@@ -16,10 +17,15 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 import torch  # noqa: E402
 
-from pipeline.config import DistributedConfig  # noqa: E402
+from pipeline.config import DistributedConfig, Params, SamplingConfig, from_dict  # noqa: E402
+from pipeline.measurement.policy import Policy, measure_policies  # noqa: E402
 from pipeline.models import reward_model as rm  # noqa: E402
 from pipeline.models.checkpoints import load_policy  # noqa: E402
+from pipeline.stages import rs  # noqa: E402
 from pipeline.training import distributed, loading  # noqa: E402
+
+PROMPTS = ["Review the film Silent River . Focus on the music .",
+           "What did you think of Lost Lantern ? Talk about the acting ."]
 
 
 def held(model: torch.nn.Module) -> dict[str, int]:
@@ -43,8 +49,17 @@ def main(sft_dir: Path, out: Path) -> None:
         weight = head.weight.detach().clone()
     std = 1.0 / math.sqrt(weight.shape[1] + 1)   # reward_model.init_reward_model's default
     expected = torch.randn(weight.shape, generator=torch.Generator().manual_seed(0)) * std
+    # The rs stage's load, then its candidates' sampling from the partitioned model and from the
+    # same checkpoint loaded whole on every rank (one batch of prompts: rank 0 samples it).
+    params = from_dict(Params, {"rs": {"distributed": {"backend": "deepspeed", "zero_stage": 3, "num_processes": 2}}}, "")
+    rs_policy, tok = rs.load_sft(params, sft_dir, ctx)
+    whole, _ = load_policy(sft_dir, dtype=torch.float32)
+    sampled = {name: measure_policies([Policy(name, loading.Loaded(m), 5)], tok, PROMPTS,
+                                      SamplingConfig(max_new_tokens=6), ctx=ctx)[name].texts
+               for name, m in (("partitioned", rs_policy), ("whole", whole))}
     out.with_suffix(f".rank{ctx.rank}.json").write_text(json.dumps({
-        "policy": held(policy), "reward": held(reward), "head_as_seeded": bool(torch.equal(weight, expected))}))
+        "policy": held(policy), "reward": held(reward), "head_as_seeded": bool(torch.equal(weight, expected)),
+        "rs": held(rs_policy), "rs_dtype": str(next(rs_policy.parameters()).dtype), "sampled": sampled}))
     distributed.shutdown(ctx)
 
 

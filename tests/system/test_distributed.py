@@ -443,7 +443,8 @@ def _two_ranks(helper: str, args: list, out: Path) -> list[dict]:
 def test_zero3_partitions_each_model_as_it_loads(tmp_path):
     """Under ZeRO-3 a model is built partitioned (zero.Init through transformers' DeepSpeed
     integration): after loading, each of 2 ranks holds about half of every model's weights and no
-    rank materialises a whole weight; a fresh reward head still gets its seeded initialisation."""
+    rank materialises a whole weight; a fresh reward head still gets its seeded initialisation; the
+    rs stage loads its SFT policy so and samples from it what the whole checkpoint samples."""
     sft, _ = _tiny_models(tmp_path)
     ranks = _two_ranks("zero3_load_ranks.py", [sft], tmp_path / "held")
     for held in ranks:
@@ -453,7 +454,13 @@ def test_zero3_partitions_each_model_as_it_loads(tmp_path):
             assert h["materialised"] == 0, name                       # none is whole on this rank
             assert h["partition"] <= h["whole"] / 2 + 2 * h["params"], name   # a half, up to padding
         assert held["head_as_seeded"]
+        # The rs stage's SFT policy: partitioned as it loads, in its training dtype, and sampled from
+        # (gathered whole) as the same checkpoint loaded whole is.
+        assert held["rs"]["zero_params"] == held["rs"]["params"] > 0 and held["rs"]["materialised"] == 0
+        assert held["rs_dtype"] == "torch.float32"
+        assert held["sampled"]["partitioned"] == held["sampled"]["whole"] and len(held["sampled"]["whole"]) == 2
     assert sum(r["policy"]["partition"] for r in ranks) >= ranks[0]["policy"]["whole"]
+    assert ranks[0]["sampled"] == ranks[1]["sampled"]
 
 
 def test_offload_frozen_builds_each_model_under_its_own_roles_config(tmp_path):

@@ -530,6 +530,11 @@ def test_every_collective_of_the_stages_reduces_over_two_processes_as_one_proces
                 assert torch.allclose(got[key], value, rtol=1e-4, atol=1e-5), (stage, key)
             else:
                 assert got[key] == pytest.approx(value, rel=1e-4, abs=5e-5, nan_ok=True), (stage, key)
+    # Each stage measures 3 held-out prompts (and the reward model its pairs, in equal forwards per
+    # rank): one batch, which rank 0 samples while rank 1 waits, as metrics.json states.
+    for stage in ("reward", "dpo", "kto", "rs", "ppo"):
+        spread = [_stage_outputs(root / str(world) / stage)["metrics/resources/measure_imbalance"] for world in (1, 2)]
+        assert spread == [0, 1], stage
 
 
 def _flat(d: dict, prefix: str = "") -> dict:

@@ -87,3 +87,33 @@ def test_a_prompts_response_does_not_depend_on_the_batch_it_is_sampled_in(models
            for b in (GENERATION_BATCH, 8, 70)}
     assert got[GENERATION_BATCH] == got[8] == got[70]
     assert len(set(got[8][::3])) > 1   # the same prompt, other indices: other responses
+
+
+def test_the_tally_keeps_the_largest_spread_of_batches_over_ranks():
+    """A stage's tally (measurement/balance.py) keeps the largest most-minus-fewest batches over its
+    measurements; one tallied inside another keeps its own; nothing is kept outside a tally."""
+    from pipeline.measurement import balance
+    balance.record([3, 1])   # no tally open: dropped
+    with balance.tallying() as outer:
+        assert outer.imbalance is None
+        balance.record([2, 2])
+        with balance.tallying() as inner:
+            balance.record([1, 0])
+        balance.record([4, 3, 4])
+    assert (outer.imbalance, inner.imbalance) == (1, 1)
+    with balance.tallying() as tally:
+        balance.record([5, 2])
+        balance.record([1, 1])
+    assert tally.imbalance == 3
+
+
+def test_a_measurement_records_each_ranks_batches():
+    """measure_policies records its batch count per rank: one process, none spread."""
+    from pipeline.measurement import balance
+    tok = build_word_tokenizer(reviews.vocabulary())
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(tiny_config(ModelConfig(hidden_size=32, intermediate_size=64,
+                                                                     num_layers=1, num_heads=2), tok))
+    with balance.tallying() as tally:
+        measure(model, tok, ["Review the film Silent River ."] * 3, SamplingConfig(max_new_tokens=2), seed=0)
+    assert tally.imbalance == 0
