@@ -63,34 +63,28 @@ def read_tsv(path: Path) -> list[dict[str, str]]:
 
 def check_inputs(params, data_dir: Path) -> None:
     """Read every input the stages read, through the same loaders and checks they run before their
-    first step (records, schemas, leakage, pairs, stats.json), without building a model."""
-    from .data import inputs
-    from .stages import dpo, reward   # the pairs of the reward model and of the preference methods
-
-    for split in ("train", "eval"):
-        inputs.demonstrations(params, data_dir, split)
-        inputs.prompt_records(params, data_dir, split)
-    _, held = reward.pair_sources(params, data_dir)
-    reward.held_out(params, data_dir, held)
-    dpo.pair_sources(params, data_dir)      # its own `dpo.dataset` (the same pairs by default)
+    first step (records, schemas, leakage, pairs, stats.json), without building a model: each
+    stage's own `check_inputs` (its SPEC's)."""
+    for spec in registry.specs().values():
+        if spec.check_inputs is not None:
+            spec.check_inputs(params, data_dir)
 
 
-# What each path option names; its default is the path dvc.yaml passes.
+# What the tools' path options name; a stage's input folder is the model its stage declares (or
+# the prepared data), its --out its SPEC's `out_help`. Defaults are the paths dvc.yaml passes.
 PATH_HELP = {
     "data": "the prepared data folder (what the prepare stage writes)",
-    "sft": "the SFT policy checkpoint (a Hugging Face model folder)",
-    "reward": "the reward model checkpoint (a Hugging Face model folder)",
-    "ppo": "the PPO policy checkpoint (a Hugging Face model folder)",
-    "out": "the folder the stage writes its outputs to",
     "outputs": "the folder holding the stages' output folders (sft/, reward/, ppo/, evaluate/)",
 }
-OUT_HELP = {"prepare": "the folder the prepared splits and tokenizer are written to",
-            "frontier": "the figure to write (a table of the points is printed)"}
+TOOL_OUT_HELP = {"frontier": "the figure to write (a table of the points is printed)"}
 
 
-def path_help(name: str) -> str:
-    """An input folder's help: a known one's, or the folder a stage of that name writes."""
-    return PATH_HELP.get(name, f"the {name} stage's checkpoint (a Hugging Face model folder)")
+def path_help(name: str, specs: dict) -> str:
+    """An option's help: a tool's path, or the checkpoint of the stage of that name."""
+    model = specs[name].model if name in specs else None
+    if name in PATH_HELP or model is None:
+        return PATH_HELP.get(name, f"the {name} stage's checkpoint (a Hugging Face model folder)")
+    return f"{model.what} checkpoint (a Hugging Face model folder)"
 
 
 def package_version() -> str:
@@ -129,7 +123,8 @@ def _parser() -> argparse.ArgumentParser:
     for stage, (help_text, paths) in commands().items():
         p = sub.add_parser(stage, help=help_text, description=help_text, formatter_class=_HelpFormatter)
         for name, default in paths.items():
-            what = OUT_HELP.get(stage, PATH_HELP["out"]) if name == "out" else path_help(name)
+            what = (specs[stage].out_help if stage in specs else TOOL_OUT_HELP[stage]) if name == "out" \
+                else path_help(name, specs)
             p.add_argument(f"--{name}", type=Path, default=Path(default), help=what)
         spec = specs.get(stage)
         if stage not in ("frontier", "recover-lock", "headline"):
@@ -218,7 +213,7 @@ def run_tool(args: argparse.Namespace, argv: list[str] | None) -> int:
             raise ConfigError("recipe: name a recipe (python -m pipeline recipe --list shows them)")
         out = args.out or args.params
         written = recipes.apply(args.name, args.params, out, registry.shape_checked("load"),
-                                registry.cluster_checked())
+                                registry.cluster_checked(), registry.registered())
         print(f"recipe {args.name}: wrote {' and '.join(map(str, written))}")
         return 0
     params = registry.load_params(args.params)

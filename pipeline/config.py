@@ -22,6 +22,7 @@ from ruamel.yaml.error import YAMLError
 from ruamel.yaml.events import CollectionEndEvent, CollectionStartEvent
 
 
+from . import registries
 from .errors import ConfigError, shown
 
 # Limits of a params file: its size, and the length of one string value (paths, module names and
@@ -37,6 +38,13 @@ def num(default: Any, *, gt: float | None = None, ge: float | None = None,
         le: float | None = None, lt: float | None = None, doc: str = "") -> Any:
     """A numeric field with bounds; the bounds are checked by `from_dict`."""
     return field(default=default, metadata={"gt": gt, "ge": ge, "le": le, "lt": lt, "doc": doc})
+
+
+def named(kind: str, default: str, *, doc: str = "") -> Any:
+    """A string field naming a registered function (pipeline/registries.py) of `kind`; its allowed
+    values are the registry's names, checked by `load_params` (given them), so a new one is one
+    decorated function and no edit here."""
+    return field(default=default, metadata={"registry": kind, "doc": doc})
 
 
 # ----------------------------------------------------------------------------------------------
@@ -280,7 +288,34 @@ class RewardConfig(SupervisedConfig):
 
 
 @dataclass(frozen=True)
-class PreferenceOptConfig(SupervisedConfig):
+class PairMethodConfig(SupervisedConfig):
+    """The keys the offline-pair methods (`dpo`, `kto`: pipeline/stages/pair_method.py) share beyond
+    the supervised ones: the SFT policy trained on the preference pairs against its own reference
+    log-probs, then sampled on the held-out prompts."""
+    # 2.0, not the papers' 0.1 (for 7B models): on the default task (noisy labels, a 4-layer model)
+    # DPO's beta 0.1 moves the policy 11.8 nats from SFT with no gold gain, 0.5 reaches gold 1.19 at
+    # 3.0 nats, 2.0 gold 1.24 at 0.3 nats (one run each, 2026-12-01; docs/guide/methods.md). KTO's
+    # beta plays the same role: the scale of the implicit reward beta (log pi - log pi_ref) in its sigmoid.
+    beta: float = num(2.0, gt=0.0, doc="scale of the implicit reward (dpo: DPO's KL strength, IPO's tau, "
+                                       "SimPO's reward scale)")
+    warmup_ratio: float = num(0.1, ge=0.0, lt=1.0)
+    max_length: int = num(96, ge=8, doc="prompt + the longer of its two responses (kto: its own and its "
+                                        "mismatched one), in tokens; longer ones follow `overlong`")
+    n_eval_prompts: int = num(200, ge=2, doc="held-out prompts the trained policy is measured on (as prompts.sampling)")
+    dataset: PreferenceDataConfig = field(default_factory=PreferenceDataConfig)   # the RM's pairs by default
+
+    _section: typing.ClassVar[str] = ""   # the params section, for error messages
+    _losses: typing.ClassVar[str] = ""    # the losses the section trains with, as its margin error names them
+
+    def __post_init__(self) -> None:
+        if self.dataset.margin_column is not None:
+            # The RM's loss takes a per-pair margin; none of these losses has a place for one.
+            raise ConfigError(f"{self._section}.dataset.margin_column: {self._losses} no per-pair margin; set it to "
+                              f"null (got {self.dataset.margin_column!r})")
+
+
+@dataclass(frozen=True)
+class PreferenceOptConfig(PairMethodConfig):
     """`dpo`: offline preference optimisation of the SFT policy on preference pairs: DPO (with
     conservative label smoothing), IPO, or the reference-free SimPO (pipeline/preference/losses.py).
 
@@ -288,11 +323,7 @@ class PreferenceOptConfig(SupervisedConfig):
     (target 1 / (2 beta)), SimPO's reward scale. The papers' values differ: DPO and IPO use about
     0.1, SimPO about 2 to 2.5 with simpo_gamma / beta near 0.5 (Meng et al. 2024's search), so a
     SimPO run sets `beta` itself; nothing is rescaled behind its back."""
-    method: Literal["dpo", "ipo", "simpo"] = "dpo"
-    # 2.0, not DPO's usual 0.1: on the default task (noisy labels, a 4-layer model) beta 0.1 moves the
-    # policy 11.8 nats from SFT with no gold gain, 0.5 reaches gold 1.19 at 3.0 nats, 2.0 gold 1.24 at
-    # 0.3 nats (one run each, 2026-12-01; docs/guide/methods.md).
-    beta: float = num(2.0, gt=0.0, doc="DPO's KL strength, IPO's tau, SimPO's reward scale")
+    method: str = named("preference loss", "dpo", doc="the loss, by its name in preference.losses.PREFERENCE_LOSSES")
     label_smoothing: float = num(0.0, ge=0.0, lt=0.5, doc="DPO only: assumed probability of a flipped label (cDPO)")
     simpo_gamma: float = num(0.5, ge=0.0, doc="SimPO only: target margin between the two rewards")
     # 20x below sft.lr and equal to ppo.lr: the same tiny model, starting from the same SFT weights,
@@ -301,39 +332,23 @@ class PreferenceOptConfig(SupervisedConfig):
     lr: float = num(1e-4, gt=0.0)
     batch_size: int = num(32, ge=1, doc="pairs per optimizer step")
     epochs: float = num(1.0, gt=0.0, doc="passes over the pairs; DPO overfits deterministic-looking pairs fast (Azar et al. 2023)")
-    warmup_ratio: float = num(0.1, ge=0.0, lt=1.0)
-    max_length: int = num(96, ge=8, doc="prompt + longer response tokens; longer pairs follow `overlong`")
-    n_eval_prompts: int = num(200, ge=2, doc="held-out prompts the trained policy is measured on (as prompts.sampling)")
-    dataset: PreferenceDataConfig = field(default_factory=PreferenceDataConfig)   # the RM's pairs by default
 
-    def __post_init__(self) -> None:
-        if self.dataset.margin_column is not None:
-            # The RM's loss takes a per-pair margin; none of these losses has a place for one.
-            raise ConfigError(f"dpo.dataset.margin_column: DPO, IPO and SimPO use no per-pair margin; set it to "
-                              f"null (got {self.dataset.margin_column!r})")
+    _section: typing.ClassVar[str] = "dpo"
+    _losses: typing.ClassVar[str] = "DPO, IPO and SimPO use"
 
 
 @dataclass(frozen=True)
-class KTOConfig(SupervisedConfig):
+class KTOConfig(PairMethodConfig):
     """`kto`: Kahneman-Tversky Optimisation (Ethayarajh et al. 2024) of the SFT policy on unpaired
     feedback made from the preference pairs: the chosen responses of one half of the pairs are
     desirable examples, the rejected responses of the other half undesirable ones
     (pipeline/stages/kto.py)."""
-    # DPO's beta (2.0) in the same role: the scale of the implicit reward beta (log pi - log pi_ref) in
-    # the sigmoid; the paper's 0.1 is for 7B models, as DPO's is.
-    beta: float = num(2.0, gt=0.0, doc="scale of the implicit reward in the loss's sigmoid")
     lambda_desirable: float = num(1.0, gt=0.0, doc="weight of a desirable example's loss (the paper's lambda_D)")
     lambda_undesirable: float = num(1.0, gt=0.0, doc="weight of an undesirable example's loss (lambda_U)")
     batch_size: int = num(32, ge=2, doc="examples per optimizer step (the KL reference point is estimated on them)")
-    warmup_ratio: float = num(0.1, ge=0.0, lt=1.0)
-    max_length: int = num(96, ge=8, doc="prompt + the longer of its own and its mismatched response, in tokens")
-    n_eval_prompts: int = num(200, ge=2, doc="held-out prompts the trained policy is measured on (as prompts.sampling)")
-    dataset: PreferenceDataConfig = field(default_factory=PreferenceDataConfig)   # the RM's pairs by default
 
-    def __post_init__(self) -> None:
-        if self.dataset.margin_column is not None:
-            raise ConfigError(f"kto.dataset.margin_column: KTO uses no per-pair margin; set it to null "
-                              f"(got {self.dataset.margin_column!r})")
+    _section: typing.ClassVar[str] = "kto"
+    _losses: typing.ClassVar[str] = "KTO uses"
 
 
 @dataclass(frozen=True)
@@ -388,7 +403,8 @@ class DetectorConfig:
 class PPOConfig:
     """`ppo`: PPO against the reward model (InstructGPT step 3). Names follow TRL where they can.
 
-    `advantage` picks the estimator (pipeline/ppo/group_advantages.py for the critic-free ones):
+    `advantage` names a registered estimator (pipeline/ppo/advantages.py's ESTIMATORS: GAE there, the
+    critic-free ones in pipeline/ppo/group_advantages.py), whose facts say whether it needs a critic:
     - gae: PPO with a critic (four models: actor, critic, reference, reward);
     - grpo (`grpo_scale: false` is Dr. GRPO), rloo, reinforce_baseline: a baseline from the other
       responses to the same prompt, no critic (three models). They need `samples_per_prompt` k >= 2.
@@ -401,19 +417,20 @@ class PPOConfig:
     sizes keep meaning rows, and the same rollout_batch_size generates the same number of responses
     (the cost of an iteration) whatever k is.
 
-    `loss_aggregation` reduces the per-token policy loss (and the k3 KL loss and the entropy bonus,
-    as verl's `agg_loss` does) to a scalar: token_mean is PPO as trained here and DAPO; seq_mean is
-    GRPO as published (each response's token mean, then the mean over responses); seq_sum_norm is
-    Dr. GRPO (token sum / (responses * sampling.max_new_tokens), no length normalisation)."""
+    `loss_aggregation` (pipeline/ppo/group_advantages.py's AGGREGATIONS) reduces the per-token policy
+    loss (and the KL loss and the entropy bonus, as verl's `agg_loss` does) to a scalar: token_mean
+    is PPO as trained here and DAPO; seq_mean is GRPO as published (each response's token mean, then
+    the mean over responses); seq_sum_norm is Dr. GRPO (token sum / (responses *
+    sampling.max_new_tokens), no length normalisation)."""
     _section: typing.ClassVar[str] = "ppo"   # the params section, for error messages (grpo reuses this class)
     _moved: typing.ClassVar[dict[str, str]] = {"dataset": "prompts.dataset"}
     seed: int = num(0, ge=0)
     iterations: int = num(100, ge=1, doc="rollout + update rounds")
     rollout_batch_size: int = num(64, ge=2, doc="responses sampled per iteration (prompts x samples_per_prompt)")
-    advantage: Literal["gae", "grpo", "rloo", "reinforce_baseline"] = "gae"
+    advantage: str = named("advantage estimator", "gae", doc="gae, or a critic-free estimator (see above)")
     samples_per_prompt: int = num(1, ge=1, doc="k responses per prompt, consecutive rows; >= 2 for group estimators")
     grpo_scale: bool = True               # grpo: divide by the group's std; false: Dr. GRPO (Liu et al. 2025)
-    loss_aggregation: Literal["token_mean", "seq_mean", "seq_sum_norm"] = "token_mean"
+    loss_aggregation: str = named("loss aggregation", "token_mean", doc="see above (ppo/group_advantages.py)")
     minibatch_size: int = num(32, ge=1, doc="rollouts per optimizer step")
     micro_batch_size: int = num(16, ge=1, doc="rollouts per forward/backward (gradient accumulation)")
     ppo_epochs: int = num(4, ge=1)
@@ -429,7 +446,7 @@ class PPOConfig:
     lam: float = num(0.95, ge=0.0, le=1.0)
     kl_coef: float = num(0.2, ge=0.0, doc="KL penalty in the reward (initial value when adaptive)")
     kl_loss_coef: float = num(0.0, ge=0.0, doc="KL term in the loss instead (GRPO style)")
-    kl_estimator: Literal["k1", "k2", "k3"] = "k1"
+    kl_estimator: str = named("KL estimator", "k1", doc="k1, k2 or k3 (Schulman 2020; ppo/advantages.py)")
     adaptive_kl: bool = False
     kl_target: float = num(6.0, gt=0.0)
     kl_horizon: float = num(10000.0, gt=0.0)
@@ -474,17 +491,30 @@ class PPOConfig:
 
     @property
     def uses_critic(self) -> bool:
-        """GAE needs a critic; the group estimators take their baseline from the other responses."""
-        return self.advantage == "gae"
+        """Whether the estimator needs a critic, as it declares (GAE does; the group estimators take
+        their baseline from the other responses)."""
+        facts = registries.declared("advantage estimator", self.advantage)
+        if facts is None:   # a bug: a stage imports the estimators (pipeline/ppo) before it asks
+            raise RuntimeError(f"{self._section}.advantage: no advantage estimator {self.advantage!r} is registered")
+        return facts["critic"]
 
     def __post_init__(self) -> None:
         # Batch sizes against processes: check_process_shape, when the stage's SPEC says (at load
         # for ppo, at start for grpo; pipeline/stages/registry.py).
+        facts = registries.declared("advantage estimator", self.advantage)
+        if facts is not None:   # else not registered (yet): the stages' load_params names an unknown one
+            self._check_estimator(facts)
+        self._check_rest()
+
+    def _check_estimator(self, facts: typing.Mapping[str, Any]) -> None:
+        """The keys whose meaning depends on what the estimator declares (pipeline/ppo/advantages.py)."""
         s = self._section
-        if not self.uses_critic and self.samples_per_prompt < 2:
+        if facts["group"] and self.samples_per_prompt < 2:
             raise ConfigError(f"{s}.samples_per_prompt: advantage: {self.advantage} takes each response's baseline "
                               f"from the other responses to its prompt, so it needs >= 2, got {self.samples_per_prompt}")
-        self._check_rest()
+        if not facts["critic"] and self.whiten_rewards:
+            raise ConfigError(f"{s}.whiten_rewards: whitens GAE's per-token rewards; advantage: {self.advantage} "
+                              "normalises the sequence scores itself; set it to false")
 
     def _check_vllm(self) -> None:
         """What a vLLM engine would sample or score otherwise than the trainer is refused."""
@@ -514,9 +544,6 @@ class PPOConfig:
 
     def _check_rest(self) -> None:
         dist, s = self.distributed, self._section
-        if not self.uses_critic and self.whiten_rewards:
-            raise ConfigError(f"{s}.whiten_rewards: whitens GAE's per-token rewards; advantage: {self.advantage} "
-                              "normalises the sequence scores itself; set it to false")
         if self.shared_backbone and (dist.backend != "none" or self.critic_lora.enabled):
             raise ConfigError(f"{s}.shared_backbone: runs with distributed.backend: none and without critic_lora "
                               "(the shared trunk is trained by the actor's optimizer)")
@@ -559,12 +586,12 @@ class GRPOConfig(PPOConfig):
 
     The prompts are the `prompts` section's (training and held-out), as for every method."""
     _section: typing.ClassVar[str] = "grpo"
-    advantage: Literal["gae", "grpo", "rloo", "reinforce_baseline"] = "grpo"
+    advantage: str = named("advantage estimator", "grpo", doc="a critic-free estimator, or gae (see PPOConfig)")
     samples_per_prompt: int = num(4, ge=1, doc="k responses per prompt, consecutive rows; >= 2 for group estimators")
-    loss_aggregation: Literal["token_mean", "seq_mean", "seq_sum_norm"] = "seq_mean"
+    loss_aggregation: str = named("loss aggregation", "seq_mean", doc="see PPOConfig")
     kl_coef: float = num(0.0, ge=0.0, doc="KL penalty in the reward (initial value when adaptive)")
     kl_loss_coef: float = num(0.05, ge=0.0, doc="KL term in the loss instead (GRPO style)")
-    kl_estimator: Literal["k1", "k2", "k3"] = "k3"
+    kl_estimator: str = named("KL estimator", "k3", doc="k1, k2 or k3 (Schulman 2020; ppo/advantages.py)")
 
 
 
@@ -849,19 +876,29 @@ def merge_distributed(data: Any, where: str) -> Any:
     return merged
 
 
-def load_params(path: str | Path, shapes: typing.Sequence[str] = ()) -> Params:
-    """Load and validate the whole params file before any compute; `shapes`: the stages whose
-    batch sizes are checked against their processes now (pipeline.stages.registry.load_params
-    passes the stages whose SPEC says "load")."""
-    where = f"{Path(path).name}: "
+def load_params(path: str | Path, shapes: typing.Sequence[str] = (),
+                registered: typing.Mapping[str, typing.Sequence[str]] | None = None) -> Params:
+    """Load and validate the whole params file before any compute (`validated` says what is checked)."""
     data = read_yaml(path)
     if data is None:
         raise ConfigError(f"{path}: the params file is empty (write {{}} for every default, or start from the "
                           "repository's params.yaml)")
+    return validated(data, f"{Path(path).name}: ", shapes, registered)
+
+
+def validated(data: Any, where: str, shapes: typing.Sequence[str] = (),
+              registered: typing.Mapping[str, typing.Sequence[str]] | None = None) -> Params:
+    """Params from a params file's data, every key checked; `where` prefixes every error (the file).
+    `shapes`: the stages whose batch sizes are checked against their processes now, `registered`: the
+    registered names of each kind (pipeline.stages.registry.load_params passes the stages whose
+    SPEC says "load" and every registry's names; without them a key naming an unregistered
+    function fails where it is used)."""
     if isinstance(data, typing.Mapping) and "cluster" in data:
         raise ConfigError(f"{where}cluster: job resources are Snakemake's, not hyperparameters: move them to "
                           "default-resources/set-resources of profiles/slurm/config.yaml (docs/guide/slurm.md)")
     params = from_dict(Params, merge_distributed(data, where), where)
+    if registered is not None:
+        check_named(params, registered, where.rstrip(": "))
     for stage in shapes:
         try:
             check_process_shape(params, stage)
@@ -873,6 +910,19 @@ def load_params(path: str | Path, shapes: typing.Sequence[str] = ()) -> Params:
     return params
 
 
+def check_named(cfg: Any, names: typing.Mapping[str, typing.Sequence[str]], where: str) -> None:
+    """Every `named` field of `cfg` (a dataclass, searched through its sections) holds one of its
+    registry's `names`; a ConfigError naming the key otherwise."""
+    for f in dataclasses.fields(cfg):
+        value, key = getattr(cfg, f.name), f"{where}.{f.name}" if ": " in where else f"{where}: {f.name}"
+        if dataclasses.is_dataclass(value):
+            check_named(value, names, key)
+        elif "registry" in f.metadata:
+            allowed = names.get(f.metadata["registry"], ())
+            if value not in allowed:
+                raise ConfigError(f"{key}: expected one of {', '.join(map(repr, allowed))}, got {_describe(value)}")
+
+
 def to_dict(cfg: Any) -> dict[str, Any]:
     """The resolved config as plain data, for writing next to a stage's outputs (tuples as lists,
     as YAML and JSON hold them)."""
@@ -880,13 +930,15 @@ def to_dict(cfg: Any) -> dict[str, Any]:
                                                                  for k, v in items})
 
 
-def flatten(d: typing.Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
-    """`{'sft': {'lr': 1e-3}}` -> `{'sft.lr': 1e-3}`: the keys as `dvc exp run -S` spells them."""
+def flatten(d: typing.Mapping[str, Any], prefix: str = "", sep: str = ".") -> dict[str, Any]:
+    """`{'sft': {'lr': 1e-3}}` -> `{'sft.lr': 1e-3}`: the keys as `dvc exp run -S` spells them;
+    `sep="/"`: metrics.json's nesting undone, `{'eval': {'accuracy': x}}` -> `{'eval/accuracy': x}`,
+    the names the stages write and docs/metrics.md defines."""
     out: dict[str, Any] = {}
     for key, value in d.items():
         name = f"{prefix}{key}"
         if isinstance(value, typing.Mapping):
-            out.update(flatten(value, name + "."))
+            out.update(flatten(value, name + sep, sep))
         else:
             out[name] = value
     return out

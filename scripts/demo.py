@@ -86,9 +86,9 @@ def main(argv: list[str] | None = None) -> int:
     result = summary(repo, args.seed, seconds)
     (repo / "demo.json").write_text(json.dumps(result, indent=1) + "\n")
     sys.path.insert(0, str(ROOT))
-    from pipeline.measurement.headline import flat_metrics
+    from pipeline.config import flatten
     from pipeline.stages import evaluate
-    metrics = flat_metrics(json.loads((repo / "outputs/evaluate/metrics.json").read_text()))
+    metrics = flatten(json.loads((repo / "outputs/evaluate/metrics.json").read_text()), sep="/")
     print(f"\ndemo: {seconds:.0f} s; {evaluate.verdict(metrics, evaluate.detector_record(repo / 'outputs/ppo/model'))}")
     print(f"  PPO gold {result['ppo_gold']:.2f} vs SFT {result['sft_gold']:.2f} (KL {result['ppo_kl']:.1f}); "
           f"reward model at {result['rm_accuracy_of_ceiling']:.0%} of the label-noise ceiling")

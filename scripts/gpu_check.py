@@ -272,8 +272,8 @@ def read_tsv(path: Path) -> list[dict[str, float]]:
 
 def throughput(run: Run, out: Path, params: Any, n: int, tokens_per_example: float) -> dict[str, float]:
     """Tokens per second and model TFLOP/s of one finished stage (see the module doc)."""
-    from pipeline.measurement.headline import flat_metrics
-    metrics = flat_metrics(json.loads((out / "metrics.json").read_text()))
+    from pipeline.config import flatten
+    metrics = flatten(json.loads((out / "metrics.json").read_text()), sep="/")
     got: dict[str, float] = {}
     if run.stage in ("sft", "reward", "dpo"):
         cfg = getattr(params, run.stage)

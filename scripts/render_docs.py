@@ -33,9 +33,15 @@ ROOT = Path(__file__).resolve().parents[1]
 BLOCK = re.compile(r"(<!-- rendered: (?P<name>[\w-]+) -->\n)(?P<body>.*?)(<!-- /rendered -->)", re.S)
 OPENING = re.compile(r"<!-- rendered: ([^ ]*) -->")
 FENCE = re.compile(r"^[ \t]*(```|~~~).*?^[ \t]*\1[^\n]*$", re.S | re.M)   # a fenced code block, indented in a list too
-DEFAULT_STAGES = ("sft", "reward", "ppo", "evaluate")
-METHOD_STAGES = ("dpo", "kto", "grpo", "rs", "compare")   # compare/dvc.yaml's, in its order
+DATA_STAGE = "prepare"   # the stage whose output is data, not a metrics.json
 NA = "n/a"
+
+
+def dvc_stages(root: Path, dvc_yaml: str) -> tuple[str, ...]:
+    """The stages of a dvc.yaml, in its order, but the one that prepares data."""
+    from ruamel.yaml import YAML
+    stages = (YAML(typ="safe", pure=True).load((root / dvc_yaml).read_text(encoding="utf-8")) or {}).get("stages", {})
+    return tuple(s for s in stages if s != DATA_STAGE)
 
 
 class RenderError(Exception):
@@ -136,7 +142,8 @@ def render_headline(root: Path) -> str:
                   f"accuracy is {num(get(rm, 'eval/accuracy'), '.3f')} against a label-noise ceiling of "
                   f"{num(get(rm, 'eval/noise_ceiling'), '.3f')} ({pct(get(rm, 'eval/accuracy_of_ceiling'))} of it); "
                   f"the over-optimisation detector {detector}."]
-    times = {s: get(read_json(root, f"outputs/{s}/metrics.json") or {}, "resources/wall_seconds") for s in DEFAULT_STAGES}
+    times = {s: get(read_json(root, f"outputs/{s}/metrics.json") or {}, "resources/wall_seconds")
+             for s in dvc_stages(root, "dvc.yaml")}
     known = [v for v in times.values() if isinstance(v, (int, float))]
     parts = ", ".join(f"{s} {num(v, '.0f', ' s')}" for s, v in times.items())
     total = f" (together {minutes(sum(known))}, install and `prepare` not counted)" if len(known) == len(times) else ""
@@ -196,7 +203,7 @@ def render_seeds(root: Path) -> str:
              "RM accuracy (share of ceiling) | wall time: sft + reward + ppo + evaluate |",
              "| --- | --- | --- | --- | --- | --- | --- |"]
     for r in runs:
-        stages = [r.get(f"{s}_seconds") for s in DEFAULT_STAGES]
+        stages = [r.get(f"{s}_seconds") for s in dvc_stages(root, "dvc.yaml")]
         known = [v for v in stages if isinstance(v, (int, float))]
         wall = " + ".join(num(v, ".0f") for v in stages) + " s" + (f" = {minutes(sum(known))}" if len(known) == len(stages) else "")
         lines.append(f"| {':'.join(str(r.get('run', NA)).split(':')[:2])} | {pct(r.get('gold_win'))} "
@@ -214,7 +221,7 @@ def render_stage_resources(root: Path) -> str:
     """docs/guide/benchmarks.md: each committed stage's wall time and peak memory."""
     lines = ["| stage | wall time | peak resident memory | device |", "| --- | --- | --- | --- |"]
     found = False
-    for stage in (*DEFAULT_STAGES, *METHOD_STAGES):
+    for stage in (*dvc_stages(root, "dvc.yaml"), *dvc_stages(root, "compare/dvc.yaml")):
         m = read_json(root, f"outputs/{stage}/metrics.json")
         if m is None:
             continue

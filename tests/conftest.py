@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import csv
 import fcntl
 import json
 import os
@@ -145,6 +146,60 @@ def flat(nested: dict, prefix: str = "") -> dict:
     for k, v in nested.items():
         out.update(flat(v, f"{prefix}{k}/") if isinstance(v, dict) else {f"{prefix}{k}": v})
     return out
+
+
+# What differs between two runs of the same work: how long they took and what their processes cost.
+TIME_KEYS = ("seconds", "time", "tokens_per_second", "peak_rss", "resources")
+
+
+def without_time(metrics: dict) -> dict:
+    """metrics.json's values (flat names) but TIME_KEYS'."""
+    return {k: v for k, v in metrics.items() if not any(t in k for t in TIME_KEYS)}
+
+
+def step_rows(path: Path) -> list[dict]:
+    """A step log's rows (strings) but TIME_KEYS' columns."""
+    with open(path, newline="") as f:
+        return [{k: v for k, v in r.items() if not any(t in k for t in TIME_KEYS)}
+                for r in csv.DictReader(f, delimiter="\t")]
+
+
+def assert_same_run(one: Path, other: Path, one_metrics: dict, other_metrics: dict) -> None:
+    """Two finished runs of a training stage (their folders and returned metrics) are the same run:
+    every metric but TIME_KEYS', every weight bit for bit, every step-log value but the times."""
+    from safetensors.torch import load_file
+    assert without_time(other_metrics) == without_time(one_metrics)
+    a, b = (load_file(folder / "model" / "model.safetensors") for folder in (one, other))
+    assert a.keys() == b.keys() and all(a[k].dtype == b[k].dtype and a[k].equal(b[k]) for k in a)
+    for log in ("train.tsv", "eval.tsv"):
+        assert step_rows(one / log) == step_rows(other / log), log
+
+
+def tiny_params(override: dict | None = None):
+    """TINY's sections but `data` (the prepare stage's, in `tiny_data`), with `override` merged in,
+    as the stages read them."""
+    from pipeline.config import Params, from_dict
+    return from_dict(Params, merge({k: v for k, v in TINY.items() if k != "data"}, override or {}), "params.yaml: ")
+
+
+@pytest.fixture(scope="session")
+def tiny_data(tmp_path_factory) -> Path:
+    """TINY's data, prepared once per test process: read only (a test that changes data makes its own)."""
+    from pipeline.config import DataConfig, from_dict
+    from pipeline.stages.prepare import write as prepare_run
+    out = tmp_path_factory.mktemp("tiny") / "data"
+    prepare_run(from_dict(DataConfig, TINY["data"], "params.yaml: "), out)
+    return out
+
+
+@pytest.fixture(scope="session")
+def tiny_sft(tiny_data, tmp_path_factory) -> Path:
+    """An SFT policy trained on `tiny_data` by TINY's sft params for 2 epochs, a checkpoint every 2
+    steps: its model folder (read only)."""
+    from pipeline.stages import sft
+    out = tmp_path_factory.mktemp("tiny_sft")
+    sft.run(tiny_params({"sft": {"epochs": 2.0, "save_every": 2}}), tiny_data, out, progress=False)
+    return out / "model"
 
 
 def write_params(path: Path, override: dict) -> None:

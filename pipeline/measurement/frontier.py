@@ -13,7 +13,7 @@ import math
 from pathlib import Path
 from typing import Any, Mapping, Optional
 
-from ..config import read_yaml
+from ..config import flatten, read_yaml
 from ..files import atomic_write_text
 from .comparison_plots import frontier_plot
 
@@ -48,14 +48,6 @@ def _same(row: dict[str, Any], key: str, want: Any) -> bool:
     return False
 
 
-def flat_params(section: Mapping[str, Any], prefix: str) -> dict[str, Any]:
-    """{"model.num_layers": 4, "sft.sampling.top_k": 0, ...}: dotted keys as `dvc exp show` names them."""
-    out: dict[str, Any] = {}
-    for k, v in section.items():
-        out.update(flat_params(v, f"{prefix}{k}.") if isinstance(v, Mapping) else {f"{prefix}{k}": v})
-    return out
-
-
 def collect(rows: list[dict[str, Any]], fixed: Optional[Mapping[str, Any]] = None) -> list[dict[str, Any]]:
     """One point per experiment that has the evaluate stage's PPO metrics and whose params equal
     `fixed` (dotted keys): the frontier compares policies trained against the same SFT model and RM.
@@ -83,7 +75,7 @@ def main(out: Path = Path("outputs/frontier.png"), num: int = 10) -> list[dict[s
     # restricted to those whose SFT and RM were built like the workspace's: an older commit may
     # hold other models (a changed model size would put its baseline on the new frontier).
     params = read_yaml("params.yaml")
-    fixed = {k: v for section in FIXED_SECTIONS for k, v in flat_params(params[section], f"{section}.").items()}
+    fixed = {k: v for section in FIXED_SECTIONS for k, v in flatten(params[section], f"{section}.").items()}
     points = collect(dvc.api.exp_show(num=num), fixed)
     if not points:
         raise SystemExit("frontier: no experiment has evaluate metrics yet (run `dvc exp run` first)")

@@ -14,6 +14,7 @@ import textwrap
 from pathlib import Path
 from typing import Any, Optional
 
+from ..config import flatten
 from ..errors import DataError
 from .verdict import detector_record, verdict
 
@@ -46,7 +47,7 @@ def lines(outputs: Path) -> list[str]:
     ev = _read(outputs / "evaluate" / "metrics.json")
     if ev is None:
         raise DataError(f"{outputs / 'evaluate' / 'metrics.json'}: no such file (run the pipeline first: make pipeline)")
-    flat = flat_metrics(ev)
+    flat = flatten(ev, sep="/")
     out = [f"run in {outputs}/"]
     out += textwrap.wrap("verdict: " + verdict(flat, detector_record(outputs / "ppo" / "model")), WIDTH,
                          subsequent_indent="  ")
@@ -92,12 +93,3 @@ def _policies(ev: dict[str, Any]) -> list[str]:
             return (1, int(name[8:]), name)
         return (2, 0, name)
     return sorted(found, key=order)
-
-
-def flat_metrics(nested: dict[str, Any], prefix: str = "") -> dict[str, Any]:
-    """metrics.json's nesting undone: `{"win_rate": {"ppo_vs_sft_gold": x}}` -> `{"win_rate/ppo_vs_sft_gold": x}`,
-    the names the stages write and docs/metrics.md defines."""
-    out: dict[str, Any] = {}
-    for k, v in nested.items():
-        out.update(flat_metrics(v, f"{prefix}{k}/") if isinstance(v, dict) else {f"{prefix}{k}": v})
-    return out

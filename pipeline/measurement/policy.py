@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import contextlib
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterator, Optional, Sequence
+from typing import Any, Callable, Iterator, Mapping, Optional, Sequence
 
 import torch
 
@@ -207,21 +207,32 @@ def sampled_metrics(name: str, policy, tok, prompts: list, sampling: SamplingCon
     return summary(measured, lambda key: f"{name}/{key}")
 
 
-def sampled_declarations(stage: str, keys: tuple[str, ...]) -> list[Metric]:
-    """A trained policy sampled on the held-out prompts (measurement.policy.sampled_metrics): the
-    `keys` it is scored by, then its responses' end rate, length and distinct-2 (compare/dvc.yaml's)."""
-    meanings = {"rm": "mean RM score", "gold": "mean gold score", "kl": "mean sequence-level sampled KL to SFT"}
+# What each of `measure`'s values is, as a method stage's declarations name it.
+SCORES = {"rm": "mean RM score", "gold": "mean gold score", "kl": "mean sequence-level sampled KL to SFT"}
 
-    def m(name: str, meaning: str) -> Metric:
-        return Metric(stage, METRICS_JSON, name, meaning, "compare")
+
+def sampled_declarations(stage: str, scores: Sequence[str] | Mapping[str, str], *, policy: Optional[str] = None,
+                         condition: Optional[str] = "compare",
+                         conditions: Optional[Mapping[str, Optional[str]]] = None) -> list[Metric]:
+    """The metrics.json names `summary` gives one sampled policy (`<policy>/...`; `policy`: the
+    stage by default), as `stage` writes them under `condition` (`conditions`: a score's own): each
+    score and the half-width of its 95% interval, then the responses' length, end rate and
+    distinct-2. `scores`: each score's key with its meaning, or the keys alone: a method stage's
+    trained policy sampled on its held-out prompts (`sampled_metrics`)."""
+    policy = stage if policy is None else policy
+    if not isinstance(scores, Mapping):
+        scores = {key: f"{SCORES[key]} of the trained policy's responses to the first `{stage}.n_eval_prompts` "
+                       "held-out prompts (`prompts.sampling`)" for key in scores}
+
+    def m(name: str, meaning: str, when: Optional[str] = condition) -> Metric:
+        return Metric(stage, METRICS_JSON, f"{policy}/{name}", meaning, when)
     out = []
-    for key in keys:
-        out += [m(f"{stage}/{key}", f"{meanings[key]} of the trained policy's responses to the first "
-                                    f"`{stage}.n_eval_prompts` held-out prompts (`prompts.sampling`)"),
-                m(f"{stage}/{key}_ci95", "half-width of its 95% interval")]
-    return out + [m(f"{stage}/eos_rate", "rate of those responses that ended with eos or the stop token"),
-                  m(f"{stage}/length", "their mean length, words"),
-                  m(f"{stage}/distinct_2", "distinct bigrams / bigrams over them")]
+    for key, meaning in scores.items():
+        when = (conditions or {}).get(key, condition)
+        out += [m(key, meaning, when), m(f"{key}_ci95", "half-width of its 95% interval", when)]
+    return out + [m("length", "mean length of the policy's responses, words"),
+                  m("eos_rate", "rate of the policy's responses that ended with eos or the stop token"),
+                  m("distinct_2", "distinct bigrams / bigrams over the policy's responses (words)")]
 
 
 def sequence_kl(policy, ref, tok, prompts: list, responses: list[str], temperature: float) -> list[float]:

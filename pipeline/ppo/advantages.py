@@ -9,11 +9,27 @@ mask is a contiguous prefix of True followed by False.
 
 from __future__ import annotations
 
-from typing import Callable, Literal
+from typing import Callable
 
 import torch
 
-KLEstimator = Literal["k1", "k2", "k3"]
+from ..registries import Registry
+
+# `ppo.kl_estimator`: single-sample estimators of KL(pi || pi_ref) from tokens sampled from pi, each
+# a function of the per-token log r = log pi_ref - log pi (Schulman 2020, "Approximating KL divergence").
+KL_ESTIMATORS = Registry("KL estimator")
+
+# `ppo.advantage`: the advantage estimators, each declaring at registration what the trainer and the
+# config need to know of it:
+#   critic   True: it needs a critic and is called as (rewards, values, response_mask, **options),
+#            each (B, R), -> (advantages, returns), each (B, R); the trainer builds, trains and
+#            checkpoints a critic and writes the critic's step-log columns (trainer.CRITIC_COLUMNS).
+#            False: it is called as (scores (B,), k, **options) -> (advantages (B,), stats), on each
+#            response's summed reward, and its advantage goes to every token of the response.
+#   group    its baseline is the other responses to the same prompt, so it needs samples_per_prompt >= 2.
+#   options  keyword argument -> the params key of the section that sets it.
+#   columns  the step-log columns its stats add: (name, meaning), as docs/metrics.md shows them.
+ESTIMATORS = Registry("advantage estimator")
 
 
 def _check_mask(mask: torch.Tensor, *tensors: torch.Tensor) -> None:
@@ -99,26 +115,32 @@ def masked_whiten(
     return torch.where(mask, whitened, torch.zeros_like(whitened))
 
 
+@KL_ESTIMATORS.register("k1")
+def kl_k1(log_ratio: torch.Tensor) -> torch.Tensor:  # (B, R) log r -> (B, R)
+    """k1 = -log r: unbiased, high variance, can be negative."""
+    return -log_ratio
+
+
+@KL_ESTIMATORS.register("k2")
+def kl_k2(log_ratio: torch.Tensor) -> torch.Tensor:  # (B, R) log r -> (B, R)
+    """k2 = 0.5 (log r)^2: biased, low variance, >= 0."""
+    return 0.5 * log_ratio**2
+
+
+@KL_ESTIMATORS.register("k3")
+def kl_k3(log_ratio: torch.Tensor) -> torch.Tensor:  # (B, R) log r -> (B, R)
+    """k3 = (r - 1) - log r: unbiased, low variance, >= 0 (seed 000 §16.2.7)."""
+    return torch.expm1(log_ratio) - log_ratio  # expm1: exact near log r = 0
+
+
 def kl_penalty(
     logprobs: torch.Tensor,  # (B, R) log pi(a_t|s_t) of the sampled tokens
     ref_logprobs: torch.Tensor,  # (B, R) log pi_ref(a_t|s_t) of the same tokens
-    estimator: KLEstimator,
+    estimator: str,  # a name in KL_ESTIMATORS
 ) -> torch.Tensor:  # (B, R) per-token estimate of KL(pi || pi_ref); pads are not masked
-    """Single-sample estimators of KL(pi || pi_ref) from tokens sampled from pi.
-
-    Schulman (2020), "Approximating KL divergence", with log r = logref - logp:
-      k1 = -log r             unbiased, high variance, can be negative
-      k2 = 0.5 (log r)^2      biased, low variance, >= 0
-      k3 = (r - 1) - log r    unbiased, low variance, >= 0 (seed 000 §16.2.7)
-    """
-    log_ratio = ref_logprobs - logprobs
-    if estimator == "k1":
-        return -log_ratio
-    if estimator == "k2":
-        return 0.5 * log_ratio**2
-    if estimator == "k3":
-        return torch.expm1(log_ratio) - log_ratio  # expm1: exact near log r = 0
-    raise ValueError(f"kl estimator must be one of 'k1', 'k2', 'k3', got {estimator!r}")
+    """The single-sample estimate of KL(pi || pi_ref) from tokens sampled from pi that
+    `estimator` names (k1, k2, k3 above), of log r = logref - logp."""
+    return KL_ESTIMATORS[estimator](ref_logprobs - logprobs)
 
 
 def assemble_rewards(
@@ -156,6 +178,7 @@ def assemble_rewards(
     return rewards, stats
 
 
+@ESTIMATORS.register("gae", critic=True, group=False, options={"gamma": "gamma", "lam": "lam"}, columns=())
 @torch.no_grad()  # advantages and returns are fixed targets for the update
 def gae(
     rewards: torch.Tensor,  # (B, R) per-token rewards from assemble_rewards

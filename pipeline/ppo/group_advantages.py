@@ -1,4 +1,5 @@
-"""Group advantages for critic-free online RL: GRPO, Dr. GRPO, RLOO, REINFORCE++ with baseline.
+"""Group advantages for critic-free online RL: GRPO, Dr. GRPO, RLOO, REINFORCE++ with baseline,
+registered as advantage estimators (advantages.ESTIMATORS); the loss aggregations (AGGREGATIONS).
 
 Pure functions on per-sequence scores; per-token helpers take ``response_mask`` (B, R) bool as in
 advantages.py (whose masked means they reuse).
@@ -6,11 +7,10 @@ advantages.py (whose masked means they reuse).
 
 from __future__ import annotations
 
-from typing import Literal
-
 import torch
 
-from .advantages import _check_mask
+from ..registries import Registry
+from .advantages import ESTIMATORS, _check_mask
 
 # ---------------------------------------------------------------------------------------------
 # Group advantages for critic-free online RL (GRPO, Dr. GRPO, RLOO, REINFORCE++ with baseline).
@@ -22,8 +22,6 @@ from .advantages import _check_mask
 # value of the tokens in between. k = 1 is refused by every estimator: the baseline of a response
 # is built from the other responses to its prompt, and with one response there are none (GRPO and
 # REINFORCE++ would give every response exactly 0, RLOO would divide by k - 1 = 0).
-
-AggregationMode = Literal["token_mean", "seq_mean", "seq_sum_norm"]
 
 
 def _groups(
@@ -53,6 +51,11 @@ def _exact_zero_on_ties(
     return torch.where(tied, torch.zeros_like(advantages), advantages)
 
 
+@ESTIMATORS.register("grpo", critic=False, group=True, options={"scale": "grpo_scale"}, columns=(
+    ("objective/group_std", "mean within-group standard deviation of the sequence rewards (k responses to one "
+                            "prompt)"),
+    ("objective/zero_std_frac", "fraction of groups whose k rewards are all equal (zero advantage, no gradient)"),
+))
 @torch.no_grad()  # advantages are fixed targets for the update
 def grpo_advantages(
     scores: torch.Tensor,  # (B,) per-sequence scores, B = n_prompts * k
@@ -87,6 +90,9 @@ def grpo_advantages(
     return advantages.reshape(-1), stats
 
 
+@ESTIMATORS.register("rloo", critic=False, group=True, options={}, columns=(
+    ("objective/baseline", "mean leave-one-out baseline (the other k - 1 responses' mean reward)"),
+))
 @torch.no_grad()
 def rloo_advantages(
     scores: torch.Tensor,  # (B,) per-sequence scores, B = n_prompts * k
@@ -104,6 +110,9 @@ def rloo_advantages(
     return advantages.reshape(-1), {"objective/baseline": baseline.double().mean().item()}
 
 
+@ESTIMATORS.register("reinforce_baseline", critic=False, group=True, options={}, columns=(
+    ("objective/batch_std", "standard deviation of the baselined rewards over the batch"),
+))
 @torch.no_grad()
 def reinforce_baseline_advantages(
     scores: torch.Tensor,  # (B,) per-sequence scores, B = n_prompts * k
@@ -139,37 +148,54 @@ def broadcast_to_tokens(
     return torch.where(response_mask, advantages[:, None], torch.zeros((), dtype=advantages.dtype, device=advantages.device))
 
 
+# `ppo.loss_aggregation`: how a per-token loss becomes the scalar minimised; the methods differ
+# here, not in the per-token loss. Each is called as (masked (B, R) per-token loss, zero on pads,
+# response_mask (B, R), max_len) -> scalar and declares what it averages over, `counts`, so that
+# losses.aggregate splits it over micro-batches exactly: "tokens" (the token mean: a micro-batch's
+# token sum over the minibatch's real tokens) or "responses" (a micro-batch's aggregate weighted by
+# its share of the minibatch's responses).
+AGGREGATIONS = Registry("loss aggregation")
+
+
+@AGGREGATIONS.register("token_mean", counts="tokens")
+def token_mean(masked: torch.Tensor, response_mask: torch.Tensor, max_len: int | None) -> torch.Tensor:
+    """Sum over all real tokens / their number (PPO as this project trains it, DAPO's token-level
+    loss): every token weighs the same, so long responses weigh more."""
+    return masked.sum() / response_mask.sum().clamp_min(1)
+
+
+@AGGREGATIONS.register("seq_mean", counts="responses")
+def seq_mean(masked: torch.Tensor, response_mask: torch.Tensor, max_len: int | None) -> torch.Tensor:
+    """Mean over responses of each response's token mean (GRPO as published): every response
+    weighs the same, so a token of a long response weighs less. A response with no real token
+    contributes 0."""
+    per_seq = masked.sum(dim=1) / response_mask.sum(dim=1).clamp_min(1)  # (B,)
+    return per_seq.mean()
+
+
+@AGGREGATIONS.register("seq_sum_norm", counts="responses")
+def seq_sum_norm(masked: torch.Tensor, response_mask: torch.Tensor, max_len: int | None) -> torch.Tensor:
+    """Sum over real tokens / (B * max_len), a constant (Dr. GRPO, Liu et al. 2025): no length
+    normalisation at all. ``max_len`` is the generation budget (``max_new_tokens``), not this
+    batch's padded width, so the normaliser is the same for every batch; required, and at least R."""
+    if max_len is None or max_len < response_mask.shape[1]:
+        raise ValueError(f"seq_sum_norm needs max_len (the generation budget) >= R = {response_mask.shape[1]}, "
+                         f"got {max_len}")
+    return masked.sum() / (response_mask.shape[0] * max_len)
+
+
 def loss_aggregation(
     per_token: torch.Tensor,  # (B, R) per-token loss, e.g. -objective_t of the clipped surrogate
     response_mask: torch.Tensor,  # (B, R) bool
-    mode: AggregationMode,
+    mode: str,  # a name in AGGREGATIONS
     max_len: int | None = None,
 ) -> torch.Tensor:  # scalar
-    """Reduce a per-token loss to a scalar; the methods differ here, not in the per-token loss.
-
-    - ``token_mean``: sum over all real tokens / their number (PPO as this project trains it,
-      DAPO's token-level loss): every token weighs the same, so long responses weigh more.
-    - ``seq_mean``: mean over responses of each response's token mean (GRPO as published):
-      every response weighs the same, so a token of a long response weighs less. A response with
-      no real token contributes 0.
-    - ``seq_sum_norm``: sum over real tokens / (B * max_len), a constant (Dr. GRPO, Liu et al.
-      2025): no length normalisation at all. ``max_len`` is the generation budget
-      (``max_new_tokens``), not this batch's padded width, so the normaliser is the same for every
-      batch; required for this mode and at least R.
-    """
+    """Reduce a per-token loss to a scalar as the aggregation `mode` names (token_mean, seq_mean,
+    seq_sum_norm above); garbage on pads never reaches it."""
+    reduce = AGGREGATIONS[mode]
     _check_mask(response_mask, per_token)
     masked = torch.where(response_mask, per_token, torch.zeros_like(per_token))  # (B, R)
-    if mode == "token_mean":
-        return masked.sum() / response_mask.sum().clamp_min(1)
-    if mode == "seq_mean":
-        per_seq = masked.sum(dim=1) / response_mask.sum(dim=1).clamp_min(1)  # (B,)
-        return per_seq.mean()
-    if mode == "seq_sum_norm":
-        if max_len is None or max_len < response_mask.shape[1]:
-            raise ValueError(f"seq_sum_norm needs max_len (the generation budget) >= R = {response_mask.shape[1]}, "
-                             f"got {max_len}")
-        return masked.sum() / (response_mask.shape[0] * max_len)
-    raise ValueError(f"loss aggregation must be one of 'token_mean', 'seq_mean', 'seq_sum_norm', got {mode!r}")
+    return reduce(masked, response_mask, max_len)
 
 
 def sequence_rewards(
@@ -182,22 +208,3 @@ def sequence_rewards(
     takes the baseline of the bare score and adds the KL per token as a return-to-go."""
     _check_mask(response_mask, rewards)
     return torch.where(response_mask, rewards, torch.zeros_like(rewards)).sum(dim=1)
-
-
-Estimator = Literal["grpo", "rloo", "reinforce_baseline"]
-
-
-def group_advantages(
-    estimator: Estimator,
-    scores: torch.Tensor,  # (B,) per-sequence rewards, B = n_prompts * k
-    k: int,
-    scale: bool = True,
-) -> tuple[torch.Tensor, dict[str, float]]:  # (B,) per-sequence advantages, stats
-    """The named estimator's advantages (`scale` is GRPO's std division; off: Dr. GRPO)."""
-    if estimator == "grpo":
-        return grpo_advantages(scores, k, scale)
-    if estimator == "rloo":
-        return rloo_advantages(scores, k)
-    if estimator == "reinforce_baseline":
-        return reinforce_baseline_advantages(scores, k)
-    raise ValueError(f"group estimator must be one of 'grpo', 'rloo', 'reinforce_baseline', got {estimator!r}")

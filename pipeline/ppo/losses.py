@@ -18,7 +18,7 @@ import torch
 
 
 from .advantages import _check_mask, masked_mean
-from .group_advantages import AggregationMode, loss_aggregation
+from .group_advantages import AGGREGATIONS, loss_aggregation
 
 
 def _token_mean(
@@ -37,17 +37,17 @@ def _token_mean(
 def aggregate(
     per_token: torch.Tensor,  # (B, R) per-token loss of a micro-batch
     response_mask: torch.Tensor,  # (B, R) bool
-    mode: AggregationMode = "token_mean",
+    mode: str = "token_mean",   # a name in group_advantages.AGGREGATIONS
     loss_denominator: float | None = None,
     max_len: int | None = None,
 ) -> torch.Tensor:  # scalar
     """A per-token loss reduced as ``mode`` says (group_advantages.loss_aggregation), such that the
     micro-batch losses of a minibatch add up to the minibatch's loss. ``loss_denominator`` counts
-    what the mode averages over in the whole minibatch: real tokens for token_mean (the token sum
-    over it, as ``_token_mean``), responses for seq_mean and seq_sum_norm (this micro-batch's
-    aggregate weighted by its share of the minibatch's responses, B / loss_denominator). None: this
-    batch is the whole minibatch."""
-    if mode == "token_mean":
+    what the mode averages over in the whole minibatch (its `counts`): real tokens for a mean over
+    tokens (the token sum over it, as ``_token_mean``), responses for seq_mean and seq_sum_norm
+    (this micro-batch's aggregate weighted by its share of the minibatch's responses,
+    B / loss_denominator). None: this batch is the whole minibatch."""
+    if AGGREGATIONS.facts(mode)["counts"] == "tokens":
         return _token_mean(per_token, response_mask, loss_denominator)
     loss = loss_aggregation(per_token, response_mask, mode, max_len)
     if loss_denominator is None:
@@ -70,7 +70,7 @@ def policy_loss(
     dual_clip: float | None = None,
     loss_denominator: float | None = None,
     tis_weights: torch.Tensor | None = None,  # (B, R) detached, from `truncated_is_weights`; None: off
-    aggregation: AggregationMode = "token_mean",
+    aggregation: str = "token_mean",   # a name in group_advantages.AGGREGATIONS
     max_len: int | None = None,   # the generation budget, for aggregation="seq_sum_norm"
 ) -> tuple[torch.Tensor, dict[str, float]]:
     """PPO-clip surrogate loss (Schulman et al. 2017, eq. 7), as a loss to minimise.

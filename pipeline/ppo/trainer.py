@@ -6,9 +6,10 @@ One iteration (numbered as in the code):
   2. score       old/ref log-probs, critic values (with a critic), reward-source scores (one forward
                  per model); the sampler's vs a training forward's log-probs measured (mismatch.py)
   3. rewards     per-token -kl_coef * KL_t plus the score on the last real token
-  4. advantages  gae: GAE over response tokens, returns = advantages + values, whitened advantages;
-                 grpo/rloo/reinforce_baseline: each response's summed reward against its group's
-                 baseline (group_advantages.py), the same advantage on every token, no critic
+  4. advantages  the estimator ppo.advantage names (advantages.ESTIMATORS); with a critic (gae): GAE
+                 over response tokens, returns = advantages + values, whitened advantages; critic-free
+                 (grpo, rloo, reinforce_baseline): each response's summed reward against its group's
+                 baseline (group_advantages.py), the same advantage on every token
   5. update      ppo_epochs of shuffled minibatches, micro-batch gradient accumulation,
                  clipped policy loss (aggregated as ppo.loss_aggregation), value loss (with a
                  critic), early stop above target_kl
@@ -47,6 +48,11 @@ log = logging.getLogger(__name__)
 
 def _check_finite(name: str, value: torch.Tensor | float, iteration: int) -> None:
     check_finite(f"ppo iteration {iteration}", name, value)
+
+
+def estimator_options(cfg: PPOConfig) -> dict[str, object]:
+    """The keyword arguments of the section's advantage estimator, from the keys it declares."""
+    return {arg: getattr(cfg, key) for arg, key in adv.ESTIMATORS.facts(cfg.advantage)["options"].items()}
 
 
 @dataclass
@@ -111,8 +117,8 @@ class PPOTrainer:
             # from its score before the group baseline (group_advantages.sequence_rewards). A rank holds
             # whole groups (config.py) and computes their baselines alone; reinforce_baseline's batch
             # std is then the rank's share of the batch, not the global batch's.
-            seq_adv, group_stats = group.group_advantages(cfg.advantage, group.sequence_rewards(rewards, mask),
-                                                          cfg.samples_per_prompt, cfg.grpo_scale)
+            seq_adv, group_stats = adv.ESTIMATORS[cfg.advantage](group.sequence_rewards(rewards, mask),
+                                                                 cfg.samples_per_prompt, **estimator_options(cfg))
             advantages, returns = group.broadcast_to_tokens(seq_adv, mask), None
             stats.update(group_stats)
         weights = None
@@ -123,12 +129,13 @@ class PPOTrainer:
 
     def gae_advantages(self, rewards: torch.Tensor, values: torch.Tensor, mask: torch.Tensor,
                        stats: dict[str, float]) -> tuple[torch.Tensor, torch.Tensor]:
-        """Step 4 with a critic: GAE, advantages whitened over the global batch; (advantages, returns)."""
+        """Step 4 with a critic: its estimator (GAE), advantages whitened over the global batch;
+        (advantages, returns)."""
         cfg = self.cfg
         reduce = self.ctx.sum if self.ctx.world_size > 1 else adv.local
         if cfg.whiten_rewards:
             rewards = adv.masked_whiten(rewards, mask, shift_mean=False, reduce=reduce)
-        advantages, returns = adv.gae(rewards, values, mask, cfg.gamma, cfg.lam)
+        advantages, returns = adv.ESTIMATORS[cfg.advantage](rewards, values, mask, **estimator_options(cfg))
         advantages = adv.masked_whiten(advantages, mask, reduce=reduce)   # over the global batch
         largest = (lambda v: self.ctx.reduce_stats({"v": v}, max_keys={"v"})["v"]) if self.ctx.world_size > 1 else float
         stats["val/explained_variance"] = adv.explained_variance(values, returns, mask, reduce, largest)
@@ -143,7 +150,8 @@ class PPOTrainer:
         cfg, ro = self.cfg, b.ro.select(idx, trim=True)   # only this micro-batch's own padding
         mask, r = ro.response_mask, ro.response_mask.size(1)
         mode = cfg.loss_aggregation
-        agg = dict(mode=mode, loss_denominator=n_tokens if mode == "token_mean" else n_rows,
+        counts = {"tokens": n_tokens, "responses": n_rows}   # what the mode averages over (AGGREGATIONS)
+        agg = dict(mode=mode, loss_denominator=counts[group.AGGREGATIONS.facts(mode)["counts"]],
                    max_len=cfg.sampling.max_new_tokens)
         with self.forwards():
             logprobs, entropy = policy_logprobs(self.m.actor.forward, ro, cfg.sampling.temperature, with_entropy=True,
@@ -155,7 +163,7 @@ class PPOTrainer:
         if first:
             stats.update(ratio_deviation(logprobs, b.sc.old_logprobs[idx, :r], mask))
         ent_loss = aggregate(entropy, mask, **agg)
-        ent_sum = ent_loss if mode == "token_mean" else aggregate(entropy.detach(), mask, "token_mean", n_tokens)
+        ent_sum = aggregate(entropy.detach(), mask, "token_mean", n_tokens)   # logged as the token mean whatever the mode
         loss = pg_loss - cfg.entropy_coef * ent_loss
         if cfg.kl_loss_coef > 0:
             kl = adv.kl_penalty(logprobs, b.sc.ref_logprobs[idx, :r], cfg.kl_estimator)
@@ -411,14 +419,3 @@ TRAIN_COLUMNS = (
 
 # The critic's columns, which the critic-free estimators (the grpo stage by default) do not write.
 CRITIC_COLUMNS = ("val/grad_norm", "loss/value", "val/clipfrac", "val/vpred", "val/error", "val/explained_variance")
-
-
-# What the group estimators add: (name, meaning, the `grpo.advantage` that writes it).
-GROUP_COLUMNS = (
-    ("objective/group_std", "mean within-group standard deviation of the sequence rewards (k responses to one "
-                            "prompt)", "grpo"),
-    ("objective/zero_std_frac", "fraction of groups whose k rewards are all equal (zero advantage, no gradient)",
-     "grpo"),
-    ("objective/baseline", "mean leave-one-out baseline (the other k - 1 responses' mean reward)", "rloo"),
-    ("objective/batch_std", "standard deviation of the baselined rewards over the batch", "reinforce_baseline"),
-)

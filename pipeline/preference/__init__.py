@@ -2,7 +2,7 @@
 
 Shape vocabulary, used in every shape comment of this package (the ppo package's, plus N):
 
-    N  number of preference pairs in a batch
+    N  number of preference pairs (KTO: unpaired examples) in a batch
     B  rows of one forward: 2N when chosen and rejected go through the model together
     P  prompt length (left-padded prompts), R response length (right-padded responses)
     V  vocabulary size

@@ -1,10 +1,13 @@
 """Offline preference losses on per-sequence response log-probs: DPO (with conservative label
-smoothing), IPO and the reference-free SimPO.
+smoothing), IPO and the reference-free SimPO on pairs, each registered by name
+(`PREFERENCE_LOSSES`, the values of `dpo.method`); and KTO's loss on unpaired examples with its KL
+reference point.
 
 Pure functions: tensors and floats in, a scalar loss (the mean over pairs) plus a dict of detached
-float stats out. Inputs are (N,) per-sequence log-probs from ``pipeline.preference.logprobs``:
-``logp_*`` with grad (the policy being trained), ``ref_*`` constants (the frozen reference,
-computed once before training).
+float stats out (KTO: per-example terms and rewards, which its stage sums over a global batch).
+Inputs are (N,) per-sequence log-probs from ``pipeline.preference.logprobs``: ``logp_*`` with grad
+(the policy being trained), ``ref_*`` constants (the frozen reference, computed once before
+training).
 
 Why SimPO as the reference-free variant, not ORPO: SimPO needs nothing but the policy's own
 per-sequence log-probs and lengths, the same inputs DPO already computes, so no reference pass and
@@ -28,21 +31,39 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from ..registries import Registry
 
-def _check_pairs(**tensors: torch.Tensor) -> int:
-    """All inputs (N,) with the same N >= 1; returns N. Catches a (N, R) per-token tensor passed
-    where a per-sequence sum was meant, which would otherwise broadcast silently."""
+# dpo.method -> its loss. Facts the stage reads: `reference`, whether the loss takes the reference
+# model's log-probs (SimPO does not, so its training pairs need no reference pass); `lengths`,
+# whether it takes the responses' token counts; `options`, its keyword hyperparameters beyond beta.
+PREFERENCE_LOSSES = Registry("preference loss")
+
+
+def _check_batch(**tensors: torch.Tensor) -> int:
+    """All inputs (N,) with the same N >= 1 (N pairs or N examples); returns N. Catches a (N, R)
+    per-token tensor passed where a per-sequence sum was meant, which would otherwise broadcast
+    silently."""
     n = None
     for name, t in tensors.items():
         if t.dim() != 1:
-            raise ValueError(f"{name} must be (N,) per-sequence log-probs, got shape {tuple(t.shape)}")
+            raise ValueError(f"{name} must be (N,) per-sequence values, got shape {tuple(t.shape)}")
         if n is None:
             n = t.shape[0]
         elif t.shape[0] != n:
-            raise ValueError(f"{name} has {t.shape[0]} pairs, expected {n} like the others")
+            raise ValueError(f"{name} has {t.shape[0]} entries, expected {n} like the others")
     if not n:
-        raise ValueError("a preference batch needs at least one pair")
+        raise ValueError("a batch needs at least one pair or example")
     return n
+
+
+def _logratios(logp_chosen: torch.Tensor, logp_rejected: torch.Tensor, ref_chosen: torch.Tensor,
+               ref_rejected: torch.Tensor, beta: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """The inputs checked, then each side's log-ratio to the reference, log pi - log pi_ref: (N,), (N,)."""
+    _check_batch(logp_chosen=logp_chosen, logp_rejected=logp_rejected, ref_chosen=ref_chosen,
+                 ref_rejected=ref_rejected)
+    if not beta > 0:
+        raise ValueError(f"beta must be > 0, got {beta}")
+    return logp_chosen - ref_chosen, logp_rejected - ref_rejected
 
 
 def _check_lengths(logp: torch.Tensor, lengths: torch.Tensor, name: str) -> torch.Tensor:
@@ -70,6 +91,7 @@ def _stats(loss: torch.Tensor, chosen_rewards: torch.Tensor, rejected_rewards: t
         }
 
 
+@PREFERENCE_LOSSES.register("dpo", reference=True, lengths=False, options=("label_smoothing",))
 def dpo_loss(
     logp_chosen: torch.Tensor,  # (N,) log pi_theta(y_c | x), summed over response tokens, with grad
     logp_rejected: torch.Tensor,  # (N,) log pi_theta(y_r | x), with grad
@@ -86,14 +108,9 @@ def dpo_loss(
     finite minimiser (beta h = log((1 - eps) / eps)) instead of pushing h to infinity.
     d loss_i / d logp_c = -beta (1 - eps) sigmoid(-beta h) + beta eps sigmoid(beta h) = -d / d logp_r.
     """
-    _check_pairs(logp_chosen=logp_chosen, logp_rejected=logp_rejected, ref_chosen=ref_chosen,
-                 ref_rejected=ref_rejected)
-    if not beta > 0:
-        raise ValueError(f"beta must be > 0, got {beta}")
+    chosen_logratio, rejected_logratio = _logratios(logp_chosen, logp_rejected, ref_chosen, ref_rejected, beta)
     if not 0.0 <= label_smoothing < 0.5:
         raise ValueError(f"label_smoothing must be in [0, 0.5) (0.5 makes the labels noise), got {label_smoothing}")
-    chosen_logratio = logp_chosen - ref_chosen  # (N,)
-    rejected_logratio = logp_rejected - ref_rejected  # (N,)
     h = chosen_logratio - rejected_logratio  # (N,)
     per_pair = (-(1.0 - label_smoothing) * F.logsigmoid(beta * h)
                 - label_smoothing * F.logsigmoid(-beta * h))  # (N,); logsigmoid is stable for any h
@@ -102,6 +119,8 @@ def dpo_loss(
     return loss, stats
 
 
+# Registered summed, as the paper writes it; the length-averaged variant is for callers that pass lengths.
+@PREFERENCE_LOSSES.register("ipo", reference=True, lengths=False, options=())
 def ipo_loss(
     logp_chosen: torch.Tensor,  # (N,) summed log pi_theta(y_c | x), with grad
     logp_rejected: torch.Tensor,  # (N,) summed log pi_theta(y_r | x), with grad
@@ -125,12 +144,7 @@ def ipo_loss(
     h = (logp_c - ref_c) / |y_c| - (logp_r - ref_r) / |y_r|. The rewards in the stats then use the
     same averaged log-ratios; the ``logps/*`` stats stay summed.
     """
-    _check_pairs(logp_chosen=logp_chosen, logp_rejected=logp_rejected, ref_chosen=ref_chosen,
-                 ref_rejected=ref_rejected)
-    if not beta > 0:
-        raise ValueError(f"beta must be > 0, got {beta}")
-    chosen_logratio = logp_chosen - ref_chosen  # (N,)
-    rejected_logratio = logp_rejected - ref_rejected  # (N,)
+    chosen_logratio, rejected_logratio = _logratios(logp_chosen, logp_rejected, ref_chosen, ref_rejected, beta)
     if (chosen_lengths is None) != (rejected_lengths is None):
         raise ValueError("give both chosen_lengths and rejected_lengths (length-averaged IPO) or neither (summed)")
     if chosen_lengths is not None and rejected_lengths is not None:
@@ -142,6 +156,7 @@ def ipo_loss(
     return loss, stats
 
 
+@PREFERENCE_LOSSES.register("simpo", reference=False, lengths=True, options=("gamma",))
 def simpo_loss(
     logp_chosen: torch.Tensor,  # (N,) summed log pi_theta(y_c | x), with grad
     logp_rejected: torch.Tensor,  # (N,) summed log pi_theta(y_r | x), with grad
@@ -157,7 +172,7 @@ def simpo_loss(
     removes the incentive to lengthen responses that a summed reward would have, and gamma >= 0 is
     a target margin between the two rewards. No reference model is involved at all.
     """
-    _check_pairs(logp_chosen=logp_chosen, logp_rejected=logp_rejected)
+    _check_batch(logp_chosen=logp_chosen, logp_rejected=logp_rejected)
     if not beta > 0:
         raise ValueError(f"beta must be > 0, got {beta}")
     if gamma < 0:
@@ -167,3 +182,36 @@ def simpo_loss(
     loss = -F.logsigmoid(chosen_rewards - rejected_rewards - gamma).mean()
     stats = _stats(loss, chosen_rewards, rejected_rewards, logp_chosen, logp_rejected)
     return loss, stats
+
+
+# ---- KTO: unpaired examples ----------------------------------------------------------------------
+
+
+def reference_point(kl_logp: torch.Tensor, kl_ref_logp: torch.Tensor) -> torch.Tensor:
+    """KTO's z_ref (Ethayarajh et al. 2024): the mean of log pi(y'|x) - log pi_ref(y'|x) over
+    mismatched prompt-response pairs (N,), clamped at 0 (a KL is >= 0; a batch's estimate can dip
+    below) and detached: the paper's reference point is not trained through."""
+    _check_batch(kl_logp=kl_logp, kl_ref_logp=kl_ref_logp)
+    return (kl_logp - kl_ref_logp).detach().mean().clamp(min=0)
+
+
+def kto_loss(logp: torch.Tensor, ref_logp: torch.Tensor, desirable: torch.Tensor, z_ref: torch.Tensor,
+             beta: float, lambda_d: float = 1.0, lambda_u: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-example KTO terms (N,) and the implicit rewards beta r (N,), detached.
+
+    logp (N,) the policy's summed response log-probs (with grad); ref_logp (N,) the reference's;
+    desirable (N,) bool; z_ref () from `reference_point`. With r = logp - ref_logp:
+    desirable   lambda_d (1 - sigmoid(beta (r - z_ref)))
+    undesirable lambda_u (1 - sigmoid(beta (z_ref - r)))
+    (the paper's L = E[lambda_y - v(x, y)]; TRL's kto_loss is the same). 1 - sigmoid(t) is computed as
+    sigmoid(-t), which loses nothing when beta |r - z_ref| is large. The gradient pushes a desirable
+    response's log-prob up and an undesirable one's down, saturating once |r - z_ref| >> 1 / beta."""
+    _check_batch(logp=logp, ref_logp=ref_logp, desirable=desirable)
+    if desirable.dtype != torch.bool:
+        raise ValueError(f"desirable must be a bool tensor, got {desirable.dtype}")
+    if z_ref.dim() != 0 or z_ref.requires_grad:
+        raise ValueError("z_ref must be a detached scalar (reference_point)")
+    reward = logp - ref_logp   # (N,)
+    terms = torch.where(desirable, lambda_d * torch.sigmoid(beta * (z_ref - reward)),
+                        lambda_u * torch.sigmoid(beta * (reward - z_ref)))   # (N,)
+    return terms, beta * reward.detach()

@@ -30,6 +30,7 @@ from ..files import atomic_write_text, read_json_object
 from ..errors import ConfigError, DataError, shown
 from ..measurement import held_out
 from ..measurement.plots import close_figure, pyplot, save_figure
+from ..measurement.policy import sampled_declarations
 from ..tracking.sinks import StepLog
 from ..training import loading, memory_plan
 from .skeleton import stage_run
@@ -52,14 +53,11 @@ def declared_metrics() -> list[Metric]:
            m("methods.tsv", "rm", "its mean RM score"), m("methods.tsv", "gold", "its mean gold score"),
            m("methods.tsv", "kl", "its KL to SFT"),
            m(METRICS_JSON, "n_prompts", "held-out prompts every policy answered (`compare.n_prompts`)")]
-    for key, meaning in (("rm", "mean reward-model score"), ("gold", "mean gold score"),
-                         ("kl", "mean KL to SFT (best-of-n: the analytic `log n - (n-1)/n`)")):
-        out += [m(METRICS_JSON, f"{{policy}}/{key}", f"{meaning} of the policy's responses"),
-                m(METRICS_JSON, f"{{policy}}/{key}_ci95", "half-width of its 95% interval")]
-    out += [m(METRICS_JSON, "{policy}/length", "mean response length, words"),
-            m(METRICS_JSON, "{policy}/eos_rate", "rate of responses that ended with eos or the stop token"),
-            m(METRICS_JSON, "{policy}/distinct_2", "distinct bigrams / bigrams over its responses"),
-            m(METRICS_JSON, "{policy}/stage_wall_seconds", "the method stage's `resources/wall_seconds`"),
+    out += sampled_declarations("compare", {
+        "rm": "mean reward-model score of the policy's responses", "gold": "mean gold score of the policy's responses",
+        "kl": "mean KL to SFT (best-of-n: the analytic `log n - (n-1)/n`) of the policy's responses"},
+        policy="{policy}")
+    out += [m(METRICS_JSON, "{policy}/stage_wall_seconds", "the method stage's `resources/wall_seconds`"),
             m(METRICS_JSON, "{policy}/stage_peak_rss_gib", "the method stage's `resources/peak_rss_gib`")]
     for judge in ("rm", "gold"):
         who = "reward model" if judge == "rm" else "gold annotator"
@@ -74,6 +72,8 @@ SPEC = StageSpec(
     "compare", help="every alignment method (--policy NAME=FOLDER each), SFT and best-of-n on the held-out prompts",
     inputs=("data", "sft", "reward"), measuring=True, pipeline="compare",
     headline=("*/gold", "*/rm", "*/kl", "win_rate/*_vs_sft_gold", "win_rate/*_vs_sft_rm"),
+    parent_params=("compare.n_prompts", "compare.best_of_n"),
+    check_inputs=lambda params, data_dir: inputs.prompts(params, data_dir, "eval"),
     metrics=declared_metrics, files=METRIC_FILES,
     plan=lambda params, shapes: memory_plan_of(params, shapes),
     summary=lambda metrics, folders: [f"compare: wrote {folders['out']}; report: {folders['out'] / 'report.md'}",

@@ -27,11 +27,12 @@ from ..files import atomic_write_text
 from ..measurement import held_out
 from ..measurement.comparison_plots import evaluation_plots
 from ..measurement.plots import close_figure
-from ..measurement.policy import Measured
+from ..measurement.policy import Measured, sampled_declarations
 from ..measurement.verdict import detector_record, verdict
 from ..tracking.sinks import StepLog
 from ..training import loading, memory_plan
 from ..training.distributed import SINGLE, Context
+from . import registry
 from .skeleton import stage_run
 from ..tracking.metric_names import METRICS_JSON, Metric
 from .spec import StageSpec
@@ -62,22 +63,13 @@ def declared_metrics() -> list[Metric]:
         m("policies.tsv", "kl", "its KL to SFT"),
     ]
     for policy, who in (("sft", "the SFT policy"), ("best_of_{n}", "best-of-n"), ("ppo", "the PPO policy")):
-        kl = {"sft": "KL to SFT (0 by construction)",
-              "best_of_{n}": "KL to SFT, the analytic `log n - (n-1)/n`",
+        kl = {"sft": "KL to SFT (0 by construction; its interval's half-width 0 up to rounding)",
+              "best_of_{n}": "KL to SFT, the analytic `log n - (n-1)/n` (its interval's half-width 0 up to rounding)",
               "ppo": "mean sequence-level sampled KL to SFT"}[policy]
-        out += [
-            m(METRICS_JSON, f"{policy}/rm", f"mean reward-model score of {who}'s responses to the first "
-                                            "`evaluate.n_prompts` held-out prompts"),
-            m(METRICS_JSON, f"{policy}/rm_ci95", "half-width of its 95% interval"),
-            m(METRICS_JSON, f"{policy}/gold", f"mean gold score of {who}'s responses", "!no_judge"),
-            m(METRICS_JSON, f"{policy}/gold_ci95", "half-width of its 95% interval", "!no_judge"),
-            m(METRICS_JSON, f"{policy}/kl", kl),
-            m(METRICS_JSON, f"{policy}/kl_ci95", "half-width of its 95% interval"
-                                                 + (" (0 up to rounding)" if policy != "ppo" else "")),
-            m(METRICS_JSON, f"{policy}/length", "mean response length, words"),
-            m(METRICS_JSON, f"{policy}/eos_rate", "rate of responses that ended with eos or the stop token"),
-            m(METRICS_JSON, f"{policy}/distinct_2", "distinct bigrams / bigrams over its responses (words)"),
-        ]
+        out += sampled_declarations("evaluate", {
+            "rm": f"mean reward-model score of {who}'s responses to the first `evaluate.n_prompts` held-out prompts",
+            "gold": f"mean gold score of {who}'s responses", "kl": kl},
+            policy=policy, condition=None, conditions={"gold": "!no_judge"})
     for judge, condition in (("rm", None), ("gold", "!no_judge")):
         who = "reward model" if judge == "rm" else "gold annotator"
         out += [
@@ -97,6 +89,9 @@ def declared_metrics() -> list[Metric]:
 SPEC = StageSpec(
     "evaluate", help="SFT, best-of-n and PPO on the held-out prompts", inputs=("data", "sft", "reward", "ppo"),
     measuring=True, headline=("*/gold", "*/rm", "*/kl", "win_rate/ppo_vs_sft_gold", "win_rate/ppo_vs_sft_rm"),
+    headline_prefixed=False,     # its names already say the policy (`ppo/gold`): the pipeline's own numbers
+    parent_params=("evaluate.n_prompts", "evaluate.best_of_n"),
+    check_inputs=lambda params, data_dir: inputs.prompts(params, data_dir, "eval"),
     metrics=declared_metrics, files=METRIC_FILES, notes=METRIC_NOTES,
     plan=lambda params, shapes: memory_plan_of(params, shapes),
     summary=lambda metrics, folders: console_lines(metrics, folders), reads=(
@@ -221,7 +216,8 @@ def run(params: Params, data_dir: Path, sft_dir: Path, reward_dir: Path, ppo_dir
         run.finish(m)
         run.tracker.log_table(table, "samples.json")   # every held-out prompt, browsable in MLflow
         run.tracker.set_description(text)   # the pipeline's parent run, described by its verdict
-        run.tracker.alias_evaluated("ppo", "champion")   # models:/rlhf-policy@champion: the policy judged last
+        # models:/rlhf-policy@champion: the policy judged last
+        run.tracker.alias_evaluated("ppo", registry.spec("ppo").model.registered, "champion")
     return m
 
 

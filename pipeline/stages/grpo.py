@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from ..config import Params
+from ..tracking.model_card import ModelFacts
 from ..training import memory_plan
 from . import ppo
 from .spec import StageSpec
@@ -36,6 +37,11 @@ SPEC = StageSpec(
     "grpo", help="critic-free online RL against the reward model (GRPO, RLOO, REINFORCE++; the grpo section)",
     inputs=("data", "sft", "reward"), training=True, shape="start", pipeline="compare", policy=True,
     headline=("grpo/gold", "grpo/rm", "grpo/kl", "detector/fired"),
+    parent_params=("grpo.seed", "grpo.lr", "grpo.kl_coef", "grpo.advantage"),
+    model=ModelFacts("the critic-free RL policy (GRPO family)", "the SFT policy, against the reward model",
+                     "rlhf-grpo-policy", "The SFT policy tuned online by a critic-free estimator (GRPO, RLOO, "
+                     "REINFORCE++; grpo.advantage) against the reward model (transformers text-generation)."),
+    check_inputs=lambda params, data_dir: ppo.check_inputs(params, data_dir),
     metrics=lambda: ppo.declared_metrics("grpo"), files=METRIC_FILES,
     plan=lambda params, shapes: memory_plan.rl_planner(params, "grpo", shapes), reads=(
     "data.task", "model.trust_remote_code",

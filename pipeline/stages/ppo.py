@@ -30,13 +30,15 @@ from ..models.rollout_engine import TORCH, RolloutEngine
 from ..ppo import checkpoint
 from ..ppo.detector import Detector
 from ..ppo.placement import PPOModels, place_models
-from ..ppo.trainer import CRITIC_COLUMNS, GROUP_COLUMNS, TRAIN_COLUMNS, PPOTrainer
+from ..ppo.advantages import ESTIMATORS
+from ..ppo.trainer import CRITIC_COLUMNS, TRAIN_COLUMNS, PPOTrainer
 from ..progress import Progress
 from ..tracking.sinks import StepLog
 from ..training import memory_plan, stopping
 from ..training.engines import write_deepspeed_config
 from .skeleton import StageRun, stage_run
 from ..tracking.metric_names import METRICS_JSON, Metric
+from ..tracking.model_card import ModelFacts
 from .spec import StageSpec
 
 # docs/metrics.md: the note under each file the stage writes
@@ -61,16 +63,18 @@ with the iteration and the quantity named; the last checkpoint is kept.
 
 
 def declared_metrics(stage: str = "ppo") -> list[Metric]:
-    """The PPO stage's names; `stage="grpo"`: the same trainer without a critic (compare/dvc.yaml)."""
+    """The PPO stage's names; `stage="grpo"`: the same trainer without a critic (compare/dvc.yaml).
+    The step log's columns are those of the section's default estimator (`<stage>.advantage`)."""
+    facts = ESTIMATORS.facts(getattr(Params(), stage).advantage)
+
     def m(file: str, name: str, meaning: str, condition: Optional[str] = None, copy_of: Optional[str] = None):
         if stage != "ppo":
             meaning = meaning.replace("`ppo.", f"`{stage}.").replace("PPO policy", f"{stage.upper()} policy")
-            condition = {None: "compare", "grpo": None}.get(condition, condition)
+            condition = "compare" if condition is None else condition
         return Metric(stage, file, name, meaning, condition, copy_of)
 
-    train = [row for row in TRAIN_COLUMNS if stage == "ppo" or row[0] not in CRITIC_COLUMNS]
-    if stage != "ppo":   # the default estimator's columns (grpo.advantage: grpo)
-        train += [row for row in GROUP_COLUMNS if row[2] == "grpo"]
+    train = [row for row in TRAIN_COLUMNS if facts["critic"] or row[0] not in CRITIC_COLUMNS]
+    train += [(name, meaning, None) for name, meaning in facts["columns"]]
     out = [m("train.tsv", name, meaning, condition) for name, meaning, condition in train]
     out += [m(METRICS_JSON, f"train/{name.replace('/', '_')}", f"the last iteration's `{name}`", condition, name)
             for name, _, condition in train if name != "step"]
@@ -113,6 +117,10 @@ def declared_metrics(stage: str = "ppo") -> list[Metric]:
 SPEC = StageSpec(
     "ppo", help="PPO against the reward model", inputs=("data", "sft", "reward"), training=True, shape="load",
     policy=True, headline=("ppo/gold", "ppo/rm", "ppo/kl", "detector/fired"),
+    parent_params=("ppo.seed", "ppo.lr", "ppo.kl_coef", "ppo.adaptive_kl", "ppo.iterations", "ppo.rollout_batch_size"),
+    model=ModelFacts("the PPO policy", "the SFT policy, against the reward model", "rlhf-policy",
+                     "The PPO policy of the RLHF pipeline (transformers text-generation, with its tokenizer)."),
+    check_inputs=lambda params, data_dir: check_inputs(params, data_dir),
     metrics=declared_metrics, files=METRIC_FILES, notes=METRIC_NOTES,
     plan=lambda params, shapes: memory_plan.rl_planner(params, "ppo", shapes), reads=(
     "data.task", "model.trust_remote_code",
@@ -122,6 +130,12 @@ SPEC = StageSpec(
 ))
 
 log = logging.getLogger(__name__)
+
+
+def check_inputs(params: Params, data_dir: Path) -> None:
+    """What the RL stages read before their first step: the prompts, train and held-out (the
+    held-out split checked for leaks from the train split)."""
+    inputs.prompts(params, data_dir, "eval")
 
 
 def compare_policies(models: PPOModels, cfg: PPOConfig, sampling: SamplingConfig, max_prompt_length: int,

@@ -21,7 +21,8 @@ from .spec import StageSpec
 # No model, metrics or tracking: the stage writes one folder atomically (splits, tokenizer,
 # stats.json and its config.json), so it needs none of the skeleton's other parts.
 SPEC = StageSpec("prepare", help="write the default task's splits and tokenizer", reads=("data",), inputs=(),
-                 out="data/prepared", summary=lambda stats, folders: [
+                 out="data/prepared", out_help="the folder the prepared splits and tokenizer are written to",
+                 parent_params=("data.task", "data.seed"), summary=lambda stats, folders: [
                      f"prepare: wrote {folders['out']} (noise ceiling on held-out pairs {stats['noise_ceiling']['pairs_eval']:.3f})"])
 
 SPLITS = ("sft_train", "sft_eval", "pairs_train", "pairs_eval", "ppo_prompts", "eval_prompts")

@@ -92,6 +92,11 @@ def shape_checked(when: str, pipeline: Optional[str] = None) -> tuple[str, ...]:
     return tuple(n for n, s in specs().items() if s.shape == when and pipeline in (None, s.pipeline))
 
 
+def parent_params() -> tuple[str, ...]:
+    """Every stage's knobs that reach the MLflow parent run (each stage copies those its config has)."""
+    return tuple(dict.fromkeys(p for s in specs().values() for p in s.parent_params))
+
+
 def cluster_checked() -> tuple[str, ...]:
     """The default pipeline's distributed stages: their SLURM job shapes are checked against their
     `distributed` settings before Snakemake submits anything (compare/dvc.yaml's are left out, so a
@@ -99,8 +104,17 @@ def cluster_checked() -> tuple[str, ...]:
     return tuple(n for n, s in specs().items() if s.distributed and s.pipeline == "default")
 
 
+def registered() -> dict[str, tuple[str, ...]]:
+    """Every registry's names by kind (pipeline/registries.py): the stage modules, and so every
+    module that registers a function, imported first."""
+    from .. import registries
+    modules()
+    return registries.names()
+
+
 def load_params(path):
     """The params file loaded and validated in full, with the batch sizes of every stage whose
-    SPEC says "load" checked against its processes."""
+    SPEC says "load" checked against its processes, and every key naming a registered function
+    (`config.named`) checked against its registry."""
     from ..config import load_params as load
-    return load(path, shape_checked("load"))
+    return load(path, shape_checked("load"), registered())

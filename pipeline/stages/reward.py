@@ -35,6 +35,7 @@ from ..training.distributed import SINGLE, Context
 from ..training.supervised import SupervisedTask
 from .skeleton import StageRun, stage_run
 from ..tracking.metric_names import METRICS_JSON, Metric
+from ..tracking.model_card import ModelFacts
 from .spec import StageSpec
 
 # docs/metrics.md: the note under each file the stage writes
@@ -94,6 +95,11 @@ def declared_metrics() -> list[Metric]:
 SPEC = StageSpec(
     "reward", help="reward model on preference pairs", inputs=("data", "sft"), training=True, shape="load",
     headline=("eval/accuracy", "eval/accuracy_of_ceiling", "eval/spearman_gold_sft_samples"),
+    parent_params=("reward.seed", "reward.lr", "reward.epochs"),
+    model=ModelFacts("the reward model", "the SFT policy (its trunk, a new scalar head), on preference pairs",
+                     "rlhf-reward-model", "The reward model of the RLHF pipeline: pyfunc, DataFrame[prompt, response] "
+                     "-> scores normalised so held-out demonstrations average 0.", kind="reward"),
+    check_inputs=lambda params, data_dir: held_out(params, data_dir, pair_sources(params, data_dir)[1]),
     metrics=declared_metrics, files=METRIC_FILES,
     plan=lambda params, shapes: memory_plan_of(params, shapes), reads=(
     "data.task", "model.trust_remote_code", "model.attn_implementation",

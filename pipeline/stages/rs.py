@@ -38,10 +38,8 @@ from ..config import Params
 from ..data import inputs
 from ..files import parse_json, read_input, write_jsonl
 from ..errors import DataError, UserError, check_finite
-from ..data.records import tokenize_demonstrations
 from ..measurement.policy import Measured, candidates, measure_policies, sampled_declarations, sampled_metrics
 from ..measurement.stats import mean_ci
-from ..models import lora
 from ..models.checkpoints import load_policy
 from ..models.reward_source import RewardModelSource
 from ..training import demonstrations, loading, memory_plan, supervised
@@ -50,6 +48,7 @@ from ..training.resume import fingerprint, input_paths
 from ..workflow import code_deps
 from .skeleton import ROOT, StageRun, stage_run
 from ..tracking.metric_names import METRICS_JSON, Metric
+from ..tracking.model_card import ModelFacts
 from .spec import StageSpec
 
 # docs/metrics.md: the note under each file the stage writes
@@ -86,7 +85,12 @@ def declared_metrics() -> list[Metric]:
 SPEC = StageSpec(
     "rs", help="rejection-sampling fine-tuning: best-of-n SFT samples by the reward model, then SFT on them",
     inputs=("data", "sft", "reward"), training=True, shape="start", pipeline="compare", policy=True,
-    headline=("rs/gold", "rs/rm", "rs/kl"),
+    headline=("rs/gold", "rs/rm", "rs/kl"), parent_params=("rs.seed", "rs.lr", "rs.n"),
+    model=ModelFacts("the rejection-sampling fine-tuned policy",
+                     "the SFT policy, on its own best-of-n samples by the reward model", "rlhf-rs-policy",
+                     "The SFT policy fine-tuned on its own best-of-n samples picked by the reward model (rejection "
+                     "sampling; transformers text-generation)."),
+    check_inputs=lambda params, data_dir: check_inputs(params, data_dir),
     metrics=declared_metrics, files=METRIC_FILES,
     plan=lambda params, shapes: memory_plan_of(params, shapes), reads=(
     "data.task", "model.trust_remote_code",
@@ -223,6 +227,13 @@ def measure_policy(model, tok, params: Params, sft_dir: Path, reward_dir: Path, 
                            ctx=ctx)
 
 
+def check_inputs(params: Params, data_dir: Path) -> None:
+    """What the stage reads before its first step: the prompts (train and held-out, the held-out
+    split checked for leaks from the train split) and the held-out demonstrations."""
+    inputs.prompts(params, data_dir, "eval")
+    inputs.demonstrations(params, data_dir, "eval")
+
+
 def load_sft(params: Params, sft_dir: Path, ctx: Context = SINGLE) -> tuple[Any, Any]:
     """The SFT policy that RS samples from and then fine-tunes, and its tokenizer: in the dtype its
     optimizer steps (training/loading.py), and under ZeRO-3 partitioned as it loads."""
@@ -251,19 +262,12 @@ def train(run: StageRun, data_dir: Path, sft_dir: Path, reward_dir: Path,
     fp = sampling_fingerprint(run, [data_dir, sft_dir, reward_dir, params.prompts.dataset.path])
     rows, sampling_stats = winners(run, model, tok, prompts, reward_dir, fp)
     # 3. SFT on the winners, from the SFT weights.
-    source = run.folder / WINNERS
-    train_ex, n_trunc, n_drop = tokenize_demonstrations(rows, tok, cfg.max_length, source, cfg.overlong, "rs")
-    eval_ex, _, _ = tokenize_demonstrations(eval_rows, tok, cfg.max_length, "sft held-out demonstrations",
-                                            cfg.overlong, "rs")
-    model = lora.wrap(model, cfg.lora, "CAUSAL_LM", "rs.lora")
-    torch.manual_seed(cfg.seed)
-    recipe = supervised.Recipe(
-        model, len(train_ex), lambda engine, micro: demonstrations.task("rs", engine, tok, train_ex, eval_ex, cfg, ctx),
+    recipe = demonstrations.recipe(
+        "rs", model, tok, (rows, run.folder / WINNERS), (eval_rows, "sft held-out demonstrations"), cfg, ctx,
         measure=lambda engine: measure_policy(engine, tok, params, sft_dir, reward_dir, eval_prompts, ctx),  # every rank
         # 4. The sampling statistics and the trained policy's measurement.
         report=lambda model, result, measured: {**sampling_stats, **measured},
-        counts={"data/truncated": n_trunc, "data/dropped": n_drop,
-                "data/prompts_truncated": p_trunc, "data/prompts_dropped": p_drop})
+        counts={"data/prompts_truncated": p_trunc, "data/prompts_dropped": p_drop})
     model, metrics = supervised.run("rs", cfg, recipe, out, run.checkpoint, run.tracker, ctx, run.fingerprint, progress)
     return model, tok, metrics
 

@@ -12,19 +12,16 @@ import contextlib
 from pathlib import Path
 from typing import Any, Optional
 
-import torch
-
 from ..config import Params
 from ..data import inputs
-from ..data.records import tokenize_demonstrations
 from ..measurement.policy import Policy, measure_policies, summary
-from ..models import lora
 from ..models.checkpoints import init_policy
 from ..tasks import reviews
 from ..training import demonstrations, loading, memory_plan, supervised
 from ..training.distributed import SINGLE, Context
 from .skeleton import StageRun, stage_run
 from ..tracking.metric_names import METRICS_JSON, Metric
+from ..tracking.model_card import ModelFacts
 from .spec import StageSpec
 
 # docs/metrics.md: the note under each file the stage writes
@@ -59,6 +56,10 @@ def declared_metrics() -> list[Metric]:
 SPEC = StageSpec(
     "sft", help="supervised fine-tuning on demonstrations", inputs=("data",), training=True, shape="load",
     headline=("eval/loss", "sft/gold", "sft/well_formed"),
+    parent_params=("model.name_or_path", "model.num_layers", "model.hidden_size", "sft.seed", "sft.lr", "sft.epochs"),
+    model=ModelFacts("the supervised fine-tuned (SFT) policy", "the base model, on demonstrations", "rlhf-sft-policy",
+                     "The SFT policy of the RLHF pipeline (transformers text-generation, with its tokenizer)."),
+    check_inputs=lambda params, data_dir: check_inputs(params, data_dir),
     metrics=declared_metrics, files=METRIC_FILES,
     plan=lambda params, shapes: memory_plan_of(params, shapes), reads=(
     "data.task", "model", "sft", "distributed",
@@ -66,6 +67,13 @@ SPEC = StageSpec(
     "prompts.max_length",
     "prompts.gold_judge",
 ))
+
+
+def check_inputs(params: Params, data_dir: Path) -> None:
+    """What the stage reads before its first step: the demonstrations (the held-out split checked
+    for leaks from the train split) and the held-out prompts."""
+    inputs.demonstrations(params, data_dir, "eval")
+    inputs.prompts(params, data_dir, "eval")
 
 
 def train(run: StageRun, data_dir: Path, progress: bool = True) -> tuple[Any, Any, dict]:
@@ -85,15 +93,9 @@ def train(run: StageRun, data_dir: Path, progress: bool = True) -> tuple[Any, An
     with loading.partitioned(cfg.distributed, ctx) if pretrained else contextlib.nullcontext():
         model, tok = init_policy(params.model, data_dir / "tokenizer", cfg.seed,
                                  loading.load_dtype(cfg.distributed, trained=True))
-    model = lora.wrap(model, cfg.lora, "CAUSAL_LM", "sft.lora")
-    train_ex, n_trunc, n_drop = tokenize_demonstrations(train_rows, tok, cfg.max_length, source, cfg.overlong)
-    eval_ex, _, _ = tokenize_demonstrations(eval_rows, tok, cfg.max_length, source, cfg.overlong)
-
-    torch.manual_seed(cfg.seed)
-    recipe = supervised.Recipe(
-        model, len(train_ex), lambda engine, micro: demonstrations.task("sft", engine, tok, train_ex, eval_ex, cfg, ctx),
-        measure=lambda engine: evaluate_policy(engine, tok, params, eval_prompts, eval_rows, ctx),  # every rank
-        counts={"data/truncated": n_trunc, "data/dropped": n_drop})
+    recipe = demonstrations.recipe(
+        "sft", model, tok, (train_rows, source), (eval_rows, source), cfg, ctx,
+        measure=lambda engine: evaluate_policy(engine, tok, params, eval_prompts, eval_rows, ctx))  # every rank
     model, metrics = supervised.run("sft", cfg, recipe, run.out, run.checkpoint, run.tracker, ctx, run.fingerprint, progress)
     return model, tok, metrics
 

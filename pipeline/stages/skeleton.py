@@ -55,7 +55,7 @@ from ..config import Params, check_process_shape
 from ..measurement import balance
 from ..files import PENDING, atomic_dir, atomic_write_json, atomic_write_text, commit, discard, exclusive, pending
 from ..models.checkpoints import save_checkpoint
-from ..tracking.mlflow_sink import stage_tracking
+from ..tracking.mlflow_sink import StageFacts, stage_tracking
 from ..tracking import model_card
 from ..tracking.metric_names import METRICS_JSON, Metric
 from ..tracking.sinks import Tracker, write_metrics
@@ -106,8 +106,10 @@ class StageRun:
         if model is not None:
             with atomic_dir(self.out / "model") as tmp:
                 save_checkpoint(model, tok, tmp)
-                atomic_write_text(tmp / "README.md", model_card.card(self.spec.name, self.resolved, metrics,
-                                                                     package_version()))
+                if self.spec.model is None:
+                    raise RuntimeError(f"the {self.spec.name} stage writes a model but its SPEC declares no `model`")
+                atomic_write_text(tmp / "README.md", model_card.card(self.spec.name, self.spec.model, self.resolved,
+                                                                     metrics, package_version()))
         atomic_write_json(self.out / "config.json", {**self.resolved, "runtime": self.runtime()})
         metrics.update(self.resources())   # in place: the stage returns what metrics.json holds
         write_metrics(self.out / "metrics.json", metrics)
@@ -167,8 +169,10 @@ def stage_run(spec: StageSpec, params: Params, out: Path, inputs: Sequence[str |
             code = [ROOT / f for f in sorted(code_deps.closure(ROOT, spec.name, Path(registry.module(spec.name).__file__)))]
             fp = fingerprint(resolved, [*local, *code])
             # The fingerprint tags the MLflow run too: a resumed run finds the killed run it continues by it.
+            facts = StageFacts(spec.headline, spec.headline_prefixed, registry.parent_params(), spec.model,
+                               evaluation=spec.measuring)
             with stage_tracking(spec.name, resolved, local, enabled=ctx.is_main, fingerprint=fp,
-                                headline=spec.headline) as tracker, devices.counting_cpu_matmuls(ctx.device) as counted, \
+                                facts=facts) as tracker, devices.counting_cpu_matmuls(ctx.device) as counted, \
                     balance.tallying() as measured:
                 yield StageRun(spec, declared(params, spec), resolved, out, out / PENDING, ctx, tracker, fp, started,
                                counted, measured)

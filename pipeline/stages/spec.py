@@ -31,6 +31,7 @@ from pathlib import Path
 from typing import Any, Callable, Literal, Mapping, Optional
 
 from ..config import Params, to_dict
+from ..tracking.model_card import ModelFacts
 
 ALL = None   # a leaf of the allowed tree: everything below it is declared
 
@@ -61,7 +62,15 @@ class StageSpec:
     shape: Optional[Literal["load", "start"]] = None
     pipeline: Literal["default", "compare"] = "default"   # dvc.yaml, or compare/dvc.yaml
     policy: bool = False        # writes a policy (model/) that the compare stage measures as a method
-    headline: tuple[str, ...] = ()   # metrics.json names (fnmatch patterns) copied to the MLflow parent run
+    headline: tuple[str, ...] = ()   # metrics.json names (fnmatch patterns) copied to the MLflow parent run,
+    headline_prefixed: bool = True   # as `<stage>/<name>`; False: names that already say the policy (evaluate's)
+    parent_params: tuple[str, ...] = ()   # its knobs (dotted params) copied to the MLflow parent run
+    model: Optional[ModelFacts] = None    # what its model/ is: its card's words, its MLflow registered model
+    # (params, data folder) -> None: reads, and so validates, every input the stage reads from its
+    # data folder and the user's datasets, as it does before its first step (`python -m pipeline
+    # check --data`); None: it reads none of its own.
+    check_inputs: Optional[Callable[[Any, Path], None]] = None
+    out_help: str = "the folder the stage writes its outputs to"   # --out's help
     # (params, shapes) -> a memory_plan.Planner of its own section, or None while an input is missing;
     # `shapes` gives the models by folder name (memory_plan.PredictedShapes / FolderShapes).
     plan: Optional[Callable[..., Any]] = None

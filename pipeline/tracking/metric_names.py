@@ -28,6 +28,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import AbstractSet, Iterable, Optional
 
+from ..config import flatten
+
 METRICS_JSON = "metrics.json"
 
 
@@ -181,14 +183,6 @@ def render_markdown(stages: Iterable[StageMetrics], regenerate: str) -> str:
 # ---- Checking a finished run ----------------------------------------------------------------------
 
 
-def _flatten(node: object, prefix: str = "") -> Iterable[str]:
-    if isinstance(node, dict):
-        for key, value in node.items():
-            yield from _flatten(value, f"{prefix}{key}/")
-    else:
-        yield prefix[:-1]
-
-
 def emitted(outputs_dir: Path, stages: Iterable[str]) -> dict[tuple[str, str], list[str]]:
     """(stage, file) -> the names a finished run wrote: the flattened keys of each stage's
     metrics.json and the header of each of its TSV files."""
@@ -197,7 +191,7 @@ def emitted(outputs_dir: Path, stages: Iterable[str]) -> dict[tuple[str, str], l
         folder = Path(outputs_dir) / stage
         path = folder / METRICS_JSON
         if path.is_file():
-            out[(stage, METRICS_JSON)] = list(_flatten(json.loads(path.read_text(encoding="utf-8"))))
+            out[(stage, METRICS_JSON)] = list(flatten(json.loads(path.read_text(encoding="utf-8")), sep="/"))
         for tsv in sorted(folder.glob("*.tsv")):
             with tsv.open(encoding="utf-8") as f:
                 header = f.readline().rstrip("\n")

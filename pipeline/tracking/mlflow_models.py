@@ -1,10 +1,9 @@
 """MLflow models of a stage's checkpoint: the policies in the transformers flavour, the reward model as
 a pyfunc that applies its normalisation offset; each logged as a model of the stage's run and
-registered as a new version of its registered model.
-
-    sft     -> rlhf-sft-policy     (transformers, text-generation, with its tokenizer)
-    ppo     -> rlhf-policy         (the same)
-    reward  -> rlhf-reward-model   (pyfunc: a DataFrame of prompt, response -> normalised scores)
+registered as a new version of its registered model, which the stage declares (its SPEC's `model`,
+tracking/model_card.py `ModelFacts`): e.g. sft -> rlhf-sft-policy, ppo -> rlhf-policy (transformers,
+text-generation, with its tokenizer), reward -> rlhf-reward-model (pyfunc: a DataFrame of prompt,
+response -> normalised scores).
 
 The names match the DVC artifacts of dvc.yaml, so a model has one name in both registries.
 
@@ -29,12 +28,10 @@ import mlflow.pyfunc
 import pandas as pd
 
 from ..errors import ConfigError
+from .model_card import ModelFacts
 
 log = logging.getLogger(__name__)
 
-REGISTERED = {"sft": "rlhf-sft-policy", "ppo": "rlhf-policy", "reward": "rlhf-reward-model",
-              # the alignment methods of compare/dvc.yaml, each policy under its method's name
-              "dpo": "rlhf-dpo-policy", "kto": "rlhf-kto-policy", "grpo": "rlhf-grpo-policy", "rs": "rlhf-rs-policy"}
 # What a loader needs: the registry stores no environment, and inferring one would load the model
 # in a subprocess (mlflow's requirement inference), seconds to minutes per stage for nothing.
 REQUIREMENTS = ["torch", "transformers", "pandas"]
@@ -127,9 +124,9 @@ def save_reward_model(model_dir: Path, dest: Path, max_length: int) -> None:
                                  signature=reward_signature(), input_example=pd.DataFrame(INPUT_EXAMPLE))
 
 
-def save_model(stage: str, model_dir: Path, dest: Path, config: dict[str, Any]) -> None:
-    if stage == "reward":
-        save_reward_model(model_dir, dest, config.get("reward.max_length", 512))
+def save_model(stage: str, facts: ModelFacts, model_dir: Path, dest: Path, config: dict[str, Any]) -> None:
+    if facts.kind == "reward":
+        save_reward_model(model_dir, dest, config.get(f"{stage}.max_length", 512))
     else:
         save_policy(model_dir, dest)
 
@@ -142,20 +139,20 @@ def create_logged(client: Any, experiment_id: str, run_id: str, stage: str, para
                                       tags={**tags, "stage": stage}, params=params).model_id
 
 
-def log_and_register(client: Any, run_id: str, stage: str, model_dir: Path, config: dict[str, Any],
-                     tags: dict[str, str], model_id: str) -> str:
-    """Save the stage's model into its logged model `model_id` (made by `create_logged`), mark it
-    READY and register it; the version."""
-    name = REGISTERED[stage]
+def log_and_register(client: Any, run_id: str, stage: str, facts: ModelFacts, model_dir: Path,
+                     config: dict[str, Any], tags: dict[str, str], model_id: str) -> str:
+    """Save the stage's model (the one `facts` describe) into its logged model `model_id` (made by
+    `create_logged`), mark it READY and register it; the version."""
+    name = facts.registered
     with tempfile.TemporaryDirectory(prefix=f"mlflow-{stage}-") as tmp:
         dest = Path(tmp) / "model"
-        save_model(stage, model_dir, dest, config)
+        save_model(stage, facts, model_dir, dest, config)
         client.log_model_artifacts(model_id, str(dest))
         client.finalize_logged_model(model_id, "READY")
     logged = client.get_logged_model(model_id)
     from mlflow.exceptions import MlflowException
     try:
-        client.create_registered_model(name, description=DESCRIPTIONS[stage])
+        client.create_registered_model(name, description=facts.description)
     except MlflowException:
         client.get_registered_model(name)   # made before, or just now by a parallel experiment; else this raises
     # The source is the logged model's storage location, not `models:/<id>`: the SQLite registry
@@ -165,18 +162,3 @@ def log_and_register(client: Any, run_id: str, stage: str, model_dir: Path, conf
                                           tags=tags, model_id=model_id)
     return version.version
 
-
-DESCRIPTIONS = {
-    "sft": "The SFT policy of the RLHF pipeline (transformers text-generation, with its tokenizer).",
-    "ppo": "The PPO policy of the RLHF pipeline (transformers text-generation, with its tokenizer).",
-    "reward": "The reward model of the RLHF pipeline: pyfunc, DataFrame[prompt, response] -> scores "
-              "normalised so held-out demonstrations average 0.",
-    "dpo": "The SFT policy tuned offline on the preference pairs by DPO, IPO or SimPO (dpo.method; "
-           "transformers text-generation).",
-    "kto": "The SFT policy tuned offline by KTO on unpaired desirable and undesirable responses made from "
-           "the preference pairs (transformers text-generation).",
-    "grpo": "The SFT policy tuned online by a critic-free estimator (GRPO, RLOO, REINFORCE++; grpo.advantage) "
-            "against the reward model (transformers text-generation).",
-    "rs": "The SFT policy fine-tuned on its own best-of-n samples picked by the reward model (rejection "
-          "sampling; transformers text-generation).",
-}

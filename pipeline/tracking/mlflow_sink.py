@@ -23,8 +23,8 @@ MLflow is a second sink, for browsing and comparing runs; it never delays or los
   ends a process without ending its run). A stage that resumes a checkpoint tags its run
   `resumed_from` = the killed run of the same stage and fingerprint, which gets `resumed_by`.
   Parent names carry their start time (UTC), so a resumed pipeline's parent is told from the killed one.
-- Parent run: the main params (`PARENT_PARAMS`) and headline metrics (its SPEC's `headline`) of each stage that
-  ran, so the runs table compares pipelines without expanding each stage.
+- Parent run: the main params (every SPEC's `parent_params`) and headline metrics (its SPEC's `headline`) of
+  each stage that ran, so the runs table compares pipelines without expanding each stage.
 - Models: `mlflow_models.py` logs and registers the stage's `model/` (transformers flavour for the
   policies, pyfunc for the RM). Figures go through `log_figure`, evaluate's samples through
   `log_table`, the prepared data as a dataset input whose digest is DVC's md5 of it.
@@ -45,11 +45,13 @@ import os
 import socket
 import tempfile
 import time
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Iterator, Mapping, Sequence
+from typing import Any, Callable, Iterator, Mapping, Optional, Sequence
 
 from ..config import flatten
 from ..errors import ConfigError, Stopped
+from .model_card import ModelFacts
 from .sinks import NO_TRACKER, Tracker
 # What joins a run to git and DVC (lineage.py); deps_hash and lock_deps_hash are imported from here too.
 from .lineage import (deps_hash, dvc_deps_of, dvc_project, execution_key, git_commit, inputs_hash,  # noqa: F401
@@ -68,14 +70,6 @@ SQLITE_BUSY_WAITS = (0.5, 1.0, 2.0, 4.0)
 # As measurement/plots.py saves the PNG files, so MLflow's copy is the same picture.
 FIGURE_SAVE = {"dpi": 110, "bbox_inches": "tight"}
 PROCESS_TAG, FINGERPRINT_TAG = "pipeline_process", "resume_fingerprint"
-# The params and final metrics each stage copies to the parent run: what tells two pipelines apart
-# (seeds, sizes, the knobs experiments sweep) and what they are judged by (gold and RM score per
-# policy, win rates, RM accuracy). A stage's headline metric `m` is `<stage>/m` on the parent, except
-# evaluate's, whose names already say the policy (`ppo/gold`, `win_rate/ppo_vs_sft_gold`).
-PARENT_PARAMS = ("data.task", "data.seed", "model.name_or_path", "model.num_layers", "model.hidden_size",
-                 "sft.seed", "sft.lr", "sft.epochs", "reward.seed", "reward.lr", "reward.epochs", "ppo.seed",
-                 "ppo.lr", "ppo.kl_coef", "ppo.adaptive_kl", "ppo.iterations", "ppo.rollout_batch_size",
-                 "evaluate.n_prompts", "evaluate.best_of_n")
 # Per-request limits of log_batch (mlflow/utils/validation.py).
 METRICS_PER_BATCH, PARAMS_PER_BATCH = 1000, 100
 
@@ -109,6 +103,18 @@ def yaml_value(value: Any) -> str:
     return str(value)
 
 
+@dataclass(frozen=True)
+class StageFacts:
+    """What the tracker is told of a stage, by its SPEC (the stage skeleton builds it). The parent run
+    gets what tells two pipelines apart (seeds, sizes, the knobs experiments sweep) and what they are
+    judged by (gold and RM score per policy, win rates, RM accuracy)."""
+    headline: tuple[str, ...] = ()        # metrics.json names (fnmatch patterns) copied to the parent run,
+    headline_prefixed: bool = True        # as `<stage>/<name>`; False: names that already say the policy
+    parent_params: tuple[str, ...] = ()   # the params (dotted) any stage copies to the parent when its config has them
+    model: Optional[ModelFacts] = None    # its model/ folder, logged and registered
+    evaluation: bool = False              # its input datasets are evaluation data, not training data
+
+
 class MlflowTracker(Tracker):
     """The nested MLflow run of one stage. Every MLflow call goes through `_guard`."""
 
@@ -116,7 +122,7 @@ class MlflowTracker(Tracker):
         self.uri, self.enabled = uri, True
         self.client: Any = None
         self.stage = ""
-        self.headline: Sequence[str] = ()   # metrics.json names (fnmatch patterns) copied to the parent run
+        self.facts = StageFacts()
         self.config: Mapping[str, Any] = {}
         self.experiment_id: str | None = None
         self.run_id: str | None = None
@@ -164,8 +170,8 @@ class MlflowTracker(Tracker):
             return None
 
     def start(self, stage: str, config: Mapping[str, Any], inputs: Sequence[Path], fingerprint: str = "",
-              headline: Sequence[str] = ()) -> None:
-        self.stage, self.config, self.headline = stage, config, tuple(headline)
+              facts: StageFacts = StageFacts()) -> None:
+        self.stage, self.config, self.facts = stage, config, facts
         tags = self._guard("reading git and DVC state", lambda: {**join_tags(), "stage": stage})
         dvc = self._guard("reading DVC's hashes of the stage's deps", lambda: dvc_deps_of(stage)) or []
         digest = self._guard("hashing the stage's inputs", lambda: deps_hash(stage, inputs, dvc))
@@ -197,7 +203,7 @@ class MlflowTracker(Tracker):
         self._soft("starting the system metrics monitor", self._start_system_metrics)
         params = [Param(k, yaml_value(v)) for k, v in flatten(config).items()]
         from . import mlflow_models
-        if stage in mlflow_models.REGISTERED and mlflow_models.enabled():
+        if self.facts.model is not None and mlflow_models.enabled():
             # The stage's model exists from the start, with the run's params, so every metric point
             # is linked to it; its files come with log_outputs, which marks it READY.
             self.model_id = self._soft("creating the stage's logged model", lambda: mlflow_models.create_logged(
@@ -263,10 +269,10 @@ class MlflowTracker(Tracker):
                                       tags=parent_tags).info.run_id, True
 
     def _log_parent_params(self, config: Mapping[str, Any]) -> None:
-        """The main params (PARENT_PARAMS) this stage's config has, on the parent run."""
+        """The main params (`StageFacts.parent_params`) this stage's config has, on the parent run."""
         from mlflow.entities import Param
         flat = flatten(config)
-        params = [Param(k, yaml_value(flat[k])) for k in PARENT_PARAMS if k in flat]
+        params = [Param(k, yaml_value(flat[k])) for k in self.facts.parent_params if k in flat]
         if params and self.parent_id is not None and not os.environ.get("MLFLOW_PARENT_RUN_ID"):
             have = self.client.get_run(self.parent_id).data.params
             params = [p for p in params if p.key not in have]   # logged by an earlier stage; params are immutable
@@ -287,7 +293,7 @@ class MlflowTracker(Tracker):
             digest, source = (dvc[rel], "dvc") if rel in dvc else (inputs_hash([path])[:32], "sha256")
             datasets.append(DatasetInput(
                 Dataset(name=path.name, digest=digest[:36], source_type="local", source=json_source(path)),
-                tags=[InputTag("mlflow.data.context", "training" if stage != "evaluate" else "evaluation"),
+                tags=[InputTag("mlflow.data.context", "evaluation" if self.facts.evaluation else "training"),
                       InputTag("digest_source", source)]))
         if datasets:
             self.client.log_inputs(self.run_id, datasets=datasets)
@@ -340,10 +346,10 @@ class MlflowTracker(Tracker):
         from mlflow.entities import Metric
         if self.parent_id is None or os.environ.get("MLFLOW_PARENT_RUN_ID"):
             return   # a parent the user made is theirs to fill
-        prefix = "" if self.stage == "evaluate" else f"{self.stage}/"
+        prefix = f"{self.stage}/" if self.facts.headline_prefixed else ""
         now = int(time.time() * 1000)
         chosen = [Metric(prefix + k, float(v), now, 0) for k, v in metrics.items()
-                  if isinstance(v, numbers.Real) and any(fnmatch.fnmatchcase(k, pat) for pat in self.headline)
+                  if isinstance(v, numbers.Real) and any(fnmatch.fnmatchcase(k, pat) for pat in self.facts.headline)
                   and not k.endswith("_ci95")]
         if chosen:
             self.client.log_batch(self.parent_id, metrics=chosen)
@@ -371,12 +377,12 @@ class MlflowTracker(Tracker):
         if (out / "model").is_dir() and self.model_id is not None:   # made at the start: a registered stage
             tags = {k: v for k, v in join_tags().items() if not k.startswith("mlflow.")}
             version = self._soft(f"registering the {self.stage} model", lambda: mlflow_models.log_and_register(
-                self.client, self.run_id, self.stage, out / "model", flatten(self.config),
+                self.client, self.run_id, self.stage, self.facts.model, out / "model", flatten(self.config),
                 {**tags, "stage": self.stage}, self.model_id))
             if version is not None:
                 self._guard("tagging the model version", lambda: self.client.set_tag(
-                    self.run_id, "registered_model", f"{mlflow_models.REGISTERED[self.stage]}/{version}"))
-                log.info("MLflow: registered %s version %s (model %s)", mlflow_models.REGISTERED[self.stage],
+                    self.run_id, "registered_model", f"{self.facts.model.registered}/{version}"))
+                log.info("MLflow: registered %s version %s (model %s)", self.facts.model.registered,
                          version, self.model_id)
         for path in sorted(out.iterdir()):
             if path.is_file() and path.suffix in (".png", ".tsv", ".json", ".md") and path.name not in self._figures:
@@ -400,12 +406,10 @@ class MlflowTracker(Tracker):
                 self.client.set_tag(previous.info.run_id, "resumed_by", self.run_id)
         self._soft("linking the resumed run to the killed one", call)
 
-    def alias_evaluated(self, stage: str, alias: str) -> None:
-        """Point `alias` (e.g. `champion`) of `stage`'s registered model at the version this pipeline
-        execution registered (the run beside this one under the same parent), else at its newest:
-        `models:/rlhf-policy@champion` is then the policy evaluate judged last."""
-        from . import mlflow_models
-        name = mlflow_models.REGISTERED[stage]
+    def alias_evaluated(self, stage: str, name: str, alias: str) -> None:
+        """Point `alias` (e.g. `champion`) of `stage`'s registered model `name` at the version this
+        pipeline execution registered (the run beside this one under the same parent), else at its
+        newest: `models:/rlhf-policy@champion` is then the policy evaluate judged last."""
 
         def call() -> None:
             versions = self.client.search_model_versions(f"name = '{name}'")
@@ -480,19 +484,19 @@ def json_source(path: Path) -> str:
 
 @contextlib.contextmanager
 def stage_tracking(stage: str, config: Mapping[str, Any], inputs: Sequence[Path] = (),
-                   enabled: bool = True, fingerprint: str = "", headline: Sequence[str] = ()) -> Iterator[Tracker]:
+                   enabled: bool = True, fingerprint: str = "", facts: StageFacts = StageFacts()) -> Iterator[Tracker]:
     """Around the body of a stage's `run`: yields the stage's MLflow tracker, or `NO_TRACKER` when
     tracking is off. `config` is the resolved config the stage writes as config.json (its flattened
     keys are the run's params); `inputs` are the stage's input paths, hashed when DVC isn't running
     the stage. `fingerprint` (the resume fingerprint) tags the run, to link a resumed run to the
-    killed one. `headline`: the metrics (fnmatch patterns) copied to the parent run when the stage
-    logs its final metrics (its SPEC's). The run ends FINISHED, FAILED (an exception) or KILLED (Ctrl-C). `enabled=False`
+    killed one. `facts`: what its SPEC says the parent run, the model registry and the datasets'
+    context get. The run ends FINISHED, FAILED (an exception) or KILLED (Ctrl-C). `enabled=False`
     (ranks other than 0 of a multi-process run) yields `NO_TRACKER`."""
     if not enabled or not tracking_enabled():
         yield NO_TRACKER
         return
     tracker = MlflowTracker(tracking_uri())
-    tracker.start(stage, config, inputs, fingerprint, headline)
+    tracker.start(stage, config, inputs, fingerprint, facts)
     status = "FAILED"
     try:
         yield tracker

@@ -9,7 +9,19 @@ so the card travels with the checkpoint to DVC's cache, MLflow's registry or a h
 from __future__ import annotations
 
 import numbers
-from typing import Any, Mapping
+from dataclasses import dataclass
+from typing import Any, Literal, Mapping
+
+@dataclass(frozen=True)
+class ModelFacts:
+    """What a stage's `model/` folder is, declared by the stage (its SPEC's `model`): the words of
+    its card, the kind of model, and where MLflow's model registry keeps its versions."""
+    what: str            # "the PPO policy": the card's title, and an input folder's --help
+    trained_from: str    # "the SFT policy, against the reward model": what it was trained from, on what
+    registered: str      # its registered model in MLflow, the name of its DVC artifact in dvc.yaml too
+    description: str     # the registered model's description
+    kind: Literal["policy", "reward"] = "policy"   # a causal LM, or a scalar-head reward model
+
 
 # The reward model's config key of its offset (pipeline/models/reward_model.py OFFSET_KEY; a stage that
 # writes a card need not import the reward model for it; tests/system/test_e2e.py checks the two agree).
@@ -38,15 +50,6 @@ score = model(**inputs).logits[:, 0] - model.config.{OFFSET_KEY}
 The pipeline builds the ids with `pipeline.models.reward_model.encode_pair_text` (the chat template for
 chat models) and scores with `pipeline.models.reward_model.score_texts`, which subtracts the offset."""
 
-WHAT = {"sft": "the supervised fine-tuned (SFT) policy", "reward": "the reward model",
-        "ppo": "the PPO policy", "grpo": "the critic-free RL policy (GRPO family)", "dpo": "the DPO-family policy",
-        "rs": "the rejection-sampling fine-tuned policy"}
-FROM = {"sft": "the base model, on demonstrations", "reward": "the SFT policy (its trunk, a new scalar head), "
-        "on preference pairs", "ppo": "the SFT policy, against the reward model", "grpo": "the SFT policy, "
-        "against the reward model", "dpo": "the SFT policy, on preference pairs",
-        "rs": "the SFT policy, on its own best-of-n samples by the reward model"}
-
-
 def _scalars(section: Mapping[str, Any], prefix: str = "") -> list[tuple[str, Any]]:
     out = []
     for key, value in section.items():
@@ -57,10 +60,10 @@ def _scalars(section: Mapping[str, Any], prefix: str = "") -> list[tuple[str, An
     return out
 
 
-def card(stage: str, config: Mapping[str, Any], metrics: Mapping[str, Any], version: str) -> str:
-    """README.md for the `model/` folder of `stage`; `config` is the stage's config.json (its
-    declared params), `metrics` its final metrics (flat names)."""
-    reward = stage == "reward"
+def card(stage: str, facts: ModelFacts, config: Mapping[str, Any], metrics: Mapping[str, Any], version: str) -> str:
+    """README.md for the `model/` folder of `stage`, the model `facts` say; `config` is the stage's
+    config.json (its declared params), `metrics` its final metrics (flat names)."""
+    reward = facts.kind == "reward"
     model = config.get("model", {})
     header = ["---", "library_name: transformers", f"pipeline_tag: {'text-classification' if reward else 'text-generation'}",
               "tags:", "- rlhf", f"- {stage}"]
@@ -71,9 +74,9 @@ def card(stage: str, config: Mapping[str, Any], metrics: Mapping[str, Any], vers
     data = config.get("data", {})
     task = data.get("task", "reviews")
     lines = header + [
-        "", f"# {stage}: {WHAT.get(stage, stage)}", "",
+        "", f"# {stage}: {facts.what}", "",
         f"Trained by the `{stage}` stage of rlhf-pipeline {version} (`python -m pipeline {stage}`) from "
-        f"{FROM.get(stage, 'its inputs')}. The stage's `config.json` beside this folder holds every "
+        f"{facts.trained_from}. The stage's `config.json` beside this folder holds every "
         "setting; `metrics.json` every result.", "",
         "## Data", "",
         f"- task: `{task}`" + (" (the built-in film-review task with its simulated gold annotator)"

@@ -54,8 +54,8 @@ class Tracker:
     def set_description(self, text: str) -> None:
         """Describe the pipeline execution (MLflow: the parent run's description)."""
 
-    def alias_evaluated(self, stage: str, alias: str) -> None:
-        """Name the model `stage` registered in this execution `alias` (MLflow: a registry alias)."""
+    def alias_evaluated(self, stage: str, name: str, alias: str) -> None:
+        """Name the model `stage` registered as `name` in this execution `alias` (MLflow: a registry alias)."""
 
     def log_outputs(self, out: Path) -> None:
         """The stage's checkpoint `out/model` (as artifact path `model`) and its top-level files."""

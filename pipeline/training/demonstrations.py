@@ -1,17 +1,20 @@
 """Learning from demonstrations: cross-entropy on the response tokens only (the prompt is context,
-not a target), the loss of the sft stage and of the rs stage on its winners, as a supervised task.
+not a target), the loss of the sft stage and of the rs stage on its winners, as a supervised task,
+and the recipe both stages train by.
 """
 
 from __future__ import annotations
 
-from typing import Any
+from pathlib import Path
+from typing import Any, Callable, Optional
 
 import torch
 import torch.nn.functional as F
 
-from ..data.records import IGNORE, Example, collate_sft
+from ..data.records import IGNORE, Example, collate_sft, tokenize_demonstrations
+from ..models import lora
 from .distributed import SINGLE, Context, to_device
-from .supervised import SupervisedTask
+from .supervised import Recipe, SupervisedTask
 
 
 def response_token_count(e: Example) -> int:
@@ -58,3 +61,20 @@ def task(name: str, engine, tok, train_ex: list[Example], eval_ex: list[Example]
     return SupervisedTask(name, train_ex, ["loss"], loss, normaliser=lambda batch: 1.0, eval_columns=["loss"],
                           evaluate=lambda: {"loss": eval_loss(engine.forward, eval_ex, tok.pad_token_id,
                                                               2 * cfg.batch_size, ctx, engine.device)})
+
+
+def recipe(stage: str, model, tok, train: tuple[list[dict], Path | str], held_out: tuple[list[dict], Path | str],
+           cfg: Any, ctx: Context, measure: Callable[[Any], Any],
+           report: Optional[Callable[..., dict[str, Any]]] = None, counts: Optional[dict[str, int]] = None) -> Recipe:
+    """The supervised recipe of a stage that learns from demonstrations (sft on its data, rs on its
+    winners): the `train` and `held_out` rows (each with the source its errors name) tokenized as
+    the stage's section `cfg` says (`max_length`, `overlong`), `model` wrapped by `cfg.lora`, torch
+    seeded with `cfg.seed`, the loss of `task`; `measure` and `report` as supervised.Recipe's, and
+    the data/* counts: the rows truncated and dropped, then `counts`."""
+    train_ex, n_trunc, n_drop = tokenize_demonstrations(train[0], tok, cfg.max_length, train[1], cfg.overlong, stage)
+    eval_ex, _, _ = tokenize_demonstrations(held_out[0], tok, cfg.max_length, held_out[1], cfg.overlong, stage)
+    model = lora.wrap(model, cfg.lora, "CAUSAL_LM", f"{stage}.lora")
+    torch.manual_seed(cfg.seed)
+    return Recipe(model, len(train_ex), lambda engine, micro: task(stage, engine, tok, train_ex, eval_ex, cfg, ctx),
+                  measure=measure, **({"report": report} if report is not None else {}),
+                  counts={"data/truncated": n_trunc, "data/dropped": n_drop, **(counts or {})})

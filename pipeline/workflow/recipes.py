@@ -12,11 +12,11 @@ from __future__ import annotations
 
 import io
 from pathlib import Path
-from typing import Any, Mapping, Sequence
+from typing import Any, Mapping, Optional, Sequence
 
 from ruamel.yaml import YAML
 
-from ..config import Params, check_process_shape, from_dict, merge_distributed, read_yaml
+from ..config import Params, read_yaml, validated
 from . import cluster
 from ..errors import ConfigError, shown
 from ..files import atomic_write_text
@@ -57,9 +57,10 @@ def _dump(yaml: YAML, doc: Any) -> str:
     return buf.getvalue()
 
 
-def render(name: str, params_path: Path, shapes: Sequence[str] = ()) -> tuple[str, Params, dict[str, Any]]:
-    """The params file with recipe `name` merged in, as text, its validated Params (`shapes`: the
-    stages whose batch sizes are checked against their processes, as loading checks them), and the
+def render(name: str, params_path: Path, shapes: Sequence[str] = (),
+           registered: Optional[Mapping[str, Sequence[str]]] = None) -> tuple[str, Params, dict[str, Any]]:
+    """The params file with recipe `name` merged in, as text, its validated Params (`shapes` and
+    `registered` as config.validated checks them when a params file is loaded), and the
     recipe's SLURM jobs (`slurm`: Snakemake resources per stage; empty when it has none)."""
     if name not in names():   # a name, never a path: `../params` would be the repository's own params.yaml
         raise ConfigError(f"recipe {shown(name)}: no such recipe (known: {', '.join(names())}); "
@@ -75,13 +76,7 @@ def render(name: str, params_path: Path, shapes: Sequence[str] = ()) -> tuple[st
     merge(base, changes)
     text = _dump(yaml, base)
     plain = YAML(typ="safe", pure=True).load(text)
-    where = f"{recipe.name} over {Path(params_path).name}: "
-    params = from_dict(Params, merge_distributed(plain, where), where)
-    for stage in shapes:
-        try:
-            check_process_shape(params, stage)
-        except ConfigError as err:
-            raise ConfigError(f"{where}{err}") from None
+    params = validated(plain, f"{recipe.name} over {Path(params_path).name}: ", shapes, registered)
     if not isinstance(jobs, Mapping) or not all(isinstance(v, Mapping) for v in jobs.values()):
         raise ConfigError(f"{recipe.name}: slurm: expected a mapping of stage -> resources")
     return text, params, {k: dict(v) for k, v in jobs.items()}
@@ -96,13 +91,13 @@ def profile_with(profile_path: Path, jobs: Mapping[str, Mapping[str, Any]]) -> t
 
 
 def apply(name: str, params_path: Path, out: Path, shapes: Sequence[str] = (),
-          cluster_stages: Sequence[str] = ()) -> list[Path]:
+          cluster_stages: Sequence[str] = (), registered: Optional[Mapping[str, Sequence[str]]] = None) -> list[Path]:
     """Write the merged params to `out`; a recipe's SLURM jobs go into the profile beside `out`
     (profiles/slurm/config.yaml), after the shape check of `cluster_stages`' jobs, so neither file
-    is written when it fails. Returns the files written. (`shapes` as for `render`.)"""
+    is written when it fails. Returns the files written. (`shapes` and `registered` as for `render`.)"""
     if Path(out).is_dir():
         raise ConfigError(f"--out {out}: is a folder; name the params file to write")
-    text, params, jobs = render(name, params_path, shapes)
+    text, params, jobs = render(name, params_path, shapes, registered)
     profile = Path(out).parent / cluster.PROFILE
     profile_text = None
     if jobs:

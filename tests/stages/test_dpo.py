@@ -12,18 +12,18 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from conftest import TINY, merge, tiny_policy_and_reward_model
-from pipeline.config import DataConfig, Params, from_dict, load_params
+from conftest import TINY, assert_same_run, merge, tiny_policy_and_reward_model
+from pipeline.config import DataConfig, Params, from_dict
 from pipeline.data.preferences import Pair, load_pairs
 from pipeline.errors import ConfigError, DataError
 from pipeline.models.checkpoints import load_policy
-from pipeline.preference.logprobs import TokenPair, pair_logprobs, response_lengths
+from pipeline.preference.logprobs import TokenPair, fit_pairs, pair_logprobs, response_lengths
 from pipeline.preference.losses import ipo_loss, simpo_loss
-from pipeline.stages import dpo
+from pipeline.stages import dpo, pair_method
+from pipeline.stages.registry import load_params   # the CLI's: `dpo.method` checked against the registered losses
 from pipeline.stages.prepare import write as prepare_run
 from pipeline.training import supervised
 
-TIME_KEYS = ("seconds", "time", "tokens_per_second", "resources")
 
 
 @pytest.fixture(scope="module")
@@ -66,8 +66,8 @@ def _rows(path: Path) -> list[dict]:
 
 
 def _tokens(params: Params, data: Path, tok) -> list[TokenPair]:
-    train, _ = dpo.pair_sources(params, data)
-    return dpo.tokenize_pairs(train, tok, params.dpo.max_length, params.dpo.overlong)[0]
+    train, _, _ = pair_method.read_inputs(dpo.METHOD, params, data)
+    return [tokens for _, tokens in fit_pairs(train, tok, params.dpo.max_length, params.dpo.overlong, "dpo")[0]]
 
 
 # ---- The reference log-probs ---------------------------------------------------------------------
@@ -137,7 +137,7 @@ def test_dpo_learns_an_easy_preference_and_writes_a_loadable_policy(data, sft_di
                 "eval/rejected_reward", "eval/chosen_logp_drift", "eval/rejected_logp_drift", "data/truncated",
                 "data/dropped", "data/eval_truncated", "data/eval_dropped", "dpo/kl", "dpo/kl_ci95",
                 "dpo/eos_rate", "dpo/length", "dpo/distinct_2",
-                "resources/wall_seconds", "resources/peak_rss_gib", "resources/gpus"}
+                "resources/wall_seconds", "resources/peak_rss_gib", "resources/gpus", "resources/measure_imbalance"}
     assert set(metrics) == expected                              # the user's own pairs: no gold judge
     assert all(math.isfinite(v) for v in metrics.values())
     written = json.loads((out / "metrics.json").read_text())
@@ -174,9 +174,6 @@ def test_ipo_and_simpo_first_step_equals_the_loss_by_hand(method, data, sft_dir,
 
 # ---- Resume --------------------------------------------------------------------------------------
 
-def _without_time(metrics: dict) -> dict:
-    return {k: v for k, v in metrics.items() if not any(t in k for t in TIME_KEYS)}
-
 
 def test_killed_and_resumed_equals_uninterrupted(data, sft_dir, tmp_path, monkeypatch):
     """On the prepared pairs (so the gold judge measures the policy too): killed in step 4 after the
@@ -199,12 +196,7 @@ def test_killed_and_resumed_equals_uninterrupted(data, sft_dir, tmp_path, monkey
     monkeypatch.undo()
     resumed = dpo.run(params, data, sft_dir, tmp_path / "resumed", progress=False)
 
-    assert _without_time(resumed) == _without_time(full)
-    a = load_file(tmp_path / "full/model/model.safetensors")
-    b = load_file(tmp_path / "resumed/model/model.safetensors")
-    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
-    for log in ("train.tsv", "eval.tsv"):
-        assert _rows(tmp_path / f"full/{log}") == _rows(tmp_path / f"resumed/{log}")
+    assert_same_run(tmp_path / "full", tmp_path / "resumed", full, resumed)
 
 
 # ---- Config and bad input ------------------------------------------------------------------------
@@ -241,14 +233,14 @@ def test_overlong_pairs_follow_overlong_and_empty_sides_are_refused(tmp_path):
     short = Pair("Review the film Lost River .", "the plot was good .", "the plot was bad .", where="p:1")
     long = Pair("Review the film Lost River .", "the plot was good . " * 6, "the plot was bad .", where="p:2")
     # short: 9 prompt + 6 answer tokens = 15; long: 9 + 31 = 40
-    kept, truncated, dropped = dpo.tokenize_pairs([short, long], tok, 34, "truncate")
-    assert (truncated, dropped) == (1, 0) and len(kept[1].prompt) == 3 and len(kept[1].chosen) == 31
-    assert kept[0].prompt == dpo.tokenize_pairs([short], tok, 96, "error")[0][0].prompt   # fits: whole
-    assert dpo.tokenize_pairs([short, long], tok, 34, "drop")[1:] == (0, 1)
+    kept, truncated, dropped = fit_pairs([short, long], tok, 34, "truncate", "dpo")
+    assert (truncated, dropped) == (1, 0) and len(kept[1][1].prompt) == 3 and len(kept[1][1].chosen) == 31
+    assert kept[0][1].prompt == fit_pairs([short], tok, 96, "error", "dpo")[0][0][1].prompt   # fits: whole
+    assert fit_pairs([short, long], tok, 34, "drop", "dpo")[1:] == (0, 1)
     with pytest.raises(DataError, match=r"^p:2: 40 tokens exceed dpo.max_length=34"):
-        dpo.tokenize_pairs([short, long], tok, 34, "error")
+        fit_pairs([short, long], tok, 34, "error", "dpo")
     with pytest.raises(DataError, match=r"^p:2: a response of 31 tokens leaves no room for the prompt"):
-        dpo.tokenize_pairs([short, long], tok, 31, "truncate")
+        fit_pairs([short, long], tok, 31, "truncate", "dpo")
     src = tmp_path / "pairs.jsonl"
     src.write_text(json.dumps({"prompt": "q", "chosen": "a", "rejected": " "}) + "\n")
     with pytest.raises(DataError, match=r"pairs\.jsonl:1: field 'rejected' is empty"):

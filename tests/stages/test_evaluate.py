@@ -54,7 +54,8 @@ def test_distinct_n_and_mean_ci():
 
 
 def test_frontier_collects_points_from_exp_show_rows():
-    from pipeline.measurement.frontier import collect, flat_params
+    from pipeline.config import flatten
+    from pipeline.measurement.frontier import collect
     rows = [
         {"Experiment": None, "rev": "workspace", "outputs/ppo/metrics.json:ppo.kl": 7.0,   # PPO's own measurement
          "outputs/ppo/metrics.json:ppo.rm": 7.0, "outputs/ppo/metrics.json:ppo.gold": 7.0,  # (not evaluate's)
@@ -81,7 +82,7 @@ def test_frontier_collects_points_from_exp_show_rows():
     assert collect([{"Experiment": "half", "rev": "x", "outputs/ppo/metrics.json:ppo.kl": 1.0,
                      "outputs/ppo/metrics.json:ppo.rm": 1.0, "outputs/ppo/metrics.json:ppo.gold": 1.0,
                      "params.yaml:ppo.kl_coef": 0.1}]) == []
-    fixed = flat_params({"num_layers": 4, "name_or_path": None}, "model.") | flat_params({"lr": 3e-4}, "reward.")
+    fixed = flatten({"num_layers": 4, "name_or_path": None}, "model.") | flatten({"lr": 3e-4}, "reward.")
     assert fixed == {"model.num_layers": 4, "model.name_or_path": None, "reward.lr": 3e-4}
     assert [p["name"] for p in collect(rows, fixed)] == ["exp-a", "workspace"]
 

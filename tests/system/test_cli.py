@@ -42,7 +42,8 @@ def test_every_option_has_help_and_says_its_default():
                             ("--params PARAMS", "params.yaml")):
         assert re.search(re.escape(option) + r" [^-]*\(default: " + re.escape(default) + r"\)", sft), option
     ppo = " ".join(subs["ppo"].format_help().split())
-    assert "--sft SFT the SFT policy checkpoint (a Hugging Face model folder) (default: outputs/sft/model)" in ppo
+    assert ("--sft SFT the supervised fine-tuned (SFT) policy checkpoint (a Hugging Face model folder) "
+            "(default: outputs/sft/model)") in ppo
     assert "--reward REWARD the reward model checkpoint (a Hugging Face model folder) (default: outputs/reward/model)" in ppo
 
 

@@ -17,6 +17,7 @@ import pytest
 from ruamel.yaml import YAML
 
 from conftest import BIN, REPO, TINY, bare_env, copy_run, run, write_params
+from pipeline.stages import registry
 
 ARTIFACTS = {"rlhf-policy": "outputs/ppo/model", "rlhf-sft-policy": "outputs/sft/model",
              "rlhf-reward-model": "outputs/reward/model"}
@@ -78,6 +79,7 @@ def test_artifacts_are_the_three_cached_models():
         assert isinstance(out, str), f"{a['path']} must be a DVC-cached out to be fetched from the remote"
         assert a["type"] == "model" and a["desc"].strip() and "rlhf" in a["labels"]
         assert a["meta"]["framework"] == "transformers" and a["meta"]["mlflow_registered_model"] == name
+        assert registry.spec(a["meta"]["stage"]).model.registered == name   # the stage registers it so
         assert "from_pretrained" in a["meta"]["load"] or "load_reward_model" in a["meta"]["load"]
     with pytest.raises(InvalidArgumentError):
         check_name_format("rlhf policy")        # the check above can fail

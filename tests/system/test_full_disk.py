@@ -18,33 +18,24 @@ from pathlib import Path
 
 import pytest
 
-from conftest import REPO, TINY, merge, run_env, tier_unavailable, write_params
+from conftest import REPO, TINY, merge, run_env, tier_unavailable, tiny_params, write_params
 from pipeline import files
-from pipeline.config import DataConfig, Params, from_dict
+from pipeline.config import Params
 from pipeline.errors import StorageError
 from pipeline.stages import skeleton, sft
-from pipeline.stages.prepare import write as prepare_run
 
 ENOSPC = os.strerror(errno.ENOSPC)   # "No space left on device"
 
 
 def _params(seed: int = 0) -> Params:
-    d = merge({k: v for k, v in TINY.items() if k != "data"}, {"sft": {"epochs": 2.0, "save_every": 2, "seed": seed}})
-    return from_dict(Params, d, "params.yaml: ")
+    return tiny_params({"sft": {"epochs": 2.0, "save_every": 2, "seed": seed}})
 
 
 @pytest.fixture(scope="module")
-def data(tmp_path_factory) -> Path:
-    root = tmp_path_factory.mktemp("full_disk")
-    prepare_run(from_dict(DataConfig, TINY["data"], "params.yaml: "), root / "data")
-    return root / "data"
-
-
-@pytest.fixture(scope="module")
-def finished(data, tmp_path_factory) -> Path:
+def finished(tiny_data, tmp_path_factory) -> Path:
     """A finished SFT run's folder (seed 0): what every test's failing re-run must leave alone."""
     out = tmp_path_factory.mktemp("finished") / "sft"
-    sft.run(_params(), data, out, progress=False)
+    sft.run(_params(), tiny_data, out, progress=False)
     return out
 
 
@@ -110,14 +101,14 @@ FAULTS = {
 
 
 @pytest.mark.parametrize("fault", FAULTS)
-def test_a_full_disk_fails_in_one_line_and_leaves_the_earlier_run_as_it_was(fault, data, finished, tmp_path,
+def test_a_full_disk_fails_in_one_line_and_leaves_the_earlier_run_as_it_was(fault, tiny_data, finished, tmp_path,
                                                                             monkeypatch):
     inject, named, saved_first = FAULTS[fault]
     folder = shutil.copytree(finished, tmp_path / "sft")
     before = _snapshot(folder)
     inject(monkeypatch)
     with pytest.raises(StorageError) as err:
-        sft.run(_params(seed=1), data, folder, progress=False)   # another seed: another run
+        sft.run(_params(seed=1), tiny_data, folder, progress=False)   # another seed: another run
     monkeypatch.undo()
     message = str(err.value)
     assert "\n" not in message and named in message and ENOSPC in message, message
@@ -127,17 +118,17 @@ def test_a_full_disk_fails_in_one_line_and_leaves_the_earlier_run_as_it_was(faul
     state = json.loads((folder / "checkpoint/state.json").read_text())
     if saved_first:   # the failing run's own last complete checkpoint: its re-run resumes from it
         assert state["step"] == 8 and after != before
-        again = sft.run(_params(seed=1), data, folder, progress=False)
+        again = sft.run(_params(seed=1), tiny_data, folder, progress=False)
         assert again["train/steps"] == 8 and _leftovers(folder) == []
         assert _outputs(_snapshot(folder)) != _outputs(before)
     else:             # it failed before its first checkpoint: the earlier one is untouched too
         assert after == before
 
 
-def test_a_full_disk_on_a_first_run_leaves_no_partial_files(data, tmp_path, monkeypatch):
+def test_a_full_disk_on_a_first_run_leaves_no_partial_files(tiny_data, tmp_path, monkeypatch):
     _torch_save_fails(monkeypatch)
     with pytest.raises(StorageError, match=rf"checkpoint: cannot write the checkpoint: {ENOSPC} \(.*unexpected pos"):
-        sft.run(_params(), data, tmp_path / "sft", progress=False)
+        sft.run(_params(), tiny_data, tmp_path / "sft", progress=False)
     assert sorted(p.name for p in (tmp_path / "sft").iterdir()) == [files.LOCK]
 
 
@@ -173,37 +164,37 @@ def _fill(mount: Path, leave: int) -> None:
         f.write(b"\0" * max(0, free - leave))
 
 
-def _cli(tmp_path: Path, out: Path, data: Path, seed: int) -> subprocess.CompletedProcess:
+def _cli(tmp_path: Path, out: Path, tiny_data: Path, seed: int) -> subprocess.CompletedProcess:
     params = tmp_path / f"params{seed}.yaml"
     write_params(params, merge(TINY, {"sft": {"epochs": 2.0, "save_every": 2, "seed": seed}}))
-    return subprocess.run([sys.executable, "-m", "pipeline", "sft", "--params", str(params), "--data", str(data),
+    return subprocess.run([sys.executable, "-m", "pipeline", "sft", "--params", str(params), "--data", str(tiny_data),
                            "--out", str(out), "--no-progress"], cwd=REPO, env=run_env(), capture_output=True,
                           text=True, timeout=600)
 
 
 @pytest.mark.root
-def test_on_a_real_full_tmpfs_the_cli_fails_in_one_line_and_keeps_the_earlier_run(data, tmpfs, tmp_path):
+def test_on_a_real_full_tmpfs_the_cli_fails_in_one_line_and_keeps_the_earlier_run(tiny_data, tmpfs, tmp_path):
     out = tmpfs / "sft"
     # 1. A first run on a disk too small for its checkpoint: one line, exit 2, nothing left behind.
     _fill(tmpfs, 200_000)
-    proc = _cli(tmp_path, out, data, seed=0)
+    proc = _cli(tmp_path, out, tiny_data, seed=0)
     assert proc.returncode == 2, proc.stderr[-2000:]
     lines = proc.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith(f"error: {out}") and ENOSPC in lines[0], proc.stderr[-2000:]
     assert "Traceback" not in proc.stderr and _leftovers(out) == [] and [p.name for p in out.iterdir()] == [files.LOCK]
     # 2. Room for one run: it finishes. Then the disk fills and a re-run with another seed fails.
     (tmpfs / "filler").unlink()
-    assert _cli(tmp_path, out, data, seed=0).returncode == 0
+    assert _cli(tmp_path, out, tiny_data, seed=0).returncode == 0
     before = _snapshot(out)
     _fill(tmpfs, 200_000)
-    proc = _cli(tmp_path, out, data, seed=1)
+    proc = _cli(tmp_path, out, tiny_data, seed=1)
     lines = proc.stderr.strip().splitlines()
     assert proc.returncode == 2 and len(lines) == 1 and ENOSPC in lines[0], proc.stderr[-2000:]
     assert _leftovers(out) == [] and _snapshot(out) == before
 
 
 @pytest.mark.root
-def test_a_full_mlflow_artifact_store_is_one_warning_and_the_stage_files_are_intact(data, tmpfs, tmp_path,
+def test_a_full_mlflow_artifact_store_is_one_warning_and_the_stage_files_are_intact(tiny_data, tmpfs, tmp_path,
                                                                                       monkeypatch):
     from mlflow.tracking import MlflowClient
 
@@ -214,7 +205,7 @@ def test_a_full_mlflow_artifact_store_is_one_warning_and_the_stage_files_are_int
     params = tmp_path / "params.yaml"
     write_params(params, TINY)
     out = tmp_path / "sft"
-    proc = subprocess.run([sys.executable, "-m", "pipeline", "sft", "--params", str(params), "--data", str(data),
+    proc = subprocess.run([sys.executable, "-m", "pipeline", "sft", "--params", str(params), "--data", str(tiny_data),
                            "--out", str(out), "--no-progress"], cwd=REPO, env=env, capture_output=True, text=True,
                           timeout=600)
     assert proc.returncode == 0, proc.stderr[-2000:]

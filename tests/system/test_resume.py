@@ -5,7 +5,6 @@ checkpoint, or (`on_nonfinite: skip`) drop that update and count it. The in-proc
 
 from __future__ import annotations
 
-import csv
 import json
 import os
 import random
@@ -20,44 +19,21 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from conftest import BIN, TINY, copy_repo, flat, merge, run, run_env, write_params
+from conftest import (BIN, TINY, assert_same_run, copy_repo, flat, merge, run, run_env, step_rows, tiny_params,
+                      without_time, write_params)
 from pipeline import errors
 from pipeline.training import demonstrations, resume, supervised
 from pipeline.stages import reward, sft
-from pipeline.config import DataConfig, Params, from_dict
+from pipeline.config import Params
 from pipeline.errors import ConfigError, NumericalError
-from pipeline.stages.prepare import write as prepare_run
 
-TIME_KEYS = ("seconds", "time", "tokens_per_second", "peak_rss")
 
 
 def _params(**override) -> Params:
-    d = merge({k: v for k, v in TINY.items() if k != "data"},
-              merge({"sft": {"epochs": 2.0, "save_every": 2}, "reward": {"epochs": 2.0, "save_every": 2}}, override))
-    return from_dict(Params, d, "params.yaml: ")
+    return tiny_params(merge({"sft": {"epochs": 2.0, "save_every": 2}, "reward": {"epochs": 2.0, "save_every": 2}},
+                             override))
 
 
-@pytest.fixture(scope="module")
-def data(tmp_path_factory) -> Path:
-    root = tmp_path_factory.mktemp("resume")
-    prepare_run(from_dict(DataConfig, TINY["data"], "params.yaml: "), root / "data")
-    return root / "data"
-
-
-@pytest.fixture(scope="module")
-def sft_model(data, tmp_path_factory) -> Path:
-    out = tmp_path_factory.mktemp("sft")
-    sft.run(_params(), data, out, progress=False)
-    return out / "model"
-
-
-def _without_time(metrics: dict) -> dict:
-    return {k: v for k, v in metrics.items() if not any(t in k for t in TIME_KEYS)}
-
-
-def _rows(path: Path) -> list[dict]:
-    return [{k: v for k, v in r.items() if not any(t in k for t in TIME_KEYS)}
-            for r in csv.DictReader(open(path), delimiter="\t")]
 
 
 def _die_at(monkeypatch, module, where: str) -> None:
@@ -73,11 +49,11 @@ def _die_at(monkeypatch, module, where: str) -> None:
 
 
 @pytest.mark.parametrize("stage", ["sft", "reward"])
-def test_killed_and_resumed_equals_uninterrupted(stage, data, sft_model, tmp_path, monkeypatch):
+def test_killed_and_resumed_equals_uninterrupted(stage, tiny_data, tiny_sft, tmp_path, monkeypatch):
     params = _params()
     module = {"sft": sft, "reward": reward}[stage]
-    go = (lambda out: sft.run(params, data, out, progress=False)) if stage == "sft" else \
-        (lambda out: reward.run(params, data, sft_model, out, progress=False))
+    go = (lambda out: sft.run(params, tiny_data, out, progress=False)) if stage == "sft" else \
+        (lambda out: reward.run(params, tiny_data, tiny_sft, out, progress=False))
     full = go(tmp_path / "full")
 
     _die_at(monkeypatch, module, f"{stage} step 4")   # killed in step 4; the save of step 2 exists
@@ -89,20 +65,15 @@ def test_killed_and_resumed_equals_uninterrupted(stage, data, sft_model, tmp_pat
     monkeypatch.undo()
     resumed = go(tmp_path / "resumed")
 
-    assert _without_time(resumed) == _without_time(full)
-    a = load_file(tmp_path / "full/model/model.safetensors")
-    b = load_file(tmp_path / "resumed/model/model.safetensors")
-    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
-    for log in ("train.tsv", "eval.tsv"):
-        assert _rows(tmp_path / f"full/{log}") == _rows(tmp_path / f"resumed/{log}")
+    assert_same_run(tmp_path / "full", tmp_path / "resumed", full, resumed)
     assert resumed["train/seconds"] > 0
 
     # Another config never resumes from the stale save: it trains from step 1 (and would die at 4).
     other = _params(**{stage: {"lr": 5e-4}})
     _die_at(monkeypatch, module, f"{stage} step 4")
     with pytest.raises(KeyboardInterrupt):
-        (sft.run(other, data, tmp_path / "resumed", progress=False) if stage == "sft"
-         else reward.run(other, data, sft_model, tmp_path / "resumed", progress=False))
+        (sft.run(other, tiny_data, tmp_path / "resumed", progress=False) if stage == "sft"
+         else reward.run(other, tiny_data, tiny_sft, tmp_path / "resumed", progress=False))
     state2 = json.loads((tmp_path / "resumed/checkpoint/state.json").read_text())
     assert state2["fingerprint"] != state["fingerprint"] and state2["step"] == 2
 
@@ -125,7 +96,7 @@ def _nan_grad(loss: torch.Tensor, model) -> torch.Tensor:
 
 
 @pytest.mark.parametrize("quantity", ["loss", "gradient norm"])
-def test_sft_nan_stops_at_the_step_and_keeps_the_checkpoint(quantity, data, tmp_path, monkeypatch):
+def test_sft_nan_stops_at_the_step_and_keeps_the_checkpoint(quantity, tiny_data, tmp_path, monkeypatch):
     real, calls = demonstrations.ce_sum, {"n": 0}
 
     def broken(model, batch):
@@ -138,12 +109,12 @@ def test_sft_nan_stops_at_the_step_and_keeps_the_checkpoint(quantity, data, tmp_
     monkeypatch.setattr(demonstrations, "ce_sum", broken)   # the sft stage's loss
     with pytest.raises(NumericalError, match=rf"^sft step 3: {quantity} is NaN or infinite; stopped, the last "
                                              rf"checkpoint is kept$"):
-        sft.run(_params(), data, tmp_path, progress=False)
+        sft.run(_params(), tiny_data, tmp_path, progress=False)
     assert json.loads((tmp_path / "checkpoint/state.json").read_text())["step"] == 2
     assert not (tmp_path / "model").exists() and not (tmp_path / "metrics.json").exists()
 
 
-def test_reward_nan_stops_at_the_step(data, sft_model, tmp_path, monkeypatch):
+def test_reward_nan_stops_at_the_step(tiny_data, tiny_sft, tmp_path, monkeypatch):
     from pipeline.models import reward_model as rm
     real, calls = rm.pairwise_loss_sum, {"n": 0}
 
@@ -155,7 +126,7 @@ def test_reward_nan_stops_at_the_step(data, sft_model, tmp_path, monkeypatch):
         return loss, correct
     monkeypatch.setattr(rm, "pairwise_loss_sum", broken)
     with pytest.raises(NumericalError, match=r"^reward step 5: loss is NaN or infinite"):
-        reward.run(_params(), data, sft_model, tmp_path, progress=False)
+        reward.run(_params(), tiny_data, tiny_sft, tmp_path, progress=False)
     assert json.loads((tmp_path / "checkpoint/state.json").read_text())["step"] == 4
 
 
@@ -186,11 +157,11 @@ SKIP = {"on_nonfinite": "skip"}
 
 
 @pytest.mark.parametrize("fault", ["loss", "gradient"])
-def test_sft_skip_drops_the_update_counts_it_and_holds_the_schedule(fault, data, tmp_path, monkeypatch):
+def test_sft_skip_drops_the_update_counts_it_and_holds_the_schedule(fault, tiny_data, tmp_path, monkeypatch):
     weights: dict[int, torch.Tensor] = {}
     _sft_faults(monkeypatch, {3: fault}, weights)
-    sft.run(_params(sft=SKIP), data, tmp_path, progress=False)
-    rows = _rows(tmp_path / "train.tsv")
+    sft.run(_params(sft=SKIP), tiny_data, tmp_path, progress=False)
+    rows = step_rows(tmp_path / "train.tsv")
     assert [int(r["skipped_updates"]) for r in rows] == [0, 0, 1, 1, 1, 1, 1, 1]
     assert torch.equal(weights[3], weights[4])              # step 3 changed nothing
     assert not torch.equal(weights[2], weights[3])          # the steps around it did
@@ -201,27 +172,27 @@ def test_sft_skip_drops_the_update_counts_it_and_holds_the_schedule(fault, data,
     assert all(bool(torch.isfinite(t).all()) for t in load_file(tmp_path / "model/model.safetensors").values())
 
 
-def test_sft_skip_stops_after_more_than_its_bound(data, tmp_path, monkeypatch):
+def test_sft_skip_stops_after_more_than_its_bound(tiny_data, tmp_path, monkeypatch):
     _sft_faults(monkeypatch, {3: "loss", 5: "gradient"})
     with pytest.raises(NumericalError, match=r"^sft step 5: 2 updates skipped for a NaN or infinite loss or gradient, "
                                              r"more than sft.max_skipped_updates \(1\); stopped, the last checkpoint is kept$"):
-        sft.run(_params(sft={**SKIP, "max_skipped_updates": 1}), data, tmp_path, progress=False)
+        sft.run(_params(sft={**SKIP, "max_skipped_updates": 1}), tiny_data, tmp_path, progress=False)
     assert json.loads((tmp_path / "checkpoint/state.json").read_text())["step"] == 4
     assert not (tmp_path / "model").exists()
 
 
-def test_sft_skip_count_survives_a_resume(data, tmp_path, monkeypatch):
+def test_sft_skip_count_survives_a_resume(tiny_data, tmp_path, monkeypatch):
     """Killed after a skipped step and resumed: the count, the step log and the model are those of an
     uninterrupted run with the same fault."""
     _sft_faults(monkeypatch, {3: "loss"})
-    sft.run(_params(sft=SKIP), data, tmp_path / "once", progress=False)
+    sft.run(_params(sft=SKIP), tiny_data, tmp_path / "once", progress=False)
     _sft_faults(monkeypatch, {3: "loss", 6: "kill"})
     with pytest.raises(KeyboardInterrupt):
-        sft.run(_params(sft=SKIP), data, tmp_path / "twice", progress=False)
+        sft.run(_params(sft=SKIP), tiny_data, tmp_path / "twice", progress=False)
     assert json.loads((tmp_path / "twice/checkpoint/state.json").read_text())["step"] == 4
     _sft_faults(monkeypatch, {})
-    sft.run(_params(sft=SKIP), data, tmp_path / "twice", progress=False)
-    assert _rows(tmp_path / "twice/train.tsv") == _rows(tmp_path / "once/train.tsv")
+    sft.run(_params(sft=SKIP), tiny_data, tmp_path / "twice", progress=False)
+    assert step_rows(tmp_path / "twice/train.tsv") == step_rows(tmp_path / "once/train.tsv")
     assert (tmp_path / "twice/model/model.safetensors").read_bytes() == \
         (tmp_path / "once/model/model.safetensors").read_bytes()
 
@@ -265,8 +236,8 @@ def _repro_killed_at(repo: Path, stage: str, key: str, at: int, log: Path) -> st
 def _final(repo: Path) -> dict:
     out = {}
     for stage in ("sft", "reward", "ppo"):
-        out[stage] = _without_time(flat(json.loads((repo / f"outputs/{stage}/metrics.json").read_text())))
-        out[f"{stage}.tsv"] = _rows(repo / f"outputs/{stage}/train.tsv")
+        out[stage] = without_time(flat(json.loads((repo / f"outputs/{stage}/metrics.json").read_text())))
+        out[f"{stage}.tsv"] = step_rows(repo / f"outputs/{stage}/train.tsv")
     return out
 
 
@@ -302,14 +273,14 @@ def test_dvc_repro_after_sigkill_in_each_training_stage_resumes(tmp_path):
 
 
 @pytest.mark.parametrize("stage", ["sft", "reward"])
-def test_resume_from_the_final_checkpoint_rewrites_every_output(stage, data, sft_model, tmp_path):
+def test_resume_from_the_final_checkpoint_rewrites_every_output(stage, tiny_data, tiny_sft, tmp_path):
     """Killed after its last save (held-out evaluation, samples, calibration) and re-run, or re-run
     by `dvc repro -f`: DVC has removed the stage's outputs, the checkpoint says "done". The re-run
     trains no step and still writes every output, equal to the uninterrupted run's."""
     params = _params()
     out = tmp_path / stage
-    go = (lambda: sft.run(params, data, out, progress=False)) if stage == "sft" else \
-        (lambda: reward.run(params, data, sft_model, out, progress=False))
+    go = (lambda: sft.run(params, tiny_data, out, progress=False)) if stage == "sft" else \
+        (lambda: reward.run(params, tiny_data, tiny_sft, out, progress=False))
     first = go()
     files = {p.name: p.read_bytes() for p in out.iterdir() if p.is_file()}
     weights = (out / "model/model.safetensors").read_bytes()
@@ -318,7 +289,7 @@ def test_resume_from_the_final_checkpoint_rewrites_every_output(stage, data, sft
         if p.name != "checkpoint":
             shutil.rmtree(p) if p.is_dir() else p.unlink()
     again = go()
-    assert _without_time(again) == _without_time(first)
+    assert without_time(again) == without_time(first)
     assert (out / "model/model.safetensors").read_bytes() == weights
     for name, content in files.items():
         if name != "metrics.json":                       # its training seconds differ
@@ -373,7 +344,7 @@ def test_dvc_repro_killed_at_random_times_ends_identical(tmp_path, tiny_run):
     assert not lock.exists() or printed.startswith("dvc.lock: ok"), printed
     proc = run([str(BIN / "dvc"), "repro"], killed)
     assert _final(killed) == _final(whole), note + f" kills at {kills} s\n" + proc.stdout[-2000:]
-    evaluate = [_without_time(flat(json.loads((repo / "outputs/evaluate/metrics.json").read_text())))
+    evaluate = [without_time(flat(json.loads((repo / "outputs/evaluate/metrics.json").read_text())))
                 for repo in (killed, whole)]
     assert evaluate[0] == evaluate[1], note
     for stage in ("sft", "reward", "ppo"):

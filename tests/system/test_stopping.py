@@ -7,7 +7,6 @@ checkpoint step (save_every) and the last step."""
 
 from __future__ import annotations
 
-import csv
 import json
 import os
 import random
@@ -21,54 +20,29 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from conftest import REPO, TINY, free_port, merge, run_env, wait_for, write_params
-from pipeline.config import DataConfig, Params, from_dict
+from conftest import REPO, TINY, free_port, merge, run_env, step_rows, tiny_params, wait_for, without_time, write_params
+from pipeline.config import Params
 from pipeline.errors import Stopped
 from pipeline.ppo import trainer as ppo_trainer
 from pipeline.stages import ppo, reward, sft
-from pipeline.stages.prepare import write as prepare_run
 from pipeline.training import stopping, supervised
 from slow_steps import slow_start_hook, slow_steps_hook
 
-TIME_KEYS = ("seconds", "time", "tokens_per_second", "peak_rss")
 SEED = int(os.environ.get("PIPELINE_TEST_SEED", random.SystemRandom().randrange(10_000)))
 
 
 def _params(**override) -> Params:
-    d = merge({k: v for k, v in TINY.items() if k != "data"},
-              merge({"sft": {"epochs": 2.0, "save_every": 2}, "reward": {"epochs": 2.0, "save_every": 2},
-                     "ppo": {"iterations": 4, "save_every": 2}}, override))
-    return from_dict(Params, d, "params.yaml: ")
+    return tiny_params(merge({"sft": {"epochs": 2.0, "save_every": 2}, "reward": {"epochs": 2.0, "save_every": 2},
+                              "ppo": {"iterations": 4, "save_every": 2}}, override))
 
 
 @pytest.fixture(scope="module")
-def data(tmp_path_factory) -> Path:
-    root = tmp_path_factory.mktemp("stopping")
-    prepare_run(from_dict(DataConfig, TINY["data"], "params.yaml: "), root / "data")
-    return root / "data"
-
-
-@pytest.fixture(scope="module")
-def sft_model(data, tmp_path_factory) -> Path:
-    out = tmp_path_factory.mktemp("sft")
-    sft.run(_params(), data, out, progress=False)
-    return out / "model"
-
-
-@pytest.fixture(scope="module")
-def reward_model(data, sft_model, tmp_path_factory) -> Path:
+def reward_model(tiny_data, tiny_sft, tmp_path_factory) -> Path:
     out = tmp_path_factory.mktemp("rm")
-    reward.run(_params(), data, sft_model, out, progress=False)
+    reward.run(_params(), tiny_data, tiny_sft, out, progress=False)
     return out / "model"
 
 
-def _without_time(metrics: dict) -> dict:
-    return {k: v for k, v in metrics.items() if not any(t in k for t in TIME_KEYS)}
-
-
-def _rows(path: Path) -> list[dict]:
-    return [{k: v for k, v in r.items() if not any(t in k for t in TIME_KEYS)}
-            for r in csv.DictReader(open(path), delimiter="\t")]
 
 
 def _same_weights(a: Path, b: Path) -> bool:
@@ -94,10 +68,10 @@ def _signal_during(monkeypatch, where: str, sig: signal.Signals) -> None:
 
 @pytest.mark.parametrize("stage", ["sft", "reward"])
 def test_a_signal_stops_a_supervised_stage_at_its_step_and_the_rerun_equals_an_uninterrupted_run(
-        stage, data, sft_model, tmp_path, monkeypatch):
+        stage, tiny_data, tiny_sft, tmp_path, monkeypatch):
     params = _params()
-    go = (lambda out: sft.run(params, data, out, progress=False)) if stage == "sft" else \
-        (lambda out: reward.run(params, data, sft_model, out, progress=False))
+    go = (lambda out: sft.run(params, tiny_data, out, progress=False)) if stage == "sft" else \
+        (lambda out: reward.run(params, tiny_data, tiny_sft, out, progress=False))
     full = go(tmp_path / "full")
     rng = random.Random(SEED)
     steps = _steps(full["train/steps"], 2, rng)
@@ -114,18 +88,18 @@ def test_a_signal_stops_a_supervised_stage_at_its_step_and_the_rerun_equals_an_u
         assert state["step"] == k and len(state["logs"]["train"]["rows"]) == k, note
         assert not (out / "model").exists(), note
         resumed = go(out)
-        assert _without_time(resumed) == _without_time(full), note
+        assert without_time(resumed) == without_time(full), note
         assert _same_weights(tmp_path / "full/model", out / "model"), note
         for log in ("train.tsv", "eval.tsv"):
-            assert _rows(tmp_path / f"full/{log}") == _rows(out / log), note
+            assert step_rows(tmp_path / f"full/{log}") == step_rows(out / log), note
     # The handlers are the test process's own again once the stage is over.
     assert signal.getsignal(signal.SIGTERM) is not stopping._handler
 
 
 def test_a_signal_stops_ppo_after_its_iteration_and_the_rerun_equals_an_uninterrupted_run(
-        data, sft_model, reward_model, tmp_path, monkeypatch):
+        tiny_data, tiny_sft, reward_model, tmp_path, monkeypatch):
     params = _params()
-    full = ppo.run(params, data, sft_model, reward_model, tmp_path / "full", progress=False)
+    full = ppo.run(params, tiny_data, tiny_sft, reward_model, tmp_path / "full", progress=False)
     last = params.ppo.iterations
     steps = _steps(last, params.ppo.save_every, random.Random(SEED + 1))
     real = ppo_trainer.PPOTrainer.step
@@ -139,14 +113,14 @@ def test_a_signal_stops_ppo_after_its_iteration_and_the_rerun_equals_an_uninterr
             return real(self)
         monkeypatch.setattr(ppo_trainer.PPOTrainer, "step", signalling)
         with pytest.raises(Stopped, match=rf"^ppo: stopped by SIGTERM after iteration {k} of {last}"):
-            ppo.run(params, data, sft_model, reward_model, out, progress=False)
+            ppo.run(params, tiny_data, tiny_sft, reward_model, out, progress=False)
         monkeypatch.undo()
         state = json.loads((out / "checkpoint/state.json").read_text())
         assert state["iteration"] == k and not (out / "model").exists(), note
-        resumed = ppo.run(params, data, sft_model, reward_model, out, progress=False)
-        assert _without_time(resumed) == _without_time(full), note
+        resumed = ppo.run(params, tiny_data, tiny_sft, reward_model, out, progress=False)
+        assert without_time(resumed) == without_time(full), note
         assert _same_weights(tmp_path / "full/model", out / "model"), note
-        assert _rows(tmp_path / "full/train.tsv") == _rows(out / "train.tsv"), note
+        assert step_rows(tmp_path / "full/train.tsv") == step_rows(out / "train.tsv"), note
 
 
 def test_the_grace_ends_with_the_stage_so_a_process_that_goes_on_is_not_exited(tmp_path):
@@ -192,12 +166,12 @@ def test_the_same_signal_twice_at_once_is_one_request_and_later_a_second_one(tmp
 # ---- Real processes ------------------------------------------------------------------------------
 
 
-def test_sigterm_from_outside_stops_the_command_with_75_and_a_second_signal_exits_at_once(data, tmp_path):
+def test_sigterm_from_outside_stops_the_command_with_75_and_a_second_signal_exits_at_once(tiny_data, tmp_path):
     params = tmp_path / "params.yaml"
     write_params(params, merge(TINY, {"sft": {"epochs": 2.0, "save_every": 2}}))
     hook = slow_steps_hook(tmp_path / "hook", 0.2)
     env = {**run_env(), "PYTHONPATH": f"{hook}{os.pathsep}{REPO}"}
-    cmd = [sys.executable, "-m", "pipeline", "sft", "--params", str(params), "--data", str(data),
+    cmd = [sys.executable, "-m", "pipeline", "sft", "--params", str(params), "--data", str(tiny_data),
            "--out", str(tmp_path / "out"), "--no-progress"]
     proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     wait_for(tmp_path / "out/checkpoint/state.json", proc)   # the save of step 2: inside the loop
@@ -256,7 +230,7 @@ def test_a_signal_while_the_command_starts_gives_75_too_and_the_warning_signal_i
 
 @pytest.mark.long
 def test_the_warning_signal_to_the_launching_command_stops_both_ranks_of_ppo_at_one_iteration(
-        data, sft_model, reward_model, tmp_path):
+        tiny_data, tiny_sft, reward_model, tmp_path):
     """Two processes (DeepSpeed ZeRO-2 under torchrun): SIGUSR1 to the command the user ran, which
     forwards it to the ranks (not to torchrun); both stop after the same iteration (the checkpoint
     is collective), the command exits 75, and the re-run equals an uninterrupted run."""
@@ -268,8 +242,8 @@ def test_the_warning_signal_to_the_launching_command_stops_both_ranks_of_ppo_at_
            "TORCH_EXTENSIONS_DIR": os.environ.get("TORCH_EXTENSIONS_DIR", str(REPO / ".cache" / "torch_extensions"))}
 
     def cmd(out: str) -> list[str]:
-        return [sys.executable, "-m", "pipeline", "ppo", "--params", str(params), "--data", str(data), "--sft",
-                str(sft_model), "--reward", str(reward_model), "--out", str(tmp_path / out), "--no-progress"]
+        return [sys.executable, "-m", "pipeline", "ppo", "--params", str(params), "--data", str(tiny_data), "--sft",
+                str(tiny_sft), "--reward", str(reward_model), "--out", str(tmp_path / out), "--no-progress"]
     full = subprocess.run(cmd("full"), env=env, capture_output=True, text=True, timeout=900)
     assert full.returncode == 0, full.stderr[-3000:]
 
@@ -297,5 +271,5 @@ def test_the_warning_signal_to_the_launching_command_stops_both_ranks_of_ppo_at_
 
     resumed = subprocess.run(cmd("stopped"), env=env, capture_output=True, text=True, timeout=900)
     assert resumed.returncode == 0 and "resuming" in resumed.stderr, resumed.stderr[-3000:]
-    assert _rows(tmp_path / "full/train.tsv") == _rows(tmp_path / "stopped/train.tsv")
+    assert step_rows(tmp_path / "full/train.tsv") == step_rows(tmp_path / "stopped/train.tsv")
     assert _same_weights(tmp_path / "full/model", tmp_path / "stopped/model")

@@ -26,7 +26,7 @@ from mlflow_store import registered_weights, server, tracking_env, tsv  # noqa: 
 from pipeline.config import load_params
 from pipeline.models.checkpoints import load_policy
 from pipeline.models.reward_model import load_reward_model, score_texts
-from pipeline.tracking.mlflow_models import REGISTERED
+from pipeline.stages import registry
 from pipeline.tracking.mlflow_sink import deps_hash, lock_deps_hash
 
 
@@ -65,8 +65,9 @@ def test_dvc_exp_run_logs_one_parent_with_nested_stage_runs(tiny_repo, tmp_path,
         final = {k: math.nan if v is None else v for k, v in flat(json.loads((out / "metrics.json").read_text())).items()}
         assert {k: r.data.metrics[k] for k in final} == pytest.approx(final, nan_ok=True)
         # The checkpoint is a registered model version of this run; the step logs are artifacts.
-        (version,) = client.search_model_versions(f"name = '{REGISTERED[name]}'")
-        assert (version.run_id, version.version, tags["registered_model"]) == (r.info.run_id, "1", f"{REGISTERED[name]}/1")
+        registered = registry.spec(name).model.registered
+        (version,) = client.search_model_versions(f"name = '{registered}'")
+        assert (version.run_id, version.version, tags["registered_model"]) == (r.info.run_id, "1", f"{registered}/1")
         assert {"train.tsv", "eval.tsv", "metrics.json", "config.json"} <= {a.path for a in client.list_artifacts(r.info.run_id)}
         # The prepared data is the run's dataset input; its digest is DVC's md5 of it in dvc.lock.
         (data_input,) = r.inputs.dataset_inputs

@@ -226,6 +226,9 @@ def test_flatten():
     assert flatten({}) == {}
     assert flatten({"a": {}}) == {}
     assert flatten({"a": 1}, prefix="p.") == {"p.a": 1}
+    # metrics.json's names
+    assert flatten({"eval": {"accuracy": 0.7, "gold": {"gap": 1}}, "n": 2}, sep="/") == \
+        {"eval/accuracy": 0.7, "eval/gold/gap": 1, "n": 2}
 
 
 # ---- The CLI ------------------------------------------------------------------------------------

@@ -304,10 +304,12 @@ def test_a_stage_on_a_device_that_is_not_the_cpu_reports_its_devices_and_their_m
     """The skeleton's resources: the process count of GPUs (0 on the CPU) and, where the device
     counts its memory, its peak."""
     import time
+    from pipeline.measurement.balance import Tally
     from pipeline.stages.skeleton import StageRun
     dev = fake_device.install()
     on = {where: StageRun.resources(types.SimpleNamespace(ctx=Context(world_size=2, device=d),
-                                                          started=time.perf_counter(), cpu_matmuls=None))
+                                                          started=time.perf_counter(), cpu_matmuls=None,
+                                                          measured=Tally()))
           for where, d in (("device", dev), ("cpu", torch.device("cpu")))}
     assert on["device"]["resources/gpus"] == 2 and on["device"]["resources/peak_device_gib"] == 0.0
     assert on["cpu"]["resources/gpus"] == 0 and "resources/peak_device_gib" not in on["cpu"]

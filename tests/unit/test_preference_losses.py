@@ -1,10 +1,13 @@
 """Offline preference losses (DPO, conservative DPO, IPO summed and averaged, SimPO) on
-hand-computed two-pair cases, their gradients by autograd against the closed forms, the
-per-sequence log-probs against a per-pair loop, and cached reference log-probs against a frozen
-reference model run on the fly."""
+hand-computed two-pair cases, their gradients by autograd against the closed forms, their registry;
+KTO's loss against the paper's formula written with floats and its reference point (clamped,
+detached); the per-sequence log-probs against a per-pair loop, and cached reference log-probs
+against a frozen reference model run on the fly."""
 
 import copy
+import inspect
 import math
+import random
 
 import pytest
 import torch
@@ -13,7 +16,7 @@ from transformers import AutoModelForCausalLM, LlamaConfig
 
 from pipeline.preference.logprobs import (TokenPair, pair_logprobs, reference_logprobs, response_lengths,
                                           sequence_logprobs)
-from pipeline.preference.losses import dpo_loss, ipo_loss, simpo_loss
+from pipeline.preference.losses import PREFERENCE_LOSSES, dpo_loss, ipo_loss, kto_loss, reference_point, simpo_loss
 
 D = torch.float64
 
@@ -133,7 +136,7 @@ def test_bad_inputs_are_refused():
         dpo_loss(**x, beta=0.0)
     with pytest.raises(ValueError, match="label_smoothing"):
         dpo_loss(**x, beta=0.1, label_smoothing=0.5)
-    with pytest.raises(ValueError, match=r"ref_rejected has 1 pairs, expected 2"):
+    with pytest.raises(ValueError, match=r"ref_rejected has 1 entries, expected 2"):
         dpo_loss(**{**x, "ref_rejected": torch.zeros(1, dtype=D)}, beta=0.1)
     with pytest.raises(ValueError, match=r"logp_chosen must be \(N,\)"):
         dpo_loss(**{**x, "logp_chosen": torch.zeros(2, 3, dtype=D)}, beta=0.1)
@@ -143,6 +146,97 @@ def test_bad_inputs_are_refused():
         simpo_loss(x["logp_chosen"], x["logp_rejected"], len_c, torch.tensor([1.0, 0.0]), beta=1.0, gamma=0.0)
     with pytest.raises(ValueError, match="gamma"):
         simpo_loss(x["logp_chosen"], x["logp_rejected"], len_c, len_r, beta=1.0, gamma=-0.1)
+    with pytest.raises(ValueError, match="a batch needs at least one pair or example"):
+        simpo_loss(torch.zeros(0, dtype=D), torch.zeros(0, dtype=D), len_c[:0], len_r[:0], beta=1.0, gamma=0.0)
+
+
+def test_registered_losses_take_what_their_facts_say():
+    """`dpo.method`'s values, and each loss called as the dpo stage calls it (the inputs its facts
+    name, keywords only) equal to the call by position."""
+    assert PREFERENCE_LOSSES.names() == ("dpo", "ipo", "simpo")
+    x, len_c, len_r = two_pairs()
+    options = {"label_smoothing": 0.1, "gamma": 0.5}
+    by_position = {"dpo": dpo_loss(*x.values(), 0.5, 0.1), "ipo": ipo_loss(*x.values(), 0.5),
+                   "simpo": simpo_loss(x["logp_chosen"], x["logp_rejected"], len_c, len_r, 0.5, 0.5)}
+    for name in PREFERENCE_LOSSES.names():
+        facts = PREFERENCE_LOSSES.facts(name)
+        given = {"logp_chosen": x["logp_chosen"], "logp_rejected": x["logp_rejected"], "beta": 0.5,
+                 **({"ref_chosen": x["ref_chosen"], "ref_rejected": x["ref_rejected"]} if facts["reference"] else {}),
+                 **({"chosen_lengths": len_c, "rejected_lengths": len_r} if facts["lengths"] else {}),
+                 **{k: options[k] for k in facts["options"]}}
+        assert set(given) <= set(inspect.signature(PREFERENCE_LOSSES[name]).parameters)
+        loss, stats = PREFERENCE_LOSSES[name](**given)
+        assert loss.item() == by_position[name][0].item() and stats == by_position[name][1]
+    assert not PREFERENCE_LOSSES.facts("simpo")["reference"]   # SimPO's training pairs need no reference pass
+    with pytest.raises(ValueError, match="preference loss must be one of 'dpo', 'ipo', 'simpo', got 'kto'"):
+        PREFERENCE_LOSSES["kto"]
+
+
+# --- KTO --------------------------------------------------------------------------------------------
+
+def kto_by_hand(logp, ref, desirable, kl, kl_ref, beta, lam_d, lam_u) -> tuple[float, float]:
+    """The paper's loss with floats and loops: (mean over examples, z_ref)."""
+    z = max(0.0, sum(a - b for a, b in zip(kl, kl_ref)) / len(kl))
+    sig = lambda t: 1.0 / (1.0 + math.exp(-t))  # noqa: E731
+    total = 0.0
+    for lp, rf, d in zip(logp, ref, desirable):
+        r = lp - rf
+        total += lam_d * (1 - sig(beta * (r - z))) if d else lam_u * (1 - sig(beta * (z - r)))
+    return total / len(logp), z
+
+
+def kto_batch(n: int, seed: int):
+    g = random.Random(seed)
+    logp = [g.uniform(-40, -5) for _ in range(n)]
+    ref = [lp + g.gauss(0, 2) for lp in logp]
+    kl = [g.uniform(-60, -10) for _ in range(n)]
+    kl_ref = [k - g.gauss(0.3, 1) for k in kl]   # an estimate around 0.3, below 0 for some seeds
+    des = [g.random() < 0.5 for _ in range(n)]
+    des[0], des[-1] = True, False
+    return logp, ref, des, kl, kl_ref
+
+
+@pytest.mark.parametrize("n,seed,beta,lam_d,lam_u", [(2, 0, 0.1, 1.0, 1.0), (7, 1, 2.0, 1.0, 1.5),
+                                                     (32, 2, 0.5, 1.33, 1.0), (5, 3, 5.0, 0.5, 2.0)])
+def test_kto_loss_equals_the_formula_by_hand(n, seed, beta, lam_d, lam_u):
+    logp, ref, des, kl, kl_ref = kto_batch(n, seed)
+    z = reference_point(torch.tensor(kl, dtype=D), torch.tensor(kl_ref, dtype=D))
+    terms, rewards = kto_loss(torch.tensor(logp, dtype=D), torch.tensor(ref, dtype=D), torch.tensor(des), z,
+                              beta, lam_d, lam_u)
+    want, want_z = kto_by_hand(logp, ref, des, kl, kl_ref, beta, lam_d, lam_u)
+    assert float(z) == pytest.approx(want_z, abs=1e-12)
+    assert float(terms.mean()) == pytest.approx(want, rel=1e-12)
+    assert rewards.tolist() == pytest.approx([beta * (a - b) for a, b in zip(logp, ref)], rel=1e-12)
+
+
+def test_kto_reference_point_is_clamped_and_carries_no_gradient():
+    kl = torch.tensor([-10.0, -12.0], dtype=D, requires_grad=True)
+    assert float(reference_point(kl, torch.tensor([-9.0, -11.0], dtype=D))) == 0.0   # estimate -1: clamped
+    z = reference_point(kl, torch.tensor([-11.0, -13.0], dtype=D))
+    assert float(z) == 1.0 and not z.requires_grad
+    logp = torch.tensor([-5.0, -6.0], dtype=D, requires_grad=True)
+    terms, _ = kto_loss(logp, torch.tensor([-5.0, -5.0], dtype=D), torch.tensor([True, False]), z, 1.0)
+    terms.sum().backward()
+    assert kl.grad is None
+    # A desirable response is pushed up, an undesirable one down.
+    assert logp.grad[0] < 0 < logp.grad[1]
+    with pytest.raises(ValueError, match="detached scalar"):
+        kto_loss(logp, logp.detach(), torch.tensor([True, False]), kl.mean(), 1.0)
+    with pytest.raises(ValueError, match=r"\(N,\)"):
+        kto_loss(logp[None], logp.detach()[None], torch.tensor([[True, False]]), z, 1.0)
+    with pytest.raises(ValueError, match="kl_ref_logp has 3 entries, expected 2"):
+        reference_point(kl, torch.zeros(3, dtype=D))
+
+
+def test_kto_lambdas_weigh_each_kind():
+    logp, ref, des, kl, kl_ref = kto_batch(9, 4)
+    z = reference_point(torch.tensor(kl, dtype=D), torch.tensor(kl_ref, dtype=D))
+    args = (torch.tensor(logp, dtype=D), torch.tensor(ref, dtype=D), torch.tensor(des), z, 1.0)
+    one, _ = kto_loss(*args, 1.0, 1.0)
+    two, _ = kto_loss(*args, 1.0, 2.0)
+    undesirable = ~torch.tensor(des)
+    assert torch.equal(two[~undesirable], one[~undesirable])
+    assert torch.allclose(two[undesirable], 2 * one[undesirable], rtol=0, atol=1e-15)
 
 
 # --- log-probs of a causal LM -----------------------------------------------------------------

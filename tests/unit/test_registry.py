@@ -1,6 +1,6 @@
 """A stage is one module: a throwaway stage module, put on the stages package's path and edited
-nowhere else, shows up in the command line, the memory plan, the metric registry, the MLflow
-headline and the methods benchmark. The one edit outside its module a real stage also needs is its
+nowhere else, shows up in the command line, `check --data`, the memory plan, the metric registry,
+the MLflow headline, parent params and model registry, and the methods benchmark. The one edit outside its module a real stage also needs is its
 params section (config.Params); here a Params subclass with a `toy` section stands in for it."""
 
 from __future__ import annotations
@@ -27,6 +27,7 @@ from pathlib import Path
 
 from ..training import memory_plan
 from ..tracking.metric_names import Metric
+from ..tracking.model_card import ModelFacts
 from .skeleton import stage_run
 from .spec import StageSpec
 
@@ -38,9 +39,14 @@ def plan(params, shapes):
     return memory_plan.supervised_planner("toy", params, sft, (sft,))
 
 
+def check(params, data_dir):
+    (data_dir / "toy_checked").write_text(str(params.toy.seed))
+
+
 SPEC = StageSpec(
     "toy", help="a throwaway method", inputs=("data", "sft"), pipeline="compare", policy=True,
-    headline=("eval/toy_score",), plan=plan,
+    headline=("eval/toy_score",), plan=plan, parent_params=("toy.seed",), check_inputs=check,
+    model=ModelFacts("the toy policy", "nothing at all", "rlhf-toy-policy", "A toy."),
     metrics=lambda: [Metric("toy", "metrics.json", "eval/toy_score", "how toy it is", "compare")],
     files={"metrics.json": "the toy's score"}, reads=("toy.seed",))
 
@@ -89,14 +95,21 @@ def test_a_new_stage_module_is_seen_everywhere_stages_are_listed(toy_stage, tmp_
     real = skeleton.stage_tracking
 
     def recording(stage, config_, inputs, **kw):
-        seen[stage] = kw["headline"]
+        seen[stage] = kw["facts"]
         return real(stage, config_, inputs, **kw)
     monkeypatch.setattr(skeleton, "stage_tracking", recording)
     out = tmp_path / "toy"
     assert main(["toy", "--params", str(params), "--data", str(data), "--sft", str(tmp_path / "no-sft"),
                  "--out", str(out)]) == 0
     assert capsys.readouterr().out.strip() == f"toy: wrote {out}; eval/toy_score=2.250"
-    assert seen == {"toy": ("eval/toy_score",)}
+    facts = seen["toy"]
+    assert facts.headline == ("eval/toy_score",) and facts.model.registered == "rlhf-toy-policy"
+    assert "toy.seed" in facts.parent_params and "sft.lr" in facts.parent_params   # every stage's knobs
+
+    # `check --data` reads its inputs too.
+    assert main(["check", "--params", str(params), "--data", str(data)]) == 0
+    assert (data / "toy_checked").read_text() == "2"
+    capsys.readouterr()
     assert (out / "metrics.json").read_text().count("2.25") == 1
 
     # The memory plan: `python -m pipeline plan` prints the toy's table (planned from the params alone).

@@ -155,7 +155,7 @@ def test_ppo_stage_on_the_default_sqlite_store(tmp_path, monkeypatch):
     # evaluate names the policy it judged: the alias follows the newest version of this execution.
     from pipeline.tracking.mlflow_sink import stage_tracking
     with stage_tracking("evaluate", {"evaluate": {"seed": 0}}) as tracker:
-        tracker.alias_evaluated("ppo", "champion")
+        tracker.alias_evaluated("ppo", "rlhf-policy", "champion")
     assert client.get_model_version_by_alias("rlhf-policy", "champion").version == version.version
 
 
