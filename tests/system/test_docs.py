@@ -91,7 +91,7 @@ def _copy_for_rendering(tmp_path: Path) -> Path:
         (root / rel(path)).parent.mkdir(parents=True, exist_ok=True)
         shutil.copy(path, root / rel(path))
     for pattern in ("outputs/*/metrics.json", "outputs/*/config.json", "docs/compare_methods.tsv", "docs/frontier.md",
-                    "docs/data/*.json"):
+                    "docs/data/*.json", "dvc.yaml", "compare/dvc.yaml"):
         for path in REPO.glob(pattern):
             (root / rel(path)).parent.mkdir(parents=True, exist_ok=True)
             shutil.copy(path, root / rel(path))
