@@ -1,6 +1,7 @@
 # The README's commands (docs/guide/ has the rest):
 #   make pipeline   set up .venv if needed, then run the whole pipeline (dvc repro) on the default
 #   make test       set up .venv if needed, then run the tests
+#   make test-fast  the unit and stage tiers only: the edit-test loop
 PYTHON ?=
 TORCH ?=
 VENV := .venv
@@ -9,7 +10,7 @@ BIN := $(CURDIR)/$(VENV)/bin
 export PATH := $(BIN):$(PATH)
 export TORCH_EXTENSIONS_DIR ?= $(CURDIR)/.cache/torch_extensions
 
-.PHONY: install pipeline compare test lock bench snakemake slurm commit register remote push offline-page gpu-check demo hub-rehearsal
+.PHONY: install pipeline compare test test-fast lock bench snakemake slurm commit register remote push offline-page gpu-check demo hub-rehearsal
 
 # PYTHON: the interpreter (default: the newest of python3.13, 3.12, 3.11); TORCH: empty (pip's
 # default torch: the CUDA build on Linux x86_64) | cpu (the CPU-only build) | cu126, ... (see scripts/venv.sh).
@@ -105,6 +106,11 @@ test: install
 	@if [ "$$(id -u)" = 0 ]; then bash scripts/slurm-local.sh start; \
 	else echo "make test: not root: the SLURM tier runs only if a cluster already answers (scripts/slurm-local.sh needs root)"; fi
 	pytest -q -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder --durations=$(TEST_DURATIONS)
+
+# The unit and stage tiers (math by equivalence, each stage on tiny inputs): no SLURM, no dvc repro,
+# no process groups of the system tier.
+test-fast: install
+	pytest -q -n $(TEST_WORKERS) --dist loadfile tests/unit tests/stages
 
 # Every stage on this machine's GPUs on a locally built model (plain PyTorch and DeepSpeed at one
 # process; two processes over NCCL too when two GPUs are visible): memory plan vs measured peak,
