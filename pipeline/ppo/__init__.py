@@ -12,3 +12,8 @@ Per-token tensors on the response axis are (B, R) and travel with one mask,
 ``response_mask`` (B, R) bool, True on real response tokens. Per-sequence
 tensors such as ``scores`` are (B,).
 """
+
+# The advantage estimators, loss reductions and KL estimators register themselves where they are
+# defined (pipeline/registries.py); importing any module of this package registers them, so a
+# config's `uses_critic` (which reads the estimator's facts) holds wherever the package is used.
+from . import advantages, group_advantages  # noqa: E402,F401
