@@ -341,8 +341,8 @@ def line(name: str, r: dict[str, Any], peak: Optional[float], cuda: bool) -> str
 
 
 def run_suite(suite: Suite, size: Size, cuda: bool, root: Path, deadline: float, results: dict[str, Any],
-              save) -> tuple[list[str], list[str]]:
-    """Every run of `runs(suite)`; returns (failed, skipped) names."""
+              save, only: Optional[set[str]] = None) -> tuple[list[str], list[str]]:
+    """Every run of `runs(suite)` (of those named in `only`, when given); returns (failed, skipped) names."""
     from pipeline.config import load_params
     from pipeline.files import atomic_write_text
     from pipeline.training.distributed import _free_port   # each run its own port (see below)
@@ -361,7 +361,7 @@ def run_suite(suite: Suite, size: Size, cuda: bool, root: Path, deadline: float,
     env = {**os.environ, "PIPELINE_TRACKING": "off", "PYTHONUNBUFFERED": "1", "PYTHONFAULTHANDLER": "1",
            COUNT_CPU_MATMULS: "1"}
     durations: list[float] = []
-    for run in runs(suite):
+    for run in [r for r in runs(suite) if only is None or r.name in only]:
         out = here / run.name.replace("+", "-")
         # The data and the random base are shared; the other inputs are this suite's own outputs.
         inputs = {k: root / v if v in ("data", "base") else here / v for k, v in run.inputs.items()}
@@ -456,6 +456,8 @@ def main(argv: Optional[list[str]] = None) -> int:
                          "--tiny: 1")
     ap.add_argument("--processes", type=int, choices=(1, 2), action="append", default=None,
                     help="the same as --suite 1 or --suite 2")
+    ap.add_argument("--only", action="append", default=[], metavar="SUITE:RUN",
+                    help="run only these runs of a suite, e.g. ds1:sft (repeatable; a suite named in none runs whole)")
     ap.add_argument("--budget-s", type=float, default=None,
                     help=f"skip a stage that would end after this many seconds (default: {BUDGET_S:.0f} for the "
                          f"one-GPU suites, {BUDGET_S:.0f} more for the two-process one)")
@@ -476,6 +478,12 @@ def main(argv: Optional[list[str]] = None) -> int:
     deepspeed = importlib.util.find_spec("deepspeed") is not None
     default = ["1"] if args.tiny else ["1", "ds1"] + ["2"] * (gpus >= 2)
     suites = [SUITES[name] for name in dict.fromkeys(asked or default)]
+    only: dict[str, set[str]] = {}
+    for item in args.only:
+        name, _, run = item.partition(":")
+        if name not in SUITES or run not in {r.name for r in runs(SUITES[name])}:
+            ap.error(f"--only {item}: not a suite:run of this check (e.g. ds1:sft)")
+        only.setdefault(name, set()).add(run)
     if cuda and max(s.processes for s in suites) > gpus:
         ap.error(f"suite 2: only {gpus} GPU visible")
     size = TINY if args.tiny else DEFAULT
@@ -520,7 +528,7 @@ def main(argv: Optional[list[str]] = None) -> int:
                 say(f"\n== {suite.title(cuda)}: not run, DeepSpeed is not installed here")
                 skipped.append(f"{suite.name} (DeepSpeed not installed)")
                 continue
-            f, s = run_suite(suite, size, cuda, root, deadline, results, save)
+            f, s = run_suite(suite, size, cuda, root, deadline, results, save, only.get(suite.name))
             failed += f
             skipped += s
     results["seconds"] = time.monotonic() - start
