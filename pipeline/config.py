@@ -494,15 +494,15 @@ class PPOConfig:
         """Whether the estimator needs a critic, as it declares (GAE does; the group estimators take
         their baseline from the other responses)."""
         facts = registries.declared("advantage estimator", self.advantage)
-        if facts is None:   # a bug: a stage imports the estimators (pipeline/ppo) before it asks
-            raise RuntimeError(f"{self._section}.advantage: no advantage estimator {self.advantage!r} is registered")
+        if facts is None:   # params built without load_params' check of the names
+            raise ConfigError(f"{self._section}.advantage: no advantage estimator {self.advantage!r} is registered")
         return facts["critic"]
 
     def __post_init__(self) -> None:
         # Batch sizes against processes: check_process_shape, when the stage's SPEC says (at load
         # for ppo, at start for grpo; pipeline/stages/registry.py).
         facts = registries.declared("advantage estimator", self.advantage)
-        if facts is not None:   # else not registered (yet): the stages' load_params names an unknown one
+        if facts is not None:   # else an unknown name, which load_params' check of the names reports
             self._check_estimator(facts)
         self._check_rest()
 

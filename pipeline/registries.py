@@ -8,17 +8,23 @@ An advantage estimator, a policy-loss reduction or a preference loss is one deco
     def rloo_advantages(...): ...
 
 and the params key that picks one is declared with `config.named(kind, default)`: its allowed
-values are the registry's names, checked when the params file is loaded (pipeline.stages.registry
-.load_params imports every stage, and so every module that registers, before it validates), so a
-new one needs no edit to config.py. verl registers its advantage estimators and policy losses by
+values are the registry's names, checked when the params file is loaded, so a new one needs no edit
+to config.py. The functions live in modules that import torch; `HOMES` names the modules whose
+import registers the built-in ones, and asking for the names or a function's facts imports them
+first, so what the params may name never depends on which modules a caller happened to import. verl registers its advantage estimators and policy losses by
 name the same way (`register_adv_est`, `register_policy_loss` in verl/trainer/ppo/core_algos.py).
 
-Plain Python (no torch): config.py reads the names.
+Plain Python (no torch) until asked: config.py reads the names.
 """
 
 from __future__ import annotations
 
+import importlib
 from typing import Any, Callable, Mapping, TypeVar
+
+# The modules that register the built-in functions when imported: a new registry kind in a new
+# module is one line here; a new function in one of them, none.
+HOMES = ("pipeline.ppo", "pipeline.preference.losses")
 
 F = TypeVar("F", bound=Callable[..., Any])
 
@@ -64,14 +70,21 @@ class Registry:
         return self._facts[name]
 
 
+def _load() -> None:
+    for module in HOMES:
+        importlib.import_module(module)
+
+
 def names() -> dict[str, tuple[str, ...]]:
-    """Every registry's names by kind, of the modules imported so far."""
+    """Every registry's names by kind: the built-in ones and any a module imported so far added."""
+    _load()
     return {kind: r.names() for kind, r in _ALL.items()}
 
 
 def declared(kind: str, name: str) -> Mapping[str, Any] | None:
-    """The facts `name` of `kind` declared at registration; None while no module imported so far
-    registered it. config.py's checks that need a fact wait for it then: the stages' load_params
-    imports every registering module before it builds the params, and names an unknown name."""
+    """The facts `name` of `kind` declared at registration; None when no function of that name is
+    registered (config.py's checks that need a fact skip then: `config.check_named`, run when the
+    params file is loaded, names the unknown name)."""
+    _load()
     registry = _ALL.get(kind)
     return registry._facts.get(name) if registry is not None else None

@@ -22,7 +22,7 @@ from ..data.tokenizer import load_tokenizer
 from ..errors import CheckpointError
 from ..models.checkpoints import load_policy
 from ..models.reward_source import RewardModelSource
-from ..training.distributed import SINGLE, Context
+from ..context import SINGLE, Context
 from .policy import Measured, Policy, best_of_n, candidates, measure_policies, summary
 from .stats import win_rate
 

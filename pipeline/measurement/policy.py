@@ -35,7 +35,7 @@ from ..models.generation import stop_ids
 from ..models.logprobs import logprobs_from_logits, response_logits
 from ..models.rollout_engine import TORCH, Request, RolloutEngine
 from ..tracking.metric_names import METRICS_JSON, Metric
-from ..training.distributed import SINGLE, Context
+from ..context import SINGLE, Context
 from . import balance
 from .stats import best_of_n_choices, best_of_n_kl, distinct_n, mean_ci
 

@@ -30,7 +30,7 @@ from .. import devices
 from ..models import lora
 from ..models import reward_model as rm
 from ..config import Params, PPOConfig
-from ..training.distributed import SINGLE, Context
+from ..context import SINGLE, Context
 from ..training import loading
 from ..training.engines import FrozenModel, TrainEngine, make_engine
 from ..errors import CheckpointError

@@ -22,20 +22,18 @@ from __future__ import annotations
 
 import re
 from pathlib import Path
-from typing import Any, Optional, Sequence
+from typing import TYPE_CHECKING, Any, Optional, Sequence
 
 from ..config import Params
-from ..data import inputs
 from ..files import atomic_write_text, read_json_object
 from ..errors import ConfigError, DataError, shown
-from ..measurement import held_out
 from ..measurement.plots import close_figure, pyplot, save_figure
-from ..measurement.policy import sampled_declarations
 from ..tracking.sinks import StepLog
-from ..training import loading, memory_plan
-from .skeleton import stage_run
 from ..tracking.metric_names import METRICS_JSON, Metric
 from .spec import StageSpec
+
+if TYPE_CHECKING:   # annotations only: importing these loads torch, and listing the stages must not
+    from ..training import memory_plan
 
 # docs/metrics.md: the note under each file the stage writes
 METRIC_FILES = {
@@ -45,6 +43,7 @@ METRIC_FILES = {
 }
 
 def declared_metrics() -> list[Metric]:
+    from ..measurement.policy import sampled_declarations
     def m(file: str, name: str, meaning: str) -> Metric:
         return Metric("compare", file, name, meaning, "compare")
 
@@ -73,7 +72,7 @@ SPEC = StageSpec(
     inputs=("data", "sft", "reward"), measuring=True, pipeline="compare",
     headline=("*/gold", "*/rm", "*/kl", "win_rate/*_vs_sft_gold", "win_rate/*_vs_sft_rm"),
     parent_params=("compare.n_prompts", "compare.best_of_n"),
-    check_inputs=lambda params, data_dir: inputs.prompts(params, data_dir, "eval"),
+    check_inputs=lambda params, data_dir: check_inputs(params, data_dir),
     metrics=declared_metrics, files=METRIC_FILES,
     plan=lambda params, shapes: memory_plan_of(params, shapes),
     summary=lambda metrics, folders: [f"compare: wrote {folders['out']}; report: {folders['out'] / 'report.md'}",
@@ -92,6 +91,13 @@ SPEC = StageSpec(
 # Per-policy measures, in table order; `resources` come from the method stage's metrics.json.
 MEASURES = ("rm", "gold", "kl", "length", "eos_rate", "distinct_2")
 RESOURCES = ("wall_seconds", "peak_rss_gib")
+
+
+def check_inputs(params: Params, data_dir: Path) -> None:
+    """What the stage reads before its first step: the held-out prompts."""
+    from ..data import inputs
+    from ..data import inputs
+    inputs.prompts(params, data_dir, "eval")
 
 
 def parse_policies(specs: list[str]) -> dict[str, Path]:
@@ -195,6 +201,7 @@ def memory_plan_of(params: Params, shapes: memory_plan.Shapes) -> Optional[memor
     """SFT, one method's policy at a time and the reward model whole on every rank. Before any
     checkpoint (shapes.predicted): every method the registry lists, each saved by its own stage;
     from the folders: the policies given, the largest resident."""
+    from ..training import memory_plan
     if not shapes.ready("sft", "reward"):
         return None
     sft, rm = shapes.model("sft"), shapes.model("reward", True)
@@ -211,6 +218,10 @@ def run(params: Params, data_dir: Path, sft_dir: Path, reward_dir: Path, out: Pa
         policy: Sequence[str] = ()) -> dict[str, Any]:
     """The stage: measure every policy (`policy`: NAME=FOLDER each, as --policy gives them), write
     the table, the plot and the metrics."""
+    from ..data import inputs
+    from ..measurement import held_out
+    from ..training import loading
+    from .skeleton import stage_run
     methods = parse_policies(list(policy))
     for name, folder in methods.items():
         if not folder.is_dir():

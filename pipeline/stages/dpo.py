@@ -18,22 +18,22 @@ from __future__ import annotations
 import functools
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
-
-import torch
+from typing import TYPE_CHECKING, Any
 
 from ..config import Params, PreferenceOptConfig
 from ..errors import check_finite
-from ..preference.logprobs import TokenPair, pair_logprobs, response_lengths
-from ..preference.losses import PREFERENCE_LOSSES
-from ..training.distributed import SINGLE, Context
-from ..training.engines import TrainEngine
-from ..training.supervised import SupervisedResult, SupervisedTask
+from ..context import SINGLE, Context
 from ..tracking.metric_names import METRICS_JSON, Metric
 from ..tracking.model_card import ModelFacts
 from . import pair_method
 from .pair_method import PairMethod, Prepared
 from .spec import StageSpec
+
+if TYPE_CHECKING:   # annotations only: importing these loads torch, and listing the stages must not
+    import torch
+    from ..preference.logprobs import TokenPair
+    from ..training.engines import TrainEngine
+    from ..training.supervised import SupervisedResult, SupervisedTask
 
 # docs/metrics.md: the note under each file the stage writes
 METRIC_FILES = {
@@ -108,6 +108,7 @@ def score_reference(engine: TrainEngine, pairs: list[TokenPair], batch_size: int
                     needed: bool = True) -> list[ScoredPair]:
     """The reference log-probs of `pairs` (pair_method.reference_logprobs_of: the SFT policy itself);
     zeros when not `needed` (the training pairs of a reference-free loss)."""
+    import torch
     if not needed:
         zeros = torch.zeros(len(pairs), device="cpu")
         return attach_reference(pairs, zeros, zeros)
@@ -119,6 +120,9 @@ def preference_loss(cfg: PreferenceOptConfig, part: list[ScoredPair], logp_chose
     """The method's mean loss over the pairs of `part` and its stats; logp_*: (n,) the policy's
     summed log-probs of the responses of `part`. The loss takes the reference log-probs, the
     responses' lengths and its own options as its registration says."""
+    import torch
+    from ..preference.logprobs import response_lengths
+    from ..preference.losses import PREFERENCE_LOSSES
     loss, facts = PREFERENCE_LOSSES[cfg.method], PREFERENCE_LOSSES.facts(cfg.method)
     dev, dtype = logp_chosen.device, logp_chosen.dtype
     given: dict[str, Any] = {}
@@ -134,30 +138,32 @@ def preference_loss(cfg: PreferenceOptConfig, part: list[ScoredPair], logp_chose
 
 def batch_loss(model, cfg: PreferenceOptConfig, part: list[ScoredPair], pad_id: int) -> tuple[torch.Tensor, dict[str, float]]:
     """The policy's loss on `part`: one forward of its 2n sequences, then the method's loss."""
+    from ..preference.logprobs import pair_logprobs
     logp_chosen, logp_rejected = pair_logprobs(model, [s.tokens for s in part], pad_id)   # (n,), (n,)
     return preference_loss(cfg, part, logp_chosen, logp_rejected)
 
 
-@torch.no_grad()   # not inference_mode: see pipeline/ppo/scoring.py
 def eval_pairs(model, cfg: PreferenceOptConfig, items: list[ScoredPair], pad_id: int, ctx: Context = SINGLE,
                batch_size: int = 64) -> dict[str, float]:
     """The COLUMNS and DRIFT over every held-out pair (pair-weighted means), every rank scoring its
     share; every rank runs the same number of forwards (ZeRO-3 gathers per forward)."""
-    model.eval()
-    sums = torch.zeros(len(COLUMNS) + 3, dtype=torch.float64, device="cpu")   # the columns, reference chosen, rejected, count
-    for part in ctx.eval_parts(items, batch_size):
-        _, stats = batch_loss(model, cfg, part or items[:1], pad_id)
-        if part:
-            n = len(part)
-            sums += torch.tensor([stats[key] * n for key in COLUMNS.values()]
-                                 + [sum(s.ref_chosen for s in part), sum(s.ref_rejected for s in part), n],
-                                 dtype=torch.float64, device="cpu")
-    model.train()
-    sums = ctx.sum(sums)
-    out = {column: float(sums[i] / sums[-1]) for i, column in enumerate(COLUMNS)}
-    out["chosen_logp_drift"] = out["chosen_logp"] - float(sums[-3] / sums[-1])
-    out["rejected_logp_drift"] = out["rejected_logp"] - float(sums[-2] / sums[-1])
-    return out
+    import torch
+    with torch.no_grad():  # not inference_mode: see pipeline/ppo/scoring.py
+        model.eval()
+        sums = torch.zeros(len(COLUMNS) + 3, dtype=torch.float64, device="cpu")   # the columns, reference chosen, rejected, count
+        for part in ctx.eval_parts(items, batch_size):
+            _, stats = batch_loss(model, cfg, part or items[:1], pad_id)
+            if part:
+                n = len(part)
+                sums += torch.tensor([stats[key] * n for key in COLUMNS.values()]
+                                     + [sum(s.ref_chosen for s in part), sum(s.ref_rejected for s in part), n],
+                                     dtype=torch.float64, device="cpu")
+        model.train()
+        sums = ctx.sum(sums)
+        out = {column: float(sums[i] / sums[-1]) for i, column in enumerate(COLUMNS)}
+        out["chosen_logp_drift"] = out["chosen_logp"] - float(sums[-3] / sums[-1])
+        out["rejected_logp_drift"] = out["rejected_logp"] - float(sums[-2] / sums[-1])
+        return out
 
 
 def final_metrics(result: SupervisedResult) -> dict[str, Any]:
@@ -171,6 +177,9 @@ def final_metrics(result: SupervisedResult) -> dict[str, Any]:
 
 def task(cfg: PreferenceOptConfig, engine: TrainEngine, micro: int, prepared: Prepared) -> SupervisedTask:
     """Steps 3-4: the reference log-probs, then the method's loss of a micro-batch."""
+    import torch
+    from ..preference.losses import PREFERENCE_LOSSES
+    from ..training.supervised import SupervisedTask
     pad, width = prepared.pad, prepared.width
     # 3. The reference log-probs, once, before the first step (and before a resumed state is loaded).
     train_items = score_reference(engine, prepared.train_tokens, width, pad,

@@ -19,23 +19,22 @@ description) says in one paragraph whether PPO beat SFT and whether the RM was g
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any, Optional
+from typing import TYPE_CHECKING, Any, Optional
 
 from ..config import EvaluateConfig, Params
-from ..data import inputs
 from ..files import atomic_write_text
-from ..measurement import held_out
 from ..measurement.comparison_plots import evaluation_plots
 from ..measurement.plots import close_figure
-from ..measurement.policy import Measured, sampled_declarations
 from ..measurement.verdict import detector_record, verdict
 from ..tracking.sinks import StepLog
-from ..training import loading, memory_plan
-from ..training.distributed import SINGLE, Context
+from ..context import SINGLE, Context
 from . import registry
-from .skeleton import stage_run
 from ..tracking.metric_names import METRICS_JSON, Metric
 from .spec import StageSpec
+
+if TYPE_CHECKING:   # annotations only: importing these loads torch, and listing the stages must not
+    from ..measurement.policy import Measured
+    from ..training import memory_plan
 
 # docs/metrics.md: the note under each file the stage writes
 METRIC_FILES = {
@@ -52,6 +51,7 @@ their KLs, and shows `scores.png` and `kl_frontier.png` (best-of-n points joined
 """
 
 def declared_metrics() -> list[Metric]:
+    from ..measurement.policy import sampled_declarations
     def m(file: str, name: str, meaning: str, condition: Optional[str] = None) -> Metric:
         return Metric("evaluate", file, name, meaning, condition)
 
@@ -91,7 +91,7 @@ SPEC = StageSpec(
     measuring=True, headline=("*/gold", "*/rm", "*/kl", "win_rate/ppo_vs_sft_gold", "win_rate/ppo_vs_sft_rm"),
     headline_prefixed=False,     # its names already say the policy (`ppo/gold`): the pipeline's own numbers
     parent_params=("evaluate.n_prompts", "evaluate.best_of_n"),
-    check_inputs=lambda params, data_dir: inputs.prompts(params, data_dir, "eval"),
+    check_inputs=lambda params, data_dir: check_inputs(params, data_dir),
     metrics=declared_metrics, files=METRIC_FILES, notes=METRIC_NOTES,
     plan=lambda params, shapes: memory_plan_of(params, shapes),
     summary=lambda metrics, folders: console_lines(metrics, folders), reads=(
@@ -102,6 +102,13 @@ SPEC = StageSpec(
 ))
 
 
+def check_inputs(params: Params, data_dir: Path) -> None:
+    """What the stage reads before its first step: the held-out prompts."""
+    from ..data import inputs
+    from ..data import inputs
+    inputs.prompts(params, data_dir, "eval")
+
+
 def policies(cfg: EvaluateConfig) -> tuple[str, ...]:
     """Policy names in report order: sft, best_of_<n> for each n, ppo."""
     return ("sft", *(f"best_of_{n}" for n in cfg.best_of_n), "ppo")
@@ -110,6 +117,7 @@ def policies(cfg: EvaluateConfig) -> tuple[str, ...]:
 def summarise(per: dict[str, Measured], n_boot: int, seed: int) -> dict[str, Any]:
     """The held-out summary (measurement/held_out.py) with PPO's win rates over SFT and, with a
     judge, the over-optimisation gap: the RM's verdict minus the gold verdict on the same comparisons."""
+    from ..measurement import held_out
     m = held_out.summarise(per, n_boot, seed, versus=("ppo",))
     if "gold" in per["sft"].values:
         m["overoptimisation/win_rate_gap"] = m["win_rate/ppo_vs_sft_rm"] - m["win_rate/ppo_vs_sft_gold"]
@@ -183,6 +191,7 @@ def report_markdown(m: dict[str, Any], samples: str, has_gold: bool, names: tupl
 
 def memory_plan_of(params: Params, shapes: memory_plan.Shapes) -> Optional[memory_plan.Planner]:
     """SFT, PPO and the reward model whole on every rank."""
+    from ..training import memory_plan
     if not shapes.ready("sft", "reward", "ppo"):
         return None
     sft, ppo, rm = shapes.model("sft"), shapes.model("ppo"), shapes.model("reward", True)
@@ -206,6 +215,7 @@ def run(params: Params, data_dir: Path, sft_dir: Path, reward_dir: Path, ppo_dir
         progress: bool = True) -> dict[str, Any]:
     """The stage: measure every policy, write the report, its plots and metrics; the verdict
     becomes the description of the pipeline's MLflow parent run."""
+    from .skeleton import stage_run
     with stage_run(SPEC, params, out, [data_dir, sft_dir, reward_dir, ppo_dir, params.prompts.dataset.path]) as run:
         m, text, table, figures = _run(run.params, data_dir, sft_dir, reward_dir, ppo_dir, run.out, run.ctx)
         if not run.ctx.is_main:   # rank 0 writes the report
@@ -223,6 +233,9 @@ def run(params: Params, data_dir: Path, sft_dir: Path, reward_dir: Path, ppo_dir
 
 def _run(params: Params, data_dir: Path, sft_dir: Path, reward_dir: Path, ppo_dir: Path,
          out: Path, ctx: Context = SINGLE) -> tuple[dict[str, Any], str, dict[str, list], dict[str, Any]]:
+    from ..data import inputs
+    from ..measurement import held_out
+    from ..training import loading
     cfg, judge = params.evaluate, inputs.judge(params)
     names = policies(cfg)
     prompts = inputs.prompts(params, data_dir, "eval")[:cfg.n_prompts]

@@ -20,7 +20,6 @@ from typing import Any
 
 from ..config import Params
 from ..tracking.model_card import ModelFacts
-from ..training import memory_plan
 from . import ppo
 from .spec import StageSpec
 
@@ -43,7 +42,7 @@ SPEC = StageSpec(
                      "REINFORCE++; grpo.advantage) against the reward model (transformers text-generation)."),
     check_inputs=lambda params, data_dir: ppo.check_inputs(params, data_dir),
     metrics=lambda: ppo.declared_metrics("grpo"), files=METRIC_FILES,
-    plan=lambda params, shapes: memory_plan.rl_planner(params, "grpo", shapes), reads=(
+    plan=lambda params, shapes: ppo.memory_plan_of(params, shapes, "grpo"), reads=(
     "data.task", "model.trust_remote_code",
     "reward.max_length",         # the reward model scores as it was trained
     "grpo", "distributed",

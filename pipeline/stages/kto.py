@@ -25,24 +25,24 @@ from __future__ import annotations
 import functools
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Sequence
-
-import torch
+from typing import TYPE_CHECKING, Any, Sequence
 
 from ..config import KTOConfig, Params
 from ..data.preferences import Pair
 from ..data.unpaired import is_desirable, unpaired
 from ..errors import check_finite
-from ..preference.logprobs import TokenPair, sequence_logprobs
-from ..preference.losses import kto_loss, reference_point
 from ..tracking.metric_names import METRICS_JSON, Metric
 from ..tracking.model_card import ModelFacts
-from ..training.distributed import SINGLE, Context
-from ..training.engines import TrainEngine
-from ..training.supervised import SupervisedResult, SupervisedTask
+from ..context import SINGLE, Context
 from . import pair_method
 from .pair_method import PairMethod, Prepared
 from .spec import StageSpec
+
+if TYPE_CHECKING:   # annotations only: importing these loads torch, and listing the stages must not
+    import torch
+    from ..preference.logprobs import TokenPair
+    from ..training.engines import TrainEngine
+    from ..training.supervised import SupervisedResult, SupervisedTask
 
 # train.tsv / eval.tsv column -> kto_loss's stat of the same meaning
 COLUMNS = {"loss": "loss", "kl": "kl", "desirable_reward": "rewards/desirable",
@@ -121,20 +121,24 @@ def score_reference(engine: TrainEngine, examples: list[tuple[Pair, TokenPair]],
 
 
 def _tensors(part: list[Example], device, dtype) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    import torch
     ref = torch.tensor([e.ref for e in part], dtype=dtype, device=device)        # (n,)
     kl_ref = torch.tensor([e.kl_ref for e in part], dtype=dtype, device=device)  # (n,)
     desirable = torch.tensor([e.desirable for e in part], device=device)         # (n,) bool
     return ref, kl_ref, desirable
 
 
-@torch.no_grad()   # not inference_mode: see pipeline/ppo/scoring.py
 def batch_kl(model, items: list[Example], chunk: int, pad_id: int) -> torch.Tensor:
     """z_ref of `items` (a global batch): the policy's log-probs of the mismatched responses, `chunk`
     at a time, against the reference's."""
-    kl_logp = torch.cat([sequence_logprobs(model, [e.tokens.prompt for e in items[s:s + chunk]],
-                                           [e.tokens.rejected for e in items[s:s + chunk]], pad_id)[0].float().cpu()
-                         for s in range(0, len(items), chunk)])   # (B,)
-    return reference_point(kl_logp, torch.tensor([e.kl_ref for e in items], dtype=kl_logp.dtype, device=kl_logp.device))
+    import torch
+    from ..preference.logprobs import sequence_logprobs
+    from ..preference.losses import reference_point
+    with torch.no_grad():  # not inference_mode: see pipeline/ppo/scoring.py
+        kl_logp = torch.cat([sequence_logprobs(model, [e.tokens.prompt for e in items[s:s + chunk]],
+                                               [e.tokens.rejected for e in items[s:s + chunk]], pad_id)[0].float().cpu()
+                             for s in range(0, len(items), chunk)])   # (B,)
+        return reference_point(kl_logp, torch.tensor([e.kl_ref for e in items], dtype=kl_logp.dtype, device=kl_logp.device))
 
 
 def stats_sums(terms: torch.Tensor, rewards: torch.Tensor, logp: torch.Tensor, desirable: torch.Tensor,
@@ -154,6 +158,8 @@ def part_loss(forward, cfg, part: list[Example], z_ref: torch.Tensor, pad_id: in
               counts: tuple[int, int, int]) -> tuple[torch.Tensor, list[float]]:
     """A micro-batch's share of the batch's mean loss (its terms' sum over the batch size), and its
     column sums (`stats_sums`)."""
+    from ..preference.logprobs import sequence_logprobs
+    from ..preference.losses import kto_loss
     logp, _ = sequence_logprobs(forward, [e.tokens.prompt for e in part], [e.tokens.chosen for e in part], pad_id)
     ref, _, desirable = _tensors(part, logp.device, logp.dtype)
     terms, rewards = kto_loss(logp, ref, desirable, z_ref.to(logp.device, logp.dtype), cfg.beta,
@@ -166,22 +172,23 @@ def kinds(items: Sequence[Example]) -> tuple[int, int, int]:
     return len(items), n_d, len(items) - n_d
 
 
-@torch.no_grad()
 def eval_examples(model, cfg, items: list[Example], pad_id: int, ctx: Context = SINGLE,
                   batch_size: int = 64) -> dict[str, float]:
     """The COLUMNS over every held-out example (z_ref over all of them), every rank scoring its
     share; every rank runs the same number of forwards (ZeRO-3 gathers per forward)."""
-    model.eval()
-    z_ref = batch_kl(model, items, batch_size, pad_id)
-    counts = kinds(items)
-    sums = torch.zeros(len(COLUMNS), dtype=torch.float64, device="cpu")
-    for part in ctx.eval_parts(items, batch_size):
-        _, stats = part_loss(model, cfg, part or items[:1], z_ref, pad_id, counts)
-        if part:
-            sums += torch.tensor(stats, dtype=torch.float64, device="cpu")
-    model.train()
-    sums = ctx.sum(sums) / counts[0]
-    return {column: float(v) for column, v in zip(COLUMNS, sums)}
+    import torch
+    with torch.no_grad():
+        model.eval()
+        z_ref = batch_kl(model, items, batch_size, pad_id)
+        counts = kinds(items)
+        sums = torch.zeros(len(COLUMNS), dtype=torch.float64, device="cpu")
+        for part in ctx.eval_parts(items, batch_size):
+            _, stats = part_loss(model, cfg, part or items[:1], z_ref, pad_id, counts)
+            if part:
+                sums += torch.tensor(stats, dtype=torch.float64, device="cpu")
+        model.train()
+        sums = ctx.sum(sums) / counts[0]
+        return {column: float(v) for column, v in zip(COLUMNS, sums)}
 
 
 def final_metrics(result: SupervisedResult) -> dict[str, Any]:
@@ -193,6 +200,8 @@ def final_metrics(result: SupervisedResult) -> dict[str, Any]:
 
 def task(cfg: KTOConfig, engine: TrainEngine, micro: int, prepared: Prepared) -> SupervisedTask:
     """Steps 3-4: the reference log-probs, then z_ref per step and the loss of a micro-batch."""
+    import torch
+    from ..training.supervised import SupervisedTask
     pad, width = prepared.pad, prepared.width
     # 3. The reference log-probs, once, before the first step (and before a resumed state is loaded).
     train_items = score_reference(engine, prepared.train, width, pad)

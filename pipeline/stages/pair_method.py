@@ -27,24 +27,21 @@ from __future__ import annotations
 import contextlib
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Optional
-
-import torch
+from typing import TYPE_CHECKING, Any, Callable, Optional
 
 from ..config import Params
-from ..data import inputs
 from ..data.preferences import Pair
-from ..measurement.policy import sampled_declarations, sampled_metrics
-from ..models import lora
-from ..models.checkpoints import load_policy
-from ..preference.logprobs import TokenPair, fit_pairs, reference_logprobs
-from ..training import loading, memory_plan, supervised
-from ..training.distributed import Context
-from ..training.engines import TrainEngine
-from ..training.supervised import SupervisedResult, SupervisedTask
+from ..context import Context
 from ..tracking.metric_names import METRICS_JSON, Metric
-from .skeleton import StageRun, stage_run
 from .spec import StageSpec
+
+if TYPE_CHECKING:   # annotations only: importing these loads torch, and listing the stages must not
+    import torch
+    from ..preference.logprobs import TokenPair
+    from ..training import memory_plan
+    from ..training.engines import TrainEngine
+    from ..training.supervised import SupervisedResult, SupervisedTask
+    from .skeleton import StageRun
 
 
 @dataclass(frozen=True)
@@ -90,6 +87,8 @@ def declared_metrics(stage: str, items: str, loss: str, eval_loss: str, own: lis
     """What an offline-pair stage writes (docs/metrics.md): the supervised loop's names (`loss`,
     `eval_loss`: its losses' meanings; the LoRA counts only with `method_lora`), the stage's `own`,
     the held-out `items` truncated and dropped, and the sampled measurement's names."""
+    from ..measurement.policy import sampled_declarations
+    from ..training import supervised
     out = [metric(stage, x.file, x.name, x.meaning) if x.condition is None else
            Metric(stage, x.file, x.name, x.meaning, "method_lora")
            for x in supervised.declared_metrics(stage, items, loss, eval_loss, "adapters")]
@@ -103,6 +102,8 @@ def reference_logprobs_of(engine: TrainEngine, pairs: list[TokenPair], batch_siz
                           pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Step 3: the SFT policy's summed log-probs of every pair's two responses, (N,) and (N,) on the
     CPU, from the engine's model before its first step with any adapter off."""
+    from ..models import lora
+    from ..preference.logprobs import reference_logprobs
     model = engine.model
     with (model.disable_adapter() if lora.is_peft(model) else contextlib.nullcontext()):
         return reference_logprobs(model, pairs, batch_size, pad_id)
@@ -111,6 +112,7 @@ def reference_logprobs_of(engine: TrainEngine, pairs: list[TokenPair], batch_siz
 def read_inputs(method: PairMethod, params: Params, data_dir: Path) -> tuple[list[Pair], list[Pair], list]:
     """Step 1: the stage's training and held-out examples made from its pairs, and the held-out
     prompts of the final measurement, every one read and validated."""
+    from ..data import inputs
     cfg = getattr(params, method.spec.name)
     train_pairs, held_pairs = inputs.preference_pairs(cfg.dataset, data_dir, method.spec.name)
     prompts = inputs.prompts(params, data_dir, "eval")[:cfg.n_eval_prompts]
@@ -123,6 +125,9 @@ def measure_policy(name: str, engine: TrainEngine, tok, params: Params, sft_dir:
     `prompts.sampling`, with its KL to the SFT policy (loaded now, after training, onto this rank's
     device) and, while the pairs are the default task's, the gold score: `<name>/<gold|kl>` with
     `_ci95` half-widths, `<name>/<eos_rate|length|distinct_2>`."""
+    from ..data import inputs
+    from ..measurement.policy import sampled_metrics
+    from ..models.checkpoints import load_policy
     cfg = getattr(params, name)
     sft, _ = load_policy(sft_dir, params.model.trust_remote_code, next(engine.model.parameters()).dtype)
     return sampled_metrics(name, engine, tok, prompts, params.prompts.sampling, cfg.seed, sft=sft.to(ctx.device),
@@ -134,6 +139,11 @@ def train(method: PairMethod, run: StageRun, data_dir: Path, sft_dir: Path,
           progress: bool = True) -> tuple[Any, Any, dict]:
     """Steps 1-5 of the module doc; in a multi-process run rank 0 returns the whole model, the
     other ranks (None, tokenizer, {})."""
+    import torch
+    from ..models import lora
+    from ..models.checkpoints import load_policy
+    from ..preference.logprobs import fit_pairs
+    from ..training import loading, supervised
     params, ctx, name = run.params, run.ctx, method.spec.name
     cfg = getattr(params, name)
     # 1. Every input, validated before the first step; the stage's examples.
@@ -162,6 +172,7 @@ def run(method: PairMethod, params: Params, data_dir: Path, sft_dir: Path, out: 
         progress: bool = True) -> dict[str, Any]:
     """The stage: train, measure, then write model/, metrics.json, config.json and the step logs
     atomically (rank 0 writes; other ranks of a multi-process run return empty metrics)."""
+    from .skeleton import stage_run
     dataset = getattr(params, method.spec.name).dataset
     with stage_run(method.spec, params, out, [data_dir, sft_dir, dataset.path]) as run:
         model, tok, metrics = train(method, run, data_dir, sft_dir, progress)
@@ -174,6 +185,7 @@ def memory_plan_of(name: str, params: Params, shapes: memory_plan.Shapes) -> Opt
     forward; kto: its own response with grad, and the per-step KL forward without gradient, two
     micro-batches of rows at a time); its reference log-probs come from the same engine, so no
     second model."""
+    from ..training import memory_plan
     if not shapes.ready("sft"):
         return None
     sft = shapes.model("sft")

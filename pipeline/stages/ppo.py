@@ -15,31 +15,25 @@ from __future__ import annotations
 
 import logging
 from pathlib import Path
-from typing import Any, Callable, Optional
-
-import torch
+from typing import TYPE_CHECKING, Any, Callable, Optional
 
 from ..config import Params, PPOConfig, SamplingConfig
 from ..errors import ConfigError
-from ..data import inputs
-from ..measurement.policy import Policy, measure_policies, summary
 from ..measurement.stats import mean_ci
-from ..models import lora
-from ..models.reward_source import FunctionSource
-from ..models.rollout_engine import TORCH, RolloutEngine
-from ..ppo import checkpoint
-from ..ppo.detector import Detector
-from ..ppo.placement import PPOModels, place_models
-from ..ppo.advantages import ESTIMATORS
-from ..ppo.trainer import CRITIC_COLUMNS, TRAIN_COLUMNS, PPOTrainer
 from ..progress import Progress
 from ..tracking.sinks import StepLog
-from ..training import memory_plan, stopping
-from ..training.engines import write_deepspeed_config
-from .skeleton import StageRun, stage_run
+from ..training import stopping
 from ..tracking.metric_names import METRICS_JSON, Metric
 from ..tracking.model_card import ModelFacts
 from .spec import StageSpec
+
+if TYPE_CHECKING:   # annotations only: importing these loads torch, and listing the stages must not
+    from ..models.rollout_engine import RolloutEngine
+    from ..ppo.detector import Detector
+    from ..ppo.placement import PPOModels
+    from ..ppo.trainer import PPOTrainer
+    from ..training import memory_plan
+    from .skeleton import StageRun
 
 # docs/metrics.md: the note under each file the stage writes
 METRIC_FILES = {
@@ -65,6 +59,8 @@ with the iteration and the quantity named; the last checkpoint is kept.
 def declared_metrics(stage: str = "ppo") -> list[Metric]:
     """The PPO stage's names; `stage="grpo"`: the same trainer without a critic (compare/dvc.yaml).
     The step log's columns are those of the section's default estimator (`<stage>.advantage`)."""
+    from ..ppo.advantages import ESTIMATORS
+    from ..ppo.trainer import CRITIC_COLUMNS, TRAIN_COLUMNS
     facts = ESTIMATORS.facts(getattr(Params(), stage).advantage)
 
     def m(file: str, name: str, meaning: str, condition: Optional[str] = None, copy_of: Optional[str] = None):
@@ -122,7 +118,7 @@ SPEC = StageSpec(
                      "The PPO policy of the RLHF pipeline (transformers text-generation, with its tokenizer)."),
     check_inputs=lambda params, data_dir: check_inputs(params, data_dir),
     metrics=declared_metrics, files=METRIC_FILES, notes=METRIC_NOTES,
-    plan=lambda params, shapes: memory_plan.rl_planner(params, "ppo", shapes), reads=(
+    plan=lambda params, shapes: memory_plan_of(params, shapes), reads=(
     "data.task", "model.trust_remote_code",
     "reward.max_length",         # the reward model scores as it was trained
     "ppo", "distributed",
@@ -132,9 +128,17 @@ SPEC = StageSpec(
 log = logging.getLogger(__name__)
 
 
+def memory_plan_of(params: Params, shapes: memory_plan.Shapes, section: str = "ppo") -> Optional[memory_plan.Planner]:
+    """The four PPO models (or the critic-free three) of `section` (ppo, or grpo's copy of its keys)."""
+    from ..training import memory_plan
+    from ..training import memory_plan
+    return memory_plan.rl_planner(params, section, shapes)
+
+
 def check_inputs(params: Params, data_dir: Path) -> None:
     """What the RL stages read before their first step: the prompts, train and held-out (the
     held-out split checked for leaks from the train split)."""
+    from ..data import inputs
     inputs.prompts(params, data_dir, "eval")
 
 
@@ -145,6 +149,7 @@ def compare_policies(models: PPOModels, cfg: PPOConfig, sampling: SamplingConfig
     the prompts): `<policy>/<rm|kl|gold>` with their 95% half-widths and `<policy>/eos_rate` for
     `sft` and the trained policy (the names the evaluate and compare stages give a policy), and the
     trained policy's per-prompt gold gain over SFT, `<policy>/gold_gain`. `policy_name`: the stage (ppo, grpo), `cfg` its section."""
+    from ..measurement.policy import Policy, measure_policies, summary
     m: dict[str, Any] = {}
     ref = models.reference()
     per = measure_policies([Policy("sft", ref, cfg.seed + 7), Policy(policy_name, models.actor, cfg.seed + 7)],
@@ -181,6 +186,7 @@ def train(trainer: PPOTrainer, detector: Optional[Detector], step_log: StepLog, 
     """The numbered loop (trainer.py) from the trainer's iteration on, fed to the detector, logged,
     checkpointed every save_every and when a stop signal came (training/stopping.py: then it raises
     Stopped). Returns the iteration the detector stopped it at (0: it didn't)."""
+    from ..ppo import checkpoint
     cfg, ctx = trainer.cfg, trainer.ctx
     bar = Progress(cfg.iterations, name, unit="iterations", initial=trainer.iteration, enabled=progress)
     stopped_at = 0
@@ -214,6 +220,7 @@ def run(params: Params, data_dir: Path, sft_dir: Path, reward_dir: Path, out: Pa
     """The stage: place the models, run (or resume) the loop, compare with SFT, write the outputs.
     The auditor's weights are an input of the run like the SFT model and the RM. `spec`: the stage
     that runs this code with its own params section (grpo.SPEC), in place of `ppo`."""
+    from .skeleton import stage_run
     inputs_ = [data_dir, sft_dir, reward_dir, *auditor_dirs(getattr(params, spec.name)), params.prompts.dataset.path]
     with stage_run(spec, params, out, inputs_) as run:
         model, tok, metrics = _run(run, data_dir, sft_dir, reward_dir, progress)
@@ -225,13 +232,16 @@ def rollout_engine(run: StageRun, inputs_: list[Path]) -> RolloutEngine:
     """The engine of the rollouts (`rollout_engine`): our sampler, or vLLM in this process, its
     memory what the stage's memory plan leaves of the device and its weights the actor's (loaded
     at each rollout; the SFT model's folder gives the architecture)."""
+    import torch
+    from ..models.rollout_engine import TORCH
+    from ..training import memory_plan
     cfg: PPOConfig = getattr(run.params, run.spec.name)
     if cfg.rollout_engine == "torch":
         return TORCH
     key = f"{run.spec.name}.rollout_engine"
     # CUDA itself, not any accelerator (devices.is_accelerator): vLLM's kernels, its memory
     # fraction and its weight loading are CUDA's, so no other device can host it.
-    if run.ctx.device.type != "cuda":
+    if torch.device(run.ctx.device).type != "cuda":
         raise ConfigError(f"{key}: vllm needs a CUDA device; this process has {run.ctx.device}")
     from ..models import vllm_engine   # imports vllm itself only when the engine is made
     plan = memory_plan.stage_plan(run.spec.name, run.spec.plan, run.params, dict(zip(run.spec.inputs, inputs_)))
@@ -247,6 +257,14 @@ def rollout_engine(run: StageRun, inputs_: list[Path]) -> RolloutEngine:
 
 
 def _run(run: StageRun, data_dir: Path, sft_dir: Path, reward_dir: Path, progress: bool):
+    from ..data import inputs
+    from ..models import lora
+    from ..models.reward_source import FunctionSource
+    from ..ppo import checkpoint
+    from ..ppo.detector import Detector
+    from ..ppo.placement import place_models
+    from ..ppo.trainer import PPOTrainer
+    from ..training.engines import write_deepspeed_config
     params, ctx, out, fp, section = run.params, run.ctx, run.out, run.fingerprint, run.spec.name
     cfg: PPOConfig = getattr(params, section)
     held = params.prompts

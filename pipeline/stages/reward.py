@@ -12,31 +12,27 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Optional
-
-import torch
+from typing import TYPE_CHECKING, Any, Optional
 
 from ..config import Params
-from ..data import inputs
 from ..files import read_json_object
 from ..errors import DataError, shown
 from ..data.preferences import Pair, check_distinct
 from ..measurement import balance
 from ..measurement.plots import calibration_plot, close_figure
-from ..measurement.policy import Measured, measure, whole
-from ..models import lora
-from ..models import reward_model as rm
-from ..models.checkpoints import load_kwargs, load_policy
-from ..models.reward_source import RewardModelSource
 from ..tracking.sinks import NO_TRACKER, StepLog, Tracker
-from ..training import loading, memory_plan, supervised
-from ..training.memory_terms import checkpoint_shape, with_attention
-from ..training.distributed import SINGLE, Context
-from ..training.supervised import SupervisedTask
-from .skeleton import StageRun, stage_run
+from ..context import SINGLE, Context
 from ..tracking.metric_names import METRICS_JSON, Metric
 from ..tracking.model_card import ModelFacts
 from .spec import StageSpec
+
+if TYPE_CHECKING:   # annotations only: importing these loads torch, and listing the stages must not
+    import torch
+    from ..measurement.policy import Measured
+    from ..models import reward_model as rm
+    from ..training import memory_plan
+    from ..training.supervised import SupervisedTask
+    from .skeleton import StageRun
 
 # docs/metrics.md: the note under each file the stage writes
 METRIC_FILES = {
@@ -49,6 +45,7 @@ METRIC_FILES = {
 }
 
 def declared_metrics() -> list[Metric]:
+    from ..training import supervised
     def m(file: str, name: str, meaning: str, condition: Optional[str] = None) -> Metric:
         return Metric("reward", file, name, meaning, condition)
 
@@ -113,6 +110,7 @@ SPEC = StageSpec(
 
 def pair_sources(params: Params, data_dir: Path) -> tuple[list[Pair], list[Pair]]:
     """Training and held-out pairs (`reward.dataset`: the prepared pairs by default)."""
+    from ..data import inputs
     return inputs.preference_pairs(params.reward.dataset, data_dir, "reward")
 
 
@@ -121,6 +119,7 @@ def fit_pairs(pairs: list[Pair], encoded: rm.EncodedPairs, overlong: str) -> tup
     prompt's left end cut (`truncate`, see reward_model.encode_pair_text) or left out (`drop`).
     Returns the pairs and how many were truncated and dropped. The ids are tokenised into
     `encoded`, which training then reuses."""
+    from ..data import inputs
     for p in pairs:
         check_distinct(p.where, encoded.response_ids(p.chosen), encoded.response_ids(p.rejected))
     return inputs.fit_lengths(pairs, lambda p: encoded.length((p.prompt, p.chosen, p.rejected)), encoded.max_length,
@@ -130,11 +129,11 @@ def fit_pairs(pairs: list[Pair], encoded: rm.EncodedPairs, overlong: str) -> tup
 def batch_scores(model, tok, pairs: list[Pair], max_length: int, device: torch.device | None = None,
                  shared_prompt: bool = True, encoded: rm.EncodedPairs | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Raw (B,) scores of chosen and rejected (`reward_model.pair_scores`)."""
+    from ..models import reward_model as rm
     return rm.pair_scores(model, tok, [(p.prompt, p.chosen, p.rejected) for p in pairs], max_length, device,
                           shared_prompt, encoded)
 
 
-@torch.no_grad()   # not inference_mode: see pipeline/ppo/scoring.py
 def score_pairs(model, tok, pairs: list[Pair], max_length: int, ctx: Context = SINGLE,
                 device: torch.device | None = None, batch_size: int = 64,
                 shared_prompt: bool = True) -> tuple[torch.Tensor, torch.Tensor, int]:
@@ -142,24 +141,27 @@ def score_pairs(model, tok, pairs: list[Pair], max_length: int, ctx: Context = S
     on every rank (on the CPU): each rank scores its share on `device` (`Context.eval_parts`, the
     same number of forwards per rank), and the shares are gathered. Also returns the imbalance:
     the most pairs one rank scored minus the fewest."""
-    model.eval()
-    mine: list[list[tuple[float, float]]] = []
-    for part in ctx.eval_parts(pairs, batch_size):
-        rc, rr = batch_scores(model, tok, part or pairs[:1], max_length, device, shared_prompt)
-        mine.append(list(zip(rc.tolist(), rr.tolist()))[:len(part)])
-    model.train()
-    ranks = ctx.gather(mine)   # ranks[r][k]: rank r's share of the k-th span of pairs
-    ordered = [s for k in range(len(mine)) for r in ranks for s in r[k]]
-    counts = [sum(map(len, r)) for r in ranks]
-    balance.record([len(r) for r in ranks])   # forwards per rank: equal by eval_parts' construction
-    chosen, rejected = (torch.tensor(col, dtype=torch.float32, device="cpu") for col in zip(*ordered))
-    return chosen, rejected, max(counts) - min(counts)
+    import torch
+    with torch.no_grad():  # not inference_mode: see pipeline/ppo/scoring.py
+        model.eval()
+        mine: list[list[tuple[float, float]]] = []
+        for part in ctx.eval_parts(pairs, batch_size):
+            rc, rr = batch_scores(model, tok, part or pairs[:1], max_length, device, shared_prompt)
+            mine.append(list(zip(rc.tolist(), rr.tolist()))[:len(part)])
+        model.train()
+        ranks = ctx.gather(mine)   # ranks[r][k]: rank r's share of the k-th span of pairs
+        ordered = [s for k in range(len(mine)) for r in ranks for s in r[k]]
+        counts = [sum(map(len, r)) for r in ranks]
+        balance.record([len(r) for r in ranks])   # forwards per rank: equal by eval_parts' construction
+        chosen, rejected = (torch.tensor(col, dtype=torch.float32, device="cpu") for col in zip(*ordered))
+        return chosen, rejected, max(counts) - min(counts)
 
 
 def calibration(diff: torch.Tensor, bins: int) -> tuple[list[dict], float]:
     """Predicted vs observed preference rate. Each pair counts in both orders (p for the labelled
     winner with outcome 1, 1 - p for the loser with outcome 0), so a calibrated model lies on the
     diagonal. Returns the bins and the expected calibration error (count-weighted |pred - obs|)."""
+    import torch
     p = torch.sigmoid(diff.double())
     pred, obs = torch.cat([p, 1 - p]), torch.cat([torch.ones_like(p), torch.zeros_like(p)])
     idx = (pred * bins).long().clamp(max=bins - 1)
@@ -184,6 +186,7 @@ def gold_order_agreement(rc: torch.Tensor, rr: torch.Tensor, gold: torch.Tensor)
     rc, rr: (N,) model scores of chosen and rejected; gold: (2, N) their gold scores. Unlike the
     accuracy on the sampled labels, this does not depend on the one draw of label noise, so it
     separates two reward models more reliably on 1000 pairs (its ceiling is 1)."""
+    import torch
     model_sign = torch.sign(rc - rr)            # (N,)
     gold_sign = torch.sign(gold[0] - gold[1]).to(model_sign.dtype)  # (N,)
     per_pair = torch.where((model_sign == 0) | (gold_sign == 0), 0.5, (model_sign == gold_sign).to(rc.dtype))
@@ -201,6 +204,7 @@ class HeldOut:
 
 
 def held_out(params: Params, data_dir: Path, eval_pairs: list[Pair]) -> HeldOut:
+    from ..data import inputs
     cfg = params.reward
     demos = inputs.demonstrations(params, data_dir, "eval") if cfg.normalize else []
     prompts = inputs.prompts(params, data_dir, "eval") if inputs.judge(params) is not None else []
@@ -229,6 +233,10 @@ def sft_samples(engine, tok, params: Params, sft_dir: Path, held: HeldOut, ctx: 
     """Collective. Responses of the SFT policy (the distribution PPO starts from) to the held-out
     prompts, scored by the trained reward model (`engine`'s, whole on every rank) and the gold judge;
     None without a judge."""
+    from ..data import inputs
+    from ..measurement.policy import measure, whole
+    from ..models.checkpoints import load_policy
+    from ..models.reward_source import RewardModelSource
     judge, cfg = inputs.judge(params), params.reward
     if judge is None:
         return None
@@ -244,6 +252,8 @@ def evaluate(params: Params, held: HeldOut, out_dir: Path, scored: Scored,
              tracker: Tracker = NO_TRACKER) -> dict[str, Any]:
     """Metrics of the trained (and normalised) reward model from its `scored` held-out pairs and
     SFT samples (`measure`, every rank on its device); writes calibration.tsv/png."""
+    import torch
+    from ..data import inputs
     cfg, judge, eval_pairs, sampled = params.reward, inputs.judge(params), held.pairs, scored.sft_samples
     rc, rr = scored.chosen - scored.offset, scored.rejected - scored.offset
     bins, ece = calibration(rc - rr, cfg.calibration_bins)
@@ -278,6 +288,7 @@ def evaluate(params: Params, held: HeldOut, out_dir: Path, scored: Scored,
 
 def normalise(model, tok, params: Params, demos: list[dict]) -> float:
     """Store the mean raw score of held-out demonstrations as the offset; returns that mean."""
+    from ..models import reward_model as rm
     setattr(model.config, rm.OFFSET_KEY, 0.0)
     mean = float(rm.score_texts(model, tok, [d["prompt"] for d in demos], [d["response"] for d in demos],
                                 params.reward.max_length).mean())
@@ -288,6 +299,12 @@ def normalise(model, tok, params: Params, demos: list[dict]) -> float:
 def train(run: StageRun, data_dir: Path, sft_dir: Path, progress: bool = True):
     """Train, normalise and measure; in a multi-process run rank 0 returns the whole model, the
     other ranks (None, tokenizer, {})."""
+    import torch
+    from ..measurement.policy import measure, whole
+    from ..models import lora, reward_model as rm
+    from ..models.checkpoints import load_kwargs
+    from ..training import loading, supervised
+    from ..training.supervised import SupervisedTask
     params, ctx, out_dir = run.params, run.ctx, run.out
     cfg = params.reward
     train_pairs, eval_pairs = pair_sources(params, data_dir)
@@ -336,26 +353,31 @@ def train(run: StageRun, data_dir: Path, sft_dir: Path, progress: bool = True):
     return model, tok, metrics
 
 
-@torch.no_grad()   # not inference_mode: see pipeline/ppo/scoring.py
 def eval_pairs_loss(model, tok, pairs: list[Pair], max_length: int, ctx: Context = SINGLE,
                     device: torch.device | None = None, batch_size: int = 64,
                     shared_prompt: bool = True, encoded: rm.EncodedPairs | None = None) -> dict[str, float]:
     """Held-out loss and accuracy, every rank scoring its share (same number of forwards per rank)."""
-    model.eval()
-    sums = torch.zeros(3, dtype=torch.float64, device="cpu")                          # loss, correct, count
-    for part in ctx.eval_parts(pairs, batch_size):
-        rc, rr = batch_scores(model, tok, part or pairs[:1], max_length, device, shared_prompt, encoded)
-        if part:
-            loss, correct = rm.pairwise_loss_sum(rc, rr, torch.tensor([p.margin for p in part], device=rc.device))
-            sums += torch.tensor([float(loss), correct, len(part)], dtype=torch.float64, device="cpu")
-    model.train()
-    sums = ctx.sum(sums)
-    return {"loss": float(sums[0] / sums[2]), "accuracy": float(sums[1] / sums[2])}
+    import torch
+    from ..models import reward_model as rm
+    with torch.no_grad():  # not inference_mode: see pipeline/ppo/scoring.py
+        model.eval()
+        sums = torch.zeros(3, dtype=torch.float64, device="cpu")                          # loss, correct, count
+        for part in ctx.eval_parts(pairs, batch_size):
+            rc, rr = batch_scores(model, tok, part or pairs[:1], max_length, device, shared_prompt, encoded)
+            if part:
+                loss, correct = rm.pairwise_loss_sum(rc, rr, torch.tensor([p.margin for p in part], device=rc.device))
+                sums += torch.tensor([float(loss), correct, len(part)], dtype=torch.float64, device="cpu")
+        model.train()
+        sums = ctx.sum(sums)
+        return {"loss": float(sums[0] / sums[2]), "accuracy": float(sums[1] / sums[2])}
 
 
 def memory_plan_of(params: Params, shapes: memory_plan.Shapes) -> Optional[memory_plan.Planner]:
     """One trained scalar-head model: reward.name_or_path's checkpoint, or the SFT policy's trunk;
     its measurement loads the SFT policy beside it (the SFT samples it scores)."""
+    from ..models import reward_model as rm
+    from ..training import memory_plan
+    from ..training.memory_terms import checkpoint_shape, with_attention
     name, attn = params.reward.name_or_path, params.model.attn_implementation
     if shapes.predicted:   # before any checkpoint: the policy with a scalar head, reading the SFT checkpoint
         sft = shapes.model("sft")
@@ -372,6 +394,7 @@ def memory_plan_of(params: Params, shapes: memory_plan.Shapes) -> Optional[memor
 def run(params: Params, data_dir: Path, sft_dir: Path, out: Path, progress: bool = True) -> dict[str, Any]:
     """The stage: train, normalise, measure, then write model/, metrics.json, config.json and the
     step logs atomically (rank 0 writes; other ranks of a multi-process run return empty metrics)."""
+    from .skeleton import stage_run
     cfg = params.reward
     with stage_run(SPEC, params, out, [data_dir, sft_dir, cfg.dataset.path, cfg.name_or_path]) as run:
         model, tok, metrics = train(run, data_dir, sft_dir, progress)

@@ -30,26 +30,22 @@ from __future__ import annotations
 import logging
 import math
 from pathlib import Path
-from typing import Any, Optional
-
-import torch
+from typing import TYPE_CHECKING, Any, Optional
 
 from ..config import Params
-from ..data import inputs
 from ..files import parse_json, read_input, write_jsonl
 from ..errors import DataError, UserError, check_finite
-from ..measurement.policy import Measured, candidates, measure_policies, sampled_declarations, sampled_metrics
 from ..measurement.stats import mean_ci
-from ..models.checkpoints import load_policy
-from ..models.reward_source import RewardModelSource
-from ..training import demonstrations, loading, memory_plan, supervised
-from ..training.distributed import SINGLE, Context
-from ..training.resume import fingerprint, input_paths
+from ..context import SINGLE, Context
 from ..workflow import code_deps
-from .skeleton import ROOT, StageRun, stage_run
 from ..tracking.metric_names import METRICS_JSON, Metric
 from ..tracking.model_card import ModelFacts
 from .spec import StageSpec
+
+if TYPE_CHECKING:   # annotations only: importing these loads torch, and listing the stages must not
+    from ..measurement.policy import Measured
+    from ..training import memory_plan
+    from .skeleton import StageRun
 
 # docs/metrics.md: the note under each file the stage writes
 METRIC_FILES = {
@@ -60,6 +56,8 @@ METRIC_FILES = {
 }
 
 def declared_metrics() -> list[Metric]:
+    from ..measurement.policy import sampled_declarations
+    from ..training import supervised
     def m(file: str, name: str, meaning: str, condition: str = "compare") -> Metric:
         return Metric("rs", file, name, meaning, condition)
 
@@ -116,6 +114,7 @@ def pick_winners(scores: list[list[float]]) -> list[int]:
 def select(prompts: list, cands: list[Measured], min_score: Optional[float]) -> tuple[list[dict], dict[str, float]]:
     """The winners' rows (prompts whose winner scores below `min_score` left out) and the sampling
     statistics: mean RM score (and gold) of the winners against every candidate."""
+    import torch
     scores = [c.values["rm"] for c in cands]
     check_finite("rs sampling", "reward-model score of a candidate", torch.tensor(scores, device="cpu"))
     rows = []
@@ -141,6 +140,7 @@ def select(prompts: list, cands: list[Measured], min_score: Optional[float]) -> 
 def sample_candidates(policy, tok, prompts: list, params: Params, reward, judge, ctx: Context = SINGLE) -> list[Measured]:
     """Collective. `rs.n` candidates per prompt: candidate k is one draw over every prompt, seed
     rs.seed + k (as the evaluate stage's best-of-n draws them), every rank sampling its share."""
+    from ..measurement.policy import candidates, measure_policies
     cfg = params.rs
     draws = candidates(policy, cfg.seed, cfg.n)
     per = measure_policies(draws, tok, prompts, cfg.sampling, ctx=ctx, reward=reward, judge=judge,
@@ -151,6 +151,8 @@ def sample_candidates(policy, tok, prompts: list, params: Params, reward, judge,
 def sampling_fingerprint(run: StageRun, local_inputs: list) -> str:
     """What the winners depend on: the sampling params, the input folders and the stage's code (the
     resume fingerprint without the fine-tuning params, so changing only those reuses the winners)."""
+    from ..training.resume import fingerprint, input_paths
+    from .skeleton import ROOT
     config = {k: v for k, v in run.resolved.items() if k != "rs"}
     config["rs"] = {k: run.resolved["rs"][k] for k in SAMPLING_KEYS}
     code = [ROOT / f for f in sorted(code_deps.closure(ROOT, SPEC.name))]
@@ -193,6 +195,9 @@ def read_winners(path: Path, fp: str) -> Optional[tuple[list[dict], dict[str, fl
 def winners(run: StageRun, sft_policy, tok, prompts: list, reward_dir: Path, fp: str) -> tuple[list[dict], dict]:
     """Step 2 of the module doc: the winners and the sampling statistics, reused or sampled (every
     rank sampling its share of the prompts on its device; rank 0 writes the file)."""
+    from ..data import inputs
+    from ..models.reward_source import RewardModelSource
+    from ..training import loading
     params, path, ctx = run.params, run.folder / WINNERS, run.ctx
     if read_winners(path, fp) is None:   # every rank reads the same file: all sample, or none
         dtype = next(sft_policy.parameters()).dtype
@@ -218,6 +223,10 @@ def measure_policy(model, tok, params: Params, sft_dir: Path, reward_dir: Path, 
     `prompts.sampling`, scored by the RM, with its KL to the SFT policy and the gold score with a judge,
     every rank its share on its device: `rs/<rm|kl|gold>` with `_ci95` half-widths,
     `rs/<eos_rate|length|distinct_2>`."""
+    from ..data import inputs
+    from ..measurement.policy import sampled_metrics
+    from ..models.checkpoints import load_policy
+    from ..models.reward_source import RewardModelSource
     dtype = next(getattr(model, "model", model).parameters()).dtype
     sft, _ = load_policy(sft_dir, params.model.trust_remote_code, dtype)
     reward = RewardModelSource(reward_dir, params.reward.max_length, params.model.trust_remote_code,
@@ -230,6 +239,7 @@ def measure_policy(model, tok, params: Params, sft_dir: Path, reward_dir: Path, 
 def check_inputs(params: Params, data_dir: Path) -> None:
     """What the stage reads before its first step: the prompts (train and held-out, the held-out
     split checked for leaks from the train split) and the held-out demonstrations."""
+    from ..data import inputs
     inputs.prompts(params, data_dir, "eval")
     inputs.demonstrations(params, data_dir, "eval")
 
@@ -237,6 +247,8 @@ def check_inputs(params: Params, data_dir: Path) -> None:
 def load_sft(params: Params, sft_dir: Path, ctx: Context = SINGLE) -> tuple[Any, Any]:
     """The SFT policy that RS samples from and then fine-tunes, and its tokenizer: in the dtype its
     optimizer steps (training/loading.py), and under ZeRO-3 partitioned as it loads."""
+    from ..models.checkpoints import load_policy
+    from ..training import loading
     with loading.partitioned(params.rs.distributed, ctx):
         return load_policy(sft_dir, params.model.trust_remote_code, loading.load_dtype(params.rs.distributed, True))
 
@@ -245,6 +257,8 @@ def train(run: StageRun, data_dir: Path, sft_dir: Path, reward_dir: Path,
           progress: bool = True) -> tuple[Any, Any, dict]:
     """Steps 1-4 of the module doc; in a multi-process run rank 0 returns the whole model, the
     other ranks (None, tokenizer, {})."""
+    from ..data import inputs
+    from ..training import demonstrations, supervised
     params, ctx, out = run.params, run.ctx, run.out
     cfg = params.rs
     # 1. Every input, validated before the first model is built.
@@ -274,6 +288,7 @@ def train(run: StageRun, data_dir: Path, sft_dir: Path, reward_dir: Path,
 
 def memory_plan_of(params: Params, shapes: memory_plan.Shapes) -> Optional[memory_plan.Planner]:
     """The SFT policy fine-tuned, after it sampled the candidates the reward model scored."""
+    from ..training import memory_plan
     if not shapes.ready("sft", "reward"):
         return None
     sft, reward = shapes.model("sft"), shapes.model("reward", True)
@@ -288,6 +303,7 @@ def run(params: Params, data_dir: Path, sft_dir: Path, reward_dir: Path, out: Pa
     """The stage: sample (or reuse) the winners, fine-tune, measure, then write model/,
     metrics.json, config.json and the step logs atomically (rank 0 writes; other ranks of a
     multi-process run return empty metrics)."""
+    from .skeleton import stage_run
     with stage_run(SPEC, params, out, [data_dir, sft_dir, reward_dir, params.prompts.dataset.path]) as run:
         model, tok, metrics = train(run, data_dir, sft_dir, reward_dir, progress)
         run.finish(metrics, model, tok)

@@ -10,19 +10,18 @@ from __future__ import annotations
 
 import contextlib
 from pathlib import Path
-from typing import Any, Optional
+from typing import TYPE_CHECKING, Any, Optional
 
 from ..config import Params
-from ..data import inputs
-from ..measurement.policy import Policy, measure_policies, summary
-from ..models.checkpoints import init_policy
 from ..tasks import reviews
-from ..training import demonstrations, loading, memory_plan, supervised
-from ..training.distributed import SINGLE, Context
-from .skeleton import StageRun, stage_run
+from ..context import SINGLE, Context
 from ..tracking.metric_names import METRICS_JSON, Metric
 from ..tracking.model_card import ModelFacts
 from .spec import StageSpec
+
+if TYPE_CHECKING:   # annotations only: importing these loads torch, and listing the stages must not
+    from ..training import memory_plan
+    from .skeleton import StageRun
 
 # docs/metrics.md: the note under each file the stage writes
 METRIC_FILES = {
@@ -33,6 +32,7 @@ METRIC_FILES = {
 }
 
 def declared_metrics() -> list[Metric]:
+    from ..training import supervised
     def m(file: str, name: str, meaning: str, condition: Optional[str] = None) -> Metric:
         return Metric("sft", file, name, meaning, condition)
 
@@ -72,6 +72,7 @@ SPEC = StageSpec(
 def check_inputs(params: Params, data_dir: Path) -> None:
     """What the stage reads before its first step: the demonstrations (the held-out split checked
     for leaks from the train split) and the held-out prompts."""
+    from ..data import inputs
     inputs.demonstrations(params, data_dir, "eval")
     inputs.prompts(params, data_dir, "eval")
 
@@ -80,6 +81,9 @@ def train(run: StageRun, data_dir: Path, progress: bool = True) -> tuple[Any, An
     """Train and return (model, tokenizer, metrics); per-step TSVs are written into the stage's
     folder. In a multi-process run every rank trains and the returned model is whole on rank 0 only
     (None elsewhere); evaluation after training is rank 0's."""
+    from ..data import inputs
+    from ..models.checkpoints import init_policy
+    from ..training import demonstrations, loading, supervised
     params, ctx = run.params, run.ctx
     cfg = params.sft
     train_rows = inputs.demonstrations(params, data_dir, "train")
@@ -106,6 +110,8 @@ def evaluate_policy(model, tok, params: Params, prompts: list, demos: list[dict]
     `prompts`, judged next to the held-out `demos`: `sft/<eos_rate|gold|well_formed>` of the sampled
     ones (the names the evaluate stage gives the SFT policy), `sft/<...>_greedy` of the greedy ones
     and `demonstrations/gold` (gold ones only with a judge)."""
+    from ..data import inputs
+    from ..measurement.policy import Policy, measure_policies, summary
     cfg, judge = params.sft, inputs.judge(params)
     out: dict[str, Any] = {}
     per = measure_policies([Policy("greedy", model, cfg.seed, greedy=True), Policy("sampled", model, cfg.seed)],
@@ -124,6 +130,7 @@ def evaluate_policy(model, tok, params: Params, prompts: list, demos: list[dict]
 def memory_plan_of(params: Params, shapes: memory_plan.Shapes) -> Optional[memory_plan.Planner]:
     """One trained policy: the tiny model built on the prepared tokenizer, or model.name_or_path's
     checkpoint (then read too)."""
+    from ..training import memory_plan
     if not shapes.ready("data"):
         return None
     base = shapes.policy()
@@ -134,6 +141,7 @@ def memory_plan_of(params: Params, shapes: memory_plan.Shapes) -> Optional[memor
 def run(params: Params, data_dir: Path, out: Path, progress: bool = True) -> dict[str, Any]:
     """The stage: train, then write model/, metrics.json, config.json and the step logs atomically
     (rank 0 writes; other ranks of a multi-process run return empty metrics)."""
+    from .skeleton import stage_run
     with stage_run(SPEC, params, out, [data_dir, params.sft.dataset.path]) as run:
         model, tok, metrics = train(run, data_dir, progress)
         run.finish(metrics, model, tok)

@@ -60,7 +60,7 @@ from ..tracking import model_card
 from ..tracking.metric_names import METRICS_JSON, Metric
 from ..tracking.sinks import Tracker, write_metrics
 from ..training import distributed, memory_plan, stopping
-from ..training.distributed import SINGLE, Context
+from ..context import SINGLE, Context
 from ..training.resume import fingerprint, input_paths
 from ..workflow import code_deps
 from . import registry
@@ -121,7 +121,7 @@ class StageRun:
     def runtime(self) -> dict[str, Any]:
         """Where the stage ran: config.json's `runtime` (not part of the params or the fingerprint)."""
         import torch   # the thread count changes floating-point sums, so a run's bits
-        out = {"device": self.ctx.device.type, "processes": self.ctx.world_size, "threads": torch.get_num_threads()}
+        out = {"device": self.ctx.device_type, "processes": self.ctx.world_size, "threads": torch.get_num_threads()}
         if self.spec.training:   # what the trained weights, their optimizer states and the forwards were in
             from ..training.loading import dtypes
             out["dtypes"] = dtypes(getattr(self.params, self.spec.name).distributed)

@@ -13,7 +13,8 @@ import torch.nn.functional as F
 
 from ..data.records import IGNORE, Example, collate_sft, tokenize_demonstrations
 from ..models import lora
-from .distributed import SINGLE, Context, to_device
+from ..context import SINGLE, Context
+from .distributed import to_device
 from .supervised import Recipe, SupervisedTask
 
 

@@ -19,16 +19,14 @@ import ctypes
 import dataclasses
 import datetime
 import logging
-import math
 import os
 import shutil
 import socket
 import sys
 import threading
 import warnings
-from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Container, Iterator, Mapping, Sequence, TypeVar
+from typing import Any, Iterator, Mapping, Sequence
 
 import torch
 import torch.distributed as dist
@@ -36,9 +34,8 @@ from torch.distributed import distributed_c10d as c10d
 
 from .. import devices
 from ..config import DistributedConfig
+from ..context import Context
 from ..errors import ConfigError
-
-T = TypeVar("T")
 
 LAUNCHED_ENV = "LOCAL_RANK"  # set by torchrun and by the deepspeed launcher in each process
 # True once this process has joined a group that a launcher started (`end_process` reads it).
@@ -122,81 +119,6 @@ def resolve_device(cfg: DistributedConfig, local_rank: int = 0) -> torch.device:
         raise ConfigError(f"distributed.num_processes: local rank {local_rank} has no GPU of its own "
                           f"({torch.cuda.device_count()} visible); one process per GPU")
     return torch.device("cuda", local_rank)
-
-
-@dataclass(frozen=True)
-class Context:
-    """Who this process is. A single plain process is rank 0 of 1 with no process group.
-
-    `device` is where this rank's models live, and where its collectives run: NCCL (the backend of a
-    CUDA run) takes tensors on the GPU only, gloo on the CPU, so every reduction below moves its
-    operands to `device` and hands the result back on the caller's device and dtype."""
-    rank: int = 0
-    world_size: int = 1
-    local_rank: int = 0
-    device: torch.device = torch.device("cpu")
-
-    @property
-    def is_main(self) -> bool:
-        return self.rank == 0
-
-    @property
-    def active(self) -> bool:
-        return dist.is_available() and dist.is_initialized()
-
-    def shard(self, items: Sequence[T]) -> list[T]:
-        """This rank's contiguous slice of a global batch (equal slices; sizes are validated)."""
-        n = len(items) // self.world_size
-        return list(items[self.rank * n:(self.rank + 1) * n])
-
-    def sum(self, x: torch.Tensor) -> torch.Tensor:
-        """Sum of `x` over ranks (a new tensor on `x`'s device and dtype; `x` is not modified)."""
-        if not self.active:
-            return x.clone()
-        y = x.detach().to(self.device, torch.float64, copy=True)
-        dist.all_reduce(y, op=dist.ReduceOp.SUM)
-        return y.to(x.device, x.dtype)
-
-    def reduce_stats(self, stats: dict[str, float], sum_keys: Container[str] = (),
-                     max_keys: Container[str] = ()) -> dict[str, float]:
-        """A dict of per-rank scalars reduced over ranks: summed for `sum_keys`, the largest for
-        `max_keys`, averaged otherwise. Every rank must pass the same keys."""
-        if not self.active:
-            return dict(stats)
-        keys = list(stats)  # the same insertion order on every rank
-        values = torch.tensor([stats[k] for k in keys], dtype=torch.float64, device=self.device)
-        total = values.clone()
-        dist.all_reduce(total, op=dist.ReduceOp.SUM)
-        peak = values.clone()
-        dist.all_reduce(peak, op=dist.ReduceOp.MAX)
-        total, peak = total.cpu(), peak.cpu()
-        return {k: float(peak[i] if k in max_keys else total[i] if k in sum_keys else total[i] / self.world_size)
-                for i, k in enumerate(keys)}
-
-    def eval_parts(self, items: Sequence[T], batch_size: int) -> Iterator[list[T]]:
-        """This rank's parts of an evaluation pass in batches of `batch_size` per rank. Every rank
-        gets the same number of parts (some may be empty: the caller runs a dummy forward then,
-        because under ZeRO-3 each forward is a collective)."""
-        span = batch_size * self.world_size
-        for start in range(0, len(items), span):
-            chunk = items[start:start + span]
-            n = math.ceil(len(chunk) / self.world_size)
-            yield list(chunk[self.rank * n:(self.rank + 1) * n])
-
-    def gather(self, part: list[T]) -> list[list[T]]:
-        """Every rank's `part` (picklable objects), in rank order, on every rank."""
-        if not self.active:
-            return [list(part)]
-        out: list[Any] = [None] * self.world_size
-        dist.all_gather_object(out, list(part))
-        return out
-
-    def barrier(self) -> None:
-        if self.active:
-            dist.barrier()
-
-
-SINGLE = Context()
 
 
 def _free_port() -> int:

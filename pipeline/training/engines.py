@@ -36,7 +36,8 @@ import torch
 
 from ..models import lora
 from ..config import DistributedConfig
-from .distributed import Context, import_deepspeed
+from ..context import Context
+from .distributed import import_deepspeed
 from ..errors import ConfigError
 
 # Optimizer types DeepSpeed builds itself (needed for optimizer offload: its CPU Adam runs the step).

@@ -24,7 +24,8 @@ from typing import Iterator
 import torch
 
 from ..config import DistributedConfig
-from .distributed import Context, import_deepspeed
+from ..context import Context
+from .distributed import import_deepspeed
 
 SIXTEEN_BIT = {"bf16": torch.bfloat16, "fp16": torch.float16}
 

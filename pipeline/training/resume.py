@@ -35,7 +35,7 @@ from typing import Any, Callable, Iterator
 
 import torch
 
-from .distributed import Context
+from ..context import Context
 from ..errors import CheckpointError, loading
 from ..files import MAX_FILE_BYTES, atomic_write_json, check_folder, content_hash, read_json_object, swap_in, \
     writing

@@ -43,7 +43,7 @@ from typing import TYPE_CHECKING, Iterator, Sequence
 from ..errors import ConfigError, Stopped
 
 if TYPE_CHECKING:   # no torch at import: `while_starting` runs before the heavy imports
-    from .distributed import Context
+    from ..context import Context
 
 log = logging.getLogger(__name__)
 

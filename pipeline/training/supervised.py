@@ -27,7 +27,7 @@ from ..progress import track
 from ..tracking.sinks import StepLog, Tracker
 from ..tracking.metric_names import METRICS_JSON, Metric
 from .batches import BatchSampler, total_steps
-from .distributed import Context
+from ..context import Context
 from .engines import TrainEngine, supervised_engine, write_deepspeed_config
 from .resume import SupervisedState
 from . import stopping

@@ -35,7 +35,8 @@ from pipeline.measurement.policy import Policy, measure_policies  # noqa: E402
 from pipeline.models.checkpoints import tiny_config  # noqa: E402
 from pipeline.tasks import reviews  # noqa: E402
 from pipeline.training import distributed  # noqa: E402
-from pipeline.training.distributed import Context  # noqa: E402
+from pipeline import context  # noqa: E402
+from pipeline.context import Context  # noqa: E402
 import stage_collectives  # noqa: E402
 
 PROMPTS = ["Review the film Silent River . Focus on the music .",
@@ -86,7 +87,8 @@ def main(out: Path, inputs: Path, params: Path) -> None:
     world, rank = int(os.environ["WORLD_SIZE"]), int(os.environ["RANK"])
     dist.init_process_group("gloo", rank=rank, world_size=world)
     group = NcclRuleGroup()
-    distributed.dist = group   # the module's collectives go through the double
+    distributed.dist = group   # the module's collectives go through the double,
+    context._dist = lambda: group   # and the Context's
     tok = build_word_tokenizer(reviews.vocabulary())
     cfg = ModelConfig(hidden_size=32, intermediate_size=64, num_layers=1, num_heads=2)
     models = []

@@ -32,7 +32,7 @@ from pipeline.ppo.placement import place_models
 from pipeline.ppo.trainer import PPOTrainer
 from pipeline.training.demonstrations import ce_sum
 from pipeline.training.engines import supervised_engine
-from pipeline.training.distributed import SINGLE
+from pipeline.context import SINGLE
 
 # The PPO probe's params: the tiny default's batch shapes, with prompts cut to 16 tokens so every
 # rollout reaches the longest sequence the plan assumes (prompt + max_new_tokens).

@@ -32,7 +32,7 @@ from pipeline.models.generation import concat
 from pipeline.ppo.trainer import PPOTrainer
 from pipeline.stages import dpo, kto, ppo, reward, rs
 from pipeline.training import distributed, engines, stopping
-from pipeline.training.distributed import Context
+from pipeline.context import Context
 from pipeline.workflow import code_deps
 
 
@@ -108,7 +108,7 @@ def run(ctx: Context, out: Path, inputs: Path, params_file: Path) -> dict:
     lengths."""
     params = from_dict(Params, json.loads(params_file.read_text()), f"{params_file}: ")
     engines.TorchEngine = SummedGradients
-    ppo.TORCH = rollouts = PerPromptRollouts()
+    rollout_engine.TORCH = rollouts = PerPromptRollouts()
     # The stages' own session would join a group (DeepSpeed) or stay one process (backend none).
     distributed.session = lambda cfg: contextlib.nullcontext(ctx)
     # Each stage's code fingerprint parses the imports of the same files: once per process here

@@ -27,7 +27,8 @@ from pipeline.ppo.scoring import score_rollout
 from pipeline.ppo.trainer import PPOTrainer
 from pipeline.stages.prepare import write as prepare_run
 from pipeline.training import distributed
-from pipeline.training.distributed import Context
+from pipeline import context
+from pipeline.context import Context
 
 REPO = Path(__file__).resolve().parents[2]
 PROMPTS = ["Review the film Silent River . Focus on the music .",
@@ -154,7 +155,7 @@ def test_reductions_run_on_the_backends_device(monkeypatch):
     """Context.sum and reduce_stats of host tensors and floats move them to the backend's device
     for the collective and hand the result back where the caller had it."""
     double = NcclRule(world=2)
-    monkeypatch.setattr(distributed, "dist", types.SimpleNamespace(**{k: getattr(double, k) for k in (
+    monkeypatch.setattr(context, "_dist", lambda: types.SimpleNamespace(**{k: getattr(double, k) for k in (
         "ReduceOp", "is_available", "is_initialized", "all_reduce", "all_gather_object")}))
     with fake_device.use_fake_gpu() as dev:
         ctx = Context(rank=0, world_size=2, device=dev)

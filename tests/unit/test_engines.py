@@ -122,7 +122,7 @@ def test_gradient_checkpointing_recomputes_layers_and_keeps_the_gradients(mode):
     were not kept) and the gradients equal those of a plain backward. In eval mode (PPO's update:
     dropout off) the engine's `recomputing()` is what turns it on."""
     from pipeline.config import DistributedConfig
-    from pipeline.training.distributed import SINGLE
+    from pipeline.context import SINGLE
     from pipeline.training.engines import make_engine
     ids = torch.randint(0, 40, (3, 9), generator=torch.Generator().manual_seed(1))
     grads, calls = [], []
@@ -148,7 +148,7 @@ def test_bf16_without_deepspeed_is_autocast_over_fp32_weights():
     """precision: bf16 with backend none: the weights and AdamW stay fp32, the forward computes in
     bf16 (its output is bf16) and lands near the fp32 forward."""
     from pipeline.config import DistributedConfig
-    from pipeline.training.distributed import SINGLE
+    from pipeline.context import SINGLE
     from pipeline.training.engines import make_engine
     ids = torch.randint(0, 40, (2, 7), generator=torch.Generator().manual_seed(2))
     engine = make_engine(_tiny_lm(), lr=0.1, weight_decay=0.0, schedule=lambda s: 1.0, max_grad_norm=1.0,

@@ -27,6 +27,7 @@ SCRIPT = textwrap.dedent("""
     from pipeline.config import DistributedConfig, ModelConfig
     from pipeline.models.checkpoints import from_checkpoint, init_policy
     from pipeline.models.logprobs import logprobs_from_logits
+    from pipeline.context import SINGLE
     from pipeline.training import distributed, loading
     from pipeline.training.engines import FrozenModel, make_engine
 
@@ -42,7 +43,7 @@ SCRIPT = textwrap.dedent("""
     with distributed.session(DistributedConfig(backend="deepspeed")) as group:
         for name, kw in BACKENDS.items():
             dist = DistributedConfig(**kw)
-            ctx = group if dist.backend == "deepspeed" else distributed.SINGLE
+            ctx = group if dist.backend == "deepspeed" else SINGLE
             runs = {}
             for which, folder in saved.items():
                 model, tok = init_policy(ModelConfig(name_or_path=str(folder)), root, 0, loading.load_dtype(dist, True))

@@ -6,11 +6,14 @@ an unknown lookup and a second function of one name."""
 
 from __future__ import annotations
 
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 import torch
 
+from conftest import REPO
 from pipeline import registries
 from pipeline.errors import ConfigError
 from pipeline.ppo.advantages import ESTIMATORS, KL_ESTIMATORS
@@ -111,3 +114,15 @@ def test_the_step_log_columns_are_the_default_estimators_declared_ones(monkeypat
                                                                             "objective/zero_std_frac"]
     monkeypatch.setitem(ESTIMATORS._facts, "grpo", {**ESTIMATORS.facts("grpo"), "columns": (("objective/toy", "t"),)})
     assert columns("grpo")[-1] == "objective/toy" and "objective/group_std" not in columns("grpo")
+
+
+def test_a_section_is_checked_against_its_estimators_facts_whoever_imported_what(tmp_path):
+    # In a fresh interpreter that imports config alone: a group estimator with one sample per
+    # prompt is refused as the params are built, the registries importing the estimators themselves.
+    script = ("from pipeline.config import ConfigError, Params, from_dict\n"
+              "try:\n"
+              "    from_dict(Params, {'grpo': {'advantage': 'rloo', 'samples_per_prompt': 1}}, 'p.yaml: ')\n"
+              "except ConfigError as err:\n"
+              "    print(err)\n")
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, cwd=REPO, check=True).stdout
+    assert out.startswith("p.yaml: grpo.samples_per_prompt: advantage: rloo takes each response's baseline"), out

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 import importlib.util
+import subprocess
 import sys
 from dataclasses import field
 from pathlib import Path
@@ -139,3 +140,17 @@ def test_the_registry_is_the_shipped_stages_in_pipeline_order():
                                   "grpo": ("sft", "reward"), "rs": ("sft", "reward")}
     # Each section with `distributed` of its own is a distributed stage's, and the reverse.
     assert set(config.distributed_sections()) == set(registry.distributed())
+
+
+def test_listing_the_stages_loads_no_torch():
+    # `python -m pipeline --help`, the docs, the GPU check's list and the tests read every SPEC; a
+    # stage module imports what running it needs inside its functions, so reading them stays cheap.
+    script = ("import sys, time\n"
+              "start = time.perf_counter()\n"
+              "from pipeline.stages import registry\n"
+              "specs = registry.specs()\n"
+              "print(f'{time.perf_counter() - start:.2f}', len(specs),\n"
+              "      *sorted(m for m in ('torch', 'transformers', 'deepspeed', 'peft', 'mlflow') if m in sys.modules))\n")
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, cwd=REPO, check=True).stdout.split()
+    print(f"registry.specs() in a fresh interpreter: {out[0]} s")
+    assert out[1:] == [str(len(registry.specs()))], out
