@@ -195,7 +195,8 @@ def run_tool(args: argparse.Namespace, argv: list[str] | None) -> int:
     """The commands that are not stages."""
     if args.stage == "headline":
         from .measurement import headline
-        print("\n".join(headline.lines(args.outputs)))
+        default = tuple(name for name, spec in registry.specs().items() if spec.pipeline == "default")
+        print("\n".join(headline.lines(args.outputs, default)))
         return 0
     if args.stage == "recover-lock":
         from .workflow import lockfile

@@ -24,7 +24,7 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-SEEDED = ("sft", "reward", "ppo", "evaluate")   # the sections whose `seed` a demo seed sets
+sys.path.insert(0, str(ROOT))
 
 
 def copy_project(dest: Path) -> None:
@@ -43,11 +43,18 @@ def copy_project(dest: Path) -> None:
         subprocess.run(git + cmd, cwd=dest, check=True, capture_output=True)
 
 
+def seeded() -> list[str]:
+    """The sections whose `seed` a demo seed sets: those of the default pipeline's stages that train
+    or measure (the data stay the task's own)."""
+    from pipeline.stages import registry
+    return [name for name, spec in registry.specs().items() if spec.pipeline == "default" and spec.distributed]
+
+
 def set_seeds(params: Path, seed: int) -> None:
     from ruamel.yaml import YAML
     yaml = YAML()                      # round trip: the comments stay
     doc = yaml.load(params.read_text())
-    for section in SEEDED:
+    for section in seeded():
         doc[section]["seed"] = seed
     with open(params, "w") as f:
         yaml.dump(doc, f)
@@ -85,7 +92,6 @@ def main(argv: list[str] | None = None) -> int:
     seconds = time.monotonic() - start
     result = summary(repo, args.seed, seconds)
     (repo / "demo.json").write_text(json.dumps(result, indent=1) + "\n")
-    sys.path.insert(0, str(ROOT))
     from pipeline.config import flatten
     from pipeline.stages import evaluate
     metrics = flatten(json.loads((repo / "outputs/evaluate/metrics.json").read_text()), sep="/")

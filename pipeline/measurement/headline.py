@@ -19,7 +19,6 @@ from ..errors import DataError
 from .verdict import detector_record, verdict
 
 WIDTH = 99
-STAGES = ("prepare", "sft", "reward", "ppo", "evaluate")
 
 
 def _read(path: Path) -> Optional[dict[str, Any]]:
@@ -42,8 +41,9 @@ def _duration(seconds: Any) -> str:
     return f"{minutes}m{secs:02d}s" if minutes else f"{secs}s"
 
 
-def lines(outputs: Path) -> list[str]:
-    """The headline of the run whose stage folders are in `outputs` (each at most WIDTH columns)."""
+def lines(outputs: Path, stages: tuple[str, ...] = ()) -> list[str]:
+    """The headline of the run whose stage folders are in `outputs` (each at most WIDTH columns);
+    `stages`: those whose cost it gives, in order (the default pipeline's, from the stage registry)."""
     ev = _read(outputs / "evaluate" / "metrics.json")
     if ev is None:
         raise DataError(f"{outputs / 'evaluate' / 'metrics.json'}: no such file (run the pipeline first: make pipeline)")
@@ -73,7 +73,7 @@ def lines(outputs: Path) -> list[str]:
                    f"{_num(rm.get('accuracy_of_ceiling'), '.1%')} of the label-noise ceiling "
                    f"{_num(rm.get('noise_ceiling'), '.1%')}")
     costs = []
-    for stage in STAGES:
+    for stage in stages:
         res = (_read(outputs / stage / "metrics.json") or {}).get("resources", {})
         if res:
             costs.append(f"{stage} {_duration(res.get('wall_seconds'))}")

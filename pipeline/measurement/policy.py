@@ -195,16 +195,36 @@ def measure(policy, tok, prompts: list, sampling: SamplingConfig, seed: int, *, 
                             judge=judge, ref=ref, max_prompt_length=max_prompt_length)["policy"]
 
 
-def sampled_metrics(name: str, policy, tok, prompts: list, sampling: SamplingConfig, seed: int, *, sft: Any,
-                    reward: Any = None, judge: Optional[Judge] = None, max_prompt_length: int | None = None,
-                    ctx: Context = SINGLE) -> dict[str, float]:
-    """Collective. A trained policy (a module or an engine) called `name` sampled on held-out
-    `prompts`, with its KL to `sft` (on this rank's device) and the RM and gold scores when given,
-    every rank its share: `<name>/<key>` and `<name>/<key>_ci95` for each measured value, and
-    `<name>/<eos_rate|length|distinct_2>`: the names the evaluate and compare stages give a policy."""
-    measured = measure(policy, tok, prompts, sampling, seed, reward=reward, judge=judge, ref=sft,
-                       max_prompt_length=max_prompt_length, ctx=ctx)
-    return summary(measured, lambda key: f"{name}/{key}")
+def measure_trained(name: str, policy, tok, prompts: list, sampling: SamplingConfig, seed: int, *,
+                    sft: Any = None, reward: Any = None, judge: Optional[Judge] = None,
+                    max_prompt_length: int | None = None, ctx: Context = SINGLE, beside_sft: bool = False,
+                    greedy: bool = False) -> tuple[dict[str, float], dict[str, Measured]]:
+    """Collective. The measurement every training stage makes of the policy it trained (a module or
+    an engine) called `name`, on held-out `prompts`, every rank its share: sampled as `sampling` says
+    from `seed`, with its KL to `sft` when given and the RM and gold scores when `reward` and `judge`
+    are: `<name>/<key>` and `<name>/<key>_ci95` for each measured value and
+    `<name>/<length|eos_rate|distinct_2>`, the names the evaluate and compare stages give a policy.
+    `beside_sft`: `sft` sampled the same way too (`sft/...`), and the per-prompt gold gain of the
+    policy over it (`<name>/gold_gain`, with `_ci95`, with a judge). `greedy`: its greedy responses
+    too (`<name>/<...>_greedy`). Returns the metrics and the responses by policy ("sft", `name`,
+    "greedy")."""
+    policies = [Policy(name, policy, seed)]
+    if beside_sft:
+        policies.insert(0, Policy("sft", sft, seed))
+    if greedy:
+        policies.insert(0, Policy("greedy", policy, seed, greedy=True))
+    per = measure_policies(policies, tok, prompts, sampling, ctx=ctx, reward=reward, judge=judge, ref=sft,
+                           max_prompt_length=max_prompt_length)
+    out: dict[str, float] = {}
+    for pol in policies:
+        if pol.name == "greedy":
+            out.update(summary(per["greedy"], lambda key: f"{name}/{key}_greedy"))
+        else:
+            out.update(summary(per[pol.name], lambda key, who=pol.name: f"{who}/{key}"))
+    if beside_sft and judge is not None:
+        gains = [a - b for a, b in zip(per[name].values["gold"], per["sft"].values["gold"])]
+        out[f"{name}/gold_gain"], out[f"{name}/gold_gain_ci95"] = mean_ci(gains)
+    return out, per
 
 
 # What each of `measure`'s values is, as a method stage's declarations name it.
@@ -218,7 +238,7 @@ def sampled_declarations(stage: str, scores: Sequence[str] | Mapping[str, str], 
     stage by default), as `stage` writes them under `condition` (`conditions`: a score's own): each
     score and the half-width of its 95% interval, then the responses' length, end rate and
     distinct-2. `scores`: each score's key with its meaning, or the keys alone: a method stage's
-    trained policy sampled on its held-out prompts (`sampled_metrics`)."""
+    trained policy sampled on its held-out prompts (`measure_trained`)."""
     policy = stage if policy is None else policy
     if not isinstance(scores, Mapping):
         scores = {key: f"{SCORES[key]} of the trained policy's responses to the first `{stage}.n_eval_prompts` "

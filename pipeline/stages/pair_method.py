@@ -126,13 +126,13 @@ def measure_policy(name: str, engine: TrainEngine, tok, params: Params, sft_dir:
     device) and, while the pairs are the default task's, the gold score: `<name>/<gold|kl>` with
     `_ci95` half-widths, `<name>/<eos_rate|length|distinct_2>`."""
     from ..data import inputs
-    from ..measurement.policy import sampled_metrics
+    from ..measurement.policy import measure_trained
     from ..models.checkpoints import load_policy
     cfg = getattr(params, name)
     sft, _ = load_policy(sft_dir, params.model.trust_remote_code, next(engine.model.parameters()).dtype)
-    return sampled_metrics(name, engine, tok, prompts, params.prompts.sampling, cfg.seed, sft=sft.to(ctx.device),
+    return measure_trained(name, engine, tok, prompts, params.prompts.sampling, cfg.seed, sft=sft.to(ctx.device),
                            judge=inputs.judge(params) if cfg.dataset.path is None else None,
-                           max_prompt_length=params.prompts.max_length, ctx=ctx)
+                           max_prompt_length=params.prompts.max_length, ctx=ctx)[0]
 
 
 def train(method: PairMethod, run: StageRun, data_dir: Path, sft_dir: Path,

@@ -19,7 +19,6 @@ from typing import TYPE_CHECKING, Any, Callable, Optional
 
 from ..config import Params, PPOConfig, SamplingConfig
 from ..errors import ConfigError
-from ..measurement.stats import mean_ci
 from ..progress import Progress
 from ..tracking.sinks import StepLog
 from ..training import stopping
@@ -101,6 +100,8 @@ def declared_metrics(stage: str = "ppo") -> list[Metric]:
             m(METRICS_JSON, f"{policy}/gold_ci95", "half-width of its 95% interval", "!no_judge"),
             m(METRICS_JSON, f"{policy}/eos_rate", f"rate of {who}'s responses that ended with eos or the stop "
                                                   "token"),
+            m(METRICS_JSON, f"{policy}/length", f"mean length of {who}'s responses, words"),
+            m(METRICS_JSON, f"{policy}/distinct_2", f"distinct bigrams / bigrams over {who}'s responses (words)"),
         ]
     out += [
         m(METRICS_JSON, f"{stage}/gold_gain", f"mean paired gold-score difference {stage.upper()} - SFT on the same "
@@ -149,21 +150,10 @@ def compare_policies(models: PPOModels, cfg: PPOConfig, sampling: SamplingConfig
     the prompts): `<policy>/<rm|kl|gold>` with their 95% half-widths and `<policy>/eos_rate` for
     `sft` and the trained policy (the names the evaluate and compare stages give a policy), and the
     trained policy's per-prompt gold gain over SFT, `<policy>/gold_gain`. `policy_name`: the stage (ppo, grpo), `cfg` its section."""
-    from ..measurement.policy import Policy, measure_policies, summary
-    m: dict[str, Any] = {}
-    ref = models.reference()
-    per = measure_policies([Policy("sft", ref, cfg.seed + 7), Policy(policy_name, models.actor, cfg.seed + 7)],
-                           models.tok, prompts, sampling, ctx=models.ctx, reward=models.reward, ref=ref,
-                           judge=judge, max_prompt_length=max_prompt_length)
-    for name in ("sft", policy_name):
-        stats = summary(per[name], lambda key: key)
-        m[f"{name}/eos_rate"] = stats["eos_rate"]
-        for key in per[name].values:
-            m[f"{name}/{key}"], m[f"{name}/{key}_ci95"] = stats[key], stats[f"{key}_ci95"]
-    if judge is not None:
-        diff = [a - b for a, b in zip(per[policy_name].values["gold"], per["sft"].values["gold"])]
-        m[f"{policy_name}/gold_gain"], m[f"{policy_name}/gold_gain_ci95"] = mean_ci(diff)
-    return m
+    from ..measurement.policy import measure_trained
+    return measure_trained(policy_name, models.actor, models.tok, prompts, sampling, cfg.seed + 7, sft=models.reference(),
+                           reward=models.reward, judge=judge, max_prompt_length=max_prompt_length, ctx=models.ctx,
+                           beside_sft=True)[0]
 
 
 def auditor_dirs(cfg: PPOConfig) -> list[Path]:

@@ -224,16 +224,16 @@ def measure_policy(model, tok, params: Params, sft_dir: Path, reward_dir: Path, 
     every rank its share on its device: `rs/<rm|kl|gold>` with `_ci95` half-widths,
     `rs/<eos_rate|length|distinct_2>`."""
     from ..data import inputs
-    from ..measurement.policy import sampled_metrics
+    from ..measurement.policy import measure_trained
     from ..models.checkpoints import load_policy
     from ..models.reward_source import RewardModelSource
     dtype = next(getattr(model, "model", model).parameters()).dtype
     sft, _ = load_policy(sft_dir, params.model.trust_remote_code, dtype)
     reward = RewardModelSource(reward_dir, params.reward.max_length, params.model.trust_remote_code,
                                device=ctx.device, dtype=dtype)
-    return sampled_metrics("rs", model, tok, prompts, params.prompts.sampling, params.rs.seed, sft=sft.to(ctx.device),
+    return measure_trained("rs", model, tok, prompts, params.prompts.sampling, params.rs.seed, sft=sft.to(ctx.device),
                            reward=reward, judge=inputs.judge(params), max_prompt_length=params.prompts.max_length,
-                           ctx=ctx)
+                           ctx=ctx)[0]
 
 
 def check_inputs(params: Params, data_dir: Path) -> None:

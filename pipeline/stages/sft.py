@@ -45,6 +45,9 @@ def declared_metrics() -> list[Metric]:
                                                   "evaluation prompts that end with the end-of-response token "
                                                   "(or `sft.sampling.stop_token`) rather than at `max_new_tokens`"),
             m(METRICS_JSON, f"sft/gold{end}", f"mean gold score of those {tag} responses", "!no_judge"),
+            m(METRICS_JSON, f"sft/gold_ci95{end}", "half-width of its 95% interval", "!no_judge"),
+            m(METRICS_JSON, f"sft/length{end}", f"mean length of those {tag} responses, words"),
+            m(METRICS_JSON, f"sft/distinct_2{end}", f"distinct bigrams / bigrams over those {tag} responses (words)"),
             m(METRICS_JSON, f"sft/well_formed{end}", f"rate of those {tag} responses that are grammatical reviews "
                                                      "ending with (exactly one) closing sentence", "!no_judge"),
         ]
@@ -111,18 +114,12 @@ def evaluate_policy(model, tok, params: Params, prompts: list, demos: list[dict]
     ones (the names the evaluate stage gives the SFT policy), `sft/<...>_greedy` of the greedy ones
     and `demonstrations/gold` (gold ones only with a judge)."""
     from ..data import inputs
-    from ..measurement.policy import Policy, measure_policies, summary
+    from ..measurement.policy import measure_trained
     cfg, judge = params.sft, inputs.judge(params)
-    out: dict[str, Any] = {}
-    per = measure_policies([Policy("greedy", model, cfg.seed, greedy=True), Policy("sampled", model, cfg.seed)],
-                           tok, prompts, cfg.sampling, ctx=ctx, judge=judge)
-    for tag, measured in per.items():
-        stats, end = summary(measured, lambda key: key), "_greedy" if tag == "greedy" else ""
-        out[f"sft/eos_rate{end}"] = stats["eos_rate"]
-        if judge is not None:
-            out[f"sft/gold{end}"] = stats["gold"]
-            out[f"sft/well_formed{end}"] = sum(map(reviews.is_well_formed, measured.texts)) / len(measured.texts)
+    out, per = measure_trained("sft", model, tok, prompts, cfg.sampling, cfg.seed, judge=judge, ctx=ctx, greedy=True)
     if judge is not None:
+        for tag, end in (("greedy", "_greedy"), ("sft", "")):
+            out[f"sft/well_formed{end}"] = sum(map(reviews.is_well_formed, per[tag].texts)) / len(per[tag].texts)
         out["demonstrations/gold"] = sum(judge(r["prompt"], r["response"]) for r in demos) / len(demos)
     return out
 

@@ -134,10 +134,11 @@ def coarse_deps(root: Path, stage: str) -> list[str]:
     return deps
 
 
-if __name__ == "__main__":   # print each stage's deps, for dvc.yaml
+if __name__ == "__main__":   # print each stage's deps, for dvc.yaml (its stages by default)
     import sys
+    from ruamel.yaml import YAML
     root = Path(__file__).resolve().parents[2]
-    for stage in sys.argv[1:] or ("prepare", "sft", "reward", "ppo", "evaluate"):
+    for stage in sys.argv[1:] or YAML(typ="safe").load((root / "dvc.yaml").read_text(encoding="utf-8"))["stages"]:
         print(f"{stage}:")
         for d in coarse_deps(root, stage):
             print(f"      - {d}")
