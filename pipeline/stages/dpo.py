@@ -42,8 +42,10 @@ METRIC_FILES = {
     "metrics.json": "after training, then the trained policy sampled on the held-out prompts",
 }
 
-def declared_metrics() -> list[Metric]:
-    m = functools.partial(pair_method.metric, "dpo")
+def task_metrics(stage: str) -> list[Metric]:
+    """The names `task` and `final_metrics` write, as `stage` (dpo, or a stage training with them)
+    declares them: the step logs' COLUMNS and DRIFT, their last rows in metrics.json."""
+    m = functools.partial(pair_method.metric, stage)
     columns = {"accuracy": "rate of pairs whose implicit reward (beta x log-ratio to the reference; SimPO: beta x "
                            "mean log-prob) is higher for the chosen response",
                "margin": "mean implicit reward of chosen minus rejected",
@@ -58,8 +60,12 @@ def declared_metrics() -> list[Metric]:
     out += [m(METRICS_JSON, f"eval/{k}", f"`eval.tsv`'s last `{k}`") for k in (*columns, *DRIFT)]
     out += [m(METRICS_JSON, "train/accuracy", "`train.tsv`'s last `accuracy`"),
             m(METRICS_JSON, "train/margin", "`train.tsv`'s last `margin`")]
+    return out
+
+
+def declared_metrics() -> list[Metric]:
     return pair_method.declared_metrics("dpo", "pairs", "the method's loss (`dpo.method`) over the step's pairs",
-                                        "the method's loss on the held-out pairs", out)
+                                        "the method's loss on the held-out pairs", task_metrics("dpo"))
 
 
 SPEC = StageSpec(
@@ -191,7 +197,8 @@ def task(cfg: PreferenceOptConfig, engine: TrainEngine, micro: int, prepared: Pr
         value, stats = batch_loss(engine.forward, cfg, part, pad)
         return value * len(part) / len(batch), [stats[key] * len(part) for key in COLUMNS.values()]
 
-    return SupervisedTask("dpo", train_items, list(COLUMNS), loss, normaliser=len, eval_columns=[*COLUMNS, *DRIFT],
+    return SupervisedTask(prepared.name, train_items, list(COLUMNS), loss, normaliser=len,
+                          eval_columns=[*COLUMNS, *DRIFT],
                           evaluate=lambda: eval_pairs(engine.model, cfg, eval_items, pad, prepared.ctx, width))
 
 

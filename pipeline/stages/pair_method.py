@@ -1,14 +1,18 @@
-"""The one sequence of the offline-pair methods (the dpo and kto stages): the SFT policy trained on
-preference pairs, or on examples made from them, against its own reference log-probs, then
-sampled on the held-out prompts. Not a stage (no SPEC): a stage module declares itself over it as a
-`PairMethod` (its SPEC, its examples, its task, its final metrics) and its `run` calls `run` here.
+"""The one sequence of the pair methods (the dpo and kto stages, and a method that makes its own
+pairs): the SFT policy trained on preference pairs, or on examples made from them, against its own
+reference log-probs, then sampled on the held-out prompts. Not a stage (no SPEC): a stage module declares
+itself over it as a `PairMethod` (its SPEC, its examples, its task, its final metrics, the training
+pairs it makes itself, if any) and its `run` calls `run` here.
 
 1. Read and validate every input before the first step: the training and held-out pairs
    (`<stage>.dataset`, the RM's by default), the stage's examples made from them, and the held-out
    prompts the trained policy is measured on at the end.
 2. The policy is the SFT checkpoint (each rank loads its partition only under ZeRO-3), with fresh
    LoRA adapters when `<stage>.lora.r > 0`; every example is tokenised by the pairs' one length
-   rule (preference.logprobs.fit_pairs), an overlong one following `<stage>.overlong`.
+   rule (preference.logprobs.fit_pairs), an overlong one following `<stage>.overlong`. A method
+   that makes its own training pairs from the SFT policy (`PairMethod.pairs`: on-policy pairs
+   sampled and ranked) makes them here, before the policy trains; the held-out pairs stay the
+   dataset's, so every method's eval.tsv measures the same pairs.
 3. The reference model's log-probs of every example's two responses are computed once, by the
    policy's own engine before its first step (and before a resumed state is loaded) with any
    adapter switched off (`reference_logprobs_of`): the same weights, device and precision the
@@ -27,7 +31,7 @@ from __future__ import annotations
 import contextlib
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Callable, Optional
+from typing import TYPE_CHECKING, Any, Callable, Mapping, Optional
 
 from ..config import Params
 from ..data.preferences import Pair
@@ -53,6 +57,7 @@ class Prepared:
     pad: int          # the tokenizer's pad id
     width: int        # examples per reference or held-out forward: twice the global batch
     ctx: Context
+    name: str         # the stage: its progress bar, messages and checkpoint
 
     @property
     def train_tokens(self) -> list[TokenPair]:
@@ -76,6 +81,10 @@ class PairMethod:
     distinct: bool = True   # an example's two responses must differ once tokenised (fit_pairs)
     # data/* counts of the kept training examples, before the truncated and dropped ones
     counts: Callable[[list[Pair]], dict[str, int]] = lambda kept: {}
+    # step 2: the training pairs the stage makes itself instead of the dataset's train split, from
+    # (run, SFT policy, tokenizer, input folders by name) before any step: (pairs, the metrics that
+    # say how they were made, added to metrics.json); None: the dataset's
+    pairs: Optional[Callable[[StageRun, Any, Any, Mapping[str, Any]], tuple[list[Pair], dict[str, Any]]]] = None
 
 
 def metric(stage: str, file: str, name: str, meaning: str) -> Metric:
@@ -135,10 +144,10 @@ def measure_policy(name: str, engine: TrainEngine, tok, params: Params, sft_dir:
                            max_prompt_length=params.prompts.max_length, ctx=ctx)[0]
 
 
-def train(method: PairMethod, run: StageRun, data_dir: Path, sft_dir: Path,
-          progress: bool = True) -> tuple[Any, Any, dict]:
+def train(method: PairMethod, run: StageRun, data_dir: Path, sft_dir: Path, progress: bool = True,
+          more: Optional[Mapping[str, Any]] = None) -> tuple[Any, Any, dict]:
     """Steps 1-5 of the module doc; in a multi-process run rank 0 returns the whole model, the
-    other ranks (None, tokenizer, {})."""
+    other ranks (None, tokenizer, {}). `more`: the stage's other inputs by name (`run`'s)."""
     import torch
     from ..models import lora
     from ..models.checkpoints import load_policy
@@ -151,16 +160,20 @@ def train(method: PairMethod, run: StageRun, data_dir: Path, sft_dir: Path,
     # 2. The policy and its examples as token ids.
     with loading.partitioned(cfg.distributed, ctx):   # ZeRO-3: each rank loads its partition only
         model, tok = load_policy(sft_dir, params.model.trust_remote_code, loading.load_dtype(cfg.distributed, True))
+    made: dict[str, Any] = {}
+    if method.pairs is not None:   # the stage's own training pairs, made by the SFT policy before it trains
+        own, made = method.pairs(run, model, tok, {"data": data_dir, "sft": sft_dir, **(more or {})})
+        train_pairs = method.examples(cfg, own)
     train_fit, n_trunc, n_drop = fit_pairs(train_pairs, tok, cfg.max_length, cfg.overlong, name, method.distinct)
     held_fit, e_trunc, e_drop = fit_pairs(held_pairs, tok, cfg.max_length, cfg.overlong, name, method.distinct)
     torch.manual_seed(cfg.seed)
     model = lora.wrap(model, cfg.lora, "CAUSAL_LM", f"{name}.lora")
-    prepared = Prepared(train_fit, held_fit, tok.pad_token_id, 2 * cfg.batch_size, ctx)
+    prepared = Prepared(train_fit, held_fit, tok.pad_token_id, 2 * cfg.batch_size, ctx, name)
     recipe = supervised.Recipe(
         model, len(train_fit), lambda engine, micro: method.task(cfg, engine, micro, prepared),   # 3-4.
         measure=lambda engine: measure_policy(name, engine, tok, params, sft_dir, prompts, ctx),   # every rank
         # 5. The final metrics and the sampled measurement.
-        report=lambda model, result, measured: {**method.report(result), **measured},
+        report=lambda model, result, measured: {**made, **method.report(result), **measured},
         counts={**method.counts([pair for pair, _ in train_fit]), "data/truncated": n_trunc, "data/dropped": n_drop,
                 "data/eval_truncated": e_trunc, "data/eval_dropped": e_drop})
     model, metrics = supervised.run(name, cfg, recipe, run.out, run.checkpoint, run.tracker, ctx, run.fingerprint,
@@ -169,13 +182,18 @@ def train(method: PairMethod, run: StageRun, data_dir: Path, sft_dir: Path,
 
 
 def run(method: PairMethod, params: Params, data_dir: Path, sft_dir: Path, out: Path,
-        progress: bool = True) -> dict[str, Any]:
+        progress: bool = True, **more: Any) -> dict[str, Any]:
     """The stage: train, measure, then write model/, metrics.json, config.json and the step logs
-    atomically (rank 0 writes; other ranks of a multi-process run return empty metrics)."""
+    atomically (rank 0 writes; other ranks of a multi-process run return empty metrics). `more`:
+    the stage's other inputs by name (its SPEC's other input folders, the user's dataset paths; None
+    for none), part of its fingerprint and handed to `method.pairs`."""
     from .skeleton import stage_run
-    dataset = getattr(params, method.spec.name).dataset
-    with stage_run(method.spec, params, out, [data_dir, sft_dir, dataset.path]) as run:
-        model, tok, metrics = train(method, run, data_dir, sft_dir, progress)
+    spec, folders = method.spec, {"data": data_dir, "sft": sft_dir, **more}
+    dataset = getattr(params, spec.name).dataset
+    # The SPEC's input folders first, in its order: the skeleton reads them by position.
+    local = [folders[k] for k in spec.inputs] + [dataset.path] + [v for k, v in more.items() if k not in spec.inputs]
+    with stage_run(spec, params, out, local) as run:
+        model, tok, metrics = train(method, run, data_dir, sft_dir, progress, more)
         run.finish(metrics, model, tok)
     return metrics
 
