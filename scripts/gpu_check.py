@@ -6,21 +6,25 @@
 
 Runs the stages' own commands (`python -m pipeline <stage>`, launched as `dvc repro` launches them)
 in a scratch folder. Suite `1` (one process, `distributed.backend: none`: plain PyTorch, bf16
-autocast) runs every registry stage and compare: SFT with LoRA off and on, the reward model (its
-final evaluation on 2,048 held-out pairs, every rank its share on its GPU), PPO with GAE, GRPO with
-a LoRA actor, DPO with LoRA, KTO, rejection sampling, evaluate with best-of-n, and compare over the
-methods. Suite `ds1` runs DeepSpeed at one process, bf16: SFT under ZeRO-2, SFT with LoRA and
-gradient checkpointing, the reward model and PPO under ZeRO-3 (it needs DeepSpeed installed; without it the
-suite is named as not run). Suite `2`, where two GPUs are visible, runs every stage again over two
-NCCL processes under ZeRO-3. On the CPU (`--tiny`, for the tests) the same settings run in fp32
-with gloo. Without a CUDA device the check stops at once (exit 2) unless `--tiny`.
+autocast) runs every stage of the registry (pipeline/stages/registry.py) but prepare, which the
+check does itself, in the registry's order: a new method's module is run with no edit here. Each
+run reads the folders its SPEC names and is sized by what its params section is (the supervised
+loop's or the RL trainer's). The VARIANTS add SFT with LoRA, run GRPO and DPO with LoRA in place of
+their plain runs, and PPO with vLLM's rollouts where vLLM is installed. The reward model's final
+evaluation is on 2,048 held-out pairs (every rank its share on its GPU); evaluate measures
+best-of-n; compare measures every method's policy. Suite `ds1` runs DeepSpeed at one process,
+bf16: SFT under ZeRO-2, SFT with LoRA and gradient checkpointing, the reward model and PPO under
+ZeRO-3 (it needs DeepSpeed installed; without it the suite is named as not run). Suite `2`, where
+two GPUs are visible, runs every stage again over two NCCL processes under ZeRO-3. On the CPU
+(`--tiny`, for the tests) the same settings run in fp32 with gloo. Without a CUDA device the check
+stops at once (exit 2) unless `--tiny`.
 
 The model is a Llama built from a config with random weights and a vocabulary of 32,768 tokens
 (the default task's words and filler tokens), saved in bf16 as hub checkpoints are (the stages
 train it as fp32 master weights) as a Hugging Face checkpoint that `model.name_or_path` names;
-nothing is downloaded. The policy that PPO, GRPO, DPO and evaluate start from is that random
-model, whose eos has about one chance in the vocabulary size per token, so their responses run to
-`--new-tokens` (128).
+nothing is downloaded. The policy that every stage reading the SFT model starts from is that
+random model, whose eos has about one chance in the vocabulary size per token, so their responses
+run to `--new-tokens` (128).
 
 Each stage process counts the matrix products it runs on CPU tensors while its device is a GPU
 (`PIPELINE_COUNT_CPU_MATMULS`, pipeline/devices.py); a stage whose count passes CPU_MATMUL_GFLOP
@@ -30,24 +34,28 @@ below are a little lower than an uncounted run's.
 
 Per stage it prints the memory plan (`python -m pipeline plan`'s total per rank) next to the peak
 measured (GPU: torch's peak allocation; CPU: the process's peak RSS), tokens per second, the model
-FLOPs utilisation, and for PPO and GRPO the sampler/trainer log-prob difference
-`val/logprob_diff_mean`/`_max`. A stage that fails is shown with the end of its log; the check goes
-on with the stages that do not need its output and exits 1. A stage the time budget cannot fit is
-skipped and named; the check then exits 3. `--out` writes every number as JSON.
+FLOPs utilisation, and for the RL trainer's stages (PPO, GRPO) the sampler/trainer log-prob
+difference `val/logprob_diff_mean`/`_max`. A stage that fails is shown with the end of its log;
+the check goes on with the stages that do not need its output and exits 1. A stage the time budget
+cannot fit is skipped and named; the check then exits 3. `--out` writes every number as JSON.
 
 MFU counts model FLOPs only (Kaplan et al. 2020, "Scaling Laws for Neural Language Models": 2N per
 token forward, 6N forward and backward; N the parameters less the input embedding, attention
-ignored). Training stages: 6N per trained token (DPO and the reward model's two sequences of a pair
-both count); the token count is the mean tokenized length of the stage's training file times the
-examples trained, so it is an estimate; KTO and rejection sampling report time and memory only. PPO and GRPO: rollout 2N per generated token, update 6N per
-response token per model trained (actor, and the critic with GAE). The peak is the GPU's dense bf16
-rate from a table of common GPUs (GPU_PEAK_TFLOPS=<number> sets it for others).
+ignored). Supervised stages whose example is a demonstration or a pair (`trained_example`: SFT, the
+reward model, DPO): 6N per trained token (both sequences of a pair count); the token count is the
+mean tokenized length of the stage's training file times the examples trained, so it is an
+estimate; the others (KTO, rejection sampling) report time and memory only. The RL trainer's
+stages (a PPOConfig section: PPO, GRPO): rollout 2N per generated token, update 6N per response
+token per model trained (the actor, and a critic where the estimator has one of its own). The
+peak is the GPU's dense bf16 rate from a table of common GPUs (GPU_PEAK_TFLOPS=<number> sets it
+for others).
 """
 
 from __future__ import annotations
 
 import argparse
 import csv
+import dataclasses
 import importlib.util
 import json
 import os
@@ -61,8 +69,6 @@ from typing import Any, Optional
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
-
-from pipeline.devices import COUNT_CPU_MATMULS  # noqa: E402
 
 # Dense bf16 TFLOP/s without sparsity, from the vendors' data sheets (SXM parts where there are two).
 PEAK_TFLOPS = {"H200": 989.0, "H100": 989.0, "H800": 989.0, "H20": 148.0, "GH200": 989.0, "B200": 2250.0,
@@ -103,6 +109,22 @@ class Run:
     lora: bool = False
     policies: dict[str, str] = field(default_factory=dict)  # compare's --policy NAME=FOLDER (this suite's)
 
+    @property
+    def folder(self) -> str:
+        """Its output folder under the suite's (a name without "+", which --policy names refuse)."""
+        return self.name.replace("+", "-")
+
+
+@dataclass(frozen=True)
+class Variant:
+    """A run of a registry stage with settings of its own, after the stage's plain run or instead of it."""
+    name: str
+    stage: str
+    params: dict[str, Any]                   # its overrides of the stage's section
+    lora: bool = False
+    replaces: bool = False                   # runs instead of the stage's plain run (and stands for it as an input)
+    needs: Optional[str] = None              # a module that must be importable for it to run
+
 
 @dataclass(frozen=True)
 class Suite:
@@ -123,38 +145,66 @@ class Suite:
 # (ZeRO-2; ZeRO-3 with LoRA and gradient checkpointing, for the reward model and for PPO's four
 # models), what a one-GPU machine can check of it; "2": every stage again over two processes (ZeRO-3), where two GPUs are visible.
 SUITES = {"1": Suite("1", 1, False), "ds1": Suite("ds1", 1, True), "2": Suite("2", 2, True)}
+LORA = {"r": 16, "alpha": 32.0}
+# What the plain runs (one per registry stage, at the check's sizes) leave out. GRPO and DPO run
+# with a LoRA actor only: their full fine-tuning is the path PPO and KTO take already (the same
+# RL trainer; the same offline-pair loop), so within the budget their runs check the adapter paths
+# (for GRPO, the reference as the actor with its adapter off). The names are those of the
+# committed results (docs/data/gpu-check-*.json).
+VARIANTS = (
+    Variant("sft+lora", "sft", {"lora": LORA}, lora=True),
+    # PPO again with its rollouts from vLLM, where installed: the same prompts and seeds, so the
+    # two rows' rollout tokens/s and log-prob differences compare the engines.
+    Variant("ppo+vllm", "ppo", {"rollout_engine": "vllm"}, needs="vllm"),
+    Variant("grpo+lora", "grpo", {"lora": LORA}, lora=True, replaces=True),
+    Variant("dpo+lora", "dpo", {"lora": LORA}, lora=True, replaces=True),
+)
 
 
-def runs(suite: Suite = SUITES["1"]) -> list[Run]:
-    """The stages of `suite` in order; `inputs` name the scratch folders they read ("base" is the random model)."""
-    lora = {"r": 16, "alpha": 32.0}
+def runs(suite: Suite = SUITES["1"], every_variant: bool = False) -> list[Run]:
+    """The runs of `suite` in order; `inputs` name the scratch folders they read ("base" is the random model).
+    Suites 1 and 2: every registry stage but prepare (the check prepares the data itself), in the
+    registry's order, each with its VARIANTS (`every_variant`: those whose module is not installed
+    here too, as the docs order the results); ds1: its ZeRO stages."""
     if suite.name == "ds1":
         return [
             Run("sft", "sft", {"data": "data"}, {"sft": {"distributed": {"zero_stage": 2}}}),
-            Run("sft+lora", "sft", {"data": "data"}, {"sft": {"lora": lora, "distributed": {
+            Run("sft+lora", "sft", {"data": "data"}, {"sft": {"lora": LORA, "distributed": {
                 "zero_stage": 3, "gradient_checkpointing": True}}}, lora=True),
             Run("reward", "reward", {"data": "data", "sft": "base"}),
             Run("ppo", "ppo", {"data": "data", "sft": "base", "reward": "reward/model"}),
         ]
-    # With vLLM installed, PPO again with its rollouts from vLLM: the same prompts and seeds, so the
-    # two rows' rollout tokens/s and log-prob differences compare the engines.
-    vllm = [Run("ppo+vllm", "ppo", {"data": "data", "sft": "base", "reward": "reward/model"},
-                {"ppo": {"rollout_engine": "vllm"}})] if importlib.util.find_spec("vllm") is not None else []
-    return [
-        Run("sft", "sft", {"data": "data"}),
-        Run("sft+lora", "sft", {"data": "data"}, {"sft": {"lora": lora}}, lora=True),
-        Run("reward", "reward", {"data": "data", "sft": "base"}),
-        Run("ppo", "ppo", {"data": "data", "sft": "base", "reward": "reward/model"}),
-        *vllm,
-        Run("grpo+lora", "grpo", {"data": "data", "sft": "base", "reward": "reward/model"},
-            {"grpo": {"lora": lora}}, lora=True),
-        Run("dpo+lora", "dpo", {"data": "data", "sft": "base"}, {"dpo": {"lora": lora}}, lora=True),
-        Run("kto", "kto", {"data": "data", "sft": "base"}),
-        Run("rs", "rs", {"data": "data", "sft": "base", "reward": "reward/model"}),
-        Run("evaluate", "evaluate", {"data": "data", "sft": "base", "reward": "reward/model", "ppo": "ppo/model"}),
-        Run("compare", "compare", {"data": "data", "sft": "base", "reward": "reward/model"},
-            policies={name: f"{name.replace('+', '-')}/model" for name in ("ppo", "grpo+lora", "dpo+lora", "kto", "rs")}),
-    ]
+    from pipeline.stages import registry
+    specs = {name: s for name, s in registry.specs().items() if name != "prepare"}
+    for v in VARIANTS:
+        if v.stage not in specs:
+            raise ValueError(f"gpu_check: the variant {v.name} runs the stage {v.stage!r}, which no module of "
+                             f"pipeline/stages/ declares; the stages are {', '.join(specs)}")
+    variants = [v for v in VARIANTS
+                if every_variant or v.needs is None or importlib.util.find_spec(v.needs) is not None]
+    plain = {name: Run(name, name, {}) for name in specs}
+    for v in variants:
+        if v.replaces:
+            plain[v.stage] = Run(v.name, v.stage, {}, {v.stage: v.params}, lora=v.lora)
+    # What a stage's folder argument is here: the prepared data; for the SFT policy the random base
+    # (every policy starts from the model the check sized, whether or not the SFT run succeeded);
+    # else the model that the run standing for the stage of that name writes.
+    def folder(stage: str, name: str) -> str:
+        if name in ("data", "sft"):
+            return {"data": "data", "sft": "base"}[name]
+        if name not in plain:
+            raise ValueError(f"gpu_check: the stage {stage} reads --{name}, which no run of the check writes")
+        return f"{plain[name].folder}/model"
+
+    out: list[Run] = []
+    for stage, spec in specs.items():
+        inputs = {name: folder(stage, name) for name in spec.inputs}
+        # The compare stage measures each method's policy, given as --policy NAME=FOLDER.
+        policies = {plain[m].name: f"{plain[m].folder}/model" for m in registry.methods()} if stage == "compare" else {}
+        out.append(Run(plain[stage].name, stage, inputs, plain[stage].params, plain[stage].lora, policies))
+        out += [Run(v.name, stage, inputs, {stage: v.params}, v.lora) for v in variants
+                if v.stage == stage and not v.replaces]
+    return out
 
 
 def say(*parts: object) -> None:
@@ -168,9 +218,38 @@ def merge(base: dict, override: dict) -> dict:
     return out
 
 
+def stage_sections() -> dict[str, type]:
+    """Each registry stage's params section (named after its stage) -> its config class."""
+    import typing
+
+    from pipeline import config
+    from pipeline.stages import registry
+    sections = typing.get_type_hints(config.Params)
+    return {name: sections[name] for name in registry.specs() if name in sections}
+
+
+def section_params(section: type, supervised: dict[str, Any], rl: dict[str, Any]) -> dict[str, Any]:
+    """The check's sizes for one stage's section, from what its config class is: the supervised
+    loop's (SupervisedConfig) or the RL trainer's (PPOConfig), each key only where the class has
+    that field; {} for another kind."""
+    from pipeline.config import PPOConfig, SupervisedConfig
+    fields = {f.name: f for f in dataclasses.fields(section)}
+    if issubclass(section, SupervisedConfig):
+        return {k: v for k, v in supervised.items() if k in fields}
+    if not issubclass(section, PPOConfig):
+        return {}
+    got = {k: v for k, v in rl.items() if k in fields}
+    if fields["samples_per_prompt"].default > 1:
+        # A group estimator's section (one that samples several responses per prompt by default):
+        # 4 per prompt, 16 prompts of the 64 rollouts (tiny: 2 of 8), whole groups on each of 2 ranks.
+        got["samples_per_prompt"] = 4
+    return got
+
+
 def check_params(size: Size, suite: Suite, cuda: bool, base: Path) -> dict[str, Any]:
     """The overrides of the repository's params.yaml every run shares: small data, a few steps of
-    each stage, responses of `size.new_tokens`, and the distributed settings of `suite`."""
+    each stage, responses of `size.new_tokens`, and the distributed settings of `suite`. Each
+    stage's section is sized by what it is (`section_params`), so a new stage is sized unnamed."""
     processes = suite.processes
     gen = {"max_new_tokens": size.new_tokens}
     seq = 64 + size.new_tokens           # the longest prompt the check keeps plus a whole response
@@ -185,25 +264,30 @@ def check_params(size: Size, suite: Suite, cuda: bool, base: Path) -> dict[str, 
     if size is TINY:
         rl.update(rollout_batch_size=8, minibatch_size=4, micro_batch_size=2, n_eval_prompts=4)
         batch = 8
-    supervised = {"batch_size": batch, "epochs": 1.0, "eval_every": 100, "save_every": 100}
+    held_out = rl["n_eval_prompts"]
+    # The supervised loop's sizes, then the fields some supervised sections add: sequences that hold
+    # a whole response, held-out samples as many as the RL sections take, and rejection sampling's
+    # one batch of training prompts at the fewest candidates a best-of picks among.
+    supervised = {"batch_size": batch, "epochs": 1.0, "eval_every": 100, "save_every": 100, "max_length": seq,
+                  "sampling": gen, "n_eval_prompts": held_out, "n_eval_generations": held_out,
+                  "n_sft_samples": held_out, "n_prompts": batch, "n": 2}
     # The reward model's final evaluation on a validation split of real size: a stage whose held-out
     # work ran on one rank's CPU (or on rank 0 alone) shows there, not on a few dozen pairs.
     held_out_pairs = batch if size is TINY else 2048
-    return {
+    out = {
         "data": {"n_sft": 4 * batch, "n_sft_eval": batch, "n_pairs": 4 * batch, "n_pairs_eval": held_out_pairs,
                  "n_ppo_prompts": 256, "n_eval_prompts": 32},
         "model": {"name_or_path": str(base), "max_position_embeddings": 2 * seq},
         "distributed": dist,
-        "sft": {**supervised, "n_eval_generations": rl["n_eval_prompts"], "max_length": seq, "sampling": gen},
-        "reward": {**supervised, "max_length": seq, "n_sft_samples": rl["n_eval_prompts"]},
-        "ppo": rl,
-        "grpo": {**rl, "samples_per_prompt": 4},
-        "dpo": {**supervised, "max_length": seq, "n_eval_prompts": rl["n_eval_prompts"]},
-        "kto": {**supervised, "max_length": seq, "n_eval_prompts": rl["n_eval_prompts"]},
-        "rs": {**supervised, "n": 2, "n_prompts": batch, "max_length": seq, "n_eval_prompts": rl["n_eval_prompts"],
-               "sampling": gen},
-        "evaluate": {"n_prompts": rl["n_eval_prompts"], "best_of_n": [2], "bootstrap": 100},
     }
+    for name, section in stage_sections().items():
+        got = section_params(section, supervised, rl)
+        if got:
+            out[name] = got
+    # evaluate's best-of-n baseline at its fewest samples and its bootstrap at its fewest resamples;
+    # compare measures at params.yaml's sizes.
+    out["evaluate"] = {"n_prompts": held_out, "best_of_n": [2], "bootstrap": 100}
+    return out
 
 
 def build_base(size: Size, folder: Path) -> dict[str, Any]:
@@ -235,22 +319,30 @@ def build_base(size: Size, folder: Path) -> dict[str, Any]:
             "parameters_counted": total - model.get_input_embeddings().weight.numel()}
 
 
-def mean_tokens(data: Path, base: Path, stage: str) -> float:
-    """Mean tokens of one training example of `stage` (a pair's two sequences for reward and DPO)."""
+def trained_example(cfg: Any) -> Optional[tuple[str, tuple[str, ...]]]:
+    """What one example of a supervised section's batch is, by its config class: the prepare stage's
+    training file and the response columns whose sequences (the prompt, then that response) it
+    trains; None for the others, which report time and memory only (KTO's examples carry a
+    mismatched response each for its KL point; rejection sampling trains on winners it samples first)."""
+    from pipeline.config import PreferenceOptConfig, RewardConfig, SFTConfig
+    if isinstance(cfg, SFTConfig):
+        return "sft_train.jsonl", ("response",)
+    if isinstance(cfg, (RewardConfig, PreferenceOptConfig)):   # a pair: both of its sequences train
+        return "pairs_train.jsonl", ("chosen", "rejected")
+    return None
+
+
+def mean_tokens(data: Path, base: Path, example: tuple[str, tuple[str, ...]]) -> float:
+    """Mean tokens of one training example (`trained_example`'s: a pair's two sequences for reward and DPO)."""
     from pipeline.files import read_jsonl
     from pipeline.data.tokenizer import load_tokenizer
 
     tok = load_tokenizer(base)
-    if stage == "sft":
-        rows = read_jsonl(data / "sft_train.jsonl", ("prompt", "response"))
-        texts = [r["prompt"] + " " + r["response"] for r in rows]
-        per = 1
-    else:
-        rows = read_jsonl(data / "pairs_train.jsonl", ("prompt", "chosen", "rejected"))
-        texts = [r["prompt"] + " " + r[k] for r in rows for k in ("chosen", "rejected")]
-        per = 2
+    file, responses = example
+    rows = read_jsonl(data / file, ("prompt", *responses))
+    texts = [r["prompt"] + " " + r[k] for r in rows for k in responses]
     lengths = [len(tok(t)["input_ids"]) + 1 for t in texts]   # + eos
-    return per * sum(lengths) / len(lengths) if lengths else 0.0
+    return len(responses) * sum(lengths) / len(lengths) if lengths else 0.0
 
 
 def peak_tflops() -> Optional[float]:
@@ -272,21 +364,21 @@ def read_tsv(path: Path) -> list[dict[str, float]]:
 
 def throughput(run: Run, out: Path, params: Any, n: int, tokens_per_example: float) -> dict[str, float]:
     """Tokens per second and model TFLOP/s of one finished stage (see the module doc)."""
-    from pipeline.config import flatten
+    from pipeline.config import PPOConfig, flatten
     metrics = flatten(json.loads((out / "metrics.json").read_text()), sep="/")
     got: dict[str, float] = {}
-    if run.stage in ("sft", "reward", "dpo"):
-        cfg = getattr(params, run.stage)
+    cfg = getattr(params, run.stage, None)   # the stage's section: its kind picks the formula
+    if trained_example(cfg) is not None:
         seconds = metrics.get("train/seconds") or 0.0
         tokens = metrics.get("train/steps", 0) * cfg.batch_size * tokens_per_example
         if seconds > 0:
             got["tokens_per_second"] = tokens / seconds
             got["tflops"] = 6 * n * tokens / seconds / 1e12
-    elif run.stage in ("ppo", "grpo"):
+    elif isinstance(cfg, PPOConfig):
         rows = read_tsv(out / "train.tsv")
         if rows:
             last = rows[-1]   # the first iteration carries compilation and allocator warm-up
-            trained = 2 if run.stage == "ppo" else 1
+            trained = 2 if cfg.uses_critic and not cfg.shared_backbone else 1   # the actor, and a critic model
             got["tokens_per_second"] = last.get("tokens_per_second/rollout", 0.0)
             got["update_tokens_per_second"] = last.get("tokens_per_second/update", 0.0)
             got["rollout_tflops"] = 2 * n * got["tokens_per_second"] / 1e12
@@ -344,6 +436,7 @@ def run_suite(suite: Suite, size: Size, cuda: bool, root: Path, deadline: float,
               save, only: Optional[set[str]] = None) -> tuple[list[str], list[str]]:
     """Every run of `runs(suite)` (of those named in `only`, when given); returns (failed, skipped) names."""
     from pipeline.config import load_params
+    from pipeline.devices import COUNT_CPU_MATMULS
     from pipeline.files import atomic_write_text
     from pipeline.training.distributed import _free_port   # each run its own port (see below)
 
@@ -362,7 +455,7 @@ def run_suite(suite: Suite, size: Size, cuda: bool, root: Path, deadline: float,
            COUNT_CPU_MATMULS: "1"}
     durations: list[float] = []
     for run in [r for r in runs(suite) if only is None or r.name in only]:
-        out = here / run.name.replace("+", "-")
+        out = here / run.folder
         # The data and the random base are shared; the other inputs are this suite's own outputs.
         inputs = {k: root / v if v in ("data", "base") else here / v for k, v in run.inputs.items()}
         policies = {name: here / folder for name, folder in run.policies.items()}
@@ -381,7 +474,7 @@ def run_suite(suite: Suite, size: Size, cuda: bool, root: Path, deadline: float,
         # Each run its own free port: a launcher still releasing the last one, or another job on
         # this machine, must not meet this one.
         values["distributed"]["master_port"] = _free_port()
-        path = root / f"params-{tag}-{run.name.replace('+', '-')}.yaml"
+        path = root / f"params-{tag}-{run.folder}.yaml"
         atomic_write_text(path, json.dumps(values, indent=1) + "\n")   # JSON is YAML
         params = load_params(path)
         record: dict[str, Any] = {"stage": run.stage, "lora": run.lora}
@@ -393,7 +486,7 @@ def run_suite(suite: Suite, size: Size, cuda: bool, root: Path, deadline: float,
                *(x for k, p in inputs.items() for x in (f"--{k}", str(p))),
                *(x for name, p in policies.items() for x in ("--policy", f"{name.replace('+', '-')}={p}")),
                "--out", str(out)]
-        log = root / "logs" / f"{tag}-{run.name.replace('+', '-')}.log"
+        log = root / "logs" / f"{tag}-{run.folder}.log"
         log.parent.mkdir(parents=True, exist_ok=True)
         start = time.monotonic()
         with open(log, "w") as f:
@@ -417,8 +510,8 @@ def run_suite(suite: Suite, size: Size, cuda: bool, root: Path, deadline: float,
         else:
             try:
                 n = results["model"]["parameters_counted"]
-                per_example = mean_tokens(root / "data", root / "base", run.stage) \
-                    if run.stage in ("sft", "reward", "dpo") else 0.0
+                example = trained_example(getattr(params, run.stage, None))
+                per_example = mean_tokens(root / "data", root / "base", example) if example else 0.0
                 record.update(throughput(run, out, params, n, per_example))
                 say(line(run.name, record, results.get("peak_tflops"), cuda))
                 wrong = cpu_compute(record)

@@ -1,4 +1,5 @@
-"""Render the measured numbers of README.md and docs/guide/*.md from the committed data files.
+"""Render the measured numbers of README.md and docs/guide/*.md from the committed data files, and
+docs/architecture.md's table of stages from the stage registry.
 
     python scripts/render_docs.py             # rewrite every rendered block in place   (= make docs)
     python scripts/render_docs.py --check     # exit 1 listing the blocks that differ from their data
@@ -15,7 +16,8 @@ same files: the output is deterministic and a second run changes nothing. A numb
 run belongs in such a block, or in a dated record of docs/decisions/; tests/system/test_docs.py checks
 that the pages equal their rendering and that no measured number is written by hand elsewhere.
 
-Standard library only: it runs before the virtual environment exists.
+Standard library only at import; the renderers that list stages read them from dvc.yaml (ruamel)
+or from the stage registry (the GPU check's order), as `make docs` runs it in the virtual environment.
 """
 
 from __future__ import annotations
@@ -239,7 +241,18 @@ def render_stage_resources(root: Path) -> str:
 
 GPU_CHECK_SUITES = {"1": "1 process (plain PyTorch)", "ds1": "1 process (DeepSpeed ZeRO-2 and ZeRO-3)",
                     "2": "2 processes (DeepSpeed ZeRO-3)"}
-GPU_CHECK_ORDER = ["sft", "sft+lora", "reward", "ppo", "ppo+vllm", "grpo+lora", "dpo+lora", "kto", "rs", "evaluate", "compare"]   # scripts/gpu_check.py's runs
+
+
+def gpu_check_order() -> list[str]:
+    """The GPU check's runs by name in the order it runs them (scripts/gpu_check.py's `runs`: the
+    stage registry's order), with every variant whether or not its module is installed here, so a
+    page renders the same on every machine."""
+    import importlib.util
+    spec = importlib.util.spec_from_file_location("gpu_check", ROOT / "scripts" / "gpu_check.py")
+    gpu_check = importlib.util.module_from_spec(spec)
+    sys.modules["gpu_check"] = gpu_check   # dataclasses look their module up there
+    spec.loader.exec_module(gpu_check)
+    return [r.name for r in gpu_check.runs(gpu_check.SUITES["1"], every_variant=True)]
 
 
 def render_gpu_check(root: Path) -> str:
@@ -249,6 +262,7 @@ def render_gpu_check(root: Path) -> str:
                   key=lambda p: (-int(get(read_json(root, f"docs/data/{p.name}") or {}, "size/new_tokens") or 0), p.name))
     if not runs:
         return "The check has not been run on a GPU by the project: no page here quotes a GPU number."
+    order = gpu_check_order()
     lines: list[str] = []
     for path in runs:
         d = read_json(root, f"docs/data/{path.name}") or {}
@@ -261,8 +275,7 @@ def render_gpu_check(root: Path) -> str:
                       f"{size.get('hidden', NA)} wide, responses of {size.get('new_tokens', NA)} tokens.", "",
                       "| stage | time | memory plan | measured peak | tokens/s | TFLOP/s | log-prob diff, mean / max |",
                       "| --- | --- | --- | --- | --- | --- | --- |"]
-            for name, r in sorted(suite.items(), key=lambda kv: GPU_CHECK_ORDER.index(kv[0])
-                                  if kv[0] in GPU_CHECK_ORDER else len(GPU_CHECK_ORDER)):
+            for name, r in sorted(suite.items(), key=lambda kv: order.index(kv[0]) if kv[0] in order else len(order)):
                 if "error" in r:
                     lines.append(f"| {name} | failed | | | | | |")
                     continue
@@ -436,9 +449,25 @@ def render_frontier(root: Path) -> str:
     return "\n".join(out)
 
 
+def render_stages(root: Path) -> str:
+    """docs/architecture.md: every stage of the registry (pipeline/stages/registry.py), in its order:
+    its pipeline file, the folders it reads, where it writes and its one line of help, so a new
+    stage module is on the page with no edit to it."""
+    sys.path.insert(0, str(ROOT))   # this checkout's package: its stages are what the page describes
+    from pipeline.stages import registry
+    from pipeline.stages.spec import default_path
+    lines = ["| stage | pipeline file | reads | writes | what it does |", "| --- | --- | --- | --- | --- |"]
+    for name, spec in registry.specs().items():
+        where = "dvc.yaml" if spec.pipeline == "default" else "compare/dvc.yaml"
+        reads = ", ".join(f"`{default_path(f)}`" for f in spec.inputs) or "params only"
+        lines.append(f"| `{name}` (`stages/{name}.py`) | {where} | {reads} | `{spec.output}/` | {spec.help} |")
+    return "\n".join(lines)
+
+
 RENDERERS: dict[str, Callable[[Path], str]] = {
     "headline": render_headline,
     "gpu-check": render_gpu_check,
+    "stages": render_stages,
     "seeds": render_seeds,
     "demo": render_demo,
     "stage-resources": render_stage_resources,
@@ -455,7 +484,8 @@ RENDERERS: dict[str, Callable[[Path], str]] = {
 
 def pages(root: Path) -> list[Path]:
     """README.md and docs/guide/*.md, in a fixed order."""
-    return [p for p in [root / "README.md", *sorted((root / "docs" / "guide").glob("*.md"))] if p.is_file()]
+    return [p for p in [root / "README.md", *sorted((root / "docs" / "guide").glob("*.md")), root / "docs" / "architecture.md"]
+            if p.is_file()]
 
 
 def render_text(text: str, root: Path, where: str = "page") -> tuple[str, list[str]]:

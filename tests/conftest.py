@@ -10,7 +10,7 @@ import shutil
 import subprocess
 import sys
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import pytest
@@ -48,6 +48,10 @@ fake_device.install()
 # The pipeline's own pick of a free port serves (it is what a launcher-less stage uses).
 from pipeline.training.distributed import _free_port as free_port  # noqa: E402,F401
 
+import pipeline.stages  # noqa: E402
+from pipeline import config  # noqa: E402
+from pipeline.config import SFTConfig  # noqa: E402
+
 REPO = Path(__file__).resolve().parents[1]
 BIN = Path(sys.executable).parent
 
@@ -68,8 +72,26 @@ TINY = {
              "save_every": 2, "n_eval_prompts": 8, "sampling": {"max_new_tokens": 12}},
     "rs": {"n": 2, "n_prompts": 8, "batch_size": 8, "epochs": 1.0, "eval_every": 2, "save_every": 2,
            "n_eval_prompts": 8, "sampling": {"max_new_tokens": 12}},
+    "kto": {},   # its defaults: the tiny data's pairs make a few steps
     "compare": {"n_prompts": 8, "best_of_n": [2], "bootstrap": 200},
 }
+
+
+def _tiny_methods() -> None:
+    """A training stage TINY does not list (a method added later) at these sizes, each set where its
+    params section has the key, so its tiny pipeline runs in seconds with no entry above."""
+    import dataclasses
+    from pipeline.config import Params
+    from pipeline.stages import registry
+    sizes = {"batch_size": 8, "epochs": 1.0, "eval_every": 2, "save_every": 2, "n_eval_prompts": 8, "n_prompts": 8,
+             "samples_per_prompt": 2, "sampling": {"max_new_tokens": 12}}
+    for name in registry.training():
+        if name not in TINY:
+            keys = {f.name for f in dataclasses.fields(getattr(Params(), name))}
+            TINY[name] = {k: v for k, v in sizes.items() if k in keys}
+
+
+_tiny_methods()
 
 
 def slurm_available() -> tuple[bool, str]:
@@ -395,3 +417,66 @@ def sampled_alone(policy, tok, prompts: list, sampling, seed: int, max_prompt_le
                    stop_ids(tok, policy, sampling), sampling, row_generators=[gen])
         out.append(decode_response(tok, s.response_ids[0].tolist(), end_ids(tok, policy)))
     return out
+
+
+# ---- a stage added as one module -------------------------------------------------------------------
+# A throwaway method, put on the stages package's path and edited nowhere else, shows up everywhere
+# stages are listed (tests/unit/test_registry.py; the GPU check's runs, tests/system/test_gpu_check.py).
+# The one edit outside its module a real stage also needs is its params section (config.Params);
+# a Params subclass with a `toy` section stands in for it.
+
+TOY = '''
+"""A throwaway method: measures nothing, trains nothing."""
+from pathlib import Path
+
+from ..training import memory_plan
+from ..tracking.metric_names import Metric
+from ..tracking.model_card import ModelFacts
+from .skeleton import stage_run
+from .spec import StageSpec
+
+
+def plan(params, shapes):
+    if not shapes.ready("sft"):
+        return None
+    sft = shapes.model("sft")
+    return memory_plan.supervised_planner("toy", params, sft, (sft,))
+
+
+def check(params, data_dir):
+    (data_dir / "toy_checked").write_text(str(params.toy.seed))
+
+
+SPEC = StageSpec(
+    "toy", help="a throwaway method", inputs=("data", "sft"), pipeline="compare", policy=True,
+    headline=("eval/toy_score",), plan=plan, parent_params=("toy.seed",), check_inputs=check,
+    model=ModelFacts("the toy policy", "nothing at all", "rlhf-toy-policy", "A toy."),
+    metrics=lambda: [Metric("toy", "metrics.json", "eval/toy_score", "how toy it is", "compare")],
+    files={"metrics.json": "the toy's score"}, reads=("toy.seed",))
+
+
+def run(params, data_dir, sft_dir, out, progress=True):
+    with stage_run(SPEC, params, out, [data_dir]) as run:
+        metrics = {"eval/toy_score": 0.25 + run.params.toy.seed}
+        run.finish(metrics)
+    return metrics
+'''
+
+
+@dataclass(frozen=True)
+class ToyParams(config.Params):
+    toy: SFTConfig = field(default_factory=SFTConfig)   # the toy's params section
+
+
+@pytest.fixture
+def toy_stage(tmp_path, monkeypatch):
+    """The throwaway stage module on the stages package's path and its section in config.Params,
+    for the test's length; yields the module's file (a test may edit it before the registry reads it)."""
+    folder = tmp_path / "more_stages"
+    folder.mkdir()
+    (folder / "toy.py").write_text(TOY)
+    monkeypatch.setattr(pipeline.stages, "__path__", [*pipeline.stages.__path__, str(folder)])
+    monkeypatch.setattr(config, "Params", ToyParams)
+    monkeypatch.setenv("PIPELINE_TRACKING", "off")
+    yield folder / "toy.py"
+    sys.modules.pop("pipeline.stages.toy", None)

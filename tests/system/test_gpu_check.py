@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
 import json
 import subprocess
@@ -18,35 +19,42 @@ sys.modules["gpu_check"] = gpu_check   # dataclasses look their module up there
 spec.loader.exec_module(gpu_check)
 
 
-def _params(batch_size: int):
-    from types import SimpleNamespace
-    return SimpleNamespace(sft=SimpleNamespace(batch_size=batch_size))
-
-
 def test_throughput_and_model_flops_by_hand(tmp_path):
+    from pipeline.config import Params, PPOConfig, PreferenceOptConfig, SFTConfig
+    params = Params(sft=SFTConfig(batch_size=32), dpo=PreferenceOptConfig(batch_size=16))
     out = tmp_path / "sft"
     out.mkdir()
     (out / "metrics.json").write_text(json.dumps({"train": {"steps": 10, "seconds": 4.0},
                                                   "resources": {"peak_rss_gib": 1.5, "wall_seconds": 9.0}}))
-    got = gpu_check.throughput(gpu_check.Run("sft", "sft", {}), out, _params(32), n=1_000_000, tokens_per_example=50.0)
+    got = gpu_check.throughput(gpu_check.Run("sft", "sft", {}), out, params, n=1_000_000, tokens_per_example=50.0)
     # 10 steps x 32 examples x 50 tokens in 4 s; 6 N FLOPs per trained token.
     assert got["tokens_per_second"] == pytest.approx(10 * 32 * 50 / 4.0)
     assert got["tflops"] == pytest.approx(6 * 1e6 * 4000 / 1e12)
     assert (got["resources/peak_rss_gib"], got["resources/wall_seconds"]) == (1.5, 9.0)
+    # The formula follows the section's kind: DPO's (a pair per example) as SFT's, at its own batch;
+    # KTO's and rejection sampling's examples are not a file's rows: time and memory only.
+    dpo = gpu_check.throughput(gpu_check.Run("dpo+lora", "dpo", {}), out, params, n=1_000_000, tokens_per_example=50.0)
+    assert dpo["tokens_per_second"] == pytest.approx(10 * 16 * 50 / 4.0)
+    for stage in ("kto", "rs", "evaluate"):
+        got = gpu_check.throughput(gpu_check.Run(stage, stage, {}), out, params, n=1_000_000, tokens_per_example=50.0)
+        assert sorted(got) == ["resources/peak_rss_gib", "resources/wall_seconds"], stage
 
     ppo = tmp_path / "ppo"
     ppo.mkdir()
     (ppo / "metrics.json").write_text("{}")
     (ppo / "train.tsv").write_text("step\ttokens_per_second/rollout\ttokens_per_second/update\tval/logprob_diff_mean"
                                    "\tval/logprob_diff_max\n1\t100\t50\t1e-6\t3e-5\n2\t200\t80\t2e-6\t1e-5\n")
-    got = gpu_check.throughput(gpu_check.Run("ppo", "ppo", {}), ppo, None, n=1_000_000, tokens_per_example=0)
+    got = gpu_check.throughput(gpu_check.Run("ppo", "ppo", {}), ppo, params, n=1_000_000, tokens_per_example=0)
     # The last iteration's rates (the first carries warm-up); the worst log-prob difference of all.
     assert (got["tokens_per_second"], got["update_tokens_per_second"]) == (200.0, 80.0)
     assert got["rollout_tflops"] == pytest.approx(2 * 1e6 * 200 / 1e12)
-    assert got["tflops"] == pytest.approx(6 * 1e6 * 2 * 80 / 1e12)       # actor and critic
+    assert got["tflops"] == pytest.approx(6 * 1e6 * 2 * 80 / 1e12)       # actor and critic (GAE)
     assert (got["val/logprob_diff_mean"], got["val/logprob_diff_max"]) == (2e-6, 3e-5)
-    grpo = gpu_check.throughput(gpu_check.Run("grpo", "grpo", {}), ppo, None, n=1_000_000, tokens_per_example=0)
+    grpo = gpu_check.throughput(gpu_check.Run("grpo", "grpo", {}), ppo, params, n=1_000_000, tokens_per_example=0)
     assert grpo["tflops"] == pytest.approx(6 * 1e6 * 80 / 1e12)          # no critic
+    shared = Params(ppo=PPOConfig(shared_backbone=True))                  # the critic a head on the actor
+    got = gpu_check.throughput(gpu_check.Run("ppo", "ppo", {}), ppo, shared, n=1_000_000, tokens_per_example=0)
+    assert got["tflops"] == pytest.approx(6 * 1e6 * 80 / 1e12)
 
 
 def test_the_base_model_has_the_asked_vocabulary_and_ends_on_its_eos(tmp_path):
@@ -66,15 +74,95 @@ def test_the_base_model_has_the_asked_vocabulary_and_ends_on_its_eos(tmp_path):
     assert gpu_check.DEFAULT.vocab >= 32_000 and gpu_check.DEFAULT.new_tokens >= 128
 
 
-def test_the_plain_suite_runs_every_registry_stage_and_the_deepspeed_one_each_zero_stage():
+def test_the_plain_suites_run_every_registry_stage_in_its_order_reading_the_folders_its_spec_names():
     from pipeline.stages import registry
-    assert {r.stage for r in gpu_check.runs(gpu_check.SUITES["1"])} == set(registry.specs()) - {"prepare"}
-    assert {r.stage for r in gpu_check.runs(gpu_check.SUITES["2"])} == set(registry.specs()) - {"prepare"}
+    specs = registry.specs()
+    vllm = ["ppo+vllm"] if importlib.util.find_spec("vllm") is not None else []
+    for suite in ("1", "2"):
+        runs = gpu_check.runs(gpu_check.SUITES[suite])
+        assert [r.name for r in runs] == ["sft", "sft+lora", "reward", "ppo", *vllm, "evaluate", "dpo+lora", "kto",
+                                          "grpo+lora", "rs", "compare"]
+        assert list(dict.fromkeys(r.stage for r in runs)) == [s for s in specs if s != "prepare"]
+        # Each run reads its SPEC's folders: the data, the random base for the SFT policy, and the
+        # model of the run standing for any other stage.
+        for r in runs:
+            assert list(r.inputs) == list(specs[r.stage].inputs), r.name
+        by_name = {r.name: r for r in runs}
+        assert by_name["evaluate"].inputs == {"data": "data", "sft": "base", "reward": "reward/model",
+                                              "ppo": "ppo/model"}
+        assert by_name["dpo+lora"].inputs == {"data": "data", "sft": "base"}
+        # compare measures every method, GRPO's and DPO's as the LoRA runs that stand for them.
+        assert by_name["compare"].policies == {"ppo": "ppo/model", "dpo+lora": "dpo-lora/model", "kto": "kto/model",
+                                               "grpo+lora": "grpo-lora/model", "rs": "rs/model"}
+        assert [r.name for r in runs if r.policies] == ["compare"]
+        assert {r.name for r in runs if r.lora} == {"sft+lora", "dpo+lora", "grpo+lora"}
+        assert by_name["grpo+lora"].params == {"grpo": {"lora": {"r": 16, "alpha": 32.0}}}
+    # The docs order the results with every variant, installed here or not.
+    every = [r.name for r in gpu_check.runs(gpu_check.SUITES["1"], every_variant=True)]
+    assert every.index("ppo") + 1 == every.index("ppo+vllm")
+    assert gpu_check.runs(gpu_check.SUITES["1"], every_variant=True)[every.index("ppo+vllm")].params == {
+        "ppo": {"rollout_engine": "vllm"}}
     ds1 = gpu_check.runs(gpu_check.SUITES["ds1"])
     zero = {r.name: r.params.get(r.stage, {}).get("distributed", {}) for r in ds1}
     assert zero["sft"] == {"zero_stage": 2} and zero["sft+lora"] == {"zero_stage": 3, "gradient_checkpointing": True}
     assert gpu_check.check_params(gpu_check.TINY, gpu_check.SUITES["ds1"], False, Path("b"))["distributed"] == {
         "backend": "deepspeed", "num_processes": 1, "zero_stage": 3, "precision": "fp32", "device": "auto"}
+
+
+def test_a_variant_of_a_stage_the_registry_lacks_is_an_error(monkeypatch):
+    monkeypatch.setattr(gpu_check, "VARIANTS", (*gpu_check.VARIANTS, gpu_check.Variant("orpo+lora", "orpo", {})))
+    with pytest.raises(ValueError, match="the variant orpo\\+lora runs the stage 'orpo', which no module"):
+        gpu_check.runs(gpu_check.SUITES["1"])
+
+
+def test_each_section_is_sized_by_its_kind_and_the_check_params_load(tmp_path):
+    from ruamel.yaml import YAML
+
+    from pipeline.config import PPOConfig, SupervisedConfig, check_process_shape
+    from pipeline.stages import registry
+    seq = 64 + gpu_check.TINY.new_tokens
+    repo_params = YAML(typ="safe", pure=True).load((REPO / "params.yaml").read_text())
+    for suite in gpu_check.SUITES.values():
+        got = gpu_check.check_params(gpu_check.TINY, suite, False, tmp_path / "base")
+        sections = gpu_check.stage_sections()
+        for name, section in sections.items():
+            fields = {f.name for f in dataclasses.fields(section)}
+            assert set(got.get(name, {})) <= fields, name      # only keys the section's class has
+            if issubclass(section, SupervisedConfig):
+                assert {k: got[name][k] for k in ("batch_size", "epochs", "max_length")} == {
+                    "batch_size": 8, "epochs": 1.0, "max_length": seq}, name
+            if issubclass(section, PPOConfig):
+                assert (got[name]["iterations"], got[name]["rollout_batch_size"], got[name]["sampling"]) == (
+                    2, 8, {"max_new_tokens": gpu_check.TINY.new_tokens}), name
+        # The fields some sections add: SFT's samples, the RM's SFT samples, each method's held-out
+        # prompts; rejection sampling's training prompts and candidates; GRPO's groups.
+        assert (got["sft"]["n_eval_generations"], got["reward"]["n_sft_samples"], got["dpo"]["n_eval_prompts"],
+                got["kto"]["n_eval_prompts"]) == (4, 4, 4, 4)
+        assert (got["rs"]["n_prompts"], got["rs"]["n"], got["rs"]["sampling"]) == (8, 2, got["sft"]["sampling"])
+        assert "sampling" not in got["reward"] and "n_eval_prompts" not in got["sft"]
+        assert got["grpo"]["samples_per_prompt"] == 4 and "samples_per_prompt" not in got["ppo"]
+        # Merged over params.yaml, they load and pass every stage's checks at this suite's processes.
+        path = tmp_path / f"params-{suite.name}.yaml"
+        path.write_text(json.dumps(gpu_check.merge(repo_params, got)))
+        params = registry.load_params(path)
+        for name in registry.shape_checked("start"):   # the others' are checked at load
+            check_process_shape(params, name)
+
+
+def test_a_new_stage_module_is_in_the_check_with_its_spec_folders_and_its_kind_sizes(toy_stage):
+    # The throwaway method reads the reward model too; its section is SFT's kind (ToyParams).
+    text = toy_stage.read_text()
+    assert 'inputs=("data", "sft")' in text
+    toy_stage.write_text(text.replace('inputs=("data", "sft")', 'inputs=("data", "sft", "reward")'))
+    runs = gpu_check.runs(gpu_check.SUITES["1"])
+    names = [r.name for r in runs]
+    toy = runs[names.index("toy")]
+    assert (toy.stage, toy.inputs, toy.params, toy.lora) == (
+        "toy", {"data": "data", "sft": "base", "reward": "reward/model"}, {}, False)
+    assert names.index("rs") < names.index("toy") < names.index("compare")       # the registry's order
+    assert runs[names.index("compare")].policies["toy"] == "toy/model"           # a method compare measures
+    params = gpu_check.check_params(gpu_check.TINY, gpu_check.SUITES["1"], False, Path("b"))
+    assert params["toy"] == params["sft"]
 
 
 def test_a_stage_that_computed_on_the_cpu_while_on_the_gpu_fails_the_check():

@@ -240,4 +240,5 @@ def test_every_stage_loads_its_trained_models_in_fp32_and_its_frozen_ones_as_the
                 for cls, folder, asked, held, model in loads]
         seen[name] = {row[:3] for row in rows}
         assert [row for row in rows if row[3:] != (torch.float32, {torch.float32})] == [], name
-    assert seen == LOADS
+    # A stage LOADS does not list yet (a new method) is held to the rule above; the listed ones to their loads too.
+    assert {name: got for name, got in seen.items() if name in LOADS} == LOADS

@@ -1,86 +1,32 @@
 """A stage is one module: a throwaway stage module, put on the stages package's path and edited
 nowhere else, shows up in the command line, `check --data`, the memory plan, the metric registry,
 the MLflow headline, parent params and model registry, and the methods benchmark. The one edit outside its module a real stage also needs is its
-params section (config.Params); here a Params subclass with a `toy` section stands in for it."""
+params section (config.Params); here a Params subclass with a `toy` section stands in for it (the
+`toy_stage` fixture of tests/conftest.py)."""
 
 from __future__ import annotations
 
-import dataclasses
 import importlib.util
 import subprocess
 import sys
-from dataclasses import field
 from pathlib import Path
 
-import pytest
+from ruamel.yaml import YAML
 
-import pipeline.stages
 from conftest import REPO
 from pipeline import config
 from pipeline.__main__ import _parser, commands, main
-from pipeline.config import DataConfig, SFTConfig
+from pipeline.config import DataConfig
 from pipeline.stages import metric_registry, registry, skeleton
+from pipeline.tracking import model_card
 from pipeline.stages.prepare import write as prepare_run
-
-TOY = '''
-"""A throwaway method: measures nothing, trains nothing."""
-from pathlib import Path
-
-from ..training import memory_plan
-from ..tracking.metric_names import Metric
-from ..tracking.model_card import ModelFacts
-from .skeleton import stage_run
-from .spec import StageSpec
-
-
-def plan(params, shapes):
-    if not shapes.ready("sft"):
-        return None
-    sft = shapes.model("sft")
-    return memory_plan.supervised_planner("toy", params, sft, (sft,))
-
-
-def check(params, data_dir):
-    (data_dir / "toy_checked").write_text(str(params.toy.seed))
-
-
-SPEC = StageSpec(
-    "toy", help="a throwaway method", inputs=("data", "sft"), pipeline="compare", policy=True,
-    headline=("eval/toy_score",), plan=plan, parent_params=("toy.seed",), check_inputs=check,
-    model=ModelFacts("the toy policy", "nothing at all", "rlhf-toy-policy", "A toy."),
-    metrics=lambda: [Metric("toy", "metrics.json", "eval/toy_score", "how toy it is", "compare")],
-    files={"metrics.json": "the toy's score"}, reads=("toy.seed",))
-
-
-def run(params, data_dir, sft_dir, out, progress=True):
-    with stage_run(SPEC, params, out, [data_dir]) as run:
-        metrics = {"eval/toy_score": 0.25 + run.params.toy.seed}
-        run.finish(metrics)
-    return metrics
-'''
-
-
-@dataclasses.dataclass(frozen=True)
-class ToyParams(config.Params):
-    toy: SFTConfig = field(default_factory=SFTConfig)   # the toy's params section
-
-
-@pytest.fixture
-def toy_stage(tmp_path, monkeypatch):
-    folder = tmp_path / "more_stages"
-    folder.mkdir()
-    (folder / "toy.py").write_text(TOY)
-    monkeypatch.setattr(pipeline.stages, "__path__", [*pipeline.stages.__path__, str(folder)])
-    monkeypatch.setattr(config, "Params", ToyParams)
-    monkeypatch.setenv("PIPELINE_TRACKING", "off")
-    yield folder / "toy.py"
-    sys.modules.pop("pipeline.stages.toy", None)
-
 
 def test_a_new_stage_module_is_seen_everywhere_stages_are_listed(toy_stage, tmp_path, monkeypatch, capsys):
     # The registry: a compare-pipeline method, ordered by what it reads (the SFT model, as dpo).
     specs = registry.specs()
-    assert list(specs)[-6:] == ["dpo", "kto", "toy", "grpo", "rs", "compare"] and registry.methods()["toy"] == ("sft",)
+    order = list(specs)   # among the methods reading the SFT model alone, by name; before those reading more
+    assert order.index("kto") < order.index("toy") < order.index("grpo") and order[-1] == "compare"
+    assert registry.methods()["toy"] == ("sft",)
     # The command line: a subcommand with its folders, defaults from the stages that write them.
     assert commands()["toy"] == ("a throwaway method", {"data": "data/prepared", "sft": "outputs/sft/model",
                                                          "out": "outputs/toy"})
@@ -128,16 +74,32 @@ def test_a_new_stage_module_is_seen_everywhere_stages_are_listed(toy_stage, tmp_
     spec.loader.exec_module(bench)
     assert bench.METHODS["toy"] == ("sft",)
 
+    # Its model card's words, and its row of docs/architecture.md's stage table.
+    card = model_card.card("toy", registry.spec("toy").model, {"toy": {"seed": 2}}, {"eval/toy_score": 2.25}, "0.1")
+    assert "the toy policy" in card and "nothing at all" in card and "2.25" in card
+    spec = importlib.util.spec_from_file_location("render_docs_toy", REPO / "scripts" / "render_docs.py")
+    docs = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(docs)
+    assert ("| `toy` (`stages/toy.py`) | compare/dvc.yaml | `data/prepared`, `outputs/sft/model` | `outputs/toy/` | "
+            "a throwaway method |") in docs.render_stages(REPO).splitlines()
 
-def test_the_registry_is_the_shipped_stages_in_pipeline_order():
+
+def test_the_registry_is_the_pipeline_files_stages_in_pipeline_order():
     specs = registry.specs()
-    assert list(specs) == ["prepare", "sft", "reward", "ppo", "evaluate", "dpo", "kto", "grpo", "rs", "compare"]
-    assert registry.training() == ("sft", "reward", "ppo", "dpo", "kto", "grpo", "rs")
-    assert registry.shape_checked("load") == ("sft", "reward", "ppo")
-    assert registry.shape_checked("start") == ("dpo", "kto", "grpo", "rs")
+    order, yaml = list(specs), YAML(typ="safe")
+    default, methods = (list(yaml.load((REPO / f).read_text(encoding="utf-8"))["stages"])
+                        for f in ("dvc.yaml", "compare/dvc.yaml"))
+    # The default pipeline first, as dvc.yaml runs it; compare/dvc.yaml's after it, compare last.
+    assert order[:len(default)] == default == ["prepare", "sft", "reward", "ppo", "evaluate"]
+    assert sorted(order[len(default):]) == sorted(methods) and order[-1] == "compare"
+    for name, spec in specs.items():   # each after the stages whose folders it reads
+        assert all(order.index("prepare" if f == "data" else f) < order.index(name) for f in spec.inputs), name
+    assert registry.training() == tuple(n for n, s in specs.items() if s.training)
+    assert registry.shape_checked("load") == ("sft", "reward", "ppo")   # the default pipeline's: at load
+    assert registry.shape_checked("start") == tuple(n for n in order[len(default):] if specs[n].training)
     assert registry.cluster_checked() == ("sft", "reward", "ppo", "evaluate")
-    assert registry.methods() == {"ppo": ("sft", "reward"), "dpo": ("sft",), "kto": ("sft",),
-                                  "grpo": ("sft", "reward"), "rs": ("sft", "reward")}
+    assert {"ppo", "dpo", "kto", "grpo", "rs"} <= set(registry.methods())
+    assert registry.methods()["ppo"] == registry.methods()["rs"] == ("sft", "reward") and registry.methods()["dpo"] == ("sft",)
     # Each section with `distributed` of its own is a distributed stage's, and the reverse.
     assert set(config.distributed_sections()) == set(registry.distributed())
 
