@@ -80,8 +80,10 @@ def test_the_plain_suites_run_every_registry_stage_in_its_order_reading_the_fold
     vllm = ["ppo+vllm"] if importlib.util.find_spec("vllm") is not None else []
     for suite in ("1", "2"):
         runs = gpu_check.runs(gpu_check.SUITES[suite])
-        assert [r.name for r in runs] == ["sft", "sft+lora", "reward", "ppo", *vllm, "evaluate", "dpo+lora", "kto",
-                                          "grpo+lora", "rs", "compare"]
+        # Today's stages as the committed results name them (a stage added later runs in its place in
+        # the registry's order, checked by the next line).
+        shipped = ["sft", "sft+lora", "reward", "ppo", *vllm, "evaluate", "dpo+lora", "kto", "grpo+lora", "rs", "compare"]
+        assert [r.name for r in runs if r.name.split("+")[0] in {n.split("+")[0] for n in shipped}] == shipped
         assert list(dict.fromkeys(r.stage for r in runs)) == [s for s in specs if s != "prepare"]
         # Each run reads its SPEC's folders: the data, the random base for the SFT policy, and the
         # model of the run standing for any other stage.
@@ -92,8 +94,11 @@ def test_the_plain_suites_run_every_registry_stage_in_its_order_reading_the_fold
                                               "ppo": "ppo/model"}
         assert by_name["dpo+lora"].inputs == {"data": "data", "sft": "base"}
         # compare measures every method, GRPO's and DPO's as the LoRA runs that stand for them.
-        assert by_name["compare"].policies == {"ppo": "ppo/model", "dpo+lora": "dpo-lora/model", "kto": "kto/model",
-                                               "grpo+lora": "grpo-lora/model", "rs": "rs/model"}
+        policies = by_name["compare"].policies
+        assert {name.split("+")[0] for name in policies} == set(registry.methods())
+        assert {k: v for k, v in policies.items() if k.split("+")[0] in ("ppo", "dpo", "kto", "grpo", "rs")} == {
+            "ppo": "ppo/model", "dpo+lora": "dpo-lora/model", "kto": "kto/model", "grpo+lora": "grpo-lora/model",
+            "rs": "rs/model"}
         assert [r.name for r in runs if r.policies] == ["compare"]
         assert {r.name for r in runs if r.lora} == {"sft+lora", "dpo+lora", "grpo+lora"}
         assert by_name["grpo+lora"].params == {"grpo": {"lora": {"r": 16, "alpha": 32.0}}}
