@@ -596,37 +596,42 @@ class GRPOConfig(PPOConfig):
 
 
 @dataclass(frozen=True)
-class EvaluateConfig:
-    """`evaluate`: SFT, best-of-n and PPO policies on the held-out prompts (sampled as in `prompts.sampling`)."""
+class MeasuringConfig:
+    """The keys the measuring stages (`evaluate`, `compare`) share: the held-out prompts they sample
+    (as `prompts.sampling` says), the best-of-n baselines drawn from SFT, the win rates' bootstrap."""
     seed: int = num(0, ge=0)
     n_prompts: int = num(200, ge=2)
-    best_of_n: tuple[int, ...] = num((4, 16, 64), ge=2, doc="samples per prompt of each best-of-n baseline")
+    best_of_n: tuple[int, ...] = num((4, 16, 64), ge=2, doc="samples per prompt of each best-of-n baseline from SFT")
     bootstrap: int = num(1000, ge=100, doc="bootstrap resamples for win-rate intervals")
-    n_samples_shown: int = num(12, ge=0, doc="rows of the sample table in the report")
     distributed: DistributedConfig = field(default_factory=DistributedConfig)  # merged over the top level
+
+    _section: typing.ClassVar[str] = ""
+    _baselines_required: typing.ClassVar[bool] = False   # whether best_of_n may be empty (no baseline)
 
     def __post_init__(self) -> None:
         # Nested subsets: best-of-n keeps the RM's favourite among the first n of max(n) samples.
         ns = self.best_of_n
-        if not ns or any(a >= b for a, b in zip(ns, ns[1:])):
-            raise ConfigError(f"evaluate.best_of_n: expected a non-empty, strictly increasing list of sample "
-                              f"counts, got {list(ns)}")
+        if (self._baselines_required and not ns) or any(a >= b for a, b in zip(ns, ns[1:])):
+            raise ConfigError(f"{self._section}.best_of_n: expected a {'non-empty, ' * self._baselines_required}"
+                              f"strictly increasing list of sample counts, got {list(ns)}")
 
 
 @dataclass(frozen=True)
-class CompareConfig:
-    """`compare`: every alignment method of compare/dvc.yaml, SFT and best-of-n on the same held-out
-    prompts (sampled as in `prompts.sampling`), judged by the same reward model and gold annotator."""
-    seed: int = num(0, ge=0)
-    n_prompts: int = num(200, ge=2)
-    best_of_n: tuple[int, ...] = num((4, 16, 64), ge=2, doc="best-of-n baselines from SFT; empty: none")
-    bootstrap: int = num(1000, ge=100, doc="bootstrap resamples for win-rate intervals")
-    distributed: DistributedConfig = field(default_factory=DistributedConfig)  # merged over the top level
+class EvaluateConfig(MeasuringConfig):
+    """`evaluate`: SFT, best-of-n and PPO policies on the held-out prompts (sampled as in `prompts.sampling`)."""
+    n_samples_shown: int = num(12, ge=0, doc="rows of the sample table in the report")
 
-    def __post_init__(self) -> None:
-        ns = self.best_of_n
-        if any(a >= b for a, b in zip(ns, ns[1:])):
-            raise ConfigError(f"compare.best_of_n: expected a strictly increasing list of sample counts, got {list(ns)}")
+    _section: typing.ClassVar[str] = "evaluate"
+    _baselines_required: typing.ClassVar[bool] = True   # its report sets PPO against best-of-n
+
+
+@dataclass(frozen=True)
+class CompareConfig(MeasuringConfig):
+    """`compare`: every alignment method of compare/dvc.yaml, SFT and best-of-n on the same held-out
+    prompts (sampled as in `prompts.sampling`), judged by the same reward model and gold annotator;
+    `best_of_n` empty: no baseline."""
+
+    _section: typing.ClassVar[str] = "compare"
 
 
 @dataclass(frozen=True)

@@ -30,7 +30,7 @@ from ..errors import ConfigError, DataError, shown
 from ..measurement.plots import close_figure, pyplot, save_figure
 from ..tracking.sinks import StepLog
 from ..tracking.metric_names import METRICS_JSON, Metric
-from .spec import StageSpec
+from .spec import StageSpec, reads_held_out_prompts
 
 if TYPE_CHECKING:   # annotations only: importing these loads torch, and listing the stages must not
     from ..training import memory_plan
@@ -72,7 +72,7 @@ SPEC = StageSpec(
     inputs=("data", "sft", "reward"), measuring=True, pipeline="compare",
     headline=("*/gold", "*/rm", "*/kl", "win_rate/*_vs_sft_gold", "win_rate/*_vs_sft_rm"),
     parent_params=("compare.n_prompts", "compare.best_of_n"),
-    check_inputs=lambda params, data_dir: check_inputs(params, data_dir),
+    check_inputs=reads_held_out_prompts,
     metrics=declared_metrics, files=METRIC_FILES,
     plan=lambda params, shapes: memory_plan_of(params, shapes),
     summary=lambda metrics, folders: [f"compare: wrote {folders['out']}; report: {folders['out'] / 'report.md'}",
@@ -91,13 +91,6 @@ SPEC = StageSpec(
 # Per-policy measures, in table order; `resources` come from the method stage's metrics.json.
 MEASURES = ("rm", "gold", "kl", "length", "eos_rate", "distinct_2")
 RESOURCES = ("wall_seconds", "peak_rss_gib")
-
-
-def check_inputs(params: Params, data_dir: Path) -> None:
-    """What the stage reads before its first step: the held-out prompts."""
-    from ..data import inputs
-    from ..data import inputs
-    inputs.prompts(params, data_dir, "eval")
 
 
 def parse_policies(specs: list[str]) -> dict[str, Path]:

@@ -30,7 +30,7 @@ from ..tracking.sinks import StepLog
 from ..context import SINGLE, Context
 from . import registry
 from ..tracking.metric_names import METRICS_JSON, Metric
-from .spec import StageSpec
+from .spec import StageSpec, reads_held_out_prompts
 
 if TYPE_CHECKING:   # annotations only: importing these loads torch, and listing the stages must not
     from ..measurement.policy import Measured
@@ -91,7 +91,7 @@ SPEC = StageSpec(
     measuring=True, headline=("*/gold", "*/rm", "*/kl", "win_rate/ppo_vs_sft_gold", "win_rate/ppo_vs_sft_rm"),
     headline_prefixed=False,     # its names already say the policy (`ppo/gold`): the pipeline's own numbers
     parent_params=("evaluate.n_prompts", "evaluate.best_of_n"),
-    check_inputs=lambda params, data_dir: check_inputs(params, data_dir),
+    check_inputs=reads_held_out_prompts,
     metrics=declared_metrics, files=METRIC_FILES, notes=METRIC_NOTES,
     plan=lambda params, shapes: memory_plan_of(params, shapes),
     summary=lambda metrics, folders: console_lines(metrics, folders), reads=(
@@ -100,13 +100,6 @@ SPEC = StageSpec(
     "prompts",                   # held-out prompts, how they are sampled, the gold judge switch
     "evaluate", "distributed",
 ))
-
-
-def check_inputs(params: Params, data_dir: Path) -> None:
-    """What the stage reads before its first step: the held-out prompts."""
-    from ..data import inputs
-    from ..data import inputs
-    inputs.prompts(params, data_dir, "eval")
 
 
 def policies(cfg: EvaluateConfig) -> tuple[str, ...]:

@@ -132,7 +132,6 @@ log = logging.getLogger(__name__)
 def memory_plan_of(params: Params, shapes: memory_plan.Shapes, section: str = "ppo") -> Optional[memory_plan.Planner]:
     """The four PPO models (or the critic-free three) of `section` (ppo, or grpo's copy of its keys)."""
     from ..training import memory_plan
-    from ..training import memory_plan
     return memory_plan.rl_planner(params, section, shapes)
 
 

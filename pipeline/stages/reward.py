@@ -31,7 +31,6 @@ if TYPE_CHECKING:   # annotations only: importing these loads torch, and listing
     from ..measurement.policy import Measured
     from ..models import reward_model as rm
     from ..training import memory_plan
-    from ..training.supervised import SupervisedTask
     from .skeleton import StageRun
 
 # docs/metrics.md: the note under each file the stage writes
@@ -300,7 +299,7 @@ def train(run: StageRun, data_dir: Path, sft_dir: Path, progress: bool = True):
     """Train, normalise and measure; in a multi-process run rank 0 returns the whole model, the
     other ranks (None, tokenizer, {})."""
     import torch
-    from ..measurement.policy import measure, whole
+    from ..measurement.policy import whole
     from ..models import lora, reward_model as rm
     from ..models.checkpoints import load_kwargs
     from ..training import loading, supervised
@@ -375,7 +374,6 @@ def eval_pairs_loss(model, tok, pairs: list[Pair], max_length: int, ctx: Context
 def memory_plan_of(params: Params, shapes: memory_plan.Shapes) -> Optional[memory_plan.Planner]:
     """One trained scalar-head model: reward.name_or_path's checkpoint, or the SFT policy's trunk;
     its measurement loads the SFT policy beside it (the SFT samples it scores)."""
-    from ..models import reward_model as rm
     from ..training import memory_plan
     from ..training.memory_terms import checkpoint_shape, with_attention
     name, attn = params.reward.name_or_path, params.model.attn_implementation

@@ -27,19 +27,17 @@ freed before the first training step (the memory plan counts the fine-tuning and
 
 from __future__ import annotations
 
-import logging
 import math
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Optional
 
 from ..config import Params
-from ..files import parse_json, read_input, write_jsonl
-from ..errors import DataError, UserError, check_finite
+from ..errors import DataError, check_finite
 from ..measurement.stats import mean_ci
 from ..context import SINGLE, Context
-from ..workflow import code_deps
 from ..tracking.metric_names import METRICS_JSON, Metric
 from ..tracking.model_card import ModelFacts
+from . import sampled
 from .spec import StageSpec
 
 if TYPE_CHECKING:   # annotations only: importing these loads torch, and listing the stages must not
@@ -102,7 +100,6 @@ SPEC = StageSpec(
 # fingerprint whole (the prompts, the RM's max_length, the judge's condition).
 SAMPLING_KEYS = ("seed", "n", "n_prompts", "sampling", "min_score")
 WINNERS = "winners.jsonl"
-log = logging.getLogger(__name__)
 
 
 def pick_winners(scores: list[list[float]]) -> list[int]:
@@ -148,48 +145,18 @@ def sample_candidates(policy, tok, prompts: list, params: Params, reward, judge,
     return [per[d.name] for d in draws]
 
 
-def sampling_fingerprint(run: StageRun, local_inputs: list) -> str:
-    """What the winners depend on: the sampling params, the input folders and the stage's code (the
-    resume fingerprint without the fine-tuning params, so changing only those reuses the winners)."""
-    from ..training.resume import fingerprint, input_paths
-    from .skeleton import ROOT
-    config = {k: v for k, v in run.resolved.items() if k != "rs"}
-    config["rs"] = {k: run.resolved["rs"][k] for k in SAMPLING_KEYS}
-    code = [ROOT / f for f in sorted(code_deps.closure(ROOT, SPEC.name))]
-    return fingerprint({"winners": config}, [*input_paths(*local_inputs), *code])
-
-
-def write_winners(path: Path, fp: str, rows: list[dict], stats: dict[str, float]) -> None:
-    write_jsonl(path, [{"fingerprint": fp, "stats": stats}, *rows])
+def winner_problem(row: dict) -> Optional[str]:
+    """What is wrong with a row of a winners file read back (sampled.read), or None."""
+    rm = row.get("rm")
+    if not isinstance(row.get("response"), str) or not isinstance(row.get("prompt"), (str, list)) \
+            or isinstance(rm, bool) or not isinstance(rm, (int, float)) or not math.isfinite(rm):
+        return "a winner needs a text prompt and response and a finite rm score"
+    return None
 
 
 def read_winners(path: Path, fp: str) -> Optional[tuple[list[dict], dict[str, float]]]:
-    """(rows, stats) of a winners file written for fingerprint `fp`; None when there is none, or it
-    was written for other params, inputs or code (or cannot be read: it is then sampled again)."""
-    if not path.exists():
-        return None
-    try:
-        # The guarded reader (a regular file, of bounded size), then every field the stage uses
-        # checked: the file is ours, but a user may have edited, cut or replaced it.
-        text = read_input(path, "winners file").decode("utf-8")
-        header, *rows = [parse_json(line) for line in text.splitlines() if line.strip()]
-        if header.get("fingerprint") != fp:
-            log.warning("rs: %s was sampled with other params, inputs or code; sampling again", path)
-            return None
-        if not rows:
-            raise ValueError("no winners")
-        for i, r in enumerate(rows):
-            if not isinstance(r, dict) or not isinstance(r.get("response"), str) \
-                    or not isinstance(r.get("prompt"), (str, list)) or isinstance(r.get("rm"), bool) \
-                    or not isinstance(r.get("rm"), (int, float)) or not math.isfinite(r["rm"]):
-                raise ValueError(f"line {i + 2}: a winner needs a text prompt and response and a finite rm score")
-        stats = header["stats"]
-        if not isinstance(stats, dict) or not all(isinstance(v, (int, float)) for v in stats.values()):
-            raise ValueError("line 1: stats must map names to numbers")
-        return [{**r, "where": f"{path}:{i + 2}"} for i, r in enumerate(rows)], dict(stats)
-    except (UserError, ValueError, AttributeError, KeyError, TypeError, UnicodeDecodeError) as err:
-        log.warning("rs: %s cannot be reused (%s); sampling again", path, err)
-        return None
+    """(rows, stats) of a winners file written for fingerprint `fp`, or None (sampled.read)."""
+    return sampled.read(path, fp, "winners", winner_problem)
 
 
 def winners(run: StageRun, sft_policy, tok, prompts: list, reward_dir: Path, fp: str) -> tuple[list[dict], dict]:
@@ -198,8 +165,9 @@ def winners(run: StageRun, sft_policy, tok, prompts: list, reward_dir: Path, fp:
     from ..data import inputs
     from ..models.reward_source import RewardModelSource
     from ..training import loading
-    params, path, ctx = run.params, run.folder / WINNERS, run.ctx
-    if read_winners(path, fp) is None:   # every rank reads the same file: all sample, or none
+    params, ctx = run.params, run.ctx
+
+    def draw() -> Optional[tuple[list[dict], dict]]:
         dtype = next(sft_policy.parameters()).dtype
         reward = RewardModelSource(reward_dir, params.reward.max_length, params.model.trust_remote_code,
                                    device=ctx.device, dtype=dtype)
@@ -207,14 +175,8 @@ def winners(run: StageRun, sft_policy, tok, prompts: list, reward_dir: Path, fp:
         policy = loading.Loaded(sft_policy if loading.is_partitioned(sft_policy) else sft_policy.to(ctx.device))
         cands = sample_candidates(policy, tok, prompts, params, reward, inputs.judge(params), ctx)
         del reward   # freed before the first training step
-        if ctx.is_main:
-            rows, stats = select(prompts, cands, params.rs.min_score)
-            write_winners(path, fp, rows, stats)
-    ctx.barrier()
-    found = read_winners(path, fp)
-    if found is None:
-        raise RuntimeError(f"{path}: the winners rank 0 wrote cannot be read here (is the output folder shared?)")
-    return found
+        return select(prompts, cands, params.rs.min_score) if ctx.is_main else None
+    return sampled.reused_or_sampled(run, run.folder / WINNERS, fp, "winners", winner_problem, draw)
 
 
 def measure_policy(model, tok, params: Params, sft_dir: Path, reward_dir: Path, prompts: list,
@@ -266,14 +228,9 @@ def train(run: StageRun, data_dir: Path, sft_dir: Path, reward_dir: Path,
     eval_rows = inputs.demonstrations(params, data_dir, "eval")
     eval_prompts = inputs.prompts(params, data_dir, "eval")[:cfg.n_eval_prompts]
     model, tok = load_sft(params, sft_dir, ctx)
-    prompts, p_trunc, p_drop = inputs.fit_prompts(records, tok, params.prompts.max_length, params.prompts.overlong,
-                                                   "prompts.max_length")
-    if cfg.n_prompts is not None and len(prompts) < cfg.n_prompts:
-        raise DataError(f"rs.n_prompts: {cfg.n_prompts} prompts asked for, the train split of prompts.dataset has "
-                        f"{len(prompts)} (after prompts.overlong); lower it, or set it to null for all")
-    prompts = prompts[:cfg.n_prompts]
+    prompts, counts = sampled.training_prompts(params, records, tok, "rs")
     # 2. The winners (the SFT weights are untouched by sampling: the same model is trained next).
-    fp = sampling_fingerprint(run, [data_dir, sft_dir, reward_dir, params.prompts.dataset.path])
+    fp = sampled.fingerprint(run, SAMPLING_KEYS, [data_dir, sft_dir, reward_dir, params.prompts.dataset.path], "winners")
     rows, sampling_stats = winners(run, model, tok, prompts, reward_dir, fp)
     # 3. SFT on the winners, from the SFT weights.
     recipe = demonstrations.recipe(
@@ -281,7 +238,7 @@ def train(run: StageRun, data_dir: Path, sft_dir: Path, reward_dir: Path,
         measure=lambda engine: measure_policy(engine, tok, params, sft_dir, reward_dir, eval_prompts, ctx),  # every rank
         # 4. The sampling statistics and the trained policy's measurement.
         report=lambda model, result, measured: {**sampling_stats, **measured},
-        counts={"data/prompts_truncated": p_trunc, "data/prompts_dropped": p_drop})
+        counts=counts)
     model, metrics = supervised.run("rs", cfg, recipe, out, run.checkpoint, run.tracker, ctx, run.fingerprint, progress)
     return model, tok, metrics
 

@@ -40,6 +40,13 @@ class UndeclaredParam(RuntimeError):
     """Stage code read a param its SPEC does not declare (a bug in the stage, not in params)."""
 
 
+def reads_held_out_prompts(params: Params, data_dir: Path) -> None:
+    """`check_inputs` of a stage whose only input of its own is the held-out prompts (the measuring
+    stages): reads, and so validates, them."""
+    from ..data import inputs
+    inputs.prompts(params, data_dir, "eval")
+
+
 def default_path(folder: str) -> str:
     """Where an input folder is by default: what the stage of that name writes (`data` is the
     prepare stage's output; a model is its stage's `model/`), as dvc.yaml passes it."""

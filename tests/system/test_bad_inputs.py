@@ -597,7 +597,7 @@ def test_a_reused_winners_file_that_does_not_hold_winners_is_sampled_again(tmp_p
             path.write_text(json.dumps(header) + "\n" + json.dumps(good)[:10])
         else:
             path.write_text("".join(json.dumps(r) + "\n" for r in rows))
-        with caplog.at_level(logging.WARNING, logger="pipeline.stages.rs"):
+        with caplog.at_level(logging.WARNING, logger="pipeline.stages.sampled"):
             caplog.clear()
             assert rs.read_winners(path, "fp") is None, name
         assert "cannot be reused" in caplog.text and "sampling again" in caplog.text, name
