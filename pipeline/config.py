@@ -338,6 +338,26 @@ class PreferenceOptConfig(PairMethodConfig):
 
 
 @dataclass(frozen=True)
+class OnPolicyDPOConfig(PreferenceOptConfig):
+    """`onpolicy_dpo`: DPO on pairs the SFT policy samples itself, one round of on-policy preference
+    optimisation (Dong et al. 2024, RLHF Workflow; Xiong et al. 2024): `samples_per_prompt` samples
+    of each training prompt (the train split of `prompts`, cut to prompts.max_length) scored by the
+    reward model, the best against the worst of each prompt one pair, then the loss of `method` on
+    those pairs as the `dpo` stage trains (pipeline/stages/onpolicy_dpo.py). `dataset` gives the
+    held-out pairs only (its train split is read for the leakage check)."""
+    samples_per_prompt: int = num(4, ge=2, le=4, doc="samples per prompt, the RM's best and worst of them one pair")
+    n_prompts: Optional[int] = num(None, ge=1, doc="the first this many training prompts (prompts.dataset) are sampled; None: all")
+    sampling: SamplingConfig = field(default_factory=SamplingConfig)   # how the SFT policy samples the pairs' responses
+    # Two passes over at most one pair per prompt: by the end of the second the training pairs are
+    # all ranked right and the held-out pairs' loss has turned up, so more passes overfit.
+    epochs: float = num(2.0, gt=0.0, doc="passes over the sampled pairs")
+    eval_every: int = num(20, ge=1)
+    save_every: int = num(20, ge=1, doc="steps between resumable checkpoints")
+
+    _section: typing.ClassVar[str] = "onpolicy_dpo"
+
+
+@dataclass(frozen=True)
 class KTOConfig(PairMethodConfig):
     """`kto`: Kahneman-Tversky Optimisation (Ethayarajh et al. 2024) of the SFT policy on unpaired
     feedback made from the preference pairs: the chosen responses of one half of the pairs are
@@ -645,6 +665,7 @@ class Params:
     ppo: PPOConfig = field(default_factory=PPOConfig)
     dpo: PreferenceOptConfig = field(default_factory=PreferenceOptConfig)
     kto: KTOConfig = field(default_factory=KTOConfig)
+    onpolicy_dpo: OnPolicyDPOConfig = field(default_factory=OnPolicyDPOConfig)
     rs: RejectionSamplingConfig = field(default_factory=RejectionSamplingConfig)
     grpo: GRPOConfig = field(default_factory=GRPOConfig)   # a subclass, so a partial section keeps GRPO's defaults
     evaluate: EvaluateConfig = field(default_factory=EvaluateConfig)
