@@ -12,7 +12,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from conftest import TINY, assert_same_run, merge, tiny_policy_and_reward_model
+from conftest import TINY, assert_same_run, merge, tiny_policy_and_reward_model, write_easy_pairs
 from pipeline.config import DataConfig, Params, from_dict
 from pipeline.data.preferences import Pair, load_pairs
 from pipeline.errors import ConfigError, DataError
@@ -44,14 +44,7 @@ def sft_dir(data, tmp_path_factory) -> Path:
 def easy_pairs(data, tmp_path_factory) -> str:
     """The prepared prompts with an easy preference: both responses share the start of a prepared
     answer, the chosen one ends with "great", the rejected one with "awful"."""
-    root = tmp_path_factory.mktemp("easy")
-    for split, name in (("train", "pairs_train.jsonl"), ("test", "pairs_eval.jsonl")):
-        rows = [json.loads(line) for line in (data / name).read_text().splitlines()]
-        with open(root / f"pairs_{split}.jsonl", "w") as f:
-            for r in rows:
-                base = " ".join(r["chosen"].split()[:6])
-                f.write(json.dumps({"prompt": r["prompt"], "chosen": f"{base} great", "rejected": f"{base} awful"}) + "\n")
-    return str(root / "pairs_{split}.jsonl")
+    return write_easy_pairs(data, tmp_path_factory.mktemp("easy"))
 
 
 def _params(**dpo) -> Params:

@@ -3,16 +3,14 @@ baseline build no critic (three models, in placement, checkpoints, outputs and t
 use the group advantages of group_advantages.py on a real rollout, survive groups of equal scores,
 accumulate every loss aggregation exactly over micro-batches, refuse k = 1, and resume exactly."""
 
-import csv
 import dataclasses
 import json
 import math
 
 import pytest
 import torch
-from transformers import AutoModelForCausalLM
 
-from conftest import tiny_ppo_inputs
+from conftest import assert_same_run, die_in_iteration, tiny_ppo_inputs
 from pipeline.config import GRPOConfig, Params, PPOConfig, SamplingConfig, check_process_shape, from_dict
 from pipeline.errors import ConfigError
 from pipeline.ppo import advantages as adv
@@ -41,11 +39,6 @@ def _params(**grpo) -> Params:
 def _trainer(dirs, **grpo) -> PPOTrainer:
     params = _params(**grpo)   # the models as the grpo stage places them, from its own section
     return PPOTrainer(params.grpo, place_models(params, dirs / "sft", dirs / "rm", section="grpo"), PROMPTS * 4)
-
-
-def _rows(path):
-    return [{k: v for k, v in r.items() if not k.startswith(("time/", "tokens_per_second/"))}
-            for r in csv.DictReader(open(path), delimiter="\t")]
 
 
 def test_group_advantages_on_a_real_rollout_equal_the_estimators_by_hand(dirs):
@@ -181,22 +174,10 @@ def test_grpo_stage_has_no_critic_and_resumes_exactly(dirs, tmp_path, monkeypatc
     columns = (tmp_path / "full/train.tsv").read_text().splitlines()[0].split("\t")
     assert "objective/group_std" in columns and not {"loss/value", "val/grad_norm"} & set(columns)
 
-    real_step = PPOTrainer.step
-
-    def dying_step(self):
-        if self.iteration == 3:          # killed during iteration 4; the checkpoint of iteration 2 exists
-            raise KeyboardInterrupt
-        return real_step(self)
-    monkeypatch.setattr(PPOTrainer, "step", dying_step)
+    die_in_iteration(monkeypatch, 3)   # killed during iteration 4; the checkpoint of iteration 2 exists
     with pytest.raises(KeyboardInterrupt):
         stage.run(params, *folders, tmp_path / "resumed", progress=False)
     assert json.loads((tmp_path / "resumed/checkpoint/state.json").read_text())["iteration"] == 2
-    monkeypatch.setattr(PPOTrainer, "step", real_step)
+    monkeypatch.undo()
     resumed = stage.run(params, *folders, tmp_path / "resumed", progress=False)
-    a = AutoModelForCausalLM.from_pretrained(str(tmp_path / "full/model")).state_dict()
-    b = AutoModelForCausalLM.from_pretrained(str(tmp_path / "resumed/model")).state_dict()
-    assert all(torch.equal(a[k], b[k]) for k in a)
-    assert _rows(tmp_path / "full/train.tsv") == _rows(tmp_path / "resumed/train.tsv")
-    drop = ("time", "tokens_per_second", "resources/")
-    assert {k: v for k, v in full.items() if not any(d in k for d in drop)} == \
-           {k: v for k, v in resumed.items() if not any(d in k for d in drop)}
+    assert_same_run(tmp_path / "full", tmp_path / "resumed", full, resumed)

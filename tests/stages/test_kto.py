@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import TINY, merge, tiny_policy_and_reward_model
+from conftest import TINY, merge, tiny_policy_and_reward_model, write_easy_pairs
 from pipeline.config import DataConfig, Params, from_dict
 from pipeline.errors import ConfigError
 from pipeline.preference.losses import kto_loss
@@ -73,13 +73,7 @@ def easy(tmp_path_factory):
     root = tmp_path_factory.mktemp("kto")
     prepare_run(from_dict(DataConfig, TINY["data"], "params.yaml: "), root / "data")
     sft, _ = tiny_policy_and_reward_model(root / "models", root / "data")
-    for split, name in (("train", "pairs_train.jsonl"), ("test", "pairs_eval.jsonl")):
-        rows = [json.loads(line) for line in (root / "data" / name).read_text().splitlines()]
-        with open(root / f"pairs_{split}.jsonl", "w") as f:
-            for r in rows:
-                base = " ".join(r["chosen"].split()[:6])
-                f.write(json.dumps({"prompt": r["prompt"], "chosen": f"{base} great", "rejected": f"{base} awful"}) + "\n")
-    return root / "data", sft, str(root / "pairs_{split}.jsonl")
+    return root / "data", sft, write_easy_pairs(root / "data", root)
 
 
 def test_kto_learns_an_easy_preference_from_unpaired_examples(easy, tmp_path):

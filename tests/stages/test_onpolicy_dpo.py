@@ -12,14 +12,12 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import assert_same_run, merge, sampled_alone, tiny_params, tiny_policy_and_reward_model
+from conftest import assert_same_run, merge, read_sampled, redrawn, tiny_params
 from pipeline.config import load_params
-from pipeline.data import inputs
 from pipeline.data.preferences import load_pairs
 from pipeline.data.tokenizer import load_tokenizer
 from pipeline.errors import ConfigError, DataError
 from pipeline.measurement.policy import Measured
-from pipeline.models import reward_model as rm
 from pipeline.models.checkpoints import load_policy
 from pipeline.stages import metric_registry, onpolicy_dpo
 from pipeline.tracking import metric_names
@@ -33,21 +31,9 @@ def _params(**override):
 
 
 @pytest.fixture(scope="module")
-def models(tiny_data, tmp_path_factory) -> tuple[Path, Path]:
-    """An untrained tiny policy and a reward model built from it: their samples differ from draw to
-    draw and the reward model tells them apart, so every prompt has a best and a worst sample."""
-    return tiny_policy_and_reward_model(tmp_path_factory.mktemp("onpolicy_models"), tiny_data)
-
-
-@pytest.fixture(scope="module")
-def done(tiny_data, models, tmp_path_factory) -> tuple[Path, dict]:
+def done(tiny_data, tiny_models, tmp_path_factory) -> tuple[Path, dict]:
     out = tmp_path_factory.mktemp("onpolicy_run") / "onpolicy_dpo"
-    return out, onpolicy_dpo.run(_params(), tiny_data, *models, out, progress=False)
-
-
-def _pairs(out: Path) -> tuple[dict, list[dict]]:
-    header, *rows = [json.loads(line) for line in (out / onpolicy_dpo.PAIRS).read_text().splitlines()]
-    return header, rows
+    return out, onpolicy_dpo.run(_params(), tiny_data, *tiny_models, out, progress=False)
 
 
 def test_pick_pairs_takes_the_best_and_worst_sample_and_skips_ties():
@@ -70,23 +56,16 @@ def test_one_response_scored_twice_is_no_pair(tiny_data):
     assert stats["onpolicy_dpo/rm_samples"] == pytest.approx((1.0 + 0.2 + 1.0 + 1e-6 - 0.4) / 4)
 
 
-def test_pairs_are_each_prompts_best_and_worst_own_sample_by_the_reward_model(done, tiny_data, models):
+def test_pairs_are_each_prompts_best_and_worst_own_sample_by_the_reward_model(done, tiny_data, tiny_models):
     """The samples drawn again by hand (sample k: prompt i alone from the stream of (seed + k, i),
     over the first n_prompts training prompts) and scored with score_texts: each pair is the first
     highest- against the first lowest-scoring one, none of them a response of the dataset."""
     out, _ = done
     params = _params()
     cfg = params.onpolicy_dpo
-    policy, tok = load_policy(models[0])
-    reward, rtok = rm.load_reward_model(models[1])
-    prompts, _, _ = inputs.fit_prompts(inputs.prompt_records(params, tiny_data, "train"), tok,
-                                       params.prompts.max_length, params.prompts.overlong, "prompts.max_length")
-    prompts = prompts[:cfg.n_prompts]
-    texts = [sampled_alone(policy, tok, prompts, cfg.sampling, cfg.seed + k, params.prompts.max_length)
-             for k in range(cfg.samples_per_prompt)]
-    scores = torch.stack([rm.score_texts(reward, rtok, prompts, t, params.reward.max_length) for t in texts])  # (k, N)
+    prompts, texts, scores = redrawn(params, tiny_data, tiny_models, cfg, cfg.samples_per_prompt)   # scores (k, N)
 
-    header, rows = _pairs(out)
+    header, rows = read_sampled(out / onpolicy_dpo.PAIRS)
     assert 0 < len(rows) <= len(prompts) == header["stats"]["onpolicy_dpo/prompts"]
     assert all(r["rm_chosen"] > r["rm_rejected"] for r in rows)
     by_prompt = {r["prompt"]: r for r in rows}
@@ -113,7 +92,7 @@ def test_pairs_are_each_prompts_best_and_worst_own_sample_by_the_reward_model(do
 
 def test_a_run_trains_on_the_pairs_and_writes_what_it_declares(done):
     out, metrics = done
-    _, rows = _pairs(out)
+    _, rows = read_sampled(out / onpolicy_dpo.PAIRS)
     assert metrics["train/steps"] == math.ceil(len(rows) / 4)   # one epoch of the sampled pairs, batches of 4
     assert metrics["onpolicy_dpo/pairs"] == len(rows) and 0.0 <= metrics["eval/accuracy"] <= 1.0
     numbers = [v for v in metrics.values() if isinstance(v, (int, float))]
@@ -125,7 +104,7 @@ def test_a_run_trains_on_the_pairs_and_writes_what_it_declares(done):
     assert metric_names.check_run(out.parent, declared, {"compare"}) == ([], [])
 
 
-def test_reused_pairs_give_the_same_run_and_a_sampling_change_samples_again(done, tiny_data, models, tmp_path,
+def test_reused_pairs_give_the_same_run_and_a_sampling_change_samples_again(done, tiny_data, tiny_models, tmp_path,
                                                                              monkeypatch):
     """A run in a fresh folder holding the first run's pairs file samples nothing and trains the
     same weights bit for bit (the training is deterministic given its pairs); a changed sampling
@@ -137,10 +116,10 @@ def test_reused_pairs_give_the_same_run_and_a_sampling_change_samples_again(done
     def no_sampling(*args, **kwargs):
         raise AssertionError("the pairs were sampled again")
     monkeypatch.setattr(onpolicy_dpo, "scored_samples", no_sampling)
-    again = onpolicy_dpo.run(_params(), tiny_data, *models, tmp_path / "again", progress=False)
+    again = onpolicy_dpo.run(_params(), tiny_data, *tiny_models, tmp_path / "again", progress=False)
     assert_same_run(first, tmp_path / "again", metrics, again)
     with pytest.raises(AssertionError, match="sampled again"):
-        onpolicy_dpo.run(_params(samples_per_prompt=2), tiny_data, *models, tmp_path / "again", progress=False)
+        onpolicy_dpo.run(_params(samples_per_prompt=2), tiny_data, *tiny_models, tmp_path / "again", progress=False)
 
 
 @pytest.mark.parametrize("section, message", [
@@ -157,9 +136,9 @@ def test_config_errors_name_the_file_and_key(section, message, tmp_path):
         load_params(path)
 
 
-def test_more_prompts_than_the_split_holds_is_an_error_naming_the_key(tiny_data, models, tmp_path):
+def test_more_prompts_than_the_split_holds_is_an_error_naming_the_key(tiny_data, tiny_models, tmp_path):
     with pytest.raises(DataError, match=r"^onpolicy_dpo\.n_prompts: 17 prompts asked for, the train split"):
-        onpolicy_dpo.run(_params(n_prompts=17), tiny_data, *models, tmp_path, progress=False)
+        onpolicy_dpo.run(_params(n_prompts=17), tiny_data, *tiny_models, tmp_path, progress=False)
     assert not (tmp_path / onpolicy_dpo.PAIRS).exists() and not (tmp_path / "model").exists()
 
 

@@ -9,7 +9,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from conftest import tiny_ppo_inputs
+from conftest import assert_same_run, die_in_iteration, tiny_ppo_inputs
 from pipeline.models import reward_model as rm
 from pipeline.config import DetectorConfig, Params, PPOConfig, SamplingConfig, from_dict
 from pipeline.errors import ConfigError
@@ -143,45 +143,29 @@ def test_a_nan_policy_loss_stops_or_skips_only_the_actors_update(mode, dirs, mon
     assert trainer.step()["skipped_updates"] == 1   # a count, not a per-iteration flag
 
 
-def _metrics_without_time(path):
-    rows = list(csv.DictReader(open(path), delimiter="\t"))
-    return [{k: v for k, v in r.items() if not k.startswith(("time/", "tokens_per_second/"))} for r in rows]
-
-
 def test_killed_and_resumed_run_equals_uninterrupted(dirs, tmp_path, monkeypatch):
     # The detector checks from iteration 2 (no warmup, windows of 1): the resumed run rebuilds its
     # state from the checkpoint's rows, so its detector/* columns equal the uninterrupted run's.
     params = _params(detector=DetectorConfig(warmup=0, window=1))
     full = stage.run(params, dirs / "data", dirs / "sft", dirs / "rm", tmp_path / "full", progress=False)
 
-    real_step = PPOTrainer.step
-
-    def dying_step(self):
-        if self.iteration == 3:          # killed during iteration 4; checkpoint of iteration 2 exists
-            raise KeyboardInterrupt
-        return real_step(self)
-    monkeypatch.setattr(PPOTrainer, "step", dying_step)
+    die_in_iteration(monkeypatch, 3)   # killed during iteration 4; the checkpoint of iteration 2 exists
     with pytest.raises(KeyboardInterrupt):
         stage.run(params, dirs / "data", dirs / "sft", dirs / "rm", tmp_path / "resumed", progress=False)
     assert json.loads((tmp_path / "resumed/checkpoint/state.json").read_text())["iteration"] == 2
     assert not (tmp_path / "resumed/model").exists()
-    monkeypatch.setattr(PPOTrainer, "step", real_step)
+    monkeypatch.undo()
     resumed = stage.run(params, dirs / "data", dirs / "sft", dirs / "rm", tmp_path / "resumed", progress=False)
 
-    a = AutoModelForCausalLM.from_pretrained(str(tmp_path / "full/model")).state_dict()
-    b = AutoModelForCausalLM.from_pretrained(str(tmp_path / "resumed/model")).state_dict()
-    assert all(torch.equal(a[k], b[k]) for k in a)
-    assert _metrics_without_time(tmp_path / "full/train.tsv") == _metrics_without_time(tmp_path / "resumed/train.tsv")
+    assert_same_run(tmp_path / "full", tmp_path / "resumed", full, resumed)
     header = (tmp_path / "full/train.tsv").read_text().splitlines()[0]
     assert (tmp_path / "resumed/train.tsv").read_text().splitlines()[0] == header   # same column order
-    assert {k: v for k, v in full.items() if not any(t in k for t in ("time", "tokens_per_second", "resources"))} == \
-           {k: v for k, v in resumed.items() if not any(t in k for t in ("time", "tokens_per_second", "resources"))}
     # A changed config does not resume from the stale checkpoint: it trains from iteration 1 and
     # its checkpoint belongs to the new run.
     state_file = tmp_path / "resumed/checkpoint/state.json"
     old_fp = json.loads(state_file.read_text())["fingerprint"]
     other = dataclasses.replace(params, ppo=dataclasses.replace(params.ppo, lr=5e-4))
-    monkeypatch.setattr(PPOTrainer, "step", dying_step)     # would die at iteration 4 if it resumed at 2
+    die_in_iteration(monkeypatch, 3)     # would die at iteration 4 if it resumed at 2
     with pytest.raises(KeyboardInterrupt):
         stage.run(other, dirs / "data", dirs / "sft", dirs / "rm", tmp_path / "resumed", progress=False)
     state = json.loads(state_file.read_text())

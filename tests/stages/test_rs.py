@@ -12,14 +12,11 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from conftest import assert_same_run, merge, sampled_alone, step_rows, tiny_params, tiny_policy_and_reward_model
+from conftest import assert_same_run, die_in_step, merge, read_sampled, redrawn, step_rows, tiny_params
 from pipeline.config import Params, check_process_shape, from_dict, load_params
-from pipeline.data import inputs
 from pipeline.errors import ConfigError, DataError
-from pipeline.models import reward_model as rm
 from pipeline.models.checkpoints import load_policy
 from pipeline.stages import rs
-from pipeline.training import supervised
 
 RS = {"n": 4, "n_prompts": 12, "batch_size": 4, "epochs": 1.0, "eval_every": 2, "save_every": 2,
       "n_eval_prompts": 4, "lr": 3e-3, "sampling": {"max_new_tokens": 8}}
@@ -30,22 +27,10 @@ def _params(**override) -> Params:
 
 
 @pytest.fixture(scope="module")
-def models(tiny_data, tmp_path_factory) -> tuple[Path, Path]:
-    """An untrained tiny policy and a reward model built from it: their samples and scores differ
-    enough from candidate to candidate for the choice to matter."""
-    return tiny_policy_and_reward_model(tmp_path_factory.mktemp("rs_models"), tiny_data)
-
-
-@pytest.fixture(scope="module")
-def done(tiny_data, models, tmp_path_factory) -> tuple[Path, dict]:
+def done(tiny_data, tiny_models, tmp_path_factory) -> tuple[Path, dict]:
     out = tmp_path_factory.mktemp("rs_run") / "rs"
-    metrics = rs.run(_params(), tiny_data, *models, out, progress=False)
+    metrics = rs.run(_params(), tiny_data, *tiny_models, out, progress=False)
     return out, metrics
-
-
-def _winners(out: Path) -> tuple[dict, list[dict]]:
-    header, *rows = [json.loads(line) for line in (out / rs.WINNERS).read_text().splitlines()]
-    return header, rows
 
 
 
@@ -55,23 +40,16 @@ def test_pick_winners_takes_the_first_of_tied_best():
     assert rs.pick_winners([[1.0, 2.0, 0.5], [1.0, 3.0, 0.7], [0.9, 3.0, 0.6]]) == [0, 1, 1]
 
 
-def test_winners_are_the_rm_argmax_of_each_prompts_candidates(done, tiny_data, models):
+def test_winners_are_the_rm_argmax_of_each_prompts_candidates(done, tiny_data, tiny_models):
     """Candidates drawn again by hand (candidate k: prompt i alone from the stream of (rs.seed + k, i),
     over the first rs.n_prompts training prompts) and scored with score_texts: each winner is the first highest-scoring one."""
     out, _ = done
     params = _params()
     cfg = params.rs
-    policy, tok = load_policy(models[0])
-    reward, rtok = rm.load_reward_model(models[1])
-    prompts, _, _ = inputs.fit_prompts(inputs.prompt_records(params, tiny_data, "train"), tok,
-                                       params.prompts.max_length, params.prompts.overlong, "prompts.max_length")
-    prompts = prompts[:cfg.n_prompts]
-    texts = [sampled_alone(policy, tok, prompts, cfg.sampling, cfg.seed + k, params.prompts.max_length)
-             for k in range(cfg.n)]
-    scores = torch.stack([rm.score_texts(reward, rtok, prompts, t, params.reward.max_length) for t in texts])  # (n, N)
+    prompts, texts, scores = redrawn(params, tiny_data, tiny_models, cfg, cfg.n)   # scores (n, N)
     best = [int(torch.nonzero(scores[:, i] == scores[:, i].max())[0]) for i in range(len(prompts))]
 
-    header, rows = _winners(out)
+    header, rows = read_sampled(out / rs.WINNERS)
     assert [r["prompt"] for r in rows] == prompts
     assert [r["response"] for r in rows] == [texts[k][i] for i, k in enumerate(best)]
     assert [r["rm"] for r in rows] == pytest.approx([float(scores[k, i]) for i, k in enumerate(best)], abs=1e-5)
@@ -99,24 +77,13 @@ def test_a_short_run_writes_a_loadable_model_and_finite_metrics(done):
     assert len(step_rows(out / "train.tsv")) == 3 and len(step_rows(out / "eval.tsv")) == 2
 
 
-def _die_at(monkeypatch, where: str) -> None:
-    """Interrupt the supervised loop when it checks the first quantity of step `where`."""
-    real = supervised.check_finite
-
-    def dying(at, name, value):
-        if at == where:
-            raise KeyboardInterrupt
-        return real(at, name, value)
-    monkeypatch.setattr(supervised, "check_finite", dying)
-
-
-def test_killed_during_fine_tuning_resumes_with_the_same_winners_and_weights(tiny_data, models, tmp_path, monkeypatch):
+def test_killed_during_fine_tuning_resumes_with_the_same_winners_and_weights(tiny_data, tiny_models, tmp_path, monkeypatch):
     params = _params(n_prompts=16)     # 4 steps: killed in step 4, the save of step 2 exists
-    full = rs.run(params, tiny_data, *models, tmp_path / "full", progress=False)
+    full = rs.run(params, tiny_data, *tiny_models, tmp_path / "full", progress=False)
 
-    _die_at(monkeypatch, "rs step 4")
+    die_in_step(monkeypatch, "rs step 4")
     with pytest.raises(KeyboardInterrupt):
-        rs.run(params, tiny_data, *models, tmp_path / "resumed", progress=False)
+        rs.run(params, tiny_data, *tiny_models, tmp_path / "resumed", progress=False)
     assert json.loads((tmp_path / "resumed/checkpoint/state.json").read_text())["step"] == 2
     assert not (tmp_path / "resumed/model").exists()
     sampled = (tmp_path / "resumed" / rs.WINNERS).read_bytes()
@@ -125,24 +92,24 @@ def test_killed_during_fine_tuning_resumes_with_the_same_winners_and_weights(tin
     def no_sampling(*args, **kwargs):
         raise AssertionError("the winners were sampled again")
     monkeypatch.setattr(rs, "sample_candidates", no_sampling)
-    resumed = rs.run(params, tiny_data, *models, tmp_path / "resumed", progress=False)
+    resumed = rs.run(params, tiny_data, *tiny_models, tmp_path / "resumed", progress=False)
 
     assert (tmp_path / "resumed" / rs.WINNERS).read_bytes() == sampled == (tmp_path / "full" / rs.WINNERS).read_bytes()
     assert_same_run(tmp_path / "full", tmp_path / "resumed", full, resumed)
 
     # Fine-tuning params alone changed: the winners are still reused; a sampling param resamples.
-    other = rs.run(_params(n_prompts=16, lr=1e-3), tiny_data, *models, tmp_path / "resumed", progress=False)
+    other = rs.run(_params(n_prompts=16, lr=1e-3), tiny_data, *tiny_models, tmp_path / "resumed", progress=False)
     assert other["train/loss"] != resumed["train/loss"]
     with pytest.raises(AssertionError, match="sampled again"):
-        rs.run(_params(n_prompts=16, n=3), tiny_data, *models, tmp_path / "resumed", progress=False)
+        rs.run(_params(n_prompts=16, n=3), tiny_data, *tiny_models, tmp_path / "resumed", progress=False)
 
 
-def test_min_score_leaves_low_winners_out(done, tiny_data, models, tmp_path):
-    _, rows = _winners(done[0])
+def test_min_score_leaves_low_winners_out(done, tiny_data, tiny_models, tmp_path):
+    _, rows = read_sampled(done[0] / rs.WINNERS)
     cut = sorted(r["rm"] for r in rows)[len(rows) // 2]
     params = _params(min_score=cut)
-    metrics = rs.run(params, tiny_data, *models, tmp_path, progress=False)
-    _, kept = _winners(tmp_path)
+    metrics = rs.run(params, tiny_data, *tiny_models, tmp_path, progress=False)
+    _, kept = read_sampled(tmp_path / rs.WINNERS)
     assert kept and all(r["rm"] >= cut for r in kept)
     assert metrics["rs/winners_kept"] == len(kept) == sum(r["rm"] >= cut for r in rows)
 
@@ -176,12 +143,12 @@ def test_defaults_load():
     assert cfg.n >= 2 and cfg.min_score is None and cfg.n_prompts is None and cfg.sampling.max_new_tokens > 0
 
 
-def test_a_min_score_above_every_winner_is_an_error_naming_it(tiny_data, models, tmp_path):
+def test_a_min_score_above_every_winner_is_an_error_naming_it(tiny_data, tiny_models, tmp_path):
     with pytest.raises(DataError, match=r"^rs\.min_score: every winner scores below 100\.0"):
-        rs.run(_params(min_score=100.0), tiny_data, *models, tmp_path, progress=False)
+        rs.run(_params(min_score=100.0), tiny_data, *tiny_models, tmp_path, progress=False)
     assert not (tmp_path / rs.WINNERS).exists() and not (tmp_path / "model").exists()
 
 
-def test_more_prompts_than_the_split_holds_is_an_error_naming_the_key(tiny_data, models, tmp_path):
+def test_more_prompts_than_the_split_holds_is_an_error_naming_the_key(tiny_data, tiny_models, tmp_path):
     with pytest.raises(DataError, match=r"^rs\.n_prompts: 17 prompts asked for, the train split of prompts.dataset has 16"):
-        rs.run(_params(n_prompts=17), tiny_data, *models, tmp_path, progress=False)
+        rs.run(_params(n_prompts=17), tiny_data, *tiny_models, tmp_path, progress=False)

@@ -168,18 +168,14 @@ def _edit_tokenizer(src: Path, dest: Path, **special: str | None) -> Path:
     return dest
 
 
-def test_policy_folder_holding_a_reward_model(work, tmp_path, capsys):
+@pytest.mark.parametrize("given, folder, expected", [
+    ("sft_dir", "outputs/reward/model", r"LlamaForCausalLM \(unexpected score\.weight\)"),       # a policy folder
+    ("reward_dir", "outputs/sft/model", r"LlamaForSequenceClassification \(missing score\.weight\)"),   # a reward one
+])
+def test_a_model_folder_holding_the_other_kind_of_model(work, capsys, given, folder, expected):
     _fails_cleanly(_argv("ppo", work / "params.yaml", work / "data/prepared", work / "outputs",
-                         sft_dir=work / "outputs/reward/model"), work, capsys,
-                   rf"^error: {work}/outputs/reward/model: weights of another model than LlamaForCausalLM "
-                   rf"\(unexpected score\.weight\)$")
-
-
-def test_reward_folder_holding_a_policy(work, tmp_path, capsys):
-    _fails_cleanly(_argv("ppo", work / "params.yaml", work / "data/prepared", work / "outputs",
-                         reward_dir=work / "outputs/sft/model"), work, capsys,
-                   rf"^error: {work}/outputs/sft/model: weights of another model than "
-                   rf"LlamaForSequenceClassification \(missing score\.weight\)$")
+                         **{given: work / folder}), work, capsys,
+                   rf"^error: {work}/{folder}: weights of another model than {expected}$")
 
 
 def test_checkpoint_of_another_architecture(work, tmp_path, capsys):

@@ -19,10 +19,10 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from conftest import (BIN, TINY, assert_same_run, copy_repo, flat, merge, run, run_env, step_rows, tiny_params,
-                      without_time, write_params)
+from conftest import (BIN, TINY, assert_same_run, copy_repo, die_in_step, flat, merge, run, run_env, step_rows,
+                      supervised_run, tiny_params, without_time, write_params)
 from pipeline import errors
-from pipeline.training import demonstrations, resume, supervised
+from pipeline.training import demonstrations, resume
 from pipeline.stages import reward, sft
 from pipeline.config import Params
 from pipeline.errors import ConfigError, NumericalError
@@ -36,27 +36,13 @@ def _params(**override) -> Params:
 
 
 
-def _die_at(monkeypatch, module, where: str) -> None:
-    """Interrupt the supervised loop (SFT's and the RM's) when it checks the first quantity of step `where`."""
-    module = supervised
-    real = module.check_finite
-
-    def dying(at, name, value):
-        if at == where:
-            raise KeyboardInterrupt
-        return real(at, name, value)
-    monkeypatch.setattr(module, "check_finite", dying)
-
-
 @pytest.mark.parametrize("stage", ["sft", "reward"])
 def test_killed_and_resumed_equals_uninterrupted(stage, tiny_data, tiny_sft, tmp_path, monkeypatch):
     params = _params()
-    module = {"sft": sft, "reward": reward}[stage]
-    go = (lambda out: sft.run(params, tiny_data, out, progress=False)) if stage == "sft" else \
-        (lambda out: reward.run(params, tiny_data, tiny_sft, out, progress=False))
+    go = supervised_run(stage, params, tiny_data, tiny_sft)
     full = go(tmp_path / "full")
 
-    _die_at(monkeypatch, module, f"{stage} step 4")   # killed in step 4; the save of step 2 exists
+    die_in_step(monkeypatch, f"{stage} step 4")   # killed in step 4; the save of step 2 exists
     with pytest.raises(KeyboardInterrupt):
         go(tmp_path / "resumed")
     state = json.loads((tmp_path / "resumed/checkpoint/state.json").read_text())
@@ -70,7 +56,7 @@ def test_killed_and_resumed_equals_uninterrupted(stage, tiny_data, tiny_sft, tmp
 
     # Another config never resumes from the stale save: it trains from step 1 (and would die at 4).
     other = _params(**{stage: {"lr": 5e-4}})
-    _die_at(monkeypatch, module, f"{stage} step 4")
+    die_in_step(monkeypatch, f"{stage} step 4")
     with pytest.raises(KeyboardInterrupt):
         (sft.run(other, tiny_data, tmp_path / "resumed", progress=False) if stage == "sft"
          else reward.run(other, tiny_data, tiny_sft, tmp_path / "resumed", progress=False))

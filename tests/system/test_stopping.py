@@ -20,11 +20,12 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from conftest import REPO, TINY, free_port, merge, run_env, step_rows, tiny_params, wait_for, without_time, write_params
+from conftest import (REPO, TINY, free_port, merge, run_env, step_rows, supervised_run, tiny_params, wait_for,
+                      without_time, write_params)
 from pipeline.config import Params
 from pipeline.errors import Stopped
 from pipeline.ppo import trainer as ppo_trainer
-from pipeline.stages import ppo, reward, sft
+from pipeline.stages import ppo, reward
 from pipeline.training import stopping, supervised
 from slow_steps import slow_start_hook, slow_steps_hook
 
@@ -70,8 +71,7 @@ def _signal_during(monkeypatch, where: str, sig: signal.Signals) -> None:
 def test_a_signal_stops_a_supervised_stage_at_its_step_and_the_rerun_equals_an_uninterrupted_run(
         stage, tiny_data, tiny_sft, tmp_path, monkeypatch):
     params = _params()
-    go = (lambda out: sft.run(params, tiny_data, out, progress=False)) if stage == "sft" else \
-        (lambda out: reward.run(params, tiny_data, tiny_sft, out, progress=False))
+    go = supervised_run(stage, params, tiny_data, tiny_sft)
     full = go(tmp_path / "full")
     rng = random.Random(SEED)
     steps = _steps(full["train/steps"], 2, rng)

@@ -16,7 +16,7 @@ import pytest
 import torch
 
 import fake_device
-from conftest import HELPERS, free_port, tiny_ppo_inputs
+from conftest import HELPERS, flat, free_port, tiny_ppo_inputs
 from pipeline import devices
 from pipeline.config import DistributedConfig, Params, PPOConfig, SamplingConfig
 from pipeline.errors import ConfigError
@@ -493,7 +493,7 @@ def _stage_outputs(folder: Path) -> dict:
     import json
 
     from safetensors.torch import load_file
-    out = {f"metrics/{k}": v for k, v in _flat(json.loads((folder / "metrics.json").read_text())).items()}
+    out = {f"metrics/{k}": v for k, v in flat(json.loads((folder / "metrics.json").read_text())).items()}
     for log in ("train", "eval"):
         if (folder / f"{log}.tsv").exists():
             for i, row in enumerate(csv.DictReader((folder / f"{log}.tsv").open(), delimiter="\t")):
@@ -540,13 +540,6 @@ def test_every_collective_of_the_stages_reduces_over_two_processes_as_one_proces
         assert spread == [0, 1], stage
 
 
-def _flat(d: dict, prefix: str = "") -> dict:
-    out = {}
-    for k, v in d.items():
-        out.update(_flat(v, f"{prefix}{k}/") if isinstance(v, dict) else {f"{prefix}{k}": v})
-    return out
-
-
 def gpu_only(stage: str) -> set[str]:
     """The metrics.json names a stage writes on a GPU only: its peak device memory and, for the RL
     stages, the last iteration's (pipeline/devices.py counts it where the device's module does)."""
@@ -586,7 +579,7 @@ def test_the_tiny_pipeline_on_a_device_that_is_not_the_cpu_measures_what_the_cpu
             {"device": fake_device.NAME, "processes": 1, "threads": torch.get_num_threads()}
         assert runtime.get("dtypes") == (None if stage == "evaluate" else
                                          {"weights": "float32", "optimizer_states": "float32", "compute": "float32"})
-        want, got = (_flat(json.loads((tmp_path / w / stage / "metrics.json").read_text())) for w in ("cpu", "dev"))
+        want, got = (flat(json.loads((tmp_path / w / stage / "metrics.json").read_text())) for w in ("cpu", "dev"))
         assert got.keys() == want.keys() | gpu_only(stage)
         assert {k: got[k] for k in gpu_only(stage)} == dict.fromkeys(gpu_only(stage), 0.0)
         assert (got["resources/gpus"], want["resources/gpus"]) == (1, 0)
@@ -639,7 +632,7 @@ def test_every_method_and_option_on_a_device_that_is_not_the_cpu_measures_what_t
     timings = ("resources/", "train/seconds", "train/time_", "train/tokens_per_second", "compare/seconds")
     for stage in ("dpo", "kto", "rs", "grpo", "ppo", "compare"):
         assert json.loads((tmp_path / "dev" / stage / "config.json").read_text())["runtime"]["device"] == fake_device.NAME
-        want, got = (_flat(json.loads((tmp_path / w / stage / "metrics.json").read_text())) for w in ("cpu", "dev"))
+        want, got = (flat(json.loads((tmp_path / w / stage / "metrics.json").read_text())) for w in ("cpu", "dev"))
         assert got.keys() == want.keys() | gpu_only(stage)
         for key, value in want.items():
             # The fake device runs other CPU kernels (no fused attention): log-prob differences
