@@ -17,6 +17,7 @@ from snakemake_executor_plugin_slurm.submit_string import get_submit_command
 from snakemake_executor_plugin_slurm.utils import set_gres_string
 
 from conftest import BIN, REPO, TINY, bare_env, project_copy, run, write_params
+from pipeline.stages import registry
 from pipeline.workflow import stage_graph
 from pipeline.workflow.cluster import (JobShape, check_shape, expand_first, job_command, job_shape, shapes_in_profile,
                                        slurm_node, slurm_resources)
@@ -70,7 +71,8 @@ def test_compare_pipeline_is_a_target_of_its_own_in_both_engines(tmp_path):
     dvc = {(a.split(":")[-1], b.split(":")[-1]) for a, b in re.findall(r'^"([^"]+)" -> "([^"]+)";', dot, flags=re.M)}
     graph = stage_graph.edges(stage_graph.load_all(repo))
     assert dvc == graph
-    assert {a for a, b in graph if b == "compare"} == {"prepare", "sft", "reward", "ppo", "dpo", "kto", "grpo", "rs"}
+    # compare reads the data, the SFT policy, the reward model and every method's policy (ppo's included).
+    assert {a for a, b in graph if b == "compare"} == {"prepare", "sft", "reward", *registry.methods()}
     rulegraph = run([str(BIN / "snakemake"), "compare", "-n", "--rulegraph", "--quiet", "all"], repo).stdout
     labels = dict(re.findall(r'^\s*(\d+)\[label = "(\w+)"', rulegraph, flags=re.M))
     assert _dot_edges(rulegraph, labels) == {e for e in graph if e[1] != "evaluate"}   # what compare needs
