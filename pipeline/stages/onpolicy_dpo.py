@@ -128,24 +128,6 @@ def select(prompts: list, samples: list, tok) -> tuple[list[dict], dict[str, flo
     return rows, stats
 
 
-def scored_samples(run: StageRun, policy, tok, prompts: list, reward_dir: Path) -> list:
-    """Collective. Step 2: `samples_per_prompt` samples of every prompt from the SFT policy, each
-    scored by the reward model (and the gold judge), every rank sampling its share on its device."""
-    from ..data import inputs
-    from ..measurement.policy import candidates, measure_policies
-    from ..models.reward_source import RewardModelSource
-    from ..training import loading
-    params, ctx, cfg = run.params, run.ctx, run.params.onpolicy_dpo
-    reward = RewardModelSource(reward_dir, params.reward.max_length, params.model.trust_remote_code,
-                               device=ctx.device, dtype=next(policy.parameters()).dtype)
-    # Partitioned (ZeRO-3), the SFT policy is gathered whole for sampling; otherwise it samples where it will train.
-    sampler = loading.Loaded(policy if loading.is_partitioned(policy) else policy.to(ctx.device))
-    draws = candidates(sampler, cfg.seed, cfg.samples_per_prompt, prefix="sample")
-    measured = measure_policies(draws, tok, prompts, cfg.sampling, ctx=ctx, reward=reward, judge=inputs.judge(params),
-                                max_prompt_length=params.prompts.max_length)
-    return [measured[d.name] for d in draws]
-
-
 def pair_problem(row: dict) -> Optional[str]:
     """What is wrong with a row of a pairs file read back (sampled.read), or None."""
     scores = (row.get("rm_chosen"), row.get("rm_rejected"))
@@ -166,7 +148,7 @@ def make_pairs(run: StageRun, policy, tok, folders: Mapping[str, Any]) -> tuple[
     fp = sampled.fingerprint(run, SAMPLING_KEYS, [folders[k] for k in ("data", "sft", "reward", "prompts")], "pairs")
 
     def draw() -> Optional[tuple[list[dict], dict[str, float]]]:
-        samples = scored_samples(run, policy, tok, prompts, folders["reward"])
+        samples = sampled.scored_draws(run, policy, tok, prompts, folders["reward"], params.onpolicy_dpo.samples_per_prompt)
         return select(prompts, samples, tok) if ctx.is_main else None
     rows, stats = sampled.reused_or_sampled(run, run.folder / PAIRS, fp, "pairs", pair_problem, draw)
     return [Pair(r["prompt"], r["chosen"], r["rejected"], where=r["where"]) for r in rows], {**counts, **stats}

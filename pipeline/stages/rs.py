@@ -134,17 +134,6 @@ def select(prompts: list, cands: list[Measured], min_score: Optional[float]) -> 
     return kept, stats
 
 
-def sample_candidates(policy, tok, prompts: list, params: Params, reward, judge, ctx: Context = SINGLE) -> list[Measured]:
-    """Collective. `rs.n` candidates per prompt: candidate k is one draw over every prompt, seed
-    rs.seed + k (as the evaluate stage's best-of-n draws them), every rank sampling its share."""
-    from ..measurement.policy import candidates, measure_policies
-    cfg = params.rs
-    draws = candidates(policy, cfg.seed, cfg.n)
-    per = measure_policies(draws, tok, prompts, cfg.sampling, ctx=ctx, reward=reward, judge=judge,
-                           max_prompt_length=params.prompts.max_length)
-    return [per[d.name] for d in draws]
-
-
 def winner_problem(row: dict) -> Optional[str]:
     """What is wrong with a row of a winners file read back (sampled.read), or None."""
     rm = row.get("rm")
@@ -162,19 +151,10 @@ def read_winners(path: Path, fp: str) -> Optional[tuple[list[dict], dict[str, fl
 def winners(run: StageRun, sft_policy, tok, prompts: list, reward_dir: Path, fp: str) -> tuple[list[dict], dict]:
     """Step 2 of the module doc: the winners and the sampling statistics, reused or sampled (every
     rank sampling its share of the prompts on its device; rank 0 writes the file)."""
-    from ..data import inputs
-    from ..models.reward_source import RewardModelSource
-    from ..training import loading
     params, ctx = run.params, run.ctx
 
     def draw() -> Optional[tuple[list[dict], dict]]:
-        dtype = next(sft_policy.parameters()).dtype
-        reward = RewardModelSource(reward_dir, params.reward.max_length, params.model.trust_remote_code,
-                                   device=ctx.device, dtype=dtype)
-        # Partitioned (ZeRO-3), the SFT policy is gathered whole for sampling; otherwise it samples where it will train.
-        policy = loading.Loaded(sft_policy if loading.is_partitioned(sft_policy) else sft_policy.to(ctx.device))
-        cands = sample_candidates(policy, tok, prompts, params, reward, inputs.judge(params), ctx)
-        del reward   # freed before the first training step
+        cands = sampled.scored_draws(run, sft_policy, tok, prompts, reward_dir, params.rs.n)
         return select(prompts, cands, params.rs.min_score) if ctx.is_main else None
     return sampled.reused_or_sampled(run, run.folder / WINNERS, fp, "winners", winner_problem, draw)
 

@@ -43,6 +43,28 @@ def training_prompts(params: Params, records: list, tok, section: str) -> tuple[
     return prompts[:n], {"data/prompts_truncated": truncated, "data/prompts_dropped": dropped}
 
 
+def scored_draws(run: StageRun, sft_policy, tok, prompts: list, reward_dir: Path, n: int) -> list:
+    """Collective. `n` samples of every prompt from the SFT policy, sampled as `<stage>.sampling`
+    says: sample k is one draw over every prompt, seed `<stage>.seed + k` (the evaluate stage's
+    best-of-n draws: measurement.policy.candidates), each scored by the reward model in
+    `reward_dir` (`reward.max_length`) and the gold judge; every rank samples its share on its
+    device. Partitioned (ZeRO-3), the policy is gathered whole for it; otherwise it samples where it
+    will train. The reward model lives for the sampling only. One measurement.policy.Measured per
+    sample, in order."""
+    from ..data import inputs
+    from ..measurement.policy import candidates, measure_policies
+    from ..models.reward_source import RewardModelSource
+    from ..training import loading
+    params, ctx, cfg = run.params, run.ctx, getattr(run.params, run.spec.name)
+    reward = RewardModelSource(reward_dir, params.reward.max_length, params.model.trust_remote_code,
+                               device=ctx.device, dtype=next(sft_policy.parameters()).dtype)
+    policy = loading.Loaded(sft_policy if loading.is_partitioned(sft_policy) else sft_policy.to(ctx.device))
+    draws = candidates(policy, cfg.seed, n)
+    measured = measure_policies(draws, tok, prompts, cfg.sampling, ctx=ctx, reward=reward, judge=inputs.judge(params),
+                                max_prompt_length=params.prompts.max_length)
+    return [measured[d.name] for d in draws]
+
+
 def fingerprint(run: StageRun, keys: Sequence[str], local_inputs: list, what: str) -> str:
     """The sampled file's fingerprint (module doc): `keys` are the section's sampling keys."""
     from ..training.resume import fingerprint as resume_fingerprint, input_paths

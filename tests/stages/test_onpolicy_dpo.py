@@ -19,7 +19,7 @@ from pipeline.data.tokenizer import load_tokenizer
 from pipeline.errors import ConfigError, DataError
 from pipeline.measurement.policy import Measured
 from pipeline.models.checkpoints import load_policy
-from pipeline.stages import metric_registry, onpolicy_dpo
+from pipeline.stages import metric_registry, onpolicy_dpo, sampled
 from pipeline.tracking import metric_names
 
 SECTION = {"samples_per_prompt": 3, "n_prompts": 8, "batch_size": 4, "epochs": 1.0, "eval_every": 1,
@@ -115,7 +115,7 @@ def test_reused_pairs_give_the_same_run_and_a_sampling_change_samples_again(done
 
     def no_sampling(*args, **kwargs):
         raise AssertionError("the pairs were sampled again")
-    monkeypatch.setattr(onpolicy_dpo, "scored_samples", no_sampling)
+    monkeypatch.setattr(sampled, "scored_draws", no_sampling)
     again = onpolicy_dpo.run(_params(), tiny_data, *tiny_models, tmp_path / "again", progress=False)
     assert_same_run(first, tmp_path / "again", metrics, again)
     with pytest.raises(AssertionError, match="sampled again"):

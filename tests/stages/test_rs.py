@@ -16,7 +16,7 @@ from conftest import assert_same_run, die_in_step, merge, read_sampled, redrawn,
 from pipeline.config import Params, check_process_shape, from_dict, load_params
 from pipeline.errors import ConfigError, DataError
 from pipeline.models.checkpoints import load_policy
-from pipeline.stages import rs
+from pipeline.stages import rs, sampled
 
 RS = {"n": 4, "n_prompts": 12, "batch_size": 4, "epochs": 1.0, "eval_every": 2, "save_every": 2,
       "n_eval_prompts": 4, "lr": 3e-3, "sampling": {"max_new_tokens": 8}}
@@ -86,15 +86,15 @@ def test_killed_during_fine_tuning_resumes_with_the_same_winners_and_weights(tin
         rs.run(params, tiny_data, *tiny_models, tmp_path / "resumed", progress=False)
     assert json.loads((tmp_path / "resumed/checkpoint/state.json").read_text())["step"] == 2
     assert not (tmp_path / "resumed/model").exists()
-    sampled = (tmp_path / "resumed" / rs.WINNERS).read_bytes()
+    winners = (tmp_path / "resumed" / rs.WINNERS).read_bytes()
     monkeypatch.undo()
 
     def no_sampling(*args, **kwargs):
         raise AssertionError("the winners were sampled again")
-    monkeypatch.setattr(rs, "sample_candidates", no_sampling)
+    monkeypatch.setattr(sampled, "scored_draws", no_sampling)
     resumed = rs.run(params, tiny_data, *tiny_models, tmp_path / "resumed", progress=False)
 
-    assert (tmp_path / "resumed" / rs.WINNERS).read_bytes() == sampled == (tmp_path / "full" / rs.WINNERS).read_bytes()
+    assert (tmp_path / "resumed" / rs.WINNERS).read_bytes() == winners == (tmp_path / "full" / rs.WINNERS).read_bytes()
     assert_same_run(tmp_path / "full", tmp_path / "resumed", full, resumed)
 
     # Fine-tuning params alone changed: the winners are still reused; a sampling param resamples.
