@@ -146,10 +146,12 @@ def fit_prompts(records: list[tuple[str, Prompt]], tok, max_length: int, overlon
     return [p for _, p, _ in kept], truncated, dropped
 
 
-def _user_rows(source: str, split: str, revision: str | None) -> list[tuple[str, dict]]:
-    rows = _rows(source, split, revision)
+def _user_rows(cfg: SFTDatasetConfig | PromptDatasetConfig, split: str) -> list[tuple[str, dict]]:
+    """(where, record) of the "train" or "eval" split of a user's dataset section (`path`,
+    `train_split`, `eval_split`, `revision`)."""
+    rows = _rows(cfg.path, cfg.train_split if split == "train" else cfg.eval_split, cfg.revision)
     if not rows:
-        raise DataError(f"{source}: no records")
+        raise DataError(f"{cfg.path}: no records")
     return rows
 
 
@@ -162,7 +164,7 @@ def demonstrations(params: Params, data_dir: Path, split: str) -> list[dict[str,
     if cfg.path is None:
         rows = load_demonstrations(data_dir / ("sft_train.jsonl" if split == "train" else "sft_eval.jsonl"))
     else:
-        raw = _user_rows(cfg.path, cfg.train_split if split == "train" else cfg.eval_split, cfg.revision)
+        raw = _user_rows(cfg, split)
         layout = detect_sft_layout(raw[0][1], cfg) if cfg.layout == "auto" else cfg.layout
         rows = [{**to_demonstration(row, layout, cfg, where), "where": where} for where, row in raw]
     if split == "eval":
@@ -179,7 +181,7 @@ def prompt_records(params: Params, data_dir: Path, split: str) -> list[tuple[str
     if cfg.path is None:
         records = load_prompts(data_dir / ("ppo_prompts.jsonl" if split == "train" else "eval_prompts.jsonl"))
     else:
-        rows = _user_rows(cfg.path, cfg.train_split if split == "train" else cfg.eval_split, cfg.revision)
+        rows = _user_rows(cfg, split)
         layout = cfg.layout
         if layout == "auto":
             layout = "messages" if cfg.messages_column in rows[0][1] else "prompt"

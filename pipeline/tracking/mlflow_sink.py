@@ -135,39 +135,33 @@ class MlflowTracker(Tracker):
         self.model_id: str | None = None  # the stage's MLflow logged model (stages that register one)
         self._system: Any = None          # MLflow's system metrics monitor of the run
 
-    def _guard(self, doing: str, call: Callable[[], Any]) -> Any:
+    def _guard(self, doing: str, call: Callable[[], Any], soft: bool = False) -> Any:
         """Run one MLflow call; on the first failure warn once and turn this tracker off, so the
-        stage goes on at full speed with its local files, which were written before any call."""
+        stage goes on at full speed with its local files, which were written before any call.
+        `soft`: a call whose failure loses only what it adds (a parent's summary, a model version, a
+        link between runs): one warning line, and the stage's own run goes on being logged. A
+        failure of the storage itself (an OSError: a full disk, a read-only store) would fail every
+        later call too, so it turns the tracker off even then."""
         if not self.enabled:
             return None
         try:
             return _retrying(call)
         except Exception as err:        # noqa: BLE001 -- any failure of this sink must not stop training
-            self._off(doing, err)
+            if soft and not isinstance(err, OSError):
+                log.warning("MLflow: %s failed (%s: %s)", doing, type(err).__name__,
+                            (str(err).splitlines() or [""])[0][:300])
+            else:
+                self._off(doing, err)
             return None
+
+    def _soft(self, doing: str, call: Callable[[], Any]) -> Any:
+        return self._guard(doing, call, soft=True)
 
     def _off(self, doing: str, err: Exception) -> None:
         self.enabled, self._pending = False, []
         text = (str(err).strip().splitlines() or [""])[0][:600]
         log.warning("MLflow tracking at %s failed while %s (%s: %s); the stage goes on without MLflow, "
                     "its TSV and metrics.json files are unaffected", self.uri, doing, type(err).__name__, text)
-
-    def _soft(self, doing: str, call: Callable[[], Any]) -> Any:
-        """A call whose failure loses only what it adds (a parent's summary, a model version, a link
-        between runs): one info line, and the stage's own run goes on being logged. A failure of the
-        storage itself (an OSError: a full disk, a read-only store) would fail every later call too:
-        it turns the tracker off as `_guard` does, with its one warning."""
-        if not self.enabled:
-            return None
-        try:
-            return _retrying(call)
-        except OSError as err:
-            self._off(doing, err)
-            return None
-        except Exception as err:        # noqa: BLE001 -- see the docstring
-            log.warning("MLflow: %s failed (%s: %s)", doing, type(err).__name__, str(err).splitlines()[0][:300]
-                     if str(err) else "")
-            return None
 
     def start(self, stage: str, config: Mapping[str, Any], inputs: Sequence[Path], fingerprint: str = "",
               facts: StageFacts = StageFacts()) -> None:

@@ -335,11 +335,8 @@ class DeepSpeedEngine(TrainEngine):
     def gathered(self) -> Iterator[torch.nn.Module]:
         """ZeRO-3: gather the parameters once and switch the per-module hooks off for generation
         (otherwise every generated token would all-gather every layer again)."""
-        if not self.zero3:
-            yield self.model
-            return
-        with zero3_whole(self.engine):
-            yield self.model
+        with zero3_whole(self.engine if self.zero3 else None, self.model) as model:
+            yield model
 
     def full_model(self) -> torch.nn.Module | None:
         """Collective: the whole model on rank 0 (None on the other ranks), in the dtype it trained
@@ -398,27 +395,28 @@ class FrozenModel:
     def gathered(self) -> Iterator[torch.nn.Module]:
         """The whole model on this rank (ZeRO-3: gathered once, its per-module hooks off), so that
         forwards made by one rank alone (a measurement's share of prompts) are no collectives."""
-        if self.engine is None:
-            yield self.model
-            return
-        with zero3_whole(self.engine):
-            yield self.model
+        with zero3_whole(self.engine, self.model) as model:   # an engine here is a ZeRO-3 one
+            yield model
 
 
 @contextlib.contextmanager
-def zero3_whole(engine: Any) -> Iterator[None]:
-    """A ZeRO-3 engine's module gathered whole and free of ZeRO-3's hooks meanwhile, so each rank
-    may run forwards alone, as many as it needs (a rollout that ends early, a measurement's share
-    of prompts). DeepSpeed's `unwrap_model_for_generation` removes the per-module hooks but keeps
-    the root's start-of-forward hook, whose step reset checks the trace against the other ranks (a
-    collective): it is taken off here too and put back first in line."""
+def zero3_whole(engine: Any, model: torch.nn.Module) -> Iterator[torch.nn.Module]:
+    """`model`, a ZeRO-3 `engine`'s module, gathered whole and free of ZeRO-3's hooks meanwhile, so
+    each rank may run forwards alone, as many as it needs (a rollout that ends early, a measurement's
+    share of prompts); with no engine (None: no ZeRO-3), `model` as it is. DeepSpeed's
+    `unwrap_model_for_generation` removes the per-module hooks but keeps the root's start-of-forward
+    hook, whose step reset checks the trace against the other ranks (a collective): it is taken off
+    here too and put back first in line."""
+    if engine is None:
+        yield model
+        return
     from deepspeed.runtime.zero.stage3 import unwrap_model_for_generation
     offload = getattr(engine.optimizer, "parameter_offload", engine.optimizer)
     hooks, key = offload.module._forward_pre_hooks, offload.fwd_pre_hook.id
     start = hooks.pop(key, None)
     try:
         with unwrap_model_for_generation(engine):
-            yield
+            yield model
     finally:
         if start is not None:
             hooks[key] = start
