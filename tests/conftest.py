@@ -284,6 +284,16 @@ def wait_for(path: Path, proc: subprocess.Popen, timeout: float = 300) -> None:
         time.sleep(0.05)
 
 
+def load_script(path: Path):
+    """The Python file at `path` (a script or benchmark: no package holds it) imported as a module
+    named after the file."""
+    import importlib.util
+    spec = importlib.util.spec_from_file_location(path.stem, path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
 def copy_repo(dest: Path) -> Path:
     """A git repository holding this checkout's tracked and unignored files (not outputs, not .venv)."""
     files = subprocess.run(["git", "ls-files", "--cached", "--others", "--exclude-standard", "-z"],
@@ -416,6 +426,23 @@ def tiny_policy_and_reward_model(root: Path, data_dir: Path, offset: float = 0.0
     return root / "sft", root / "rm"
 
 
+def random_policies(cfg, seeds: tuple[int, ...] = (0, 1)) -> tuple[list, Any]:
+    """Untrained causal LMs of `cfg`'s shape (a ModelConfig) over the reviews task's word tokenizer,
+    one per seed (torch's global seed set to it just before the model is built), in eval mode:
+    (the models in the order of `seeds`, the tokenizer)."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from pipeline.data.tokenizer import build_word_tokenizer
+    from pipeline.models.checkpoints import tiny_config
+    from pipeline.tasks import reviews
+    tok = build_word_tokenizer(reviews.vocabulary())
+    models = []
+    for seed in seeds:
+        torch.manual_seed(seed)
+        models.append(AutoModelForCausalLM.from_config(tiny_config(cfg, tok)).eval())
+    return models, tok
+
 
 def sampled_alone(policy, tok, prompts: list, sampling, seed: int, max_prompt_length: int | None = None) -> list[str]:
     """Each prompt's response drawn on its own (a batch of one) from the stream the measurement
@@ -497,12 +524,17 @@ def toy_stage(tmp_path, monkeypatch):
     sys.modules.pop("pipeline.stages.toy", None)
 
 
+def run_stage(stage: str, params, folders: dict[str, Path], out: Path, **options) -> dict:
+    """The stage run in this process into `out`, its inputs found by the names its SPEC gives them
+    (`folders`: "data", "sft", "reward", ... -> the folder), with the stage's own `options`: its metrics."""
+    from pipeline.stages import registry
+    inputs = [folders[name] for name in registry.spec(stage).inputs]
+    return registry.module(stage).run(params, *inputs, out, progress=False, **options)
+
+
 def supervised_run(stage: str, params, data_dir: Path, sft_dir: Path):
     """out -> the metrics of the sft or reward stage run on the tiny inputs into `out`."""
-    from pipeline.stages import registry
-    inputs = {"data": data_dir, "sft": sft_dir}
-    spec = registry.spec(stage)
-    return lambda out: registry.module(stage).run(params, *[inputs[f] for f in spec.inputs], out, progress=False)
+    return lambda out: run_stage(stage, params, {"data": data_dir, "sft": sft_dir}, out)
 
 
 def die_in_step(monkeypatch, where: str) -> None:

@@ -17,6 +17,7 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))   # tests/: conftest's helpers
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 import fake_device  # noqa: E402
@@ -25,12 +26,11 @@ DEVICE = fake_device.install()
 
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
-from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification  # noqa: E402
+from transformers import AutoModelForSequenceClassification  # noqa: E402
 
 from pipeline.config import ModelConfig, SamplingConfig  # noqa: E402
 from pipeline.data.preferences import Pair  # noqa: E402
 from pipeline.stages import reward  # noqa: E402
-from pipeline.data.tokenizer import build_word_tokenizer  # noqa: E402
 from pipeline.measurement.policy import Policy, measure_policies  # noqa: E402
 from pipeline.models.checkpoints import tiny_config  # noqa: E402
 from pipeline.tasks import reviews  # noqa: E402
@@ -38,6 +38,7 @@ from pipeline.training import distributed  # noqa: E402
 from pipeline import context  # noqa: E402
 from pipeline.context import Context  # noqa: E402
 import stage_collectives  # noqa: E402
+from conftest import random_policies  # noqa: E402
 
 PROMPTS = ["Review the film Silent River . Focus on the music .",
            "What did you think of Lost Lantern ? Talk about the acting .",
@@ -89,12 +90,8 @@ def main(out: Path, inputs: Path, params: Path) -> None:
     group = NcclRuleGroup()
     distributed.dist = group   # the module's collectives go through the double,
     context._dist = lambda: group   # and the Context's
-    tok = build_word_tokenizer(reviews.vocabulary())
     cfg = ModelConfig(hidden_size=32, intermediate_size=64, num_layers=1, num_heads=2)
-    models = []
-    for seed in (0, 1):
-        torch.manual_seed(seed)
-        models.append(AutoModelForCausalLM.from_config(tiny_config(cfg, tok)).eval())
+    models, tok = random_policies(cfg)
     prompts = (PROMPTS * 24)[:70]   # two batches of 64 and 6: one per rank of two
     torch.manual_seed(2)
     scalar = tiny_config(cfg, tok)

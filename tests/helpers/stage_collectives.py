@@ -30,10 +30,10 @@ from pipeline.config import Params, from_dict
 from pipeline.models import rollout_engine
 from pipeline.models.generation import concat
 from pipeline.ppo.trainer import PPOTrainer
-from pipeline.stages import dpo, kto, ppo, reward, rs
 from pipeline.training import distributed, engines, stopping
 from pipeline.context import Context
 from pipeline.workflow import code_deps
+from conftest import run_stage
 
 
 class SummedGradients(engines.TorchEngine):
@@ -115,11 +115,8 @@ def run(ctx: Context, out: Path, inputs: Path, params_file: Path) -> dict:
     # (the files do not change while it runs), not once more per stage (about half a second each).
     code_deps.imports = functools.lru_cache(code_deps.imports)
     result = {"stop": stop_decisions(ctx), "whitened": whitened(ctx, params)}
-    data, sft_dir, rm_dir = inputs / "data", inputs / "sft", inputs / "rm"
-    reward.run(params, data, sft_dir, out / "reward", progress=False)
-    dpo.run(params, data, sft_dir, out / "dpo", progress=False)
-    kto.run(params, data, sft_dir, out / "kto", progress=False)
-    rs.run(params, data, sft_dir, rm_dir, out / "rs", progress=False)
-    ppo.run(params, data, sft_dir, rm_dir, out / "ppo", progress=False)
+    folders = {"data": inputs / "data", "sft": inputs / "sft", "reward": inputs / "rm"}
+    for stage in ("reward", "dpo", "kto", "rs", "ppo"):
+        run_stage(stage, params, folders, out / stage)
     result["rollout_lengths"] = ctx.gather(rollouts.lengths)   # [rank][rollout][row]
     return result

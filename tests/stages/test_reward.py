@@ -89,15 +89,22 @@ def test_length_sorted_parts_equal_one_padded_batch_in_scores_and_gradients():
     for a, b in zip(grads_parts, grads_whole):
         assert torch.allclose(a, b, atol=1e-10)
 
-def test_head_init_std_and_offset(tmp_path):
-    from pipeline.data.tokenizer import build_word_tokenizer
-    tok = build_word_tokenizer(["a", "b", "good", "."])
-    cfg = LlamaConfig(vocab_size=len(tok), hidden_size=64, intermediate_size=32, num_hidden_layers=1,
-                      num_attention_heads=2, num_key_value_heads=2, pad_token_id=tok.pad_token_id)
+
+def _tiny_sft(folder, words: list[str], hidden_size: int):
+    """`folder` holding an untrained one-layer Llama policy of `hidden_size` and its word tokenizer
+    over `words`, as the SFT stage saves its model: what a reward model is initialised from."""
     from transformers import AutoModelForCausalLM
-    AutoModelForCausalLM.from_config(cfg).save_pretrained(tmp_path / "sft")
-    tok.save_pretrained(tmp_path / "sft")
-    model, _ = rm.init_reward_model(tmp_path / "sft", seed=0, head_std=None)
+    from pipeline.data.tokenizer import build_word_tokenizer
+    tok = build_word_tokenizer(words)
+    cfg = LlamaConfig(vocab_size=len(tok), hidden_size=hidden_size, intermediate_size=32, num_hidden_layers=1,
+                      num_attention_heads=2, num_key_value_heads=2, pad_token_id=tok.pad_token_id)
+    AutoModelForCausalLM.from_config(cfg).save_pretrained(folder)
+    tok.save_pretrained(folder)
+    return folder
+
+
+def test_head_init_std_and_offset(tmp_path):
+    model, _ = rm.init_reward_model(_tiny_sft(tmp_path / "sft", ["a", "b", "good", "."], 64), seed=0, head_std=None)
     w = rm.head(model).weight
     assert w.shape == (1, 64)
     assert w.std().item() == pytest.approx(1 / math.sqrt(65), rel=0.35)   # 64 draws of N(0, 1/65)
@@ -108,14 +115,7 @@ def test_normalisation_makes_reference_mean_zero(tmp_path):
     from pipeline.config import Params
     from pipeline.stages.reward import normalise
     from pipeline.tasks import reviews
-    from pipeline.data.tokenizer import build_word_tokenizer
-    from transformers import AutoModelForCausalLM
-    tok = build_word_tokenizer(reviews.vocabulary())
-    cfg = LlamaConfig(vocab_size=len(tok), hidden_size=16, intermediate_size=32, num_hidden_layers=1,
-                      num_attention_heads=2, num_key_value_heads=2, pad_token_id=tok.pad_token_id)
-    AutoModelForCausalLM.from_config(cfg).save_pretrained(tmp_path / "sft")
-    tok.save_pretrained(tmp_path / "sft")
-    model, tok = rm.init_reward_model(tmp_path / "sft", seed=1, head_std=1.0)
+    model, tok = rm.init_reward_model(_tiny_sft(tmp_path / "sft", reviews.vocabulary(), 16), seed=1, head_std=1.0)
     demos = [{"prompt": "Review the film Lost River . Focus on the music .", "response": r}
              for r in ("the music was good . overall , see it .", "I hated the plot .", "the film is bad .")]
     (tmp_path / "sft_eval.jsonl").write_text("".join(json.dumps(d) + "\n" for d in demos))

@@ -3,7 +3,6 @@ by the next person who needs its number (ppo_vs_trl.py's set-up called a removed
 sft.train for two days). TRL itself is an optional install (`make bench`), so only our side runs."""
 
 import csv
-import importlib.util
 import json
 import math
 import os
@@ -16,16 +15,14 @@ from pathlib import Path
 
 import pytest
 
+from conftest import load_script
 from pipeline.stages import registry
 
 ROOT = Path(__file__).resolve().parents[2]
 
 
 def load(name: str):
-    spec = importlib.util.spec_from_file_location(name, ROOT / "benchmarks" / f"{name}.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_script(ROOT / "benchmarks" / f"{name}.py")
 
 
 def test_ppo_vs_trl_builds_the_shared_models_and_times_our_trainer(tmp_path, monkeypatch, capsys):
@@ -284,13 +281,6 @@ def test_rm_faults_benchmark_prints_how_often_a_model_prefers_the_intact_review(
         assert all((gap > 0) if sign > 0 else (gap < 0) if sign < 0 else gap == 0 for _, gap, _ in got.values())
 
 
-def load_demo_script():
-    spec = importlib.util.spec_from_file_location("demo", ROOT / "scripts" / "demo.py")
-    demo = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(demo)
-    return demo
-
-
 def test_demo_seeds_collects_each_seeds_demo_and_holds_the_guarantee(tmp_path, own_sys_path, monkeypatch, capsys):
     """benchmarks/demo_seeds.py around scripts/demo.py (three minutes a seed): each seed's demo is
     answered by the summary demo.py itself writes, of the committed run's metrics, with the gold win
@@ -298,7 +288,7 @@ def test_demo_seeds_collects_each_seeds_demo_and_holds_the_guarantee(tmp_path, o
     (machine, threads, runs by seed), the medians it prints, exit 1 below --share, --replace keeping
     the other seeds, refusing another machine's file, and a failed demo."""
     bench = load("demo_seeds")
-    demo = load_demo_script()
+    demo = load_script(ROOT / "scripts" / "demo.py")
     root = tmp_path / "checkout"
     monkeypatch.setattr(bench, "ROOT", root)
     run_dir = tmp_path / "committed_run"

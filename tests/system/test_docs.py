@@ -15,7 +15,6 @@ Standard library and the project only; no stage runs, so the file takes seconds.
 from __future__ import annotations
 
 import dataclasses
-import importlib.util
 import json
 import re
 import shutil
@@ -27,6 +26,8 @@ from pathlib import Path
 
 import pytest
 
+from conftest import load_script
+
 REPO = Path(__file__).resolve().parents[2]
 README = REPO / "README.md"
 GUIDE = REPO / "docs" / "guide"
@@ -34,10 +35,7 @@ DECISIONS = REPO / "docs" / "decisions"
 
 
 def _load_renderer():
-    spec = importlib.util.spec_from_file_location("render_docs", REPO / "scripts" / "render_docs.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_script(REPO / "scripts" / "render_docs.py")
 
 
 render_docs = _load_renderer()

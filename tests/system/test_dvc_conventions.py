@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 from ruamel.yaml import YAML
 
-from conftest import BIN, REPO, TINY, bare_env, copy_run, run, write_params
+from conftest import BIN, REPO, TINY, bare_env, copy_run, load_script, run, write_params
 from pipeline.stages import registry
 
 ARTIFACTS = {"rlhf-policy": "outputs/ppo/model", "rlhf-sft-policy": "outputs/sft/model",
@@ -30,10 +30,7 @@ def dvc_yaml() -> dict:
 
 
 def offline_page_module():
-    spec = importlib.util.spec_from_file_location("dvc_offline_page", REPO / "scripts" / "dvc_offline_page.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_script(REPO / "scripts" / "dvc_offline_page.py")
 
 
 def tree_hashes(folder: Path) -> dict[str, str]:

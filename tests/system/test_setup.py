@@ -12,7 +12,7 @@ import sys
 import tomllib
 from pathlib import Path
 
-from conftest import REPO
+from conftest import REPO, load_script
 
 # This project's own modules: the package, the tests' shared fixtures and helpers (imported by their bare
 # names: tests/conftest.py), and the scripts and benchmarks that import each other.
@@ -191,10 +191,7 @@ def test_a_linked_venv_is_used_as_it_is_never_installed_into(tmp_path):
 def test_one_lock_per_part_of_the_install_and_each_matches_this_environment():
     """requirements.lock pins the pipeline's own closure; each extra's lock pins only what it adds;
     the committed pipeline and dev locks are what scripts/lock.py writes from this (tested) environment."""
-    import importlib.util
-    spec = importlib.util.spec_from_file_location("lock", REPO / "scripts" / "lock.py")
-    lock = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(lock)
+    lock = load_script(REPO / "scripts" / "lock.py")
     assert lock.extras() == ["bench", "dev"]
 
     def pins(text: str) -> dict[str, str]:
@@ -215,18 +212,10 @@ def test_the_vllm_lock_is_a_whole_environment_inside_the_projects_ranges():
     off this environment: it pins the vLLM that scripts/vllm_api.py read the API of, and every direct
     dependency at a version pyproject.toml admits, as requirements.lock does. Where the two locks
     differ (torch, transformers) pyproject's range admits both and nothing newer than the newer."""
-    import importlib.util
-
     from packaging.requirements import Requirement
     from packaging.version import Version
 
-    def module(name: str):
-        spec = importlib.util.spec_from_file_location(name, REPO / "scripts" / f"{name}.py")
-        loaded = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(loaded)
-        return loaded
-
-    lock, api = module("lock"), module("vllm_api")
+    lock, api = (load_script(REPO / "scripts" / f"{name}.py") for name in ("lock", "vllm_api"))
 
     def pins(path: Path) -> dict[str, str]:
         lines = [line for line in path.read_text().splitlines() if line and not line.startswith("#")]

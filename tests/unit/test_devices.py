@@ -546,6 +546,15 @@ def gpu_only(stage: str) -> set[str]:
     return {"resources/peak_device_gib"} | ({"train/memory_peak_gib"} if stage in ("ppo", "grpo") else set())
 
 
+def on_cpu_then_fake_gpu(stages, root: Path, monkeypatch) -> None:
+    """`stages(root / "cpu")`, then `stages(root / "dev")` with every model on the fake accelerator:
+    the device `distributed.resolve_device` gives each stage, for the rest of the test."""
+    stages(root / "cpu")
+    with fake_device.use_fake_gpu() as dev:
+        monkeypatch.setattr(distributed, "resolve_device", lambda cfg, local_rank=0: dev)
+        stages(root / "dev")
+
+
 def test_the_tiny_pipeline_on_a_device_that_is_not_the_cpu_measures_what_the_cpu_does(tmp_path, monkeypatch):
     """sft, reward, ppo and evaluate in this process with every model on the fake accelerator (the
     device `distributed.device` resolves to): no device mix anywhere on their paths, config.json
@@ -568,10 +577,7 @@ def test_the_tiny_pipeline_on_a_device_that_is_not_the_cpu_measures_what_the_cpu
         evaluate.run(params, root / "data", root / "sft/model", root / "reward/model", root / "ppo/model",
                      root / "evaluate")
 
-    pipeline(tmp_path / "cpu")
-    with fake_device.use_fake_gpu() as dev:
-        monkeypatch.setattr(distributed, "resolve_device", lambda cfg, local_rank=0: dev)
-        pipeline(tmp_path / "dev")
+    on_cpu_then_fake_gpu(pipeline, tmp_path, monkeypatch)
     timings = ("resources/", "train/seconds", "train/time_", "train/tokens_per_second")
     for stage in ("sft", "reward", "ppo", "evaluate"):
         runtime = json.loads((tmp_path / "dev" / stage / "config.json").read_text())["runtime"]
@@ -607,28 +613,23 @@ def test_every_method_and_option_on_a_device_that_is_not_the_cpu_measures_what_t
     import json
     import shutil
 
-    from conftest import TINY, merge, tiny_policy_and_reward_model
+    from conftest import TINY, merge, run_stage, tiny_policy_and_reward_model
     from pipeline.config import from_dict
-    from pipeline.stages import compare, dpo, grpo, kto, ppo, rs
     params = from_dict(Params, merge(TINY, METHODS), "tiny: ")
     prepare_run(params.data, tmp_path / "cpu" / "data")
     tiny_policy_and_reward_model(tmp_path / "cpu", tmp_path / "cpu" / "data")
     shutil.copytree(tmp_path / "cpu", tmp_path / "dev")
 
-    def methods(root: Path) -> None:
-        data, sft, rm = root / "data", root / "sft", root / "rm"
-        dpo.run(params, data, sft, root / "dpo", progress=False)
-        kto.run(params, data, sft, root / "kto", progress=False)
-        rs.run(params, data, sft, rm, root / "rs", progress=False)
-        grpo.run(params, data, sft, rm, root / "grpo", progress=False)
-        ppo.run(params, data, sft, rm, root / "ppo", progress=False)
-        compare.run(params, data, sft, rm, root / "compare", progress=False,
-                    policy=[f"{m}={root / m / 'model'}" for m in ("dpo", "kto", "rs", "grpo", "ppo")])
+    trained = ("dpo", "kto", "rs", "grpo", "ppo")
 
-    methods(tmp_path / "cpu")
-    with fake_device.use_fake_gpu() as dev:
-        monkeypatch.setattr(distributed, "resolve_device", lambda cfg, local_rank=0: dev)
-        methods(tmp_path / "dev")
+    def methods(root: Path) -> None:
+        folders = {"data": root / "data", "sft": root / "sft", "reward": root / "rm"}
+        for stage in trained:
+            run_stage(stage, params, folders, root / stage)
+        run_stage("compare", params, folders, root / "compare",
+                  policy=[f"{m}={root / m / 'model'}" for m in trained])
+
+    on_cpu_then_fake_gpu(methods, tmp_path, monkeypatch)
     timings = ("resources/", "train/seconds", "train/time_", "train/tokens_per_second", "compare/seconds")
     for stage in ("dpo", "kto", "rs", "grpo", "ppo", "compare"):
         assert json.loads((tmp_path / "dev" / stage / "config.json").read_text())["runtime"]["device"] == fake_device.NAME

@@ -156,26 +156,25 @@ def _cycles(edges: dict[str, set[str]]) -> list[list[str]]:
     low: dict[str, int] = {}
     stack: list[str] = []
     on_stack: set[str] = set()
+    work: list = []   # the nodes being visited, each with the children it has still to look at
     out = []
-    counter = 0
+
+    def visit(node: str) -> None:
+        index[node] = low[node] = len(index)   # the order of first visits
+        stack.append(node)
+        on_stack.add(node)
+        work.append((node, iter(sorted(edges.get(node, ())))))
+
     for start in sorted(edges):
         if start in index:
             continue
-        work = [(start, iter(sorted(edges[start])))]
-        index[start] = low[start] = counter
-        counter += 1
-        stack.append(start)
-        on_stack.add(start)
+        visit(start)
         while work:
             node, children = work[-1]
             child = next(children, None)
             if child is not None:
                 if child not in index:
-                    index[child] = low[child] = counter
-                    counter += 1
-                    stack.append(child)
-                    on_stack.add(child)
-                    work.append((child, iter(sorted(edges.get(child, ())))))
+                    visit(child)
                 elif child in on_stack:
                     low[node] = min(low[node], index[child])
                 continue

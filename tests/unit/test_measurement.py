@@ -6,14 +6,12 @@ from __future__ import annotations
 
 import pytest
 import torch
-from transformers import AutoModelForCausalLM
 
 from pipeline.config import ModelConfig, SamplingConfig
-from pipeline.data.tokenizer import build_word_tokenizer, encode_prompt, encode_response
-from conftest import sampled_alone
+from pipeline.data.tokenizer import encode_prompt, encode_response
+from conftest import random_policies, sampled_alone
 from pipeline.measurement.policy import GENERATION_BATCH, Policy, measure, measure_policies, prompt_seed, sequence_kl, summary
 from pipeline.measurement.stats import distinct_n, mean_ci
-from pipeline.models.checkpoints import tiny_config
 from pipeline.tasks import reviews
 
 PROMPTS = ["Review the film Silent River . Focus on the music .",
@@ -23,13 +21,8 @@ PROMPTS = ["Review the film Silent River . Focus on the music .",
 
 @pytest.fixture(scope="module")
 def models():
-    tok = build_word_tokenizer(reviews.vocabulary())
-    cfg = ModelConfig(hidden_size=32, intermediate_size=64, num_layers=2, num_heads=2)
-    out = []
-    for seed in (0, 1):
-        torch.manual_seed(seed)
-        out.append(AutoModelForCausalLM.from_config(tiny_config(cfg, tok)).eval())
-    return out[0], out[1], tok
+    (policy, ref), tok = random_policies(ModelConfig(hidden_size=32, intermediate_size=64, num_layers=2, num_heads=2))
+    return policy, ref, tok
 
 
 def test_sequence_kl_is_each_sequence_alone_summed_over_its_response(models):
@@ -110,10 +103,8 @@ def test_the_tally_keeps_the_largest_spread_of_batches_over_ranks():
 def test_a_measurement_records_each_ranks_batches():
     """measure_policies records its batch count per rank: one process, none spread."""
     from pipeline.measurement import balance
-    tok = build_word_tokenizer(reviews.vocabulary())
-    torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_config(tiny_config(ModelConfig(hidden_size=32, intermediate_size=64,
-                                                                     num_layers=1, num_heads=2), tok))
+    (model,), tok = random_policies(ModelConfig(hidden_size=32, intermediate_size=64, num_layers=1, num_heads=2),
+                                    seeds=(0,))
     with balance.tallying() as tally:
         measure(model, tok, ["Review the film Silent River ."] * 3, SamplingConfig(max_new_tokens=2), seed=0)
     assert tally.imbalance == 0
