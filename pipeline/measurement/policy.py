@@ -32,7 +32,7 @@ from ..config import SamplingConfig
 from ..data.padding import left_pad, positions, right_pad
 from ..data.tokenizer import decode_response, encode_prompt, encode_response, end_ids
 from ..models.generation import stop_ids
-from ..models.logprobs import logprobs_from_logits, response_logits
+from ..models.logprobs import response_logprobs
 from ..models.rollout_engine import TORCH, Request, RolloutEngine
 from ..tracking.metric_names import METRICS_JSON, Metric
 from ..context import SINGLE, Context
@@ -165,8 +165,8 @@ def _logprobs(model, tok, prompts: list, responses: list[str], temperature: floa
                                   tok.pad_token_id)
         device = next(model.parameters()).device
         ids, mask = torch.cat([p_ids, r_ids], 1).to(device), torch.cat([p_mask, r_mask], 1).long().to(device)
-        logits = response_logits(model, ids, mask, positions(mask), r_ids.size(1), temperature)   # (B, R, V)
-        out.append((logprobs_from_logits(logits, r_ids.to(device)), r_mask.to(device)))
+        lp, _ = response_logprobs(model, ids, mask, positions(mask), r_ids.to(device), temperature)   # (B, R)
+        out.append((lp, r_mask.to(device)))
     return out
 
 

@@ -4,16 +4,27 @@ old, reference and new log-probs, the KL of a policy to its reference in measure
 Layout (as a PPO rollout): prompt left-padded, response right-padded, T = P + R columns; the
 logits at column t predict token t + 1, so the R response tokens are predicted by the R columns
 before the last. Logits are divided by the sampling temperature, exactly as the sampler did.
+
+Logits are never whole where they would be large: at a 152k vocabulary, 2k positions and 4 rows the
+fp32 logits alone take ~5 GB, and their log-softmax and gradient as much again. Above
+`logit_chunks.LOGITS_CHUNK_BYTES` the model's forward stops at the last hidden state, and the LM
+head, the log-softmax and the entropy run on chunks of positions, each chunk's logits recomputed
+in the backward pass rather than kept (activation checkpointing of the head alone). Below it (the
+default task's every batch) the logits are made whole exactly as before, so no bit of those runs
+moves.
 """
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import inspect
+from typing import Iterator, Optional
 
 import torch
+from torch.utils.checkpoint import checkpoint
 
-from . import lora
+from . import logit_chunks, lora
 
 
 def logprobs_from_logits(
@@ -71,3 +82,89 @@ def response_logits(model, input_ids: torch.Tensor, attention_mask: torch.Tensor
     logits = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
                    **extra).logits                                             # (B, T or R + 1, V)
     return logits[:, -(n_response + 1):-1].float() / temperature
+
+
+def chunked_head(model, positions: int) -> Optional[torch.nn.Linear]:
+    """The LM head to run chunk by chunk for a forward that needs logits at `positions` positions
+    in all (rows x positions each), or None where the logits are made whole: they fit in
+    logit_chunks.LOGITS_CHUNK_BYTES, or the head is not a plain linear layer of a
+    logit_chunks.PLAIN_HEAD_TYPES model (a PEFT-wrapped or adapted head), or its weight is
+    partitioned by ZeRO-3 (each chunk would gather it again)."""
+    hf = _hf_model(model)
+    head = hf.get_output_embeddings() if hasattr(hf, "get_output_embeddings") else None
+    if type(head) is not torch.nn.Linear or positions <= logit_chunks.chunk_positions(head.out_features):
+        return None
+    if getattr(hf.config, "model_type", None) not in logit_chunks.PLAIN_HEAD_TYPES or hasattr(head.weight, "ds_id"):
+        return None
+    return head
+
+
+@contextlib.contextmanager
+def hidden_out(head: torch.nn.Linear) -> Iterator[None]:
+    """The model's forward returns its last hidden states as `.logits` meanwhile: the head's
+    forward is the identity (an instance attribute shadows the class's), and the chunks apply the
+    head themselves. Hooks on the head (DeepSpeed's) still run."""
+    head.forward = lambda hidden: hidden
+    try:
+        yield
+    finally:
+        del head.forward
+
+
+def _chunk_stats(head: torch.nn.Linear, hidden: torch.Tensor, labels: torch.Tensor, temperature: float,
+                 entropy: bool, entropy_grad: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """(n,) log-probs of (n,) `labels` under the temperature-scaled logits of (n, H) `hidden`, and
+    their (n,) entropy (with a graph only when `entropy_grad`) or an empty tensor."""
+    logits = head(hidden).float() / temperature                                     # (n, V)
+    lp = logprobs_from_logits(logits, labels)                                        # (n,)
+    if not entropy:
+        return lp, lp.new_empty(0)
+    if entropy_grad:
+        return lp, entropy_from_logits(logits)
+    with torch.no_grad():
+        return lp, entropy_from_logits(logits.detach())
+
+
+def chunked_stats(head: torch.nn.Linear, hidden: torch.Tensor, labels: torch.Tensor, temperature: float,
+                  entropy: bool = False, entropy_grad: bool = True) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+    """(N,) log-probs of (N,) `labels` and, when asked, their (N,) entropy, from (N, H) last hidden
+    states, logit_chunks.LOGITS_CHUNK_BYTES of fp32 logits at a time. With grad, each chunk's logits are
+    recomputed in the backward pass (so at most one chunk's are alive); labels must be valid ids
+    (clamp ignored ones and mask their log-probs after)."""
+    rows = logit_chunks.chunk_positions(head.out_features)
+    lps, ents = [], []
+    for start in range(0, hidden.size(0), rows):
+        part = (head, hidden[start:start + rows], labels[start:start + rows], temperature, entropy, entropy_grad)
+        if torch.is_grad_enabled() and hidden.requires_grad:
+            lp, ent = checkpoint(_chunk_stats, *part, use_reentrant=False)
+        else:
+            lp, ent = _chunk_stats(*part)
+        lps.append(lp)
+        ents.append(ent)
+    return torch.cat(lps), (torch.cat(ents) if entropy else None)
+
+
+def response_logprobs(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, position_ids: torch.Tensor,
+                      labels: torch.Tensor, temperature: float, entropy: bool = False,
+                      entropy_grad: bool = True) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+    """(B, R) log pi(label_t) of the R = labels.size(1) response tokens that end (B, T) `input_ids`
+    under the temperature-scaled distribution, and their (B, R) entropy when `entropy` (with a
+    graph only when `entropy_grad`: logged, not trained on, otherwise). The logits are whole
+    (`response_logits`) or chunked (the module doc)."""
+    B, R = labels.shape
+    head = chunked_head(model, B * R)
+    if head is None:
+        logits = response_logits(model, input_ids, attention_mask, position_ids, R, temperature)   # (B, R, V)
+        lp = logprobs_from_logits(logits, labels)
+        if not entropy:
+            return lp, None
+        if entropy_grad:
+            return lp, entropy_from_logits(logits)
+        with torch.no_grad():
+            return lp, entropy_from_logits(logits.detach())
+    extra = {"logits_to_keep": R + 1} if keeps_logits(model) else {}
+    with hidden_out(head):
+        hidden = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
+                       **extra).logits[:, -(R + 1):-1]                                 # (B, R, H)
+    lp, ent = chunked_stats(head, hidden.reshape(B * R, -1), labels.reshape(-1), temperature, entropy, entropy_grad)
+    return lp.view(B, R), (ent.view(B, R) if ent is not None else None)

@@ -22,25 +22,12 @@ if TYPE_CHECKING:   # annotations only (pipeline/models/checkpoints.py says why)
     from transformers import PreTrainedModel
 
 
-def response_logits(model: PreTrainedModel, ro: Rollout, temperature: float) -> torch.Tensor:
-    """(B, R, V) temperature-scaled logits that predict each response token of the rollout."""
-    return logprobs.response_logits(model, ro.input_ids, ro.attention_mask, ro.position_ids,
-                                    ro.response_mask.size(1), temperature)
-
-
 def policy_logprobs(model: PreTrainedModel, ro: Rollout, temperature: float,
                     with_entropy: bool = False, entropy_grad: bool = True) -> tuple[torch.Tensor, torch.Tensor | None]:
     """(B, R) log pi(a_t|s_t) of the response tokens, and (B, R) entropy when asked (without a
     graph when `entropy_grad` is False: logged, not trained on)."""
-    logits = response_logits(model, ro, temperature)
-    labels = ro.input_ids[:, ro.n_prompt:]
-    lp = logprobs.logprobs_from_logits(logits, labels)
-    if not with_entropy:
-        return lp, None
-    if entropy_grad:
-        return lp, logprobs.entropy_from_logits(logits)
-    with torch.no_grad():
-        return lp, logprobs.entropy_from_logits(logits.detach())
+    return logprobs.response_logprobs(model, ro.input_ids, ro.attention_mask, ro.position_ids,
+                                      ro.input_ids[:, ro.n_prompt:], temperature, with_entropy, entropy_grad)
 
 
 def critic_values(critic: PreTrainedModel, ro: Rollout) -> torch.Tensor:

@@ -22,7 +22,7 @@ from ..data.padding import left_pad, positions, right_pad
 from ..data.preferences import Pair, check_distinct
 from ..data.tokenizer import cut_prompt, encode_prompt, encode_response
 from ..errors import DataError
-from ..models.logprobs import logprobs_from_logits, response_logits
+from ..models.logprobs import response_logprobs
 
 
 @dataclass(frozen=True)
@@ -76,7 +76,7 @@ def sequence_logprobs(
 ) -> tuple[torch.Tensor, torch.Tensor]:  # (B,) summed response log-probs, (B,) response lengths
     """Sum over each response's tokens of log pi(y_t | x, y_<t), with grad when the caller has
     it enabled. Temperature 1: these are the model's own probabilities, not a sampler's. Float32
-    whatever the model's dtype (``response_logits`` upcasts the logits before the logsumexp)."""
+    whatever the model's dtype (``response_logprobs`` upcasts the logits before the logsumexp)."""
     if len(prompts) != len(responses) or not prompts:
         raise ValueError(f"need as many prompts as responses, at least one; got {len(prompts)} and {len(responses)}")
     device = next(model.parameters()).device
@@ -85,8 +85,7 @@ def sequence_logprobs(
     ids = torch.cat([p_ids, r_ids], 1).to(device)  # (B, T)
     mask = torch.cat([p_mask, r_mask], 1).to(device)  # (B, T) bool
     r_ids, r_mask = r_ids.to(device), r_mask.to(device)
-    logits = response_logits(model, ids, mask.long(), positions(mask), r_ids.size(1), 1.0)  # (B, R, V)
-    per_token = logprobs_from_logits(logits, r_ids)  # (B, R)
+    per_token, _ = response_logprobs(model, ids, mask.long(), positions(mask), r_ids, 1.0)  # (B, R)
     # where(), not a product: a pad's log-prob may be -inf, and 0 * -inf is NaN.
     summed = torch.where(r_mask, per_token, torch.zeros_like(per_token)).sum(1)  # (B,)
     return summed, r_mask.sum(1)

@@ -12,7 +12,7 @@ import torch
 import torch.nn.functional as F
 
 from ..data.records import IGNORE, Example, collate_sft, tokenize_demonstrations
-from ..models import lora
+from ..models import logprobs, lora
 from ..context import SINGLE, Context
 from .distributed import to_device
 from .supervised import Recipe, SupervisedTask
@@ -24,12 +24,20 @@ def response_token_count(e: Example) -> int:
 
 
 def ce_sum(model, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, int]:
-    """Summed cross-entropy over the response tokens of `batch`, and their count."""
-    logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits   # (B, T, V)
+    """Summed cross-entropy over the response tokens of `batch`, and their count; above
+    logit_chunks.LOGITS_CHUNK_BYTES of logits, the LM head chunk by chunk (pipeline/models/logprobs.py)."""
     labels = batch["labels"][:, 1:]                                                                 # (B, T-1)
-    loss = F.cross_entropy(logits[:, :-1].float().flatten(0, 1), labels.flatten(), ignore_index=IGNORE,
-                           reduction="sum")
-    return loss, int((labels != IGNORE).sum())
+    valid = labels != IGNORE                                                                        # (B, T-1)
+    head = logprobs.chunked_head(model, labels.numel())
+    if head is None:
+        logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits   # (B, T, V)
+        loss = F.cross_entropy(logits[:, :-1].float().flatten(0, 1), labels.flatten(), ignore_index=IGNORE,
+                               reduction="sum")
+        return loss, int(valid.sum())
+    with logprobs.hidden_out(head):
+        hidden = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits[:, :-1]  # (B, T-1, H)
+    lp, _ = logprobs.chunked_stats(head, hidden.flatten(0, 1), labels.clamp(min=0).flatten(), 1.0)          # (B*(T-1),)
+    return -torch.where(valid.flatten(), lp, torch.zeros_like(lp)).sum(), int(valid.sum())
 
 
 @torch.no_grad()

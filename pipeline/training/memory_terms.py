@@ -32,7 +32,8 @@ fp32 otherwise.
   backward recomputes one layer at a time, which then holds that layer's full term (Chen et al.
   2016 trade about one more forward for this; Korthikanti et al.'s "full recomputation", 2sbhL).
   The language-model head adds b*s*V logits in the working dtype plus the fp32 copy and the
-  gradient of the cross-entropy (4 + 4 bytes each). PPO's actor and critic are both live.
+  gradient of the cross-entropy (4 + 4 bytes each), b*s capped at one chunk's positions where the
+  head is chunked (`logits_bytes`; scoring forwards likewise). PPO's actor and critic are both live.
 - rollout: under ZeRO-3 the actor gathered whole for sampling (DeepSpeed's all-gather fills a fresh
   full-size buffer while each rank keeps its partition: zero/partition_parameters.py), the KV cache
   (2 * L * kv_heads * head_dim * tokens * bytes per sequence, prompt + response at their longest),
@@ -68,6 +69,7 @@ from typing import Any, Optional
 
 from ..config import DistributedConfig, LoraConfig, Params
 from ..errors import ConfigError
+from ..models.logit_chunks import PLAIN_HEAD_TYPES, chunk_positions
 from .loading import load_dtype, zero3
 
 GIB = 2 ** 30
@@ -97,6 +99,7 @@ class ModelShape:
     saved_bytes: int = 4         # bytes per weight as the checkpoint holds it (float32 4, bf16/fp16 2)
     eager_attention: bool = False  # eager attention stores the (a, s, s) scores; SDPA/flash kernels do not
     checkpointing: bool = True   # the class supports gradient checkpointing (engines.enable_checkpointing)
+    chunked_logits: bool = False  # its head runs chunk by chunk above LOGITS_CHUNK_BYTES (models/logprobs.py)
 
     def adapter_params(self, lora: LoraConfig) -> int:
         """Trainable parameters of LoRA adapters: r * (in + out) for every targeted linear
@@ -138,7 +141,8 @@ def shape_of(hf_config: Any, scalar_head: bool = False) -> ModelShape:
                       head_dim=getattr(hf_config, "head_dim", None) or hf_config.hidden_size // heads,
                       vocab=0 if scalar_head else hf_config.vocab_size, linears=linears, saved_bytes=saved,
                       eager_attention=eager,
-                      checkpointing=bool(getattr(model, "supports_gradient_checkpointing", False)))
+                      checkpointing=bool(getattr(model, "supports_gradient_checkpointing", False)),
+                      chunked_logits=not scalar_head and getattr(hf_config, "model_type", None) in PLAIN_HEAD_TYPES)
 
 
 def checkpoint_shape(folder: str | Path, scalar_head: bool = False, trust_remote_code: bool = False) -> ModelShape:
@@ -288,11 +292,20 @@ def layer_bytes(m: ModelShape, batch: int, seq: int, nbytes: int) -> float:
     return (s * b * h * (34 + LLAMA_EXTRA) + (2 * a * s * s * b if m.eager_attention else 0)) * nbytes / 2
 
 
+def logits_bytes(m: ModelShape, positions: int, nbytes: int) -> float:
+    """The head's logits at `positions` positions in the working dtype with the loss's fp32 copy and
+    its gradient (or the log-softmax's): whole, or one chunk's positions where the head is chunked
+    (pipeline/models/logit_chunks.py)."""
+    if m.chunked_logits and m.vocab:
+        positions = min(positions, chunk_positions(m.vocab))
+    return positions * m.vocab * (nbytes + 8)
+
+
 def activation_bytes(m: ModelShape, micro_batch: int, seq: int, nbytes: int, checkpointing: bool = False) -> float:
     """Stored activations of one training forward plus the head's logits and the loss's fp32 copy
     and gradient; with `checkpointing`, each layer's input and one layer's full term instead of L."""
     s, b = seq, micro_batch
-    head = b * s * m.vocab * (nbytes + 8)
+    head = logits_bytes(m, b * s, nbytes)
     if checkpointing:
         return m.layers * s * b * m.hidden * nbytes + layer_bytes(m, b, s, nbytes) + head
     return m.layers * layer_bytes(m, b, s, nbytes) + head
@@ -319,7 +332,7 @@ def sampling_bytes(m: ModelShape, sequences: int, prompt_length: int, response_l
 def forward_bytes(m: ModelShape, batch: int, seq: int, response_length: int, nbytes: int) -> float:
     """A forward without a graph over `batch` sequences of `seq` tokens: one layer's term, and for
     a language model the (R + 1) x V response logits with their two fp32 copies."""
-    return layer_bytes(m, batch, seq, nbytes) + batch * (response_length + 1) * m.vocab * (nbytes + 8)
+    return layer_bytes(m, batch, seq, nbytes) + logits_bytes(m, batch * (response_length + 1), nbytes)
 
 
 def engine_bytes(m: ModelShape, sequences: int, tokens: int, weight_nbytes: int, nbytes: int) -> float:
