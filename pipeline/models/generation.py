@@ -18,10 +18,10 @@ from ..config import SamplingConfig
 from ..errors import CheckpointError, ConfigError
 from ..data.padding import left_pad, positions
 from ..data.tokenizer import end_ids
-from .logprobs import keeps_logits
+from .logprobs import hf_model, keeps_logits
 
 if TYPE_CHECKING:   # imported where used (pipeline/models/checkpoints.py says why)
-    from transformers import DynamicCache, PreTrainedModel
+    from transformers import Cache, PreTrainedModel
 
 
 @dataclass
@@ -51,7 +51,8 @@ def filter_logits(logits: torch.Tensor, top_k: int, top_p: float) -> torch.Tenso
 
 
 # On an accelerator the loop asks whether every row has ended only every this many tokens (each
-# ask is a device-to-host sync); the columns sampled past the end are cut off afterwards.
+# ask is a device-to-host sync); the columns sampled past the end are cut off afterwards. Nothing
+# else in the loop reads from the device there: the draw is `race`, the KV cache `kv_cache`'s.
 SYNC_EVERY = 16
 
 
@@ -62,8 +63,9 @@ def sample(model: PreTrainedModel, prompts: list[list[int]], pad_id: int, stop_i
     """Sample (or greedily decode) up to `cfg.max_new_tokens` per prompt; a response ends at the
     first of `stop_ids` (kept as its last token: eos ids, and the stop token when one is set).
 
-    Random streams: `generator` draws every row's token from one stream (PPO's rollouts; a CPU
-    generator samples on the CPU, as the committed runs did, a CUDA one on the GPU), or
+    Random streams: `generator` draws every row's token from one stream (PPO's rollouts: on the
+    CPU by torch.multinomial, as the committed runs did; on an accelerator by `race` from
+    `device_stream(generator)`, the same algorithm with no host read), or
     `row_generators` gives each row its own (the measurement: a prompt's response depends on its
     own seed only, not on which prompts share its batch or its process). A row's stream gives all
     its uniforms up front, one per token, and each token is drawn by inverting its CDF, for every
@@ -72,14 +74,21 @@ def sample(model: PreTrainedModel, prompts: list[list[int]], pad_id: int, stop_i
     `drop_finished`: a row that has ended leaves the batch (its KV cache rows too), so the forwards
     shrink as responses end. The same responses with `row_generators` or `greedy` (each row's
     numbers are its own); with one `generator` the stream is drawn for fewer rows, so they differ.
-    Off by default: the committed runs' bits are those of the full batch."""
+    Off by default: the committed runs' bits are those of the full batch.
+
+    On an accelerator the loop reads from the device only every SYNC_EVERY tokens: the draw is
+    `race`, the KV cache preallocated where the model allows (`kv_cache`)."""
     device = next(model.parameters()).device
+    on_cpu = device.type == "cpu"
     prompt_ids, prompt_mask = (t.to(device) for t in left_pad(prompts, pad_id))
     B, P = prompt_ids.shape
-    attn = prompt_mask.long()                                   # (B, P + t)
+    attn = prompt_mask.long()                                   # (B, P + t), (B, P + R) for a static cache
     pos = positions(attn)                                        # (B, P) positions ignore left pads
-    from transformers import DynamicCache
-    cache = DynamicCache()
+    cache = kv_cache(model, device, P + cfg.max_new_tokens)
+    from transformers import StaticCache
+    static = isinstance(cache, StaticCache)   # it attends over all its positions: the mask is that wide
+    if static:
+        attn = torch.cat([attn, attn.new_zeros((B, cfg.max_new_tokens))], dim=-1)
     given = {cache_keyword(): cache}
     # Only the last position's logits are needed; on the CPU all of them are still computed, which
     # keeps the committed CPU runs' bits (a one-row product rounds differently from a P-row one).
@@ -92,6 +101,9 @@ def sample(model: PreTrainedModel, prompts: list[list[int]], pad_id: int, stop_i
     sync_every = 1 if device.type == "cpu" else SYNC_EVERY
     uniforms = None if row_generators is None or greedy else torch.stack(   # (B, max_new_tokens)
         [torch.rand(cfg.max_new_tokens, generator=g, device=g.device) for g in row_generators]).to(device)
+    racing = not (on_cpu or greedy or uniforms is not None)
+    stream = device_stream(generator, device) if racing else generator
+    invalid = torch.zeros((), dtype=torch.bool, device=device) if racing else None   # () any row's probs invalid
     live = torch.arange(B, device=device)                        # (b,) the rows still in the batch
     tokens, logps, masks = [], [], []
     for t in range(cfg.max_new_tokens):
@@ -101,7 +113,13 @@ def sample(model: PreTrainedModel, prompts: list[list[int]], pad_id: int, stop_i
             token = logits.argmax(-1)
         else:
             probs = torch.softmax(filter_logits(logits, cfg.top_k, cfg.top_p), dim=-1)
-            token = draw(probs, generator) if uniforms is None else inverse_cdf(probs, uniforms[live, t])
+            if uniforms is not None:
+                token = inverse_cdf(probs, uniforms[live, t])
+            elif on_cpu:
+                token = draw(probs, generator)
+            else:   # multinomial's checks of its input, on the device, read once at the end
+                token = race(probs, stream)
+                invalid = invalid | ~(probs >= 0).all()
         logp = logprobs_all.gather(-1, token[:, None]).squeeze(-1)               # (b,)
         if drop_finished:   # back to every row: the ended ones were dropped, they get padding
             token = torch.full((B,), pad_id, dtype=token.dtype, device=device).index_copy(0, live, token)
@@ -113,23 +131,40 @@ def sample(model: PreTrainedModel, prompts: list[list[int]], pad_id: int, stop_i
         done = done | torch.isin(token, stops)
         if (t + 1) % sync_every == 0 and bool(done.all()):
             break
+        if not on_cpu and t + 1 == cfg.max_new_tokens:
+            break   # that forward would feed no draw (and a static cache has no room for it)
         step = token
         if drop_finished and (t + 1) % sync_every == 0 and bool(done[live].any()):
             keep = (~done[live]).nonzero().squeeze(-1)          # (b',) positions in the live batch
-            cache.batch_select_indices(keep)
+            select_rows(cache, keep)
             attn, next_pos, live = attn[keep], next_pos[keep], live[keep]
         if drop_finished:
             step = token[live]
-        attn = torch.cat([attn, torch.ones((attn.size(0), 1), dtype=attn.dtype, device=device)], dim=-1)
+        if static:
+            attn[:, P + t] = 1                                   # the column `step` is written to
+        else:
+            attn = torch.cat([attn, torch.ones((attn.size(0), 1), dtype=attn.dtype, device=device)], dim=-1)
         out = model(input_ids=step[:, None], attention_mask=attn, position_ids=next_pos, use_cache=True, **given)
         next_pos = next_pos + 1
     response_mask = torch.stack(masks, dim=1)
-    # Columns after every row ended (sampled between two syncs) hold only padding: cut them, so the
-    # result is the one a sync per token gives.
-    width = int(response_mask.any(0).long().cumsum(0).argmax()) + 1
+    width = response_width(response_mask, invalid)
     return Sampled(prompt_ids=prompt_ids, prompt_mask=prompt_mask,
                    response_ids=torch.stack(tokens, dim=1)[:, :width], response_mask=response_mask[:, :width],
                    logprobs=torch.stack(logps, dim=1)[:, :width], ended=done)
+
+
+def response_width(response_mask: torch.Tensor, invalid: torch.Tensor | None) -> int:
+    """The columns of (B, R') `response_mask` up to the last one holding a real token: those after
+    every row ended (sampled between two checks) hold only padding, and cutting them gives the
+    result a check per token gives. `invalid` (): whether `race` met invalid probabilities (None
+    where nothing raced), read with the width, and an error when true (torch.multinomial's)."""
+    last = response_mask.any(0).long().cumsum(0).argmax()   # ()
+    if invalid is not None:   # one read from the device for both
+        last, bad = torch.stack([last, invalid.long()]).tolist()
+        if bad:
+            raise RuntimeError("sampling: the next-token probabilities held nan, inf or a negative value "
+                               "(non-finite logits from the model)")
+    return int(last) + 1
 
 
 def concat(parts: Sequence[Sampled], pad_id: int) -> Sampled:
@@ -162,9 +197,70 @@ def inverse_cdf(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
 
 
 def draw(probs: torch.Tensor, generator: torch.Generator | None) -> torch.Tensor:
-    """(B,) token ids drawn from (B, V) `probs` by one stream, on the device of that stream."""
+    """(B,) token ids drawn from (B, V) `probs` by one stream, on the device of that stream (the
+    CPU's draw; an accelerator's is `race`)."""
     where = generator.device if generator is not None else probs.device
     return torch.multinomial(probs.to(where), 1, generator=generator).squeeze(-1).to(probs.device)
+
+
+def race(probs: torch.Tensor, generator: torch.Generator | None) -> torch.Tensor:
+    """(B,) token ids drawn from (B, V) `probs` on their device, with no read from it: the
+    exponential race argmax_v p_v / E_v, E_v ~ Exp(1) independent, picks v with probability
+    p_v / sum(p) (the Gumbel-max trick: -log E_v is a Gumbel variable). It is torch.multinomial's own
+    one-sample algorithm (aten/src/ATen/native/Distributions.cpp) without the validity checks that
+    multinomial reads on the host at every call, so from the same stream on the same device it draws
+    the same ids; the caller checks `probs` once per call instead."""
+    exponentials = torch.empty_like(probs).exponential_(generator=generator)   # (B, V)
+    return (probs / exponentials).argmax(-1)
+
+
+def device_stream(generator: torch.Generator | None, device: torch.device) -> torch.Generator | None:
+    """The stream an accelerator's draws come from: `generator` itself when it is on `device` (None:
+    the device's default stream). A stream elsewhere (a CPU one, while the model is on a GPU) seeds,
+    once per call, a stream on `device` with its next 63 bits, so no draw copies probabilities to
+    its device: the draws then are not the ones the CPU run made from that stream, but the stream
+    still decides them all (the same seed, the same draws on the same device). A backend that
+    cannot make a stream (one registered from Python, whose kernels are CPU kernels, as
+    devices.generator says) draws from the CPU stream itself."""
+    if generator is None or generator.device == device:
+        return generator
+    try:
+        own = torch.Generator(device=device)
+    except NotImplementedError:
+        return generator
+    seed = torch.randint(2 ** 63 - 1, (), generator=generator, device=generator.device)
+    return own.manual_seed(int(seed))
+
+
+def kv_cache(model: PreTrainedModel, device: torch.device, length: int) -> Cache:
+    """A call's KV cache. On an accelerator, where the model's class runs with a preallocated cache
+    (transformers' `_can_compile_fullgraph`, the flag of the classes its static cache is compiled
+    with) and every layer attends to every position, a StaticCache of `length` = P + R positions:
+    each forward writes its keys and values in place instead of growing each layer's by a
+    concatenation, and transformers' mask code reads no padding flag from the device for a
+    one-token query on it (masking_utils.create_causal_mask; with a dynamic cache, one host read
+    per forward). A dynamic cache on the CPU, whose committed runs it computed."""
+    from transformers import DynamicCache, StaticCache
+    from transformers.cache_utils import StaticLayer
+    hf = hf_model(model)
+    if device.type != "cpu" and getattr(type(hf), "_can_compile_fullgraph", False):
+        cache = StaticCache(config=hf.config, max_cache_len=length)
+        if all(type(layer) is StaticLayer for layer in cache.layers):   # not sliding-window ones
+            return cache
+    return DynamicCache()
+
+
+def select_rows(cache: Cache, rows: torch.Tensor) -> None:
+    """Keep the batch rows `rows` (b',) of every layer of `cache`. transformers selects a dynamic
+    cache's (batch_select_indices); a static layer's keys and values, batch first like a dynamic
+    one's, are selected the same way (its count of positions is one for every row)."""
+    from transformers import StaticCache
+    if not isinstance(cache, StaticCache):
+        cache.batch_select_indices(rows)
+        return
+    for layer in cache.layers:
+        if layer.is_initialized:
+            layer.keys, layer.values = layer.keys[rows], layer.values[rows]
 
 
 @functools.cache
@@ -177,11 +273,13 @@ def cache_keyword() -> str:
     return "cache" if "cache" in inspect.signature(LlamaModel.forward).parameters else "past_key_values"
 
 
-def check_cache(model: PreTrainedModel, cache: DynamicCache, prompt_length: int) -> None:
+def check_cache(model: PreTrainedModel, cache: Cache, prompt_length: int) -> None:
     """The prefill must have filled the KV cache with the whole prompt: a model class that ignores
     the cache keyword would otherwise sample every token without seeing its prompt."""
     held = cache.get_seq_length()
-    if held != prompt_length:
+    # A static cache, once written, counts its positions on the device: that it was written tells
+    # (reading the count would wait for the device); one never written says 0.
+    if not isinstance(held, torch.Tensor) and held != prompt_length:
         raise CheckpointError(f"{type(model).__name__}: its forward ignored the KV cache (it holds {held} "
                               f"positions after a prompt of {prompt_length}); the sampler needs a model whose "
                               f"forward takes transformers' `{cache_keyword()}` keyword")

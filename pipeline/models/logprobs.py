@@ -54,7 +54,7 @@ def entropy_from_logits(
     return torch.logsumexp(logits, dim=-1) - torch.einsum("...v,...v->...", probs, logits)
 
 
-def _hf_model(model) -> torch.nn.Module:
+def hf_model(model) -> torch.nn.Module:
     """The Hugging Face model behind a DeepSpeed engine's forward (its `module`), a view that runs
     another model's forward (its `runs_forward_of`: the LoRA reference view of ppo/placement.py) or
     a PEFT wrapper."""
@@ -65,7 +65,7 @@ def _hf_model(model) -> torch.nn.Module:
 
 def keeps_logits(model) -> bool:
     """Whether the model's forward can compute logits for the last k positions only."""
-    return _class_keeps_logits(type(_hf_model(model)))
+    return _class_keeps_logits(type(hf_model(model)))
 
 
 @functools.cache
@@ -90,7 +90,7 @@ def chunked_head(model, positions: int) -> Optional[torch.nn.Linear]:
     logit_chunks.LOGITS_CHUNK_BYTES, or the head is not a plain linear layer of a
     logit_chunks.PLAIN_HEAD_TYPES model (a PEFT-wrapped or adapted head), or its weight is
     partitioned by ZeRO-3 (each chunk would gather it again)."""
-    hf = _hf_model(model)
+    hf = hf_model(model)
     head = hf.get_output_embeddings() if hasattr(hf, "get_output_embeddings") else None
     if type(head) is not torch.nn.Linear or positions <= logit_chunks.chunk_positions(head.out_features):
         return None

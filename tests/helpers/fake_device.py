@@ -14,6 +14,10 @@ applying the rule a CUDA kernel applies to its operands:
 - factories given `device="fakegpu"` make device tensors (under `FakeGpu()`, which also catches
   the calls that have no tensor operand).
 
+`HostSyncs`, entered inside `use_fake_gpu`, records the calls at which a GPU's host would wait
+for the device (a scalar read, a copy to the host, an output sized by the values): what a loop
+meant to run ahead of its device may not do per step.
+
 While the device is in use, a matrix product of plain CPU tensors larger than `CPU_MATMUL_FLOPS`
 is an error (`CpuComputeError`): a model forward on the CPU while the process's device is not the
 CPU is one rank computing alone what belongs on its accelerator (a final evaluation on a model
@@ -139,8 +143,8 @@ class FakeGpuTensor(torch.Tensor):
     def __repr__(self) -> str:
         return f"FakeGpuTensor({self.elem!r})"
 
-    def tolist(self) -> Any:   # a CUDA tensor's tolist copies to the host; torch refuses it for subclasses
-        return self.elem.tolist()
+    def tolist(self) -> Any:   # torch refuses it for subclasses; a CUDA tensor's copies to the host, as this does
+        return self.to("cpu").tolist()
 
     @classmethod
     def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
@@ -242,6 +246,46 @@ class FakeGpu(TorchDispatchMode):
             raise CpuComputeError(f"{name} of CPU tensors {shapes} ({devices.matmul_flops(name, args):.2g} FLOPs) while the "
                                   f"device is {NAME}: this rank computes on the CPU what belongs on its device")
         return _dispatch(func, args, kwargs or {})
+
+
+# Calls on a device tensor that make a CUDA host wait for its device, beyond scalar reads and copies
+# to the host: their output's size depends on the values (the host reads a count), or they check
+# their input on the host (torch.multinomial's one-sample path, aten/src/ATen/native/Distributions.cpp).
+_HOST_READS = {"aten.nonzero.default", "aten.masked_select.default", "aten.multinomial.default",
+               "aten._unique2.default", "aten.unique_consecutive.default", "aten.repeat_interleave.Tensor"}
+
+
+def waits_for_device(name: str, args: tuple, kwargs: dict) -> bool:
+    """Whether the ATen call `name` on these operands makes a CUDA host wait for the device: a scalar
+    read (`.item()`, `bool(t)`, `int(t)`), a copy from the device to the host (`.cpu()`, `.tolist()`,
+    `.to("cpu")`, `copy_` into a CPU tensor), boolean-mask indexing (a hidden nonzero) or a call of
+    `_HOST_READS`. The fake device computes on the CPU, so these only show what a GPU would wait on."""
+    on_device = [a for a in _flat((args, kwargs)) if isinstance(a, FakeGpuTensor)]
+    if not on_device:
+        return False
+    if name == "aten._to_copy.default":
+        target = kwargs.get("device")
+        return isinstance(args[0], FakeGpuTensor) and target is not None and not _is_device(target)
+    if name == "aten.copy_.default":
+        return not isinstance(args[0], FakeGpuTensor) and isinstance(args[1], FakeGpuTensor)
+    if name in _INDEXING:
+        return any(isinstance(i, torch.Tensor) and i.dtype == torch.bool for i in args[1] if i is not None)
+    return name == "aten._local_scalar_dense.default" or name in _HOST_READS
+
+
+class HostSyncs(TorchDispatchMode):
+    """Entered inside `use_fake_gpu`: records each call that would make a CUDA host wait for the
+    device (`waits_for_device`), by its ATen name, in `calls`."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.calls: list[str] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if waits_for_device(str(func), args, kwargs):
+            self.calls.append(str(func))
+        return func(*args, **kwargs)
 
 
 @contextlib.contextmanager

@@ -1,12 +1,16 @@
 """Sampling: KV-cached log-probs equal a full forward pass; masks stop at eos; filters are right."""
 
+import math
+
 import pytest
 import torch
 from transformers import AutoModelForCausalLM, GPT2Config, LlamaConfig
 
+import fake_device
 from pipeline.config import SamplingConfig
 from pipeline.data.padding import left_pad, right_pad
-from pipeline.models.generation import cache_keyword, filter_logits, sample
+from pipeline.models.generation import (SYNC_EVERY, cache_keyword, device_stream, filter_logits, kv_cache, race,
+                                        sample)
 
 EOS, PAD = 1, 0
 
@@ -242,3 +246,119 @@ def test_sub_batches_give_the_responses_of_one_batch():
         assert not stream.response_mask[i:i + 2, n[1]:].any() and (stream.response_ids[i:i + 2, n[1]:] == PAD).all()
         assert torch.equal(stream.prompt_ids[i:i + 2, -P:], part.prompt_ids)
         assert not stream.prompt_mask[i:i + 2, :-P].any()
+
+
+# ---- On an accelerator (the fake one, tests/helpers/fake_device.py): no read from the device per token
+
+NEVER = 99   # a stop id outside the tiny models' vocabulary (40): no row ends early
+
+
+@pytest.mark.parametrize("arch", ["llama", "gpt2"])
+@pytest.mark.parametrize("mode", ["stream", "greedy", "row_streams", "drop_finished"])
+def test_on_an_accelerator_the_sampler_reads_from_the_device_once_per_sync_window(arch, mode):
+    """A GPU's host waits for the device at each scalar read, copy to the host and data-sized output
+    (fake_device.waits_for_device). T sampled tokens, no row ending early, read: the done check once
+    every SYNC_EVERY tokens (and, with drop_finished, whether a row ended), transformers' padding
+    check of the prefill's mask, and the response width at the end; nothing per token (a draw by
+    torch.multinomial reads its input, a CPU stream's draw copies the probabilities to the host)."""
+    T = 40   # two whole windows and part of a third
+    kw = {"stream": {"generator": torch.Generator().manual_seed(0)}, "greedy": {"greedy": True},
+          "row_streams": {"row_generators": [torch.Generator().manual_seed(s) for s in (1, 2)]},
+          "drop_finished": {"generator": torch.Generator().manual_seed(0), "drop_finished": True}}[mode]
+    model = _tiny(arch)
+    with fake_device.use_fake_gpu() as dev:
+        model.to(dev)
+        with fake_device.HostSyncs() as syncs:
+            out = sample(model, [[2, 5, 6, 7], [2, 10]], PAD, [NEVER], SamplingConfig(max_new_tokens=T), **kw)
+        assert out.response_ids.device == dev and out.response_ids.shape == (2, T)
+    checks = 2 if mode == "drop_finished" else 1
+    assert len(syncs.calls) <= checks * math.ceil(T / SYNC_EVERY) + 2, syncs.calls
+
+
+def test_the_accelerators_draw_is_multinomials_without_its_host_reads():
+    """`race` is torch.multinomial's one-sample algorithm: from the same stream it draws the same
+    ids (zero-probability tokens among them, as top-k and top-p leave them) and leaves the stream
+    where multinomial does. On the fake accelerator, with no read from the device, its draws from
+    a fixed distribution come at their probabilities and never pick a token of probability 0."""
+    probs = torch.softmax(torch.randn(64, 40, generator=torch.Generator().manual_seed(0)), dim=-1)
+    probs[:, ::3] = 0.0
+    for seed in range(20):
+        ours, theirs = torch.Generator().manual_seed(seed), torch.Generator().manual_seed(seed)
+        want = torch.multinomial(probs, 1, generator=theirs).squeeze(-1)
+        assert torch.equal(race(probs, ours), want)
+        assert torch.equal(ours.get_state(), theirs.get_state())
+    p, n = torch.tensor([0.0, 0.5, 0.0, 0.3, 0.2]), 200_000
+    with fake_device.use_fake_gpu() as dev:
+        with fake_device.HostSyncs() as syncs:
+            drawn = race(p.to(dev).expand(n, -1), torch.Generator().manual_seed(0))
+        assert drawn.device == dev and syncs.calls == []
+    freq = torch.bincount(fake_device.real(drawn), minlength=5).double() / n
+    assert freq[0] == freq[2] == 0
+    # One frequency's standard error over 200k draws is at most 1.1e-3: 4e-3 is 3.5 of them.
+    assert torch.allclose(freq, p.double(), atol=4e-3)
+
+
+@pytest.mark.parametrize("arch", ["llama", "gpt2"])
+@pytest.mark.parametrize("streams", ["one", "per_row"])
+def test_on_an_accelerator_the_sampler_gives_the_cpus_responses(arch, streams):
+    """The fake accelerator makes no stream of its own, so it draws from the CPU stream it is given
+    (device_stream), by `race`, into a preallocated KV cache: the responses are the CPU run's
+    (torch.multinomial, a dynamic cache) from the same seed, and the log-probs too, to float
+    rounding. With each row's own stream, rows leave that cache as they end (drop_finished; with
+    one stream the device draws for the ended rows until its next check, so the draws differ)."""
+    from transformers import DynamicCache, StaticCache
+    model = _tiny(arch)
+    prompts = [[2, 5 + i, 7, 8 + i][: 2 + i % 3] for i in range(8)]
+    cfg = SamplingConfig(max_new_tokens=24, temperature=0.7, top_k=20, top_p=0.95)
+    kw = lambda: ({"generator": torch.Generator().manual_seed(5)} if streams == "one" else   # noqa: E731
+                  {"row_generators": [torch.Generator().manual_seed(s) for s in range(8, 16)], "drop_finished": True})
+    want = sample(model, prompts, PAD, STOPS, cfg, **kw())
+    with fake_device.use_fake_gpu() as dev:
+        model.to(dev)
+        assert isinstance(kv_cache(model, dev, 8), StaticCache)
+        assert isinstance(kv_cache(model, torch.device("cpu"), 8), DynamicCache)
+        sizes = _batch_sizes(model)
+        got = sample(model, prompts, PAD, STOPS, cfg, **kw())
+    lengths = want.response_mask.sum(1)
+    assert lengths.min() < lengths.max()   # rows ended at different tokens
+    assert (min(sizes) < 8) == (streams == "per_row"), sizes   # and left the batch
+    for name in ("prompt_ids", "response_ids", "response_mask", "ended"):
+        assert torch.equal(fake_device.real(getattr(got, name)), getattr(want, name)), name
+    torch.testing.assert_close(fake_device.real(got.logprobs), want.logprobs, rtol=0, atol=1e-5)
+
+
+def test_a_stream_off_the_accelerator_seeds_one_on_it_once_per_call(monkeypatch):
+    """device_stream: a stream on the device (or none) draws as it is, and so does the CPU stream
+    where the device makes no stream (the fake one). Where it makes one (a stand-in here), the
+    given stream seeds it with its next 63 bits: the same seed, the same stream; the given stream
+    moves on by that one draw, so the next call gets another."""
+    dev = fake_device.install()
+    cpu = torch.Generator().manual_seed(7)
+    assert device_stream(None, dev) is None and device_stream(cpu, torch.device("cpu")) is cpu
+    assert device_stream(cpu, dev) is cpu and torch.equal(cpu.get_state(), torch.Generator().manual_seed(7).get_state())
+    plain = torch.Generator
+    asked: list[str] = []
+    monkeypatch.setattr(torch, "Generator", lambda device="cpu": asked.append(str(device)) or plain())
+    first, again = (device_stream(plain().manual_seed(7), dev) for _ in range(2))
+    assert asked == ["fakegpu:0", "fakegpu:0"]
+    reference = plain().manual_seed(7)
+    seeds = [int(torch.randint(2 ** 63 - 1, (), generator=reference)) for _ in range(2)]
+    assert first.initial_seed() == again.initial_seed() == seeds[0]
+    assert device_stream(cpu, dev).initial_seed() == seeds[0] and device_stream(cpu, dev).initial_seed() == seeds[1]
+    assert torch.equal(cpu.get_state(), reference.get_state())
+
+
+def test_a_nan_logit_fails_the_call_on_either_device():
+    """torch.multinomial refuses invalid probabilities on the CPU; `race` would pick the nan token,
+    so on an accelerator the sampler checks the probabilities there and reads the verdict once, at
+    the end of the call."""
+    model = _tiny("llama")
+    with torch.no_grad():
+        model.lm_head.weight[5] = float("nan")
+    cfg = SamplingConfig(max_new_tokens=4)
+    with pytest.raises(RuntimeError, match="probability tensor contains either `inf`, `nan` or element < 0"):
+        sample(model, [[2, 3, 4]], PAD, [EOS], cfg, torch.Generator().manual_seed(0))
+    with fake_device.use_fake_gpu() as dev:
+        model.to(dev)
+        with pytest.raises(RuntimeError, match="sampling: the next-token probabilities held nan, inf or a negative"):
+            sample(model, [[2, 3, 4]], PAD, [EOS], cfg, torch.Generator().manual_seed(0))
