@@ -129,6 +129,10 @@ class DistributedConfig:
     offload_frozen: bool = False          # PPO: keep the reference and reward models on the CPU
     precision: Literal["fp32", "bf16", "fp16"] = "fp32"
     gradient_accumulation_steps: int = num(1, ge=1, doc="micro-batches per optimizer step per process")
+    # Micro-batches of the supervised stages (sft, reward, dpo, kto, rs, onpolicy_dpo) by what they
+    # cost padded, rows x longest, instead of a fixed number of rows (training/token_batches.py):
+    # the same global batch and gradient, fewer pad tokens where lengths vary. None: fixed rows.
+    max_tokens_per_micro_batch: Optional[int] = num(None, ge=1, doc="padded tokens per micro-batch; None: fixed rows")
     # Memory one rank may use, for the memory plan (pipeline/training/memory_plan.py) a training stage
     # checks before it builds a model; None: the CUDA device's free memory, else this machine's RAM.
     device_memory_gb: Optional[float] = num(None, gt=0.0, le=1e6, doc="GiB per rank; None: ask the device")
@@ -160,6 +164,9 @@ class DistributedConfig:
                               f"models' partitions between CPU and GPU), got {self.zero_stage}")
         if self.offload_optimizer and self.zero_stage == 0:
             raise ConfigError("distributed.offload_optimizer: needs zero_stage 1, 2 or 3")
+        if self.max_tokens_per_micro_batch is not None and self.gradient_accumulation_steps != 1:
+            raise ConfigError("distributed.max_tokens_per_micro_batch: micro-batches come from the token budget, "
+                              f"so gradient_accumulation_steps must stay 1, got {self.gradient_accumulation_steps}")
         if self.node_rank >= self.num_nodes:
             raise ConfigError(f"distributed.node_rank: {self.node_rank} must be below num_nodes={self.num_nodes}")
 

@@ -115,6 +115,11 @@ def raw_scores(model: PreTrainedModel, input_ids: torch.Tensor, attention_mask: 
     return head(model)(last).squeeze(-1).float()
 
 
+# Pairs per forward of a training or scoring batch: one row each with a shared prompt, two without
+# (length_sorted_scores' 32 sequences); a larger batch is cut into length-sorted parts of this size.
+PAIRS_PER_FORWARD = 16
+
+
 def length_sorted_parts(lengths: list[int], max_rows: int) -> list[list[int]]:
     """Indices of rows with these lengths, sorted by length (stable) and cut into the fewest
     equal-sized parts of at most `max_rows`: each part is padded only to its own longest row."""
@@ -132,7 +137,7 @@ def in_input_order(part_scores: list[torch.Tensor], parts: list[list[int]]) -> t
 
 
 def length_sorted_scores(model: PreTrainedModel, seqs: list[list[int]], pad_id: int,
-                         device: torch.device | None = None, max_rows: int = 32) -> torch.Tensor:
+                         device: torch.device | None = None, max_rows: int = 2 * PAIRS_PER_FORWARD) -> torch.Tensor:
     """(N,) raw scores of `seqs`, as `raw_scores` of the whole padded batch would give, computed in
     length-sorted parts of at most `max_rows` rows, each padded only to its own longest sequence.
 
@@ -250,6 +255,13 @@ class EncodedPairs:
         return fit_pair_parts(p, self.response_ids(response), self.max_length,
                               lambda room: cut_prompt(self.tok, prompt, room, p))
 
+    def row_tokens(self, triple: tuple, shared_prompt: bool) -> int:
+        """Tokens the pair occupies in a training forward: its one row of prompt and both
+        responses (`shared_prompt`), else its two rows of prompt + response padded to the longer."""
+        if shared_prompt:
+            return sum(len(prefix) + sum(map(len, branches)) for prefix, branches in self.rows(triple))
+        return 2 * max(map(len, self.seqs(triple)))
+
     def rows(self, triple: tuple) -> list[Row]:
         """`shared_prefix_rows` of the (prompt, chosen, rejected) triple."""
         key = self.key(triple)
@@ -300,7 +312,7 @@ def branch_batch(rows: list[Row], pad_id: int, dtype: torch.dtype) -> tuple[torc
 
 
 def branch_scores(model: PreTrainedModel, rows: list[Row], pad_id: int, device: torch.device | None = None,
-                  max_rows: int = 16) -> torch.Tensor:
+                  max_rows: int = PAIRS_PER_FORWARD) -> torch.Tensor:
     """(N,) raw scores at the end of every branch of `rows`, in row-major order: for each branch the
     score `raw_scores` gives prefix + branch as one sequence (up to floating-point rounding).
     Computed in length-sorted parts of at most `max_rows` rows, as `length_sorted_scores`."""

@@ -37,6 +37,11 @@ class TokenPair:
         if not self.prompt or not self.chosen or not self.rejected:
             raise ValueError("a preference pair needs a non-empty prompt, chosen and rejected response")
 
+    @property
+    def width(self) -> int:
+        """Tokens of the longer of its two rows (prompt + response)."""
+        return len(self.prompt) + max(len(self.chosen), len(self.rejected))
+
 
 def fit_pairs(pairs: list[Pair], tok, max_length: int, overlong: str,
               section: str, distinct: bool = True) -> tuple[list[tuple[Pair, TokenPair]], int, int]:

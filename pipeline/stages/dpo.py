@@ -199,7 +199,8 @@ def task(cfg: PreferenceOptConfig, engine: TrainEngine, micro: int, prepared: Pr
 
     return SupervisedTask(prepared.name, train_items, list(COLUMNS), loss, normaliser=len,
                           eval_columns=[*COLUMNS, *DRIFT],
-                          evaluate=lambda: eval_pairs(engine.model, cfg, eval_items, pad, prepared.ctx, width))
+                          evaluate=lambda: eval_pairs(engine.model, cfg, eval_items, pad, prepared.ctx, width),
+                          length=lambda item: 2 * item.tokens.width)   # its two rows, chosen and rejected
 
 
 METHOD = PairMethod(SPEC, task, final_metrics)

@@ -216,7 +216,8 @@ def task(cfg: KTOConfig, engine: TrainEngine, micro: int, prepared: Prepared) ->
         return part_loss(engine.forward, cfg, part, step_z["z"], pad, kinds(batch))
 
     return SupervisedTask("kto", train_items, list(COLUMNS), loss, normaliser=len, eval_columns=list(COLUMNS),
-                          evaluate=lambda: eval_examples(engine.model, cfg, eval_items, pad, prepared.ctx, width))
+                          evaluate=lambda: eval_examples(engine.model, cfg, eval_items, pad, prepared.ctx, width),
+                          length=lambda e: len(e.tokens.prompt) + len(e.tokens.chosen))   # its own response's row
 
 
 def counts(kept: list[Pair]) -> dict[str, int]:

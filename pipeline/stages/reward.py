@@ -327,7 +327,9 @@ def train(run: StageRun, data_dir: Path, sft_dir: Path, progress: bool = True):
                               normaliser=lambda batch: cfg.batch_size, eval_columns=["loss", "accuracy"],
                               evaluate=lambda: eval_pairs_loss(engine.model, tok, eval_pairs, cfg.max_length, ctx,
                                                                engine.device, shared_prompt=cfg.shared_prompt,
-                                                               encoded=encoded))
+                                                               encoded=encoded),
+                              length=lambda p: encoded.row_tokens((p.prompt, p.chosen, p.rejected), cfg.shared_prompt),
+                              forwards=lambda lengths: rm.length_sorted_parts(lengths, rm.PAIRS_PER_FORWARD))
 
     def measure(engine) -> tuple[Optional[float], Scored]:
         # Every rank, with the trained model whole on its device: the offset (the same on every rank),

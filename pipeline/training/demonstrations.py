@@ -69,7 +69,8 @@ def task(name: str, engine, tok, train_ex: list[Example], eval_ex: list[Example]
 
     return SupervisedTask(name, train_ex, ["loss"], loss, normaliser=lambda batch: 1.0, eval_columns=["loss"],
                           evaluate=lambda: {"loss": eval_loss(engine.forward, eval_ex, tok.pad_token_id,
-                                                              2 * cfg.batch_size, ctx, engine.device)})
+                                                              2 * cfg.batch_size, ctx, engine.device)},
+                          length=lambda e: len(e.input_ids))
 
 
 def recipe(stage: str, model, tok, train: tuple[list[dict], Path | str], held_out: tuple[list[dict], Path | str],

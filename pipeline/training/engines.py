@@ -163,8 +163,10 @@ class TrainEngine:
     def device(self) -> torch.device:
         return next(self.model.parameters()).device
 
-    def backward(self, loss: torch.Tensor) -> None:
-        """Add this micro-batch's gradients; no update."""
+    def backward(self, loss: torch.Tensor, boundary: bool | None = None) -> None:
+        """Add this micro-batch's gradients; no update. `boundary`: whether it is the global batch's
+        last micro-batch, where their number varies from step to step (a token budget); None: a
+        fixed number (DeepSpeed's gradient_accumulation_steps)."""
         raise NotImplementedError
 
     def step(self) -> StepResult:
@@ -208,8 +210,8 @@ class TorchEngine(TrainEngine):
             return torch.autocast(self.device.type, dtype=torch.bfloat16)
         return contextlib.nullcontext()
 
-    def backward(self, loss: torch.Tensor) -> None:
-        """Add this micro-batch's gradients; no update."""
+    def backward(self, loss: torch.Tensor, boundary: bool | None = None) -> None:
+        """Add this micro-batch's gradients; no update (the step decides the boundary here)."""
         loss.backward()
 
     def step(self) -> StepResult:
@@ -295,10 +297,13 @@ class DeepSpeedEngine(TrainEngine):
         super().__init__(self.engine.module, self.engine, params, ds_optimizer, ds_scheduler)
         self._complete = False   # the last backward completed a global batch
 
-    def backward(self, loss: torch.Tensor) -> None:
+    def backward(self, loss: torch.Tensor, boundary: bool | None = None) -> None:
         """Add this micro-batch's gradients (reduced over ranks at the accumulation boundary); no update.
         DeepSpeed counts micro-batches in its own `step`, a no-op before the boundary: it is called
-        here for every micro-batch but the last, whose `step` is ours."""
+        here for every micro-batch but the last, whose `step` is ours. A `boundary` given overrides
+        DeepSpeed's count (set_gradient_accumulation_boundary) for this micro-batch."""
+        if boundary is not None:
+            self.engine.set_gradient_accumulation_boundary(boundary)
         self.engine.backward(loss * self.ctx.world_size, scale_wrt_gas=False)
         self._complete = self.engine.is_gradient_accumulation_boundary()
         if not self._complete:

@@ -261,6 +261,16 @@ def _micro(cfg: Any) -> int:
     return cfg.batch_size // (cfg.distributed.world_size * cfg.distributed.gradient_accumulation_steps)
 
 
+def _sequences(cfg: Any, rows: int) -> int:
+    """Sequences of `cfg.max_length` one supervised forward holds at most, `rows` per example: a
+    fixed micro-batch's, or under a token budget as many as it fits (rows x longest <= budget, an
+    example longer than the budget alone: training/token_batches.py)."""
+    budget = cfg.distributed.max_tokens_per_micro_batch
+    if budget is None:
+        return rows * _micro(cfg)
+    return max(rows, budget // cfg.max_length)
+
+
 def supervised_planner(stage: str, params: Params, model: ModelShape, read: tuple[ModelShape, ...], rows: int = 1,
                        sampled: Optional[Callable[[Any], int]] = None,
                        beside: tuple[ModelShape, ...] = ()) -> Planner:
@@ -270,10 +280,10 @@ def supervised_planner(stage: str, params: Params, model: ModelShape, read: tupl
     samples none (the reward model is measured on the SFT policy's samples); `beside`: the models
     the measurement loads whole beside the trained one (memory_terms.supervised_plan)."""
     if sampled is None:
-        return lambda cfg: supervised_plan(stage, model, cfg.distributed, rows * _micro(cfg), cfg.max_length,
+        return lambda cfg: supervised_plan(stage, model, cfg.distributed, _sequences(cfg, rows), cfg.max_length,
                                            cfg.lora, read, beside=beside)
     prompt = params.prompts.max_length
-    return lambda cfg: supervised_plan(stage, model, cfg.distributed, rows * _micro(cfg), cfg.max_length, cfg.lora,
+    return lambda cfg: supervised_plan(stage, model, cfg.distributed, _sequences(cfg, rows), cfg.max_length, cfg.lora,
                                        read, (prompt, sampled(cfg)), beside)
 
 

@@ -3,8 +3,10 @@
 trained model) and the runner does the rest: the engine, the loop, the final model and metrics.
 
 Per optimizer step: the next global batch of the seeded `BatchSampler` (the same on every rank),
-this rank's shard of it in micro-batches of `micro`, `engine.backward` per micro-batch and one
-`engine.step`; the loss's per-step statistics summed over micro-batches and ranks and divided by
+this rank's shard of it in micro-batches of `micro` rows, or by the token budget
+`distributed.max_tokens_per_micro_batch` (training/token_batches.py; every rank then runs as many
+micro-batches as the rank with the most, a rank short of them a zero-weighted repeat, so ZeRO's
+collectives pair up), `engine.backward` per micro-batch and one `engine.step`; the loss's per-step statistics summed over micro-batches and ranks and divided by
 the task's normaliser of the global batch; `train.tsv` / `eval.tsv` rows with the learning rate the
 step used and the gradient norm; the held-out evaluation every `eval_every` steps and after the
 last; the resumable state every `save_every` steps and after the last (resume.SupervisedState: a
@@ -26,6 +28,7 @@ from ..models import lora
 from ..progress import track
 from ..tracking.sinks import StepLog, Tracker
 from ..tracking.metric_names import METRICS_JSON, Metric
+from . import token_batches
 from .batches import BatchSampler, total_steps
 from ..context import Context
 from .engines import TrainEngine, supervised_engine, write_deepspeed_config
@@ -45,6 +48,11 @@ class SupervisedTask:
     normaliser: Callable[[list], float]         # the global batch -> what the summed statistics are divided by
     eval_columns: list[str]                     # columns of eval.tsv
     evaluate: Callable[[], dict[str, float]]    # held-out statistics (every rank calls it)
+    # an item -> the tokens it occupies in a padded micro-batch (its rows x their width): the
+    # token budget's measure (distributed.max_tokens_per_micro_batch) and the pad share's
+    length: Callable[[Any], int]
+    # a micro-batch's item lengths -> the forwards the loss splits it into (index lists); None: one
+    forwards: Optional[Callable[[list[int]], list[list[int]]]] = None
 
 
 @dataclass
@@ -53,12 +61,14 @@ class SupervisedResult:
     seconds: float          # training time, the interrupted runs' too
     train_log: StepLog
     eval_log: StepLog
+    pad_share: float = 0.0  # share of the training forwards' tokens that were padding (`pad_share`)
 
     def metrics(self) -> dict[str, Any]:
         """The final metrics every supervised stage reports."""
         return {"train/loss": self.train_log.rows[-1]["loss"], "eval/loss": self.eval_log.rows[-1]["loss"],
                 "train/steps": self.steps, "train/seconds": self.seconds,
-                f"train/{nonfinite.COLUMN}": self.train_log.rows[-1][nonfinite.COLUMN]}
+                f"train/{nonfinite.COLUMN}": self.train_log.rows[-1][nonfinite.COLUMN],
+                "train/pad_share": self.pad_share}
 
 
 @dataclass
@@ -124,19 +134,26 @@ def train(task: SupervisedTask, cfg: Any, engine: TrainEngine, micro: int, out: 
     if start:
         tracker.mark_resumed(start)
     guard = NonfiniteGuard(task.name, cfg.on_nonfinite, cfg.max_skipped_updates, restored_count(train_log.rows))
+    budget = cfg.distributed.max_tokens_per_micro_batch
     engine.train()
     for step in track(range(start + 1, steps + 1), steps, task.name, initial=start,
                       enabled=progress and ctx.is_main):
         batch = [task.items[i] for i in next(batches)]
         mine = ctx.shard(batch)
+        parts = token_batches.micro_batches([task.length(item) for item in mine], micro, budget)
+        runs = len(parts) if budget is None or ctx.world_size == 1 else max(n for [n] in ctx.gather([len(parts)]))
         sums = torch.zeros(len(task.columns), dtype=torch.float64, device="cpu")
-        for first in range(0, len(mine), micro):
+        for k in range(runs):
+            filler = k >= len(parts)       # this rank has run its share: a repeat that adds nothing
+            part = [mine[i] for i in parts[k]] if not filler else (mine or batch)[:1]
             with engine.autocast():
-                loss, stats = task.loss(mine[first:first + micro], batch)
+                loss, stats = task.loss(part, batch)
             if guard.stops:
                 check_finite(f"{task.name} step {step}", "loss", loss.detach())
-            engine.backward(guard.poisoned(loss))
-            sums += torch.tensor(stats, dtype=torch.float64, device="cpu")
+            engine.backward(guard.poisoned(loss * 0.0 if filler else loss),
+                            boundary=None if budget is None else k == runs - 1)
+            if not filler:
+                sums += torch.tensor(stats, dtype=torch.float64, device="cpu")
         result = engine.step()
         if guard.stops:
             check_finite(f"{task.name} step {step}", "gradient norm", result.grad_norm)
@@ -161,8 +178,21 @@ def train(task: SupervisedTask, cfg: Any, engine: TrainEngine, micro: int, out: 
     # running it: the logs are written here whatever the loop did.
     train_log.flush()
     eval_log.flush()
-    return SupervisedResult(steps, state.elapsed(), train_log, eval_log)
+    return SupervisedResult(steps, state.elapsed(), train_log, eval_log, pad_share(task, cfg, micro, ctx))
 
+
+def pad_share(task: SupervisedTask, cfg: Any, micro: int, ctx: Context) -> float:
+    """Collective. The share of padding in the tokens the training forwards computed over the whole
+    run, every rank's micro-batches of every step: its batches drawn again from the seed (index
+    lists only), so a resumed run reports the uninterrupted run's."""
+    batches = BatchSampler(len(task.items), cfg.batch_size, cfg.seed)
+    tokens = [0, 0]                                               # real, computed
+    for _ in range(total_steps(len(task.items), cfg.batch_size, cfg.epochs)):
+        lengths = [task.length(task.items[i]) for i in ctx.shard(next(batches))]
+        parts = token_batches.micro_batches(lengths, micro, cfg.distributed.max_tokens_per_micro_batch)
+        tokens = [a + b for a, b in zip(tokens, token_batches.padded_tokens(lengths, parts, task.forwards))]
+    real, computed = ctx.sum(torch.tensor(tokens, dtype=torch.float64, device="cpu")).tolist()
+    return 1.0 - real / computed
 
 # ---- Its metric declarations (docs/metrics.md) --------------------------------------------------
 
@@ -183,6 +213,8 @@ def declared_metrics(stage: str, items: str, loss: str, eval_loss: str, trained:
         m(METRICS_JSON, "train/steps", "optimizer steps of the whole training"),
         m(METRICS_JSON, "train/seconds", "seconds of the training loop, interrupted runs' (resumed) included"),
         m(METRICS_JSON, "train/skipped_updates", "`train.tsv`'s last `skipped_updates`"),
+        m(METRICS_JSON, "train/pad_share", "share of the training forwards' tokens that were padding, each "
+                                           "row padded to its micro-batch's longest (every step of the run)"),
         m(METRICS_JSON, "eval/loss", "`eval.tsv`'s last `loss`"),
         m(METRICS_JSON, "data/truncated", f"training {items} longer than `{stage}.max_length` kept with their "
                                           f"prompt's left end cut (`{stage}.overlong: truncate`)"),

@@ -126,7 +126,7 @@ def test_dpo_learns_an_easy_preference_and_writes_a_loadable_policy(data, sft_di
     assert metrics["eval/chosen_logp_drift"] - metrics["eval/rejected_logp_drift"] == \
         pytest.approx(metrics["eval/margin"] / 0.1, rel=1e-4)
     expected = {"train/loss", "train/steps", "train/seconds", "train/skipped_updates", "train/accuracy",
-                "train/margin", "eval/loss", "eval/accuracy", "eval/margin", "eval/chosen_logp", "eval/rejected_logp", "eval/chosen_reward",
+                "train/margin", "train/pad_share", "eval/loss", "eval/accuracy", "eval/margin", "eval/chosen_logp", "eval/rejected_logp", "eval/chosen_reward",
                 "eval/rejected_reward", "eval/chosen_logp_drift", "eval/rejected_logp_drift", "data/truncated",
                 "data/dropped", "data/eval_truncated", "data/eval_dropped", "dpo/kl", "dpo/kl_ci95",
                 "dpo/eos_rate", "dpo/length", "dpo/distinct_2",

@@ -419,7 +419,9 @@ COLLECTIVE_PARAMS = {
     "prompts": {"sampling": {"max_new_tokens": 4}},
     "reward": {**SUPERVISED, "n_sft_samples": 3},
     "dpo": {**SUPERVISED, "n_eval_prompts": 3},
-    "kto": {**SUPERVISED, "n_eval_prompts": 3},
+    # Micro-batches by tokens: the ranks cut their shares into different numbers of micro-batches,
+    # the one with fewer adding zero-weighted repeats.
+    "kto": {**SUPERVISED, "n_eval_prompts": 3, "distributed": {"max_tokens_per_micro_batch": 24}},
     "rs": {**SUPERVISED, "n": 2, "n_prompts": 8, "n_eval_prompts": 3, "sampling": {"max_new_tokens": 4}},
     # One minibatch per epoch: the global minibatch is the whole rollout whatever the rank count
     # (each rank shuffles only its own rows).
@@ -483,8 +485,9 @@ def test_two_processes_measure_what_one_measures(groups):
 # (a rollout's distinct bigrams); the most minus
 # the fewest held-out pairs a rank scored. Each as the step logs and as metrics.json spell it
 # ("time/update", "train/time_update").
+# train/pad_share: each process pads its own share's micro-batches, so the padding follows the layout
 PER_RANK = ("resources/", "train/seconds", "time/", "time_", "tokens_per_second", "objective/distinct_2",
-            "objective_distinct_2", "eval/pairs_imbalance")
+            "objective_distinct_2", "eval/pairs_imbalance", "train/pad_share")
 
 
 def _stage_outputs(folder: Path) -> dict:

@@ -100,6 +100,49 @@ def test_deepspeed_engine_has_the_plain_engines_meaning(zero_stage):
     assert max(abs(a - b) for a, b in zip(plain["weight"], ds["weight"])) <= 1e-6
 
 
+VARIABLE_SCRIPT = textwrap.dedent("""
+    import json, sys, torch
+    from pipeline.training import distributed
+    from pipeline.config import DistributedConfig
+    from pipeline.training.engines import TorchEngine, DeepSpeedEngine, warmup_cosine
+    dist = DistributedConfig(backend="deepspeed", zero_stage=int(sys.argv[1]))
+    splits = [[4], [1, 1, 2], [3, 1], [2, 2]]   # micro-batch rows of each global batch of 4
+    out = {}
+    with distributed.session(dist) as ctx:
+        for name in ("plain", "deepspeed"):
+            torch.manual_seed(0)
+            model = torch.nn.Linear(4, 1)
+            kw = dict(lr=0.1, weight_decay=0.0, schedule=warmup_cosine(1, 4), max_grad_norm=1.0)
+            engine = (TorchEngine(model, **kw) if name == "plain" else
+                      DeepSpeedEngine(model, **kw, dist=dist, ctx=ctx, micro_batch_size=4, accumulation_steps=1))
+            gen = torch.Generator().manual_seed(1)
+            results = []
+            for split in splits:
+                x = torch.randn(4, 4, generator=gen)
+                for k, part in enumerate(x.split(split)):
+                    engine.backward(engine.forward(part).pow(2).sum() / 4, boundary=k == len(split) - 1)
+                results.append(list(engine.step()))
+            out[name] = {"results": results, "weight": engine.model.weight.detach().flatten().tolist()}
+    print("RESULT" + json.dumps(out))
+""")
+
+
+@pytest.mark.parametrize("zero_stage", [0, 2])
+def test_a_varying_number_of_micro_batches_updates_as_the_plain_engine_does(zero_stage):
+    """A token budget gives each global batch its own number of micro-batches: the boundary given
+    to `backward` (DeepSpeed's set_gradient_accumulation_boundary) makes the last one reduce and
+    the step update, with the plain engine's lr, gradient norms and weights."""
+    proc = subprocess.run([sys.executable, "-c", VARIABLE_SCRIPT, str(zero_stage)], cwd=REPO, env=run_env(),
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    out = json.loads(proc.stdout.split("RESULT", 1)[1])
+    plain, ds = out["plain"], out["deepspeed"]
+    assert len(plain["results"]) == len(ds["results"]) == 4
+    for a, b in zip(plain["results"], ds["results"]):
+        assert a[0] == b[0] and abs(a[1] - b[1]) <= 1e-6 * max(1.0, a[1]) and a[2] is b[2] is False
+    assert max(abs(a - b) for a, b in zip(plain["weight"], ds["weight"])) <= 1e-6
+
+
 def _tiny_lm(seed: int = 0):
     from transformers import AutoModelForCausalLM, LlamaConfig
     torch.manual_seed(seed)

@@ -656,3 +656,17 @@ def test_a_measurement_counts_every_model_it_loads_beside_the_trained_one(tiny_d
         work = mt.measurement_bytes(shapes["sft"], prompt, sampled[stage], 4) if stage in sampled else 0
         loaded = 4 * sum(shapes[m].params for m in LOADED_FOR_MEASUREMENT[stage])
         assert plan.device["measurement"] == loaded + work, stage
+
+
+def test_a_token_budget_plans_the_activations_it_holds(tiny_default):
+    """sft.max_length is 96 on the default task: a budget of 8 x 96 tokens holds the activations of
+    8 full rows, as a fixed micro-batch of 8 does; a budget below one row, one row."""
+    folders = {"data": tiny_default / "data"}
+
+    def update(batch_size: int, budget) -> float:
+        dist = DistributedConfig(max_tokens_per_micro_batch=budget)
+        params = Params(sft=SFTConfig(batch_size=batch_size, distributed=dist))
+        return mp.stage_plan("sft", plan_of("sft"), params, folders).device["update"]
+
+    assert update(32, 8 * 96) == update(8, None) < update(32, None)
+    assert update(32, 10) == update(1, None)
