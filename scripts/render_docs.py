@@ -239,6 +239,28 @@ def render_stage_resources(root: Path) -> str:
     return "\n".join(lines)
 
 
+def render_throughput(root: Path) -> str:
+    """docs/guide/benchmarks.md: tokens/s, padding and MFU at a real shape, fixed rows against a
+    token budget (docs/data/throughput-*.json, written by benchmarks/throughput.py)."""
+    out = []
+    for path in sorted((root / "docs" / "data").glob("throughput-*.json")):
+        r = read_json(root, str(path.relative_to(root)))
+        m = r["model"]
+        out += [f"{r['machine']}, {r['threads']} threads, torch {r['torch']}: a Llama of hidden size {m['hidden']}, "
+                f"{m['layers']} layers, vocabulary {m['vocab']} ({m['non_embedding_params'] / 1e6:.1f}M parameters "
+                f"without the embedding), global batches of {r['batch']} examples, {r['lengths']}; median of "
+                f"{r['steps']} batches; peak {r['peak_flops'] / 1e9:.0f} GFLOP/s ({r['peak_source']}).", "",
+                "| stage | fixed rows: tokens/s | padding | MFU | token budget: tokens/s | padding | MFU | speed-up |",
+                "| --- | --- | --- | --- | --- | --- | --- | --- |"]
+        for row in r["stages"]:
+            a, b = row["rows"], row["tokens"]
+            out.append(f"| {row['stage']} | {a['tokens_per_second']:.0f} ({row['micro_rows']} rows) | {pct(a['pad_share'], 0)} | "
+                       f"{pct(a['mfu'])} | {b['tokens_per_second']:.0f} ({row['budget']} tokens) | "
+                       f"{pct(b['pad_share'], 0)} | {pct(b['mfu'])} | {row['speedup']:.2f}x |")
+        out.append("")
+    return "\n".join(out).strip() or "No throughput measurement is committed."
+
+
 GPU_CHECK_SUITES = {"1": "1 process (plain PyTorch)", "ds1": "1 process (DeepSpeed ZeRO-2 and ZeRO-3)",
                     "2": "2 processes (DeepSpeed ZeRO-3)"}
 
@@ -471,6 +493,7 @@ RENDERERS: dict[str, Callable[[Path], str]] = {
     "seeds": render_seeds,
     "demo": render_demo,
     "stage-resources": render_stage_resources,
+    "throughput": render_throughput,
     "compare-run": render_compare_run,
     "compare-seeds": render_compare_seeds,
     "compare-sweeps": render_compare_sweeps,

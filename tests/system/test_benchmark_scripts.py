@@ -75,6 +75,26 @@ def test_ppo_vs_trl_builds_the_shared_models_and_times_our_trainer(tmp_path, mon
     assert out.strip().splitlines()[-1].startswith("RATIO rollout default/drop-finished: "), out
 
 
+def test_throughput_benchmark_times_both_batchings_of_every_stage(tmp_path):
+    """benchmarks/throughput.py at a toy shape: every stage timed both ways, its numbers consistent
+    with each other (the speed-up is the ratio of the medians; the budget's sorted micro-batches
+    carry less padding than fixed rows on lengths that vary 10x), written where asked."""
+    out = tmp_path / "throughput.json"
+    assert load("throughput").main(["--hidden", "32", "--layers", "1", "--heads", "2", "--vocab", "256",
+                                    "--batch", "8", "--rows", "2", "--steps", "2", "--out", str(out)]) == 0
+    result = json.loads(out.read_text())
+    assert [r["stage"] for r in result["stages"]] == ["sft", "reward", "dpo"]
+    assert result["peak_flops"] > 0 and result["model"]["non_embedding_params"] > 0
+    for row in result["stages"]:
+        fixed, budget = row["rows"], row["tokens"]
+        assert row["speedup"] == pytest.approx(fixed["seconds_per_batch"] / budget["seconds_per_batch"])
+        assert 0 <= budget["pad_share"] < fixed["pad_share"] < 1, row
+        for way in (fixed, budget):
+            assert way["tokens_per_second"] > 0
+            assert way["mfu"] == pytest.approx(6 * result["model"]["non_embedding_params"] * way["tokens_per_second"]
+                                               / result["peak_flops"])
+
+
 @pytest.mark.long
 def test_stages_benchmark_runs_both_sides_and_compares_their_models(tmp_path):
     """benchmarks/stages.py --base HEAD on the tiny params: every stage of both sides ran, the ratio

@@ -1,0 +1,212 @@
+"""Training throughput at a real model's shape: tokens per second and MFU of the SFT, reward-model
+and DPO forward + backward, fixed-row micro-batches against micro-batches by a token budget, in
+one run with the ratio printed.
+
+    .venv/bin/python benchmarks/throughput.py                                # this machine's CPU
+    .venv/bin/python benchmarks/throughput.py --out docs/data/throughput-cpu.json
+    .venv/bin/python benchmarks/throughput.py --hidden 2048 --layers 16 --vocab 128256 --device cuda
+
+The model is a randomly initialised Llama of the given shape (the CPU default is small enough for
+a laptop; on a GPU, a 1B shape); the data are token ids of random content with lengths drawn as
+chat and preference data have them (HH- or TL;DR-shaped: prompts 50-500 tokens, log-normal;
+responses 20-300), so what is measured is the padding the lengths cause, not what the tokens say.
+Each global batch runs the stages' own code (`demonstrations.ce_sum`, `reward_model.branch_scores`
+with the Bradley-Terry loss, `preference.logprobs.pair_logprobs` with the DPO loss) in micro-batches
+of `--rows` rows, or of at most `--budget` padded tokens (training/token_batches.py), the two
+alternating step by step so a drifting machine drifts for both. No optimizer step (its cost does
+not depend on the batching).
+
+MFU = 6 N tokens/s / peak (Kaplan et al. 2020: 6 FLOPs per parameter per trained token, N the
+non-embedding parameters plus the LM head; attention's FLOPs are not counted), the tokens being the
+real ones (padding is work, not throughput). Peak: on a CUDA device the bf16 dense peak of its
+datasheet where known; on a CPU the rate of a 2048 x 2048 fp32 matmul measured here (so a CPU MFU
+says how close to its own matmul speed the step runs, not to a datasheet).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "benchmarks"))
+
+from demo_seeds import machine  # noqa: E402
+from pipeline.data.records import IGNORE  # noqa: E402
+from pipeline.files import atomic_write_text  # noqa: E402
+from pipeline.models import reward_model as rm  # noqa: E402
+from pipeline.preference.logprobs import TokenPair, pair_logprobs  # noqa: E402
+from pipeline.training.demonstrations import ce_sum  # noqa: E402
+from pipeline.training.token_batches import micro_batches, padded_tokens  # noqa: E402
+
+# bf16 dense peaks (datasheets, FLOP/s) of the GPUs a user trains on
+GPU_PEAKS = {"H100": 989e12, "H200": 989e12, "A100": 312e12, "L40S": 362e12, "A10": 125e12}
+
+
+def lengths(n: int, gen: torch.Generator) -> list[tuple[int, int, int]]:
+    """(prompt, response, second response) token counts of `n` examples: prompts log-normal around
+    ~150 tokens clipped to 50-500, responses uniform 20-300."""
+    prompt = torch.exp(torch.randn(n, generator=gen) * 0.6 + math.log(150)).clamp(50, 500).long()
+    responses = torch.randint(20, 301, (n, 2), generator=gen)
+    return [(int(p), int(a), int(b)) for p, (a, b) in zip(prompt, responses.tolist())]
+
+
+def ids(n: int, vocab: int, gen: torch.Generator) -> list[int]:
+    return torch.randint(3, vocab, (n,), generator=gen).tolist()
+
+
+def peak_flops(device: torch.device) -> tuple[float, str]:
+    if device.type == "cuda":
+        name = torch.cuda.get_device_name(device)
+        for key, peak in GPU_PEAKS.items():
+            if key in name:
+                return peak, f"{name} bf16 datasheet"
+    a = torch.randn(2048, 2048, device=device)
+    for _ in range(2):
+        a @ a
+    start, n = time.perf_counter(), 10
+    for _ in range(n):
+        a @ a
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+    return n * 2 * 2048 ** 3 / (time.perf_counter() - start), "measured 2048^3 fp32 matmul"
+
+
+class Stage:
+    """One stage's global batches, its micro-batch loss and its items' padded lengths."""
+
+    def __init__(self, name: str, items: list, length, loss):
+        self.name, self.items, self.length, self.loss = name, items, length, loss
+
+
+def stages(model, rm_model, vocab: int, n: int, gen: torch.Generator) -> list[Stage]:
+    pad = 0
+    sft_items, pair_items = [], []
+    for p, a, b in lengths(n, gen):
+        prompt = ids(p, vocab, gen)
+        sft_items.append((prompt, ids(a, vocab, gen)))
+        pair_items.append(TokenPair(prompt, ids(a, vocab, gen), ids(b, vocab, gen)))
+
+    def sft_loss(part):
+        width = max(len(p) + len(r) for p, r in part)
+        batch = torch.full((len(part), width), pad)
+        labels = torch.full((len(part), width), IGNORE)
+        mask = torch.zeros((len(part), width), dtype=torch.long)
+        for i, (p, r) in enumerate(part):
+            row = torch.tensor(p + r)
+            batch[i, :len(row)], mask[i, :len(row)] = row, 1
+            labels[i, len(p):len(row)] = torch.tensor(r)
+        device = next(model.parameters()).device
+        loss, n_tok = ce_sum(model, {"input_ids": batch.to(device), "attention_mask": mask.to(device),
+                                     "labels": labels.to(device)})
+        return loss / n_tok
+
+    def rm_loss(part):
+        rows = [(t.prompt, [t.chosen, t.rejected]) for t in part]
+        scores = rm.branch_scores(rm_model, rows, pad)                    # (2N,) chosen, rejected per row
+        return -torch.nn.functional.logsigmoid(scores[0::2] - scores[1::2]).mean()
+
+    def dpo_loss(part):
+        chosen, rejected = pair_logprobs(model, part, pad)
+        return -torch.nn.functional.logsigmoid(0.1 * (chosen - rejected)).mean()
+
+    return [Stage("sft", sft_items, lambda x: len(x[0]) + len(x[1]), sft_loss),
+            Stage("reward", pair_items, lambda t: len(t.prompt) + len(t.chosen) + len(t.rejected), rm_loss),
+            Stage("dpo", pair_items, lambda t: 2 * t.width, dpo_loss)]
+
+
+def step(stage: Stage, batch: list, rows: int, budget, models) -> tuple[float, int, int]:
+    """Seconds of forward + backward of one global batch, and its (real, computed) tokens."""
+    sizes = [stage.length(x) for x in batch]
+    parts = micro_batches(sizes, rows, budget)
+    for m in models:
+        m.zero_grad(set_to_none=True)
+    start = time.perf_counter()
+    for part in parts:
+        stage.loss([batch[i] for i in part]).backward()
+    if next(models[0].parameters()).device.type == "cuda":
+        torch.cuda.synchronize()
+    return (time.perf_counter() - start, *padded_tokens(sizes, parts))
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--hidden", type=int, default=256)
+    ap.add_argument("--layers", type=int, default=4)
+    ap.add_argument("--heads", type=int, default=4)
+    ap.add_argument("--vocab", type=int, default=8192)
+    ap.add_argument("--batch", type=int, default=16, help="examples per global batch")
+    ap.add_argument("--rows", type=int, default=4, help="rows per fixed micro-batch")
+    ap.add_argument("--budget", type=int, default=None,
+                    help="padded tokens per micro-batch (default: --rows x the mean example length)")
+    ap.add_argument("--steps", type=int, default=6, help="timed global batches per stage and mode")
+    ap.add_argument("--device", default="cpu")
+    ap.add_argument("--out", default=None, help="write the result as JSON here")
+    args = ap.parse_args(argv)
+    from transformers import LlamaConfig, LlamaForCausalLM, LlamaForSequenceClassification
+
+    device = torch.device(args.device)
+    torch.manual_seed(0)
+    cfg = LlamaConfig(vocab_size=args.vocab, hidden_size=args.hidden, intermediate_size=int(args.hidden * 8 / 3) // 64 * 64 or 64,
+                      num_hidden_layers=args.layers, num_attention_heads=args.heads, num_key_value_heads=args.heads,
+                      max_position_embeddings=2048, pad_token_id=0, tie_word_embeddings=False)
+    model = LlamaForCausalLM(cfg).to(device).train()
+    rm_cfg = {k: v for k, v in cfg.to_dict().items() if k not in ("id2label", "label2id")}
+    rm_model = LlamaForSequenceClassification(LlamaConfig(**rm_cfg, num_labels=1)).to(device).train()
+    embedding = model.get_input_embeddings().weight.numel()
+    n_params = sum(p.numel() for p in model.parameters()) - embedding         # non-embedding, the head included
+    gen = torch.Generator().manual_seed(0)
+    n_items = args.batch * (args.steps + 1) * 2
+    work = stages(model, rm_model, args.vocab, n_items, gen)
+    peak, peak_source = peak_flops(device)
+    rows = []
+    for stage in work:
+        mean = statistics.mean(stage.length(x) for x in stage.items)
+        budget = args.budget if args.budget is not None else int(args.rows * mean)
+        models = [rm_model] if stage.name == "reward" else [model]
+        times = {"rows": [], "tokens": []}
+        tokens = {"rows": [0, 0], "tokens": [0, 0]}
+        for k in range(args.steps + 1):                 # the first global batch warms up
+            batch = stage.items[k * args.batch:(k + 1) * args.batch]
+            for mode in (("rows", "tokens") if k % 2 else ("tokens", "rows")):
+                seconds, real, computed = step(stage, batch, args.rows, budget if mode == "tokens" else None, models)
+                if k:
+                    times[mode].append(seconds)
+                    tokens[mode] = [tokens[mode][0] + real, tokens[mode][1] + computed]
+        row = {"stage": stage.name, "budget": budget, "micro_rows": args.rows}
+        for mode in ("rows", "tokens"):
+            seconds = statistics.median(times[mode])
+            real, computed = tokens[mode]
+            per_second = real / args.steps / seconds
+            row[mode] = {"seconds_per_batch": seconds, "tokens_per_second": per_second,
+                         "pad_share": 1 - real / computed, "mfu": 6 * n_params * per_second / peak}
+        row["speedup"] = row["rows"]["seconds_per_batch"] / row["tokens"]["seconds_per_batch"]
+        rows.append(row)
+        print(f"{stage.name:7s} fixed {args.rows} rows: {row['rows']['tokens_per_second']:8.0f} tok/s, pad "
+              f"{row['rows']['pad_share']:.0%}, MFU {row['rows']['mfu']:.1%} | budget {budget} tokens: "
+              f"{row['tokens']['tokens_per_second']:8.0f} tok/s, pad {row['tokens']['pad_share']:.0%}, MFU "
+              f"{row['tokens']['mfu']:.1%} | speedup x{row['speedup']:.2f}", flush=True)
+    result = {"machine": machine() if device.type == "cpu" else torch.cuda.get_device_name(device),
+              "threads": torch.get_num_threads(), "torch": torch.__version__,
+              "model": {"hidden": args.hidden, "layers": args.layers, "heads": args.heads, "vocab": args.vocab,
+                        "non_embedding_params": n_params},
+              "batch": args.batch, "steps": args.steps, "peak_flops": peak, "peak_source": peak_source,
+              "lengths": "prompts 50-500 (log-normal around 150), responses 20-300 (uniform)",
+              "stages": rows}
+    if args.out:
+        atomic_write_text(Path(args.out), json.dumps(result, indent=1) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    raise SystemExit(main())
