@@ -254,7 +254,19 @@ class SupervisedConfig:
 
 
 @dataclass(frozen=True)
-class SFTConfig(SupervisedConfig):
+class DemonstrationConfig(SupervisedConfig):
+    """The keys of a stage that learns from demonstrations with SFT's loss (sft, rs:
+    training/demonstrations.py)."""
+    # Each micro-batch's examples end to end in one row, position ids restarting per example and
+    # attention kept within each (training/demonstrations.py): no compute on padding where
+    # attention takes packed rows without a dense mask (model.attn_implementation:
+    # flash_attention_2). Under SDPA or eager attention the mask is dense, its cost the square of the
+    # packed length: slower on this task's short rows on a CPU, so off by default.
+    packing: bool = False
+
+
+@dataclass(frozen=True)
+class SFTConfig(DemonstrationConfig):
     """`sft`: supervised fine-tuning on demonstrations, loss on response tokens only."""
     lr: float = num(2e-3, gt=0.0)
     weight_decay: float = num(0.01, ge=0.0)
@@ -379,7 +391,7 @@ class KTOConfig(PairMethodConfig):
 
 
 @dataclass(frozen=True)
-class RejectionSamplingConfig(SupervisedConfig):
+class RejectionSamplingConfig(DemonstrationConfig):
     """`rs`: rejection-sampling fine-tuning (best-of-n, then SFT on the winners; Touvron et al. 2023,
     sec. 3.2.3; Dong et al. 2023, RAFT): `n` samples of the SFT policy per training prompt (the train
     split of `prompts`, cut to prompts.max_length), the reward model's favourite kept, and a fresh

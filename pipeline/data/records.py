@@ -75,6 +75,22 @@ def tokenize_demonstrations(rows: list[dict], tok: PreTrainedTokenizerBase, max_
     return examples, truncated, dropped
 
 
+def collate_packed(batch: list[Example]) -> dict[str, torch.Tensor]:
+    """The examples end to end in one (1, N) row, N their total tokens, with (1, N) position ids
+    restarting at 0 for each and no attention mask: transformers (masking_utils) reads the
+    restarts as packed sequences and keeps attention within each (flash-attention's
+    variable-length kernel; a block-diagonal mask under SDPA or eager). Labels as collate_sft's,
+    each example's first token ignored too, so none is trained to follow the one before it."""
+    ids = torch.tensor([t for e in batch for t in e.input_ids], dtype=torch.long, device="cpu")[None]   # (1, N)
+    pos = torch.tensor([i for e in batch for i in range(len(e.input_ids))], dtype=torch.long, device="cpu")[None]
+    labels = ids.clone()                                                                             # (1, N)
+    start = 0
+    for e in batch:
+        labels[0, start:start + max(e.n_prompt, 1)] = IGNORE
+        start += len(e.input_ids)
+    return {"input_ids": ids, "position_ids": pos, "labels": labels}
+
+
 def collate_sft(batch: list[Example], pad_id: int) -> dict[str, torch.Tensor]:
     """Right-padded (B, T) input_ids/attention_mask and labels with prompt and pads ignored."""
     ids, mask = right_pad([e.input_ids for e in batch], pad_id)

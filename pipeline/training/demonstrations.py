@@ -11,7 +11,7 @@ from typing import Any, Callable, Optional
 import torch
 import torch.nn.functional as F
 
-from ..data.records import IGNORE, Example, collate_sft, tokenize_demonstrations
+from ..data.records import IGNORE, Example, collate_packed, collate_sft, tokenize_demonstrations
 from ..models import logprobs, lora
 from ..context import SINGLE, Context
 from .distributed import to_device
@@ -24,18 +24,24 @@ def response_token_count(e: Example) -> int:
 
 
 def ce_sum(model, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, int]:
-    """Summed cross-entropy over the response tokens of `batch`, and their count; above
+    """Summed cross-entropy over the response tokens of `batch` (collate_sft's padded rows, or
+    collate_packed's one row with its position ids), and their count; above
     logit_chunks.LOGITS_CHUNK_BYTES of logits, the LM head chunk by chunk (pipeline/models/logprobs.py)."""
     labels = batch["labels"][:, 1:]                                                                 # (B, T-1)
     valid = labels != IGNORE                                                                        # (B, T-1)
+    inputs: dict[str, Any] = {k: v for k, v in batch.items() if k != "labels"}   # with attention_mask or position_ids
+    if "position_ids" in inputs:
+        # transformers reads packed rows from the position ids only when no KV cache is built
+        # (masking_utils); a model whose config keeps one would attend across the examples.
+        inputs["use_cache"] = False
     head = logprobs.chunked_head(model, labels.numel())
     if head is None:
-        logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits   # (B, T, V)
+        logits = model(**inputs).logits                                                             # (B, T, V)
         loss = F.cross_entropy(logits[:, :-1].float().flatten(0, 1), labels.flatten(), ignore_index=IGNORE,
                                reduction="sum")
         return loss, int(valid.sum())
     with logprobs.hidden_out(head):
-        hidden = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits[:, :-1]  # (B, T-1, H)
+        hidden = model(**inputs).logits[:, :-1]                                                     # (B, T-1, H)
     lp, _ = logprobs.chunked_stats(head, hidden.flatten(0, 1), labels.clamp(min=0).flatten(), 1.0)          # (B*(T-1),)
     return -torch.where(valid.flatten(), lp, torch.zeros_like(lp)).sum(), int(valid.sum())
 
@@ -60,17 +66,21 @@ def eval_loss(model, examples: list[Example], pad_id: int, batch_size: int, ctx:
 def task(name: str, engine, tok, train_ex: list[Example], eval_ex: list[Example], cfg: Any,
          ctx: Context) -> SupervisedTask:
     """SFT's loss (cross-entropy per response token of the global batch) and held-out loss, on
-    `engine` (the sft stage's, and the rs stage's on its winners)."""
+    `engine` (the sft stage's, and the rs stage's on its winners); with `cfg.packing`, each
+    micro-batch's examples in one packed row (collate_packed), none of its tokens padding."""
     def loss(part: list[Example], batch: list[Example]) -> tuple[torch.Tensor, list[float]]:
         n_tokens = sum(map(response_token_count, batch))      # of the global batch
-        total, _ = ce_sum(engine.forward, to_device(collate_sft(part, tok.pad_token_id), engine.device))
+        rows = collate_packed(part) if cfg.packing else collate_sft(part, tok.pad_token_id)
+        total, _ = ce_sum(engine.forward, to_device(rows, engine.device))
         value = total / n_tokens
         return value, [value.item()]
 
     return SupervisedTask(name, train_ex, ["loss"], loss, normaliser=lambda batch: 1.0, eval_columns=["loss"],
                           evaluate=lambda: {"loss": eval_loss(engine.forward, eval_ex, tok.pad_token_id,
                                                               2 * cfg.batch_size, ctx, engine.device)},
-                          length=lambda e: len(e.input_ids))
+                          length=lambda e: len(e.input_ids),
+                          # packed: every example its own segment, so nothing computed is padding
+                          forwards=(lambda sizes: [[i] for i in range(len(sizes))]) if cfg.packing else None)
 
 
 def recipe(stage: str, model, tok, train: tuple[list[dict], Path | str], held_out: tuple[list[dict], Path | str],

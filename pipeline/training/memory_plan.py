@@ -279,11 +279,15 @@ def supervised_planner(stage: str, params: Params, model: ModelShape, read: tupl
     held-out prompts (up to prompts.max_length long) with its own weights, or None when it
     samples none (the reward model is measured on the SFT policy's samples); `beside`: the models
     the measurement loads whole beside the trained one (memory_terms.supervised_plan)."""
+    def shape(cfg: Any) -> tuple[int, int]:
+        """(sequences, tokens each) of the largest forward: packed (sft, rs), one row of them all."""
+        n = _sequences(cfg, rows)
+        return (1, n * cfg.max_length) if getattr(cfg, "packing", False) else (n, cfg.max_length)
+
     if sampled is None:
-        return lambda cfg: supervised_plan(stage, model, cfg.distributed, _sequences(cfg, rows), cfg.max_length,
-                                           cfg.lora, read, beside=beside)
+        return lambda cfg: supervised_plan(stage, model, cfg.distributed, *shape(cfg), cfg.lora, read, beside=beside)
     prompt = params.prompts.max_length
-    return lambda cfg: supervised_plan(stage, model, cfg.distributed, _sequences(cfg, rows), cfg.max_length, cfg.lora,
+    return lambda cfg: supervised_plan(stage, model, cfg.distributed, *shape(cfg), cfg.lora,
                                        read, (prompt, sampled(cfg)), beside)
 
 

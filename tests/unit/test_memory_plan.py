@@ -670,3 +670,18 @@ def test_a_token_budget_plans_the_activations_it_holds(tiny_default):
 
     assert update(32, 8 * 96) == update(8, None) < update(32, None)
     assert update(32, 10) == update(1, None)
+
+
+def test_packing_plans_one_row_of_the_micro_batch(tiny_default):
+    """Packed, a micro-batch of 8 rows of 96 tokens is one row of 768: the same activations but for
+    eager attention's scores, which grow with the square of the row."""
+    from pipeline.config import ModelConfig
+    folders = {"data": tiny_default / "data"}
+
+    def update(packing: bool, attention) -> float:
+        params = Params(model=ModelConfig(attn_implementation=attention), sft=SFTConfig(batch_size=8, packing=packing))
+        return mp.stage_plan("sft", plan_of("sft"), params, folders).device["update"]
+
+    assert update(True, None) == pytest.approx(update(False, None), rel=1e-9)
+    scores = {packing: update(packing, "eager") - update(packing, None) for packing in (False, True)}
+    assert scores[False] > 0 and scores[True] == pytest.approx(8 * scores[False])   # 768^2 = 8 x (8 x 96^2)

@@ -1,7 +1,9 @@
-"""Micro-batches by a token budget (distributed.max_tokens_per_micro_batch): the same global batches
+"""How a supervised stage's global batch becomes forwards, without changing what it trains on.
+Micro-batches by a token budget (distributed.max_tokens_per_micro_batch): the same global batches
 cut by padded tokens, longest first, give the fixed-row path's gradients (every loss is normalised
 by the global batch), so each supervised stage's step log equals the fixed-row run's within float
-tolerance, with less padding computed."""
+tolerance, with less padding computed. Packing (sft.packing, rs.packing): a micro-batch's examples
+in one row with restarting positions give the padded rows' loss and gradients."""
 
 from __future__ import annotations
 
@@ -9,6 +11,7 @@ import json
 import random
 
 import pytest
+import torch
 
 from conftest import run_stage, step_rows, tiny_params
 from pipeline.training.token_batches import micro_batches, padded_tokens
@@ -54,3 +57,45 @@ def test_a_token_budget_trains_as_the_fixed_rows_do_with_less_padding(stage, tin
     assert 0.0 <= tok_metrics["train/pad_share"] and rows_metrics["train/pad_share"] < 1.0
     written = json.loads((tmp_path / "tokens" / "config.json").read_text())
     assert "max_tokens_per_micro_batch" in json.dumps(written)
+
+
+@pytest.mark.parametrize("attention", ["sdpa", "eager"])
+def test_a_packed_row_gives_the_padded_rows_loss_and_gradients(attention):
+    """Examples of uneven lengths: one packed row (position ids restarting, no mask) against
+    right-padded rows, the SFT loss and every parameter's gradient equal within fp32 tolerance."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from pipeline.data.records import Example, collate_packed, collate_sft
+    from pipeline.training.demonstrations import ce_sum
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(LlamaConfig(vocab_size=50, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                         num_attention_heads=4, num_key_value_heads=2, pad_token_id=0,
+                                         attn_implementation=attention))
+    gen = torch.Generator().manual_seed(1)
+    examples = [Example(torch.randint(1, 50, (n,), generator=gen).tolist(), p) for n, p in ((9, 3), (23, 10), (4, 2), (15, 1))]
+    out = []
+    for batch in (collate_sft(examples, 0), collate_packed(examples)):
+        model.zero_grad()
+        loss, n = ce_sum(model, batch)
+        loss.backward()
+        out.append((loss.detach(), n, {k: p.grad.clone() for k, p in model.named_parameters()}))
+    (padded, n_padded, g_padded), (packed, n_packed, g_packed) = out
+    assert n_padded == n_packed == sum(len(e.input_ids) - e.n_prompt for e in examples)
+    assert collate_packed(examples)["input_ids"].shape == (1, 9 + 23 + 4 + 15)
+    torch.testing.assert_close(packed, padded, atol=1e-5, rtol=1e-5)
+    for name, grad in g_padded.items():
+        torch.testing.assert_close(g_packed[name], grad, atol=1e-6, rtol=1e-4, msg=name)
+
+
+def test_the_sft_stage_packed_trains_as_padded_with_no_padding(tiny_data, tmp_path):
+    runs = {}
+    for packing in (False, True):
+        params = tiny_params({"sft": {"packing": packing}})
+        metrics = run_stage("sft", params, {"data": tiny_data}, tmp_path / str(packing))
+        runs[packing] = (metrics, step_rows(tmp_path / str(packing) / "train.tsv"))
+    (padded, padded_log), (packed, packed_log) = runs[False], runs[True]
+    for a, b in zip(padded_log, packed_log, strict=True):
+        for column in ("loss", "grad_norm"):
+            assert float(b[column]) == pytest.approx(float(a[column]), rel=1e-4, abs=1e-6), (a["step"], column)
+    assert packed["train/pad_share"] == 0.0 < padded["train/pad_share"]
+    assert packed["eval/loss"] == pytest.approx(padded["eval/loss"], rel=1e-4)
