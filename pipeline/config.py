@@ -129,9 +129,10 @@ class DistributedConfig:
     offload_frozen: bool = False          # PPO: keep the reference and reward models on the CPU
     precision: Literal["fp32", "bf16", "fp16"] = "fp32"
     gradient_accumulation_steps: int = num(1, ge=1, doc="micro-batches per optimizer step per process")
-    # Micro-batches of the supervised stages (sft, reward, dpo, kto, rs, onpolicy_dpo) by what they
-    # cost padded, rows x longest, instead of a fixed number of rows (training/token_batches.py):
-    # the same global batch and gradient, fewer pad tokens where lengths vary. None: fixed rows.
+    # Micro-batches of the supervised stages (sft, reward, dpo, kto, rs, onpolicy_dpo) and of
+    # ppo's and grpo's update by what they cost padded, rows x longest, instead of a fixed number
+    # of rows (training/token_batches.py): the same global batch (or minibatch) and gradient, fewer
+    # pad tokens where lengths vary. None: fixed rows.
     max_tokens_per_micro_batch: Optional[int] = num(None, ge=1, doc="padded tokens per micro-batch; None: fixed rows")
     # Memory one rank may use, for the memory plan (pipeline/training/memory_plan.py) a training stage
     # checks before it builds a model; None: the CUDA device's free memory, else this machine's RAM.

@@ -16,6 +16,7 @@ from ..models import logprobs
 from ..models import reward_model as rm
 from ..models.reward_source import RewardSource
 from .mismatch import logprob_diff
+from ..training.token_batches import micro_batches
 from .rollout import Rollout
 
 if TYPE_CHECKING:   # annotations only (pipeline/models/checkpoints.py says why)
@@ -46,6 +47,17 @@ def length_sorted_chunks(mask: torch.Tensor, rows: torch.Tensor, size: int) -> l
     lengths = mask[rows].sum(1)
     order = rows[torch.argsort(lengths, descending=True, stable=True)]
     return list(order.split(size))
+
+
+def update_chunks(mask: torch.Tensor, rows: torch.Tensor, size: int, n_prompt: int,
+                  budget: int | None) -> list[torch.Tensor]:
+    """The update's micro-batches of `rows`: `length_sorted_chunks` of `size` rows, or with a token
+    `budget` (distributed.max_tokens_per_micro_batch) as many rows, longest response first, as keep
+    rows x (the `n_prompt` prompt columns + the longest response) within it (training/token_batches.py)."""
+    if budget is None:
+        return length_sorted_chunks(mask, rows, size)
+    lengths = (mask[rows].sum(1) + n_prompt).tolist()
+    return [rows[torch.tensor(part, device=rows.device)] for part in micro_batches(lengths, size, budget)]
 
 
 @dataclass

@@ -41,7 +41,7 @@ from .losses import aggregate, policy_loss, truncated_is_weights, value_loss
 from .mismatch import TOLERANCE, ratio_deviation, resolve_recompute
 from .placement import PPOModels
 from .rollout import Rollout, rollout
-from .scoring import Scored, critic_values, length_sorted_chunks, policy_logprobs, score_rollout
+from .scoring import Scored, critic_values, policy_logprobs, score_rollout, update_chunks
 
 log = logging.getLogger(__name__)
 
@@ -143,10 +143,12 @@ class PPOTrainer:
 
     # ---- step 5 ------------------------------------------------------------------------------
     def micro_step(self, b: Batch, idx: torch.Tensor, n_tokens: float, first: bool = False,
-                   n_rows: float | None = None) -> dict[str, float]:
+                   n_rows: float | None = None, boundary: bool | None = None, filler: bool = False) -> dict[str, float]:
         """Forward/backward of one micro-batch; its losses add up over the minibatch's micro-batches
         to the minibatch's loss (n_tokens, n_rows: real tokens and responses of the whole minibatch).
-        `first`: a micro-batch of the first minibatch, whose ratio (before any update) is logged."""
+        `first`: a micro-batch of the first minibatch, whose ratio (before any update) is logged.
+        `boundary`: whether it ends the minibatch, where their number varies (a token budget);
+        `filler`: a repeat run only so that every rank runs as many micro-batches, adding nothing."""
         cfg, ro = self.cfg, b.ro.select(idx, trim=True)   # only this micro-batch's own padding
         mask, r = ro.response_mask, ro.response_mask.size(1)
         mode = cfg.loss_aggregation
@@ -180,9 +182,12 @@ class PPOTrainer:
                 _check_finite("loss/value", v_loss.detach(), self.iteration + 1)
             vstats["loss/value"] = v_loss.item()
         # Two graphs (a shared trunk is run twice), so two backward passes, one per engine.
-        self.m.actor.backward(self.guard.poisoned(loss))
+        keep = 0.0 if filler else 1.0
+        self.m.actor.backward(self.guard.poisoned(loss * keep), boundary=boundary)
         if self.m.critic is not None:
-            self.m.critic.backward(self.guard.poisoned(cfg.vf_coef * v_loss))
+            self.m.critic.backward(self.guard.poisoned(cfg.vf_coef * v_loss * keep), boundary=boundary)
+        if filler:
+            return {}
         weight = float(mask.sum()) / n_tokens
         out = {k: v * weight for k, v in {**stats, **vstats}.items() if k not in MAX_STATS and k != "loss/value"}
         out.update({"loss/policy": pg_loss.item(), **({"loss/value": vstats["loss/value"]} if vstats else {}),
@@ -220,6 +225,7 @@ class PPOTrainer:
         totals: dict[str, float] = {}
         first: dict[str, float] = {}
         n_minibatches, epochs_done = 0, 0
+        budget = cfg.distributed.max_tokens_per_micro_batch
         for _ in range(cfg.ppo_epochs):
             # The shuffle stream is the CPU's on every device (a resumed run restores it), the rows the rollout's.
             perm = torch.randperm(B, generator=self.shuffle_gen, device="cpu").to(b.ro.response_mask.device)
@@ -229,8 +235,16 @@ class PPOTrainer:
                 n_tokens = float(self.ctx.sum(b.ro.response_mask[mb].sum().double()).clamp(min=1))
                 n_rows = float(len(mb) * self.ctx.world_size)   # equal slices on every rank
                 mb_stats: dict[str, float] = {}
-                for micro in length_sorted_chunks(b.ro.response_mask, mb, cfg.micro_batch_size):
-                    for k, v in self.micro_step(b, micro, n_tokens, first=n_minibatches == 0, n_rows=n_rows).items():
+                chunks = update_chunks(b.ro.response_mask, mb, cfg.micro_batch_size, b.ro.n_prompt, budget)
+                # A budget gives each rank its own count: all run the largest (ZeRO's collectives pair up).
+                runs = len(chunks) if budget is None or self.ctx.world_size == 1 else \
+                    max(n for [n] in self.ctx.gather([len(chunks)]))
+                for j in range(runs):
+                    micro = chunks[j] if j < len(chunks) else chunks[0][:1]
+                    stats = self.micro_step(b, micro, n_tokens, first=n_minibatches == 0, n_rows=n_rows,
+                                            boundary=None if budget is None else j == runs - 1,
+                                            filler=j >= len(chunks))
+                    for k, v in stats.items():
                         mb_stats[k] = max(mb_stats.get(k, v), v) if k in MAX_STATS else mb_stats.get(k, 0.0) + v
                 # Each rank holds token-weighted parts of the global minibatch: they add up.
                 mb_stats = self.ctx.reduce_stats(mb_stats, sum_keys=set(mb_stats) - set(MAX_STATS), max_keys=MAX_STATS)

@@ -99,3 +99,19 @@ def test_the_sft_stage_packed_trains_as_padded_with_no_padding(tiny_data, tmp_pa
             assert float(b[column]) == pytest.approx(float(a[column]), rel=1e-4, abs=1e-6), (a["step"], column)
     assert packed["train/pad_share"] == 0.0 < padded["train/pad_share"]
     assert packed["eval/loss"] == pytest.approx(padded["eval/loss"], rel=1e-4)
+
+
+def test_a_token_budget_updates_ppo_as_fixed_micro_batches_do(tiny_data, tiny_models, tmp_path):
+    """PPO's minibatches cut by padded tokens (prompt columns + each response) instead of
+    micro_batch_size rows: the same losses are normalised by the whole minibatch, so every logged
+    statistic of every iteration equals the fixed-row run's within float tolerance."""
+    folders = {"data": tiny_data, "sft": tiny_models[0], "reward": tiny_models[1]}
+    logs = {}
+    for name, budget in (("rows", None), ("tokens", 90)):   # 90: micro-batches of 3 and 1 rows, not 2 and 2
+        run_stage("ppo", tiny_params({"ppo": {"distributed": {"max_tokens_per_micro_batch": budget}}}),
+                  folders, tmp_path / name)
+        logs[name] = step_rows(tmp_path / name / "train.tsv")
+    assert len(logs["rows"]) == len(logs["tokens"]) > 1
+    for fixed, budgeted in zip(logs["rows"], logs["tokens"]):
+        for column, value in fixed.items():
+            assert float(budgeted[column]) == pytest.approx(float(value), rel=1e-3, abs=1e-5, nan_ok=True), column
