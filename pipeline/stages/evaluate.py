@@ -13,7 +13,8 @@ baselines are nested and cost as much as the largest alone; the KL-vs-score curv
 what PPO has to beat at its own KL (Gao et al. 2023).
 
 The verdict (first line of report.md, end of the console output, the MLflow parent run's
-description) says in one paragraph whether PPO beat SFT and whether the RM was gamed.
+description) says in one paragraph whether PPO beat SFT and whether the RM was gamed. When it is OK,
+the PPO policy becomes the registered model's champion (`models:/rlhf-policy@champion`).
 """
 
 from __future__ import annotations
@@ -25,8 +26,8 @@ from ..config import EvaluateConfig, Params
 from ..files import atomic_write_text
 from ..measurement.comparison_plots import evaluation_plots
 from ..measurement.plots import close_figure
-from ..measurement.verdict import detector_record, verdict
-from ..tracking.sinks import StepLog
+from ..measurement.verdict import detector_record, passed, verdict
+from ..tracking.sinks import StepLog, Tracker
 from ..context import SINGLE, Context
 from . import registry
 from ..tracking.metric_names import METRICS_JSON, Metric
@@ -219,9 +220,19 @@ def run(params: Params, data_dir: Path, sft_dir: Path, reward_dir: Path, ppo_dir
         run.finish(m)
         run.tracker.log_table(table, "samples.json")   # every held-out prompt, browsable in MLflow
         run.tracker.set_description(text)   # the pipeline's parent run, described by its verdict
-        # models:/rlhf-policy@champion: the policy judged last
-        run.tracker.alias_evaluated("ppo", registry.spec("ppo").model.registered, "champion")
+        name_champion(run.tracker, m)
     return m
+
+
+def name_champion(tracker: Tracker, m: dict[str, Any]) -> bool:
+    """Point the alias `champion` of PPO's registered model (`models:/rlhf-policy@champion`) at the
+    policy this pipeline execution judged, when the verdict on it (`m`, evaluate's metrics) is OK;
+    whether it did. A policy that lost to SFT, or gamed the reward model, or has no gold verdict
+    leaves the alias where it was: on the last policy that passed."""
+    if not passed(m):
+        return False
+    tracker.alias_evaluated("ppo", registry.spec("ppo").model.registered, "champion")
+    return True
 
 
 def _run(params: Params, data_dir: Path, sft_dir: Path, reward_dir: Path, ppo_dir: Path,

@@ -11,14 +11,22 @@ Why a model is saved from the stage's finished `model/` folder and not from the 
 that folder is the checkpoint DVC caches and evaluate reads, so the registered version is exactly
 it (whatever engine, adapter or sharding trained it), and the logging can't disturb training state.
 
+Each model carries its environment pinned to the versions that wrote it (`mlflow models serve`
+and `mlflow.pyfunc.spark_udf` build it from requirements.txt; an unpinned `transformers` would be
+whatever release is newest that day), and the reward model's pyfunc carries, as code, only the part
+of the `pipeline` package its scoring imports. A logged model is listed among its run's outputs, as
+MLflow's own `Model.log` lists it.
+
 `PIPELINE_LOG_MODELS=off` keeps MLflow runs without models (a 7B policy is 14 GB per version).
 """
 
 from __future__ import annotations
 
 import contextlib
+import importlib.metadata
 import logging
 import os
+import shutil
 import tempfile
 import warnings
 from pathlib import Path
@@ -32,10 +40,16 @@ from .model_card import ModelFacts
 
 log = logging.getLogger(__name__)
 
-# What a loader needs: the registry stores no environment, and inferring one would load the model
-# in a subprocess (mlflow's requirement inference), seconds to minutes per stage for nothing.
-REQUIREMENTS = ["torch", "transformers", "pandas"]
-PACKAGE = Path(__file__).resolve().parents[1]      # the `pipeline` package, carried by the RM's model
+# What a loader needs, by distribution name, pinned by `pinned` to the installed versions: declared
+# here, since inferring them would load the model in a subprocess (mlflow's requirement inference),
+# seconds to minutes per stage for nothing. transformers loads through huggingface_hub and reads
+# the weights with safetensors, the tokenizer with tokenizers; numpy is what torch's and pandas'
+# builds were made against.
+POLICY_NEEDS = ("torch", "transformers", "tokenizers", "safetensors", "huggingface_hub", "numpy")
+# The reward model's pyfunc imports pandas (its input) and the vendored pipeline modules, whose
+# pipeline/config.py reads YAML with ruamel (the checkpoint loader imports the config's classes).
+REWARD_NEEDS = (*POLICY_NEEDS, "pandas", "ruamel.yaml")
+PACKAGE = Path(__file__).resolve().parents[1]      # the `pipeline` package; the RM's model carries part of it
 
 
 def enabled() -> bool:
@@ -45,12 +59,40 @@ def enabled() -> bool:
     return value == "on"
 
 
+def pinned(names: tuple[str, ...]) -> list[str]:
+    """`name==version` of each installed distribution. A local version label (torch's `+cpu`,
+    `+cu128`) is dropped: PyPI serves no such file, and `==2.13.0` admits every local build of
+    2.13.0, so a GPU host installs its own."""
+    return [f"{name}=={importlib.metadata.version(name).split('+')[0]}" for name in names]
+
+
+def vendored(dest: Path) -> Path:
+    """The modules of the `pipeline` package the reward model's pyfunc can import, copied to
+    `dest/pipeline` (with its package folders): this module and every project module it imports,
+    at any depth and inside functions too (found by reading their imports, as DVC's code deps are;
+    pipeline/workflow/code_deps.py). The rest of the package (the stages, PPO, the training loops)
+    has nothing to do with scoring. The folder to give MLflow as code."""
+    from ..workflow.code_deps import imports
+    root = PACKAGE.parent
+    todo, seen = {Path(__file__).resolve()}, set()
+    while todo:
+        f = todo.pop()
+        if f not in seen:
+            seen.add(f)
+            todo |= imports(root, f) - seen
+    for f in seen:
+        target = dest / f.relative_to(root)
+        target.parent.mkdir(parents=True, exist_ok=True)
+        shutil.copyfile(f, target)
+    return dest / PACKAGE.name
+
+
 @contextlib.contextmanager
 def _quiet() -> Iterator[None]:
     """Warnings true of every model this pipeline logs, that say nothing the user can act on:
     mlflow.transformers finds no hub model card or licence for a local folder, and mlflow.pyfunc
     says the RM's predict has no type hints (deliberately: MLflow would read them as a schema) and
-    that a Python object is pickled (the class is the pipeline's own, carried as code)."""
+    that a Python object is pickled (the class is the pipeline's own, its module carried as code)."""
     loggers = [logging.getLogger(name) for name in ("mlflow.transformers", "mlflow.pyfunc")]
     levels = [logger.level for logger in loggers]
     for logger in loggers:
@@ -76,7 +118,7 @@ def save_policy(model_dir: Path, dest: Path) -> None:
     model, tok = load_policy(Path(model_dir).resolve())
     with _quiet():
         mlflow.transformers.save_model({"model": model, "tokenizer": tok}, str(dest), task="text-generation",
-                                       pip_requirements=REQUIREMENTS)
+                                       pip_requirements=pinned(POLICY_NEEDS))
 
 
 class PipelineRewardModel(mlflow.pyfunc.PythonModel):
@@ -115,12 +157,15 @@ INPUT_EXAMPLE = {"prompt": ["Review the film Silent River . Focus on the music .
 def save_reward_model(model_dir: Path, dest: Path, max_length: int) -> None:
     """The reward model of `model_dir` as an MLflow pyfunc model in `dest`, with its signature and
     an input example; the folder travels as its artifact `reward_model` (loadable with
-    from_pretrained too) and the `pipeline` package as its code, so it loads wherever torch and
-    transformers are installed."""
-    with _quiet():
+    from_pretrained too) and the modules of `pipeline` that score it as its code (`vendored`), so it
+    loads wherever its pinned requirements are installed. The pyfunc scores through
+    `score_texts` itself, not a copy of it: its scores are the pipeline's, cuts to `max_length` included."""
+    with _quiet(), tempfile.TemporaryDirectory(prefix="mlflow-code-") as code:
         mlflow.pyfunc.save_model(str(dest), python_model=PipelineRewardModel(),
-                                 artifacts={"reward_model": str(model_dir)}, model_config={"max_length": int(max_length)},
-                                 code_paths=[str(PACKAGE)], pip_requirements=REQUIREMENTS,
+                                 artifacts={"reward_model": str(model_dir)},
+                                 model_config={"max_length": int(max_length)},
+                                 code_paths=[str(vendored(Path(code)))],
+                                 pip_requirements=pinned(REWARD_NEEDS),
                                  signature=reward_signature(), input_example=pd.DataFrame(INPUT_EXAMPLE))
 
 
@@ -140,15 +185,20 @@ def create_logged(client: Any, experiment_id: str, run_id: str, stage: str, para
 
 
 def log_and_register(client: Any, run_id: str, stage: str, facts: ModelFacts, model_dir: Path,
-                     config: dict[str, Any], tags: dict[str, str], model_id: str) -> str:
+                     config: dict[str, Any], tags: dict[str, str], model_id: str, step: int = 0) -> str:
     """Save the stage's model (the one `facts` describe) into its logged model `model_id` (made by
-    `create_logged`), mark it READY and register it; the version."""
+    `create_logged`), mark it READY, list it among the run's outputs at `step` (the run's last) and
+    register it; the version."""
+    from mlflow.entities import LoggedModelOutput
     name = facts.registered
     with tempfile.TemporaryDirectory(prefix=f"mlflow-{stage}-") as tmp:
         dest = Path(tmp) / "model"
         save_model(stage, facts, model_dir, dest, config)
         client.log_model_artifacts(model_id, str(dest))
         client.finalize_logged_model(model_id, "READY")
+    # The run's Outputs in MLflow's UI, and `run.outputs.model_outputs`: what `Model.log` records
+    # for a model it logs (mlflow/models/model.py); a logged model made by hand gets no such link.
+    client.log_outputs(run_id, [LoggedModelOutput(model_id, step=step)])
     logged = client.get_logged_model(model_id)
     from mlflow.exceptions import MlflowException
     try:

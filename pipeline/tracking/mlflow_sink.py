@@ -26,8 +26,9 @@ MLflow is a second sink, for browsing and comparing runs; it never delays or los
 - Parent run: the main params (every SPEC's `parent_params`) and headline metrics (its SPEC's `headline`) of
   each stage that ran, so the runs table compares pipelines without expanding each stage.
 - Models: `mlflow_models.py` logs and registers the stage's `model/` (transformers flavour for the
-  policies, pyfunc for the RM). Figures go through `log_figure`, evaluate's samples through
-  `log_table`, the prepared data as a dataset input whose digest is DVC's md5 of it.
+  policies, pyfunc for the RM), listed among the run's outputs. Figures go through `log_figure`,
+  evaluate's samples through `log_table`, the prepared data as a dataset input whose digest is
+  DVC's md5 of it.
 - Failures: the first failed MLflow call logs one warning naming the URI and the error and turns
   MLflow off for the rest of the stage. Per-step metrics are buffered and sent in batches when a
   StepLog is flushed, so a tiny run doesn't pay a request per step.
@@ -372,7 +373,7 @@ class MlflowTracker(Tracker):
             tags = {k: v for k, v in join_tags().items() if not k.startswith("mlflow.")}
             version = self._soft(f"registering the {self.stage} model", lambda: mlflow_models.log_and_register(
                 self.client, self.run_id, self.stage, self.facts.model, out / "model", flatten(self.config),
-                {**tags, "stage": self.stage}, self.model_id))
+                {**tags, "stage": self.stage}, self.model_id, self._last_step))
             if version is not None:
                 self._guard("tagging the model version", lambda: self.client.set_tag(
                     self.run_id, "registered_model", f"{self.facts.model.registered}/{version}"))
@@ -403,7 +404,8 @@ class MlflowTracker(Tracker):
     def alias_evaluated(self, stage: str, name: str, alias: str) -> None:
         """Point `alias` (e.g. `champion`) of `stage`'s registered model `name` at the version this
         pipeline execution registered (the run beside this one under the same parent), else at its
-        newest: `models:/rlhf-policy@champion` is then the policy evaluate judged last."""
+        newest: evaluate points `models:/rlhf-policy@champion` at the policy it judged, when its verdict
+        is OK (stages/evaluate.py `name_champion`)."""
 
         def call() -> None:
             versions = self.client.search_model_versions(f"name = '{name}'")

@@ -9,6 +9,7 @@ from pipeline.config import EvaluateConfig, from_dict, Params
 from pipeline.errors import ConfigError
 from pipeline.measurement.stats import best_of_n_choices, best_of_n_kl, best_of_n_kl_exact, distinct_n, mean_ci, win_rate
 from pipeline.stages.evaluate import policies, ppo_vs_best_of_n, verdict
+from pipeline.measurement.verdict import passed
 
 
 def test_win_rate_against_itself_is_one_half():
@@ -129,6 +130,14 @@ def test_verdict():
     stopped = verdict(_metrics(0.8), {"first_fire": 37, "fired": 1, "stopped_at": 37, "kept_iteration": 30})
     assert stopped.endswith("fired at iteration 37, training stopped there and kept iteration 30's weights.")
     assert verdict(_metrics(0.8), quiet).endswith("the over-optimisation detector stayed quiet.")
+
+
+def test_passed_is_the_ok_verdict():
+    """What names the champion (`passed`) is what the verdict calls OK, and nothing else."""
+    cases = [(0.75, 0.70), (0.9, 0.45), (0.99, 0.60), (0.8, None), (0.7, 0.5), (0.55, 0.74), (0.5, 0.75)]
+    ok = [passed(_metrics(rm, gold)) for rm, gold in cases]
+    assert ok == [True, False, False, False, False, True, False]
+    assert [verdict(_metrics(rm, gold), None).startswith("OK:") for rm, gold in cases] == ok
 
 
 def test_ppo_vs_best_of_n_lines():

@@ -200,11 +200,15 @@ def test_dvc_exp_run_changes_param_and_reports_eval_metrics(tiny_run_copy):
 
 
 def test_every_model_folder_carries_a_card_and_the_reward_model_scores_without_this_project(tiny_run):
+    from huggingface_hub import ModelCard
+    from model_cards import card_code
     from pipeline.models import reward_model as rm
     repo = tiny_run.repo
     for stage in ("sft", "reward", "ppo"):
         card = (repo / "outputs" / stage / "model" / "README.md").read_text()
-        assert card.startswith("---\nlibrary_name: transformers\n") and f"- {stage}\n" in card
+        header = ModelCard(card).data
+        assert (header.library_name, header.license) == ("transformers", "apache-2.0")
+        assert stage in header.tags
         metrics = json.loads((repo / "outputs" / stage / "metrics.json").read_text())
         # The held-out evaluation, with the policies measured under their own names (ppo/rm, sft/gold).
         measured = {f"{group}/{key}": value for group in ("eval", stage, "sft") for key, value in metrics.get(group, {}).items()}
@@ -214,18 +218,14 @@ def test_every_model_folder_carries_a_card_and_the_reward_model_scores_without_t
                 assert f"| `{key}` | {value:.4g} |" in card, (stage, key)
         assert f"| `{stage}.seed` | 0 |" in card
         assert "seconds" not in card     # no times: a re-run training the same weights writes the same folder
-    # The card's recipe: a plain transformers classifier, minus the offset in its config, gives the
-    # pipeline's own scores.
+    # The card's snippet, run with plain transformers, gives the pipeline's own scores (the offset in
+    # the config subtracted).
     from pipeline.tracking import model_card
     assert model_card.OFFSET_KEY == rm.OFFSET_KEY
     folder = repo / "outputs" / "reward" / "model"
-    assert "model(**inputs).logits[:, 0] - model.config.reward_offset" in (folder / "README.md").read_text()
-    tok = AutoTokenizer.from_pretrained(folder)
-    plain = AutoModelForSequenceClassification.from_pretrained(folder).eval()
-    ours, _ = rm.load_reward_model(folder)
+    snippet = card_code((folder / "README.md").read_text(), folder)
+    ours, tok = rm.load_reward_model(folder)
     prompt, response = "Review the film Silent River . Focus on the music .", "The music is warm ."
-    ids = torch.tensor([rm.encode_pair_text(tok, prompt, response, 96)])
-    with torch.no_grad():
-        by_card = plain(input_ids=ids).logits[:, 0] - plain.config.reward_offset
-    assert by_card.item() == pytest.approx(rm.score_texts(ours, tok, [prompt], [response], 96).item(), abs=1e-5)
-    assert abs(plain.config.reward_offset) > 0
+    assert snippet["score"](prompt, response) == pytest.approx(
+        rm.score_texts(ours, tok, [prompt], [response], 96).item(), abs=1e-5)
+    assert abs(snippet["model"].config.reward_offset) > 0

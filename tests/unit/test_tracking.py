@@ -2,14 +2,19 @@
 store at the repository root, a PPO stage's logged model, the naming of per-step metrics and the
 tracker's failure handling. Whole `dvc exp run`s feeding MLflow are tests/system/test_tracking_runs.py."""
 
+import importlib.metadata
 import json
 import logging
+import os
+import shutil
 import socket
 import subprocess
+import sys
 import threading
 import time
 from pathlib import Path
 
+import mlflow.artifacts
 import mlflow.transformers
 import pytest
 from mlflow import MlflowClient
@@ -326,3 +331,97 @@ def test_logging_a_policy_by_a_relative_path_asks_no_hub(tmp_path, monkeypatch):
     assert looked_up == []
     loaded = mlflow.transformers.load_model(str(tmp_path / "logged"), return_type="components")
     assert loaded["model"].config.vocab_size == load_policy(tmp_path / "in/sft")[0].config.vocab_size
+
+
+def _registered_stage(root: Path, stage: str, model_dir: Path, step: int) -> tuple[str, str]:
+    """A run of `stage` on the default SQLite store under `root` that logs `model_dir` as its model
+    (its SPEC's facts: a policy or the reward model) after `step` logged steps: (run id, model id)."""
+    from pipeline.stages import registry
+    out = root / f"{stage}_out"
+    shutil.copytree(model_dir, out / "model")
+    facts = tracking.StageFacts(model=registry.spec(stage).model)
+    with stage_tracking(stage, {stage: {"max_length": 64}}, [], facts=facts) as tracker:
+        tracker.log_metrics(step, {"train/loss": 0.5})
+        tracker.flush()
+        tracker.log_outputs(out)
+    return tracker.run_id, tracker.model_id
+
+
+def test_a_logged_model_is_its_runs_output_with_pinned_needs_and_only_its_code(tmp_path, monkeypatch):
+    """The run lists the model it logged (as MLflow's Model.log does); the reward model's pyfunc pins
+    what it needs to the installed versions and carries only the pipeline modules that score, with
+    which it scores as the pipeline does in a fresh process."""
+    from pipeline.models.reward_model import load_reward_model, score_texts
+    from pipeline.tracking import mlflow_models
+    (tmp_path / "dvc.yaml").write_text("stages: {}\n")
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("MLFLOW_ENABLE_SYSTEM_METRICS_LOGGING", "false")
+    _, rm_dir = tiny_policy_and_reward_model(tmp_path / "in", _tiny_data(tmp_path / "in"), offset=0.625)
+    run_id, model_id = _registered_stage(tmp_path, "reward", rm_dir, step=3)
+
+    client = MlflowClient(f"sqlite:///{tmp_path.resolve()}/mlflow.db")
+    (output,) = client.get_run(run_id).outputs.model_outputs
+    (logged,) = client.search_logged_models([client.get_run(run_id).info.experiment_id])
+    assert (output.model_id, output.step) == (model_id, 3) and logged.model_id == model_id
+    dest, uri = str(tmp_path / "dl"), client.tracking_uri
+    folder = Path(mlflow.artifacts.download_artifacts(artifact_uri=logged.artifact_location, dst_path=dest,
+                                                      tracking_uri=uri))
+    # Pinned: `mlflow models serve` installs the versions that wrote it, not the newest.
+    requirements = (folder / "requirements.txt").read_text().split()
+    assert requirements and all("==" in r for r in requirements), requirements
+    installed = importlib.metadata.version("transformers")
+    assert f"transformers=={installed}" in requirements
+    assert f"torch=={importlib.metadata.version('torch').split('+')[0]}" in requirements
+    # Only the modules scoring imports: not the stages, PPO or the training loops.
+    code = {str(p.relative_to(folder / "code")) for p in (folder / "code").rglob("*.py")}
+    assert {"pipeline/models/reward_model.py", "pipeline/tracking/mlflow_models.py"} <= code
+    assert not any(p.startswith(("pipeline/stages", "pipeline/ppo", "pipeline/training")) for p in code), code
+    assert len(code) < len(list(mlflow_models.PACKAGE.rglob("*.py"))) / 3
+    # A fresh process, away from this checkout, loads it with that code alone and scores as the pipeline.
+    prompts = ["Review the film Silent River . Focus on the music ."] * 2
+    responses = ["the music is good .", "the music was dull ."]
+    script = ("import json, sys, mlflow.pyfunc, pandas as pd\n"
+              f"model = mlflow.pyfunc.load_model({str(folder)!r})\n"
+              f"scores = model.predict(pd.DataFrame({{'prompt': {prompts!r}, 'response': {responses!r}}}))\n"
+              "print(json.dumps({'scores': list(scores), 'pipeline': sys.modules['pipeline'].__file__}))\n")
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    proc = subprocess.run([sys.executable, "-c", script], cwd=tmp_path / "dl", env=env, capture_output=True,
+                          text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    got = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert Path(got["pipeline"]).resolve() == (folder / "code/pipeline/__init__.py").resolve()
+    model, tok = load_reward_model(rm_dir)
+    assert got["scores"] == pytest.approx(score_texts(model, tok, prompts, responses, 64).tolist(), abs=1e-6)
+
+
+def test_the_champion_is_the_last_policy_whose_verdict_was_ok(tmp_path, monkeypatch):
+    """evaluate names `rlhf-policy@champion` only when its verdict is OK: a policy that lost to SFT or
+    gamed the reward model leaves the alias on the last one that passed."""
+    from mlflow.exceptions import MlflowException
+    from pipeline.stages import evaluate
+    (tmp_path / "dvc.yaml").write_text("stages: {}\n")
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("MLFLOW_ENABLE_SYSTEM_METRICS_LOGGING", "false")
+    policy, _ = tiny_policy_and_reward_model(tmp_path / "in", _tiny_data(tmp_path / "in"))
+    client = MlflowClient(f"sqlite:///{tmp_path.resolve()}/mlflow.db")
+    ok = {"win_rate/ppo_vs_sft_gold": 0.75, "win_rate/ppo_vs_sft_rm": 0.8}
+    failing = [{"win_rate/ppo_vs_sft_gold": 0.4, "win_rate/ppo_vs_sft_rm": 0.5},     # lost to SFT
+               {"win_rate/ppo_vs_sft_gold": 0.6, "win_rate/ppo_vs_sft_rm": 0.95},    # the RM gamed
+               {"win_rate/ppo_vs_sft_rm": 0.9}]                                      # no gold verdict
+
+    def judged(verdicts: list[dict]) -> list[bool]:
+        """A new version of rlhf-policy, judged by evaluate once per verdict: whether each named it."""
+        root = tmp_path / f"version{len(client.search_model_versions())}"
+        run_id, model_id = _registered_stage(root, "ppo", policy, step=2)
+        (output,) = client.get_run(run_id).outputs.model_outputs     # the policy is its run's output too
+        assert output.model_id == model_id
+        with stage_tracking("evaluate", {"evaluate": {"seed": 0}}) as tracker:
+            return [evaluate.name_champion(tracker, m) for m in verdicts]
+
+    assert judged(failing) == [False, False, False]
+    with pytest.raises(MlflowException, match="champion"):
+        client.get_model_version_by_alias("rlhf-policy", "champion")
+    assert judged([ok]) == [True]
+    assert int(client.get_model_version_by_alias("rlhf-policy", "champion").version) == 2
+    assert judged(failing) == [False, False, False]
+    assert int(client.get_model_version_by_alias("rlhf-policy", "champion").version) == 2   # not 3
