@@ -10,25 +10,29 @@ BIN := $(CURDIR)/$(VENV)/bin
 export PATH := $(BIN):$(PATH)
 export TORCH_EXTENSIONS_DIR ?= $(CURDIR)/.cache/torch_extensions
 
-.PHONY: install pipeline compare test test-fast lock bench snakemake slurm commit register remote push offline-page gpu-check demo hub-rehearsal
+.PHONY: install pipeline compare test test-fast lock bench snakemake slurm slurm-setup commit register \
+	remote push offline-page gpu-check demo hub-rehearsal
 
-# PYTHON: the interpreter (default: the newest of python3.13, 3.12, 3.11); TORCH: empty (pip's
-# default torch: the CUDA build on Linux x86_64) | cpu (the CPU-only build) | cu126, ... (see scripts/venv.sh).
+# PYTHON: the interpreter (default: the newest of python3.13, 3.12, 3.11); TORCH: empty (picked from
+# this machine: the CPU-only build without an NVIDIA GPU, PyPI's default, CUDA, build with one) | cpu |
+# pypi | cu126, ... (see scripts/venv.sh).
 install:
 	@PYTHON='$(PYTHON)' TORCH='$(TORCH)' bash scripts/venv.sh $(VENV)
 
 pipeline: install
-	$(BIN)/python -m pipeline recover-lock
+	$(BIN)/rlhf-pipeline recover-lock
 	dvc repro
 	@echo
 	@echo "Done."
 	@echo "  Report:      outputs/evaluate/report.md (with scores.png, kl_frontier.png, samples.md)"
-	@echo "  Metrics:     .venv/bin/dvc metrics show   (files: outputs/*/metrics.json; step logs outputs/*/*.tsv)"
+	@echo "  Headline:    .venv/bin/rlhf-pipeline headline"
+	@echo "  Metrics:     outputs/*/metrics.json, step logs outputs/*/*.tsv (.venv/bin/dvc metrics show --json)"
 	@echo "  Checkpoints: outputs/{sft,reward,ppo}/model (Hugging Face format)"
 	@echo "  MLflow UI:   .venv/bin/mlflow ui --backend-store-uri sqlite:///$(CURDIR)/mlflow.db"
 
-# A first look in about three minutes: the whole pipeline on recipes/demo.yaml in .demo/seed-$(SEED)/
-# (a copy of the project; this checkout's outputs/ and dvc.lock stay as they are).
+# A first look in minutes (README.md, `make demo`, has the measured time): the whole pipeline on
+# recipes/demo.yaml in .demo/seed-$(SEED)/ (a copy of the project; this checkout's outputs/ and dvc.lock
+# stay as they are).
 SEED ?= 0
 demo: install
 	$(BIN)/python scripts/demo.py --seed $(SEED)
@@ -41,8 +45,8 @@ hub-rehearsal: install
 # The alignment methods side by side (compare/dvc.yaml): the default pipeline if needed, then DPO,
 # GRPO, rejection-sampling fine-tuning and their comparison with PPO, SFT and best-of-n.
 compare: install
-	$(BIN)/python -m pipeline recover-lock
-	$(BIN)/python -m pipeline recover-lock --lock compare/dvc.lock
+	$(BIN)/rlhf-pipeline recover-lock
+	$(BIN)/rlhf-pipeline recover-lock --lock compare/dvc.lock
 	dvc repro compare/dvc.yaml
 	@echo
 	@echo "Done. Comparison: outputs/compare/report.md (with gold_vs_kl.png)"
@@ -82,8 +86,8 @@ push: install
 	$(BIN)/dvc push
 
 # Re-render the measured numbers of README.md and docs/guide/*.md (their `<!-- rendered: ... -->`
-# blocks) from the committed data files: outputs/, docs/compare_methods.tsv, docs/frontier.md,
-# docs/data/demo.json. tests/system/test_docs.py fails while a page differs from its rendering.
+# blocks) from the committed data files: outputs/, dvc.lock, docs/compare_methods.tsv, docs/frontier.md,
+# docs/data/*.json. tests/system/test_docs.py fails while a page differs from its rendering.
 .PHONY: docs
 docs:
 	$(BIN)/python scripts/render_docs.py
@@ -93,18 +97,23 @@ docs:
 offline-page: install
 	$(BIN)/python scripts/dvc_offline_page.py
 
-# The tests include a real SLURM run: scripts/slurm-local.sh starts a local cluster on this
-# machine (installing slurm-wlm with apt if needed; root), and does nothing if one is running.
-# TEST_WORKERS pytest-xdist processes, one test file each at a time (a file's module fixtures are
-# built once); 0 runs them in this one process. Each runs torch at one thread; three on two cores,
-# because the system tests spend much of their time waiting (SLURM's scheduling and time limits,
-# subprocesses starting, launchers meeting), and a third worker fills those waits. The files go out
-# in the order tests/conftest.py gives them (the SLURM tier's first).
+# A SLURM cluster on this machine for the tests' SLURM tier and for trying profiles/slurm: installs
+# slurm-wlm with apt if it is missing and writes /etc/slurm/slurm.conf (Debian/Ubuntu, root; nothing
+# when a cluster is up). A system change, so only on request: `make test` never runs it.
+slurm-setup:
+	bash scripts/slurm-local.sh start
+
+# The tests; the SLURM tier runs where a cluster answers (`make slurm-setup`), else it is skipped
+# with its reason. TEST_WORKERS pytest-xdist processes, one test file each at a time (a file's
+# module fixtures are built once); 0 runs them in this one process. Each runs torch at one thread;
+# three on two cores, because the system tests spend much of their time waiting (SLURM's scheduling
+# and time limits, subprocesses starting, launchers meeting), and a third worker fills those waits.
+# The files go out in the order tests/conftest.py gives them (the SLURM tier's first).
 TEST_WORKERS ?= 3
 TEST_DURATIONS ?= 15
 test: install
-	@if [ "$$(id -u)" = 0 ]; then bash scripts/slurm-local.sh start; \
-	else echo "make test: not root: the SLURM tier runs only if a cluster already answers (scripts/slurm-local.sh needs root)"; fi
+	@scontrol ping 2>/dev/null | grep -q "is UP" || echo "make test: no SLURM cluster answers," \
+		"the SLURM tier is skipped (make slurm-setup starts one on this machine, as root)"
 	pytest -q -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder --durations=$(TEST_DURATIONS)
 
 # The unit and stage tiers (math by equivalence, each stage on tiny inputs): no SLURM, no dvc repro,

@@ -6,8 +6,8 @@
 # params.yaml is Snakemake's config and holds hyperparameters only. Each job's SLURM resources are the
 # profile's (`default-resources`, `set-resources` in profiles/slurm/config.yaml, or --set-resources);
 # pipeline/workflow/cluster.py derives what follows from a job's `gpus` and `nodes`. A stage's output
-# log goes to logs/<stage>.log; under SLURM the job's own log is in logs/slurm/<stage>/<job id>.log
-# (profiles/slurm sets that folder).
+# log goes to logs/<stage>.log; under SLURM the job's own log is in logs/slurm/rule_<stage>/<job id>.log
+# (profiles/slurm sets the folder logs/slurm; the SLURM executor plugin names the rule's folder in it).
 #
 # Params reach a rule as a file: .snakemake/params/<stage>.json holds the values of the keys the stage
 # declares, rewritten here only when they change, and is an input of the rule, so Snakemake re-runs

@@ -1,4 +1,6 @@
-"""`make demo`: the whole pipeline on a small param set in about three minutes, beside the committed run.
+"""`make demo`: the whole pipeline on a small param set in minutes, beside the committed run.
+
+The measured time is in the README (`make demo`, rendered from docs/data/demo.json).
 
     make demo                  # seed 0
     make demo SEED=1           # sft.seed, reward.seed, ppo.seed and evaluate.seed set to 1

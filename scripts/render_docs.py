@@ -110,8 +110,44 @@ def policies(metrics: dict[str, Any]) -> list[str]:
 # ---- the blocks -----------------------------------------------------------------------------------
 
 
+COMMITTED_RUN = "docs/data/committed-run.json"
+
+
+def lock_md5(root: Path, path: str) -> Optional[str]:
+    """The md5 that dvc.lock records for the output `path`, or None (no dvc.lock, or no such out)."""
+    if not (root / "dvc.lock").is_file():
+        return None
+    from ruamel.yaml import YAML
+    lock = YAML(typ="safe", pure=True).load((root / "dvc.lock").read_text(encoding="utf-8")) or {}
+    for stage in (lock.get("stages") or {}).values():
+        for out in stage.get("outs") or []:
+            if out.get("path") == path:
+                return out.get("md5")
+    return None
+
+
+def committed_run(root: Path, threads: Any) -> dict[str, Any]:
+    """docs/data/committed-run.json: the machine and date of the run in outputs/, which the run's own
+    files do not record. It names the run it describes by dvc.lock's md5 of
+    outputs/evaluate/metrics.json; a file of another run (or thread count) is an error, so a new run
+    is not described by the last one's machine."""
+    run = read_json(root, COMMITTED_RUN)
+    if run is None:
+        return {}
+    recorded, actual = run.get("evaluate_metrics_md5"), lock_md5(root, "outputs/evaluate/metrics.json")
+    if actual is not None and recorded != actual:
+        raise RenderError(f"{COMMITTED_RUN}: evaluate_metrics_md5 is {recorded}, but dvc.lock's "
+                          f"outputs/evaluate/metrics.json is {actual}: it describes another run; write this "
+                          "run's machine, threads, date and md5 there")
+    if threads and run.get("threads") and str(run["threads"]) != str(threads):
+        raise RenderError(f"{COMMITTED_RUN}: threads is {run['threads']}, but outputs/evaluate/config.json "
+                          f"records {threads}")
+    return run
+
+
 def render_headline(root: Path) -> str:
-    """README: the committed default run (outputs/): one run of one seed."""
+    """README: the committed default run (outputs/): one run of one seed, its machine and date
+    (docs/data/committed-run.json), and which machines the README's other tables ran on."""
     ev = read_json(root, "outputs/evaluate/metrics.json")
     if ev is None:
         return "The default pipeline's outputs are not committed on this commit (`outputs/evaluate/metrics.json`)."
@@ -121,14 +157,16 @@ def render_headline(root: Path) -> str:
     n_prompts = get(cfg, "evaluate/n_prompts")
     runtime = get(cfg, "runtime") or {}
     threads = runtime.get("threads")
-    where = []
-    if runtime.get("device"):
-        where.append(f"on {runtime['device']}")
+    run = committed_run(root, threads)
+    machine = run.get("machine") or f"a machine that {COMMITTED_RUN} does not name"
+    shape = [f"torch device {runtime['device']}"] if runtime.get("device") else []
     if runtime.get("processes"):
-        where.append(f"{runtime['processes']} process{'es' if runtime['processes'] != 1 else ''}")
-    where.append(f"at {threads} threads" if threads else "at a thread count the run's `config.json` does not record")
+        shape.append(f"{runtime['processes']} process{'es' if runtime['processes'] != 1 else ''}")
+    at = f"at {threads} threads" if threads else "at a thread count the run's `config.json` does not record"
+    detail = f" ({', '.join(shape)})" if shape else ""
+    where = f"on {machine}{detail} {at}, {run.get('date', 'undated')}"
     lines = [f"One run of `make pipeline` with one seed, committed in `outputs/`: a single draw, not a "
-             f"distribution, measured {', '.join(where)}.", "",
+             f"distribution, measured {where}.", "",
              "| policy | gold score ± 95% CI | reward-model score | KL to SFT, nats | length, words |",
              "| --- | --- | --- | --- | --- |"]
     for name in policies(ev):
@@ -150,7 +188,32 @@ def render_headline(root: Path) -> str:
     parts = ", ".join(f"{s} {num(v, '.0f', ' s')}" for s, v in times.items())
     total = f" (together {minutes(sum(known))}, install and `prepare` not counted)" if len(known) == len(times) else ""
     lines += ["", f"Stage wall time: {parts}{total}."]
+    machines = readme_machines(root, run)
+    if machines:
+        lines += ["", machines]
     return "\n".join(lines)
+
+
+def readme_machines(root: Path, run: dict[str, Any]) -> str:
+    """One sentence: which machine each of the README's tables ran on, grouped, and what follows
+    where they differ."""
+    tables = {"the committed run": run.get("machine"),
+              "the seeds table": (read_json(root, "docs/data/seed-grid.json") or {}).get("machine"),
+              "the demo table": (read_json(root, "docs/data/demo.json") or {}).get("machine")}
+    by_machine: dict[str, list[str]] = {}
+    for table, machine in tables.items():
+        if machine:
+            by_machine.setdefault(machine, []).append(table)
+    if not by_machine:
+        return ""
+    def listed(names: list[str]) -> str:
+        return names[0] if len(names) == 1 else f"{', '.join(names[:-1])} and {names[-1]}"
+    if len(by_machine) == 1:
+        machine, names = next(iter(by_machine.items()))
+        return f"Machines: {listed(names)} ran on {machine}."
+    parts = [f"{listed(names)} on {machine}" for machine, names in by_machine.items()]
+    return (f"Machines: {'; '.join(parts)}. Another CPU's vector instructions take another floating-point "
+            "path, so the same command and seed give other numbers there.")
 
 
 def render_demo(root: Path) -> str:
@@ -199,8 +262,8 @@ def render_seeds(root: Path) -> str:
     threads = grid.get("threads")
     lines = [f"The full default (`dvc repro`, every stage) once per seed, measured on "
              f"{grid.get('machine', 'an unrecorded machine')} at {threads if threads else 'an unrecorded number of'} "
-             f"threads, {grid.get('date', 'undated')}; seed `s:p` sets `sft.seed` and `reward.seed` to s and "
-             f"`ppo.seed` to p:", "",
+             f"threads, {grid.get('date', 'undated')}; seed `s:p`: s seeds the SFT policy and the reward "
+             "model (`sft.seed`, `reward.seed`), p seeds PPO (`ppo.seed`):", "",
              "| seed | PPO beats SFT, gold (95% CI) | by the RM | gold: SFT → PPO | KL to SFT, nats | "
              "RM accuracy (share of ceiling) | wall time: sft + reward + ppo + evaluate |",
              "| --- | --- | --- | --- | --- | --- | --- |"]
@@ -464,7 +527,10 @@ def render_frontier(root: Path) -> str:
         cells = dict(zip(head, (c.strip() for c in line.strip("|").split("|"))))
         rows.append(cells)
     rows.sort(key=lambda c: float(c["ppo.kl_coef"]))
-    out = ["| `ppo.kl_coef` | KL to SFT, nats | RM score | gold score |", "| --- | --- | --- | --- |"]
+    dated = re.search(r"^Snapshot, (\d{4}-\d{2}-\d{2})", path.read_text(), re.M)
+    when = dated.group(1) if dated else "an unrecorded date"
+    out = [f"The snapshot of {when} (`docs/frontier.md`), one run per value:", "",
+           "| `ppo.kl_coef` | KL to SFT, nats | RM score | gold score |", "| --- | --- | --- | --- |"]
     for c in rows:
         vals = [float(c[k]) for k in need[1:]]
         out.append(f"| {c['ppo.kl_coef']} | {vals[0]:.2f} | {vals[1]:.2f} | {vals[2]:.2f} |")

@@ -96,23 +96,16 @@ _tiny_methods()
 
 
 def slurm_available() -> tuple[bool, str]:
-    """(a SLURM cluster answers here, why not): a running one is used as it is; as root,
-    scripts/slurm-local.sh starts (and if need be installs) a cluster on this machine."""
-    def up() -> bool:
-        try:
-            ping = subprocess.run(["scontrol", "ping"], capture_output=True, text=True, timeout=30)
-        except (OSError, subprocess.TimeoutExpired):
-            return False
-        return "is UP" in ping.stdout
-    if up():
+    """(a SLURM cluster answers here, why not). The tests never set one up: installing slurm-wlm
+    and writing /etc/slurm/slurm.conf change the system, which `make slurm-setup` does on request."""
+    try:
+        ping = subprocess.run(["scontrol", "ping"], capture_output=True, text=True, timeout=30)
+    except (OSError, subprocess.TimeoutExpired):
+        ping = None
+    if ping is not None and "is UP" in ping.stdout:
         return True, ""
-    if os.geteuid() != 0:
-        return False, "SLURM tier: no SLURM cluster answers `scontrol ping`, and starting one here " \
-                      "(scripts/slurm-local.sh) needs root"
-    proc = subprocess.run(["bash", str(REPO / "scripts" / "slurm-local.sh"), "start"], capture_output=True, text=True)
-    if proc.returncode != 0 or not up():
-        return False, f"SLURM tier: scripts/slurm-local.sh start failed as root: {(proc.stderr or proc.stdout).strip()[-300:]}"
-    return True, ""
+    return False, ("SLURM tier: no SLURM cluster answers `scontrol ping` "
+                   "(`make slurm-setup` starts one here, as root)")
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
@@ -145,8 +138,8 @@ def tier_unavailable(tier: str, why: str) -> None:
 
 
 def pytest_runtest_setup(item: pytest.Item) -> None:
-    """The `slurm` tier runs where a cluster answers or can be started (as root), the `root` tier
-    as root; elsewhere they are skipped with their reason (`tier_unavailable`)."""
+    """The `slurm` tier runs where a cluster answers (`make slurm-setup`), the `root` tier as root;
+    elsewhere they are skipped with their reason (`tier_unavailable`)."""
     if item.get_closest_marker("root") is not None and os.geteuid() != 0:
         tier_unavailable("root", "root tier: needs root (it mounts a small tmpfs)")
     if item.get_closest_marker("slurm") is None:

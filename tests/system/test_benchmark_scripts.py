@@ -302,7 +302,7 @@ def test_rm_faults_benchmark_prints_how_often_a_model_prefers_the_intact_review(
 
 
 def test_demo_seeds_collects_each_seeds_demo_and_holds_the_guarantee(tmp_path, own_sys_path, monkeypatch, capsys):
-    """benchmarks/demo_seeds.py around scripts/demo.py (three minutes a seed): each seed's demo is
+    """benchmarks/demo_seeds.py around scripts/demo.py (minutes a seed): each seed's demo is
     answered by the summary demo.py itself writes, of the committed run's metrics, with the gold win
     rate set per seed. What is checked is the collector's: the command per seed, the file it writes
     (machine, threads, runs by seed), the medians it prints, exit 1 below --share, --replace keeping

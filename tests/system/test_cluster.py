@@ -80,10 +80,10 @@ def test_compare_pipeline_is_a_target_of_its_own_in_both_engines(tmp_path):
     assert set(re.findall(r"^(\w+)\s+1$", stats, flags=re.M)) == {*STAGES, "all"}, stats   # the default target
 
 
-def test_snakemake_lint_is_clean(tmp_path):
-    """No lint but one: every rule runs `bin/pipeline`, i.e. the checkout's .venv, whose software
-    requirements.lock pins; a conda environment beside it would describe a second install that
-    nothing tests, so the rules declare none."""
+def test_snakemake_lint_reports_only_the_undeclared_software_environment(tmp_path):
+    """One lint per rule and no other, that no conda environment or container is named: every rule
+    runs `bin/pipeline`, i.e. the checkout's .venv, whose software requirements.lock pins; a conda
+    environment beside it would describe a second install that nothing tests, so the rules declare none."""
     repo = project_copy(tmp_path, "lint")
     proc = run([str(BIN / "snakemake"), "--lint"], repo, check=False)
     out = proc.stdout + proc.stderr
@@ -304,6 +304,8 @@ def test_the_shipped_profile_gives_every_stage_a_cpu_job_on_one_node():
     assert set(shapes.values()) == {JobShape(gpus=0, nodes=1, cpus_per_task=2, warning="URG"), JobShape(0, 1, 1, "URG")}
     assert shapes["prepare"].cpus_per_task == 1
     assert _job_resources(profile, "ppo")["runtime"] == 120 and _job_resources(profile, "sft")["runtime"] == 60
+    # Every stage of both pipelines has its line in set-resources, where a user gives it GPUs or time.
+    assert sorted(profile["set-resources"]) == sorted(s.name for s in stage_graph.load_all(REPO))
     # params.yaml holds hyperparameters only: no job resources there.
     assert "cluster" not in YAML(typ="safe", pure=True).load((REPO / "params.yaml").read_text())
 

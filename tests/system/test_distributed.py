@@ -269,8 +269,8 @@ def test_two_slurm_nodes_train_sft_as_one_node_of_two_processes_does(root, tmp_p
     out = subprocess.run(["sinfo", "-h", "-p", "two", "-o", "%D"], capture_output=True, text=True).stdout.split()
     if sum(int(n) for n in out) < 2:
         import conftest
-        conftest.tier_unavailable("slurm", "SLURM tier: no partition `two` of two nodes here (scripts/slurm-local.sh "
-                                           "start makes one)")
+        conftest.tier_unavailable("slurm", "SLURM tier: no partition `two` of two nodes here (`make slurm-setup` "
+                                           "makes one)")
     one = one_node(root, "sft", 2)
     two = {"backend": "deepspeed", "zero_stage": 2, "num_processes": 1, "num_nodes": 2, "master_port": free_port()}
     repo = project_copy(tmp_path, "two_nodes", {"sft": {"distributed": two}},

@@ -90,7 +90,7 @@ def _copy_for_rendering(tmp_path: Path) -> Path:
         (root / rel(path)).parent.mkdir(parents=True, exist_ok=True)
         shutil.copy(path, root / rel(path))
     for pattern in ("outputs/*/metrics.json", "outputs/*/config.json", "docs/compare_methods.tsv", "docs/frontier.md",
-                    "docs/data/*.json", "dvc.yaml", "compare/dvc.yaml"):
+                    "docs/data/*.json", "dvc.yaml", "compare/dvc.yaml", "dvc.lock"):
         for path in REPO.glob(pattern):
             (root / rel(path)).parent.mkdir(parents=True, exist_ok=True)
             shutil.copy(path, root / rel(path))
@@ -150,7 +150,7 @@ def test_the_demo_block_renders_demo_json_and_says_so_when_there_is_none(tmp_pat
     assert _run_renderer(root, "--check").returncode == 1
 
 
-def test_the_headline_says_one_run_one_seed_and_its_thread_count(tmp_path):
+def test_the_headline_says_one_run_one_seed_its_machine_threads_and_date(tmp_path):
     text = render_docs.render_headline(REPO)
     assert "one seed" in text and "not a distribution" in text
     root = _copy_for_rendering(tmp_path)
@@ -158,10 +158,60 @@ def test_the_headline_says_one_run_one_seed_and_its_thread_count(tmp_path):
     cfg = json.loads(path.read_text())
     cfg["runtime"] = {"device": "cpu", "processes": 1, "threads": 2}
     path.write_text(json.dumps(cfg))
-    assert "measured on cpu, 1 process, at 2 threads" in render_docs.render_headline(root)
+    lock_md5 = render_docs.lock_md5(root, "outputs/evaluate/metrics.json")
+    assert lock_md5 and len(lock_md5) == 32
+    run = {"machine": "Test CPU, 4 cores, AVX2", "threads": 2, "date": "2030-01-02",
+           "evaluate_metrics_md5": lock_md5}
+    (root / "docs/data/committed-run.json").write_text(json.dumps(run))
+    assert "measured on Test CPU, 4 cores, AVX2 (torch device cpu, 1 process) at 2 threads, 2030-01-02." \
+        in render_docs.render_headline(root)
     cfg["runtime"] = {"device": "cpu", "processes": 1}
     path.write_text(json.dumps(cfg))
-    assert "thread count the run's `config.json` does not record" in render_docs.render_headline(root)
+    text = render_docs.render_headline(root)
+    assert "thread count the run's `config.json` does not record, 2030-01-02" in text
+    # Without the file, the page says what it does not know.
+    (root / "docs/data/committed-run.json").unlink()
+    text = render_docs.render_headline(root)
+    assert "measured on a machine that docs/data/committed-run.json does not name (torch device cpu" in text
+    assert text.splitlines()[0].endswith(", undated.")
+
+
+def test_the_committed_runs_machine_must_describe_this_run(tmp_path):
+    """docs/data/committed-run.json names its run by dvc.lock's md5 of evaluate's metrics.json: after a
+    new run (another md5), or at another thread count, rendering fails until the file is rewritten."""
+    root = _copy_for_rendering(tmp_path)
+    path = root / "docs/data/committed-run.json"
+    run = json.loads(path.read_text())
+    assert run["evaluate_metrics_md5"] == render_docs.lock_md5(root, "outputs/evaluate/metrics.json")
+    path.write_text(json.dumps({**run, "evaluate_metrics_md5": "0" * 32}))
+    proc = _run_renderer(root, "--check")
+    assert proc.returncode == 2 and proc.stderr.startswith(
+        f"render_docs: error: docs/data/committed-run.json: evaluate_metrics_md5 is {'0' * 32}, "
+        "but dvc.lock's outputs/evaluate/metrics.json is")
+    threads = json.loads((root / "outputs/evaluate/config.json").read_text())["runtime"]["threads"]
+    path.write_text(json.dumps({**run, "threads": int(threads) + 1}))
+    with pytest.raises(render_docs.RenderError,
+                       match=f"threads is {int(threads) + 1}, but outputs/evaluate/config.json"):
+        render_docs.render_headline(root)
+
+
+def test_the_readme_says_which_machine_each_table_ran_on(tmp_path):
+    text = render_docs.render_headline(REPO)
+    machines = [line for line in text.splitlines() if line.startswith("Machines: ")]
+    assert len(machines) == 1
+    for name in ("committed-run", "seed-grid", "demo"):
+        assert json.loads((REPO / "docs/data" / f"{name}.json").read_text())["machine"] in machines[0]
+    root = _copy_for_rendering(tmp_path)
+    for name in ("seed-grid", "demo"):
+        path = root / "docs/data" / f"{name}.json"
+        path.write_text(json.dumps({**json.loads(path.read_text()), "machine": "Test CPU, AVX2"}))
+    run = {"machine": "Test CPU, AVX2"}
+    assert render_docs.readme_machines(root, run) == \
+        "Machines: the committed run, the seeds table and the demo table ran on Test CPU, AVX2."
+    run = {"machine": "Other CPU, AVX-512"}
+    sentence = render_docs.readme_machines(root, run)
+    assert sentence.startswith("Machines: the committed run on Other CPU, AVX-512; the seeds table and "
+                               "the demo table on Test CPU, AVX2. Another CPU")
 
 
 def test_an_unknown_or_unclosed_block_is_an_error(tmp_path):

@@ -94,16 +94,33 @@ def test_licence_file_and_metadata_agree():
     assert "Copyright 2026 The rlhf-pipeline authors" in text
 
 
-def _venv_script(tmp_path: Path, env: dict[str, str]) -> subprocess.CompletedProcess:
+def _venv_script(tmp_path: Path, env: dict[str, str], *args: str,
+                 gpus: int = 0) -> subprocess.CompletedProcess:
     """scripts/venv.sh in a copy of the project's two input files, with `pip` replaced by a
-    recorder, so what it would create and install is seen without installing anything."""
+    recorder, so what it would create and install is seen without installing anything. The machine
+    has `gpus` NVIDIA GPUs: an `nvidia-smi` that lists that many comes first on PATH (it hides this
+    machine's own), and the driver's /proc file is one that does not exist unless `env` names one."""
     work = tmp_path / "proj"
     (work / "scripts").mkdir(parents=True, exist_ok=True)
     for name in ("pyproject.toml", "requirements.lock", "requirements-dev.lock", "scripts/venv.sh"):
         if not (work / name).exists():   # copied once: a newer pyproject.toml means "install again"
             (work / name).write_bytes((REPO / name).read_bytes())
-    return subprocess.run(["bash", "scripts/venv.sh", ".venv"], cwd=work, capture_output=True, text=True,
-                          env={"PATH": os.environ["PATH"], "HOME": str(tmp_path), **env}, timeout=600)
+    smi = _fake_nvidia_smi(tmp_path / f"nvidia-{gpus}", gpus)
+    env = {"PATH": os.environ["PATH"], "HOME": str(tmp_path), "VENV_NVIDIA_PROC": str(tmp_path / "no-driver"),
+           **env}
+    env["PATH"] = f"{smi}:{env['PATH']}"
+    return subprocess.run(["bash", "scripts/venv.sh", *args, ".venv"], cwd=work, capture_output=True,
+                          text=True, env=env, timeout=600)
+
+
+def _fake_nvidia_smi(folder: Path, gpus: int) -> Path:
+    """A folder with an `nvidia-smi` whose `-L` lists `gpus` GPUs, as the real one does (none: its
+    message and exit status 6). Returns the folder."""
+    folder.mkdir(parents=True, exist_ok=True)
+    lines = "".join(f'echo "GPU {i}: NVIDIA H100 80GB HBM3 (UUID: GPU-{i:08d})"\n' for i in range(gpus))
+    (folder / "nvidia-smi").write_text("#!/bin/sh\n" + (lines or 'echo "No devices were found"; exit 6\n'))
+    (folder / "nvidia-smi").chmod(0o755)
+    return folder
 
 
 def _fake_python(folder: Path, name: str, version: str) -> Path:
@@ -129,14 +146,14 @@ def test_venv_picks_the_newest_supported_python_and_rebuilds_a_stale_venv(tmp_pa
     _fake_python(bin_, "python3.11", "3.11")
     _fake_python(bin_, "python3.14", "3.14")      # not supported: never picked
     path = f"{bin_}:/usr/bin:/bin"
-    proc = _venv_script(tmp_path, {"PATH": path})
+    proc = _venv_script(tmp_path, {"PATH": path}, gpus=1)
     venv = tmp_path / "proj" / ".venv"
     assert proc.returncode == 0, proc.stderr
     assert subprocess.run([str(venv / "bin/python"), "-c", ""], capture_output=True, text=True).stdout.strip() == "3.12"
     log = (venv / "pip.log").read_text()
     assert "install -q -c requirements.lock -c requirements-dev.lock -e .[dev]" in log and "download.pytorch.org" not in log
-    assert (venv / ".installed").read_text().strip() == "torch="
-    # Up to date: nothing runs again.
+    assert (venv / ".installed").read_text().strip() == "torch=pypi"
+    # Up to date: nothing runs again, and on a machine without a GPU the venv keeps the build it has.
     (venv / "pip.log").unlink()
     assert _venv_script(tmp_path, {"PATH": path}).returncode == 0 and not (venv / "pip.log").exists()
     # Another Python asked for: one line says why, the venv is rebuilt with it.
@@ -155,7 +172,7 @@ def test_venv_torch_build_choice_and_refusals(tmp_path):
     _fake_python(bin_, "python3.13", "3.13")
     path = f"{bin_}:/usr/bin:/bin"
     venv = tmp_path / "proj" / ".venv"
-    assert _venv_script(tmp_path, {"PATH": path}).returncode == 0
+    assert _venv_script(tmp_path, {"PATH": path, "TORCH": "pypi"}).returncode == 0
     (venv / "pip.log").unlink()
     # Switching to the CPU build: its index, and the pinned torch reinstalled from it.
     proc = _venv_script(tmp_path, {"PATH": path, "TORCH": "cpu"})
@@ -166,12 +183,79 @@ def test_venv_torch_build_choice_and_refusals(tmp_path):
     assert f"--force-reinstall --no-deps --extra-index-url https://download.pytorch.org/whl/cpu {pinned}" in log
     assert (venv / ".installed").read_text().strip() == "torch=cpu"
     bad = _venv_script(tmp_path, {"PATH": path, "TORCH": "rocm"})
-    assert bad.returncode == 1 and bad.stderr.strip() == \
-        "venv: TORCH=rocm: expected cpu or a CUDA tag such as cu126 (empty: pip's default build)"
+    assert bad.returncode == 1
+    assert bad.stderr.strip() == ("venv: TORCH=rocm: expected cpu, pypi (PyPI's default build) or a CUDA tag "
+                                  "such as cu126 (unset: picked from this machine)")
     old = tmp_path / "old"
     _fake_python(old, "python3.10", "3.10")
     bad = _venv_script(tmp_path, {"PATH": f"{old}:/usr/bin:/bin", "PYTHON": "python3.10"})
     assert bad.returncode == 1 and "Python 3.10; this project needs one of 3.11 3.12 3.13" in bad.stderr
+
+
+CPU_INDEX = "--extra-index-url https://download.pytorch.org/whl/cpu"
+
+
+def _dry_run(tmp_path: Path, env: dict[str, str], gpus: int = 0) -> tuple[str, list[str]]:
+    """`venv.sh --dry-run` on a machine with `gpus` GPUs: (the line naming the torch build, the
+    commands it would run). It changes nothing: no venv appears."""
+    proc = _venv_script(tmp_path, env, "--dry-run", gpus=gpus)
+    assert proc.returncode == 0, proc.stderr
+    assert not (tmp_path / "proj" / ".venv").exists()
+    choice, *commands = proc.stdout.strip().splitlines()
+    return choice, commands
+
+
+def test_venv_picks_the_torch_build_from_the_machine_unless_torch_says(tmp_path):
+    """TORCH unset: the CPU-only build from PyTorch's CPU index where no NVIDIA GPU is found, PyPI's
+    default build (no extra index) where nvidia-smi lists one or the driver's /proc file exists;
+    TORCH names a build whatever the machine has. One line says which and why."""
+    bin_ = tmp_path / "bin"
+    _fake_python(bin_, "python3.12", "3.12")
+    path = f"{bin_}:/usr/bin:/bin"
+    install = ".venv/bin/python -m pip install -q {}-c requirements.lock -c requirements-dev.lock -e .[dev]"
+
+    choice, commands = _dry_run(tmp_path, {"PATH": path})
+    assert choice == ("venv: torch: the CPU-only build (https://download.pytorch.org/whl/cpu): no NVIDIA GPU "
+                      f"here (no nvidia-smi on PATH lists one, no {tmp_path / 'no-driver'}); TORCH=pypi "
+                      "installs PyPI's default build")
+    assert commands == ["python3.12 -m venv .venv", ".venv/bin/python -m pip install -q --upgrade pip",
+                        install.format(CPU_INDEX + " ")]
+
+    choice, commands = _dry_run(tmp_path, {"PATH": path}, gpus=2)
+    assert choice == ("venv: torch: PyPI's default build (on Linux x86_64 the CUDA build, several GB): "
+                      "nvidia-smi lists a GPU; TORCH=cpu installs the CPU-only build")
+    assert commands[-1] == install.format("")
+
+    driver = tmp_path / "version"
+    driver.write_text("NVRM version: NVIDIA UNIX x86_64 Kernel Module\n")
+    choice, commands = _dry_run(tmp_path, {"PATH": path, "VENV_NVIDIA_PROC": str(driver)})
+    assert f"{driver} exists (an NVIDIA driver is loaded)" in choice and commands[-1] == install.format("")
+
+    choice, commands = _dry_run(tmp_path, {"PATH": path, "TORCH": "cpu"}, gpus=1)
+    assert choice == ("venv: torch: the CPU-only build (https://download.pytorch.org/whl/cpu): "
+                      "as TORCH=cpu asks")
+    assert commands[-1] == install.format(CPU_INDEX + " ")
+    choice, commands = _dry_run(tmp_path, {"PATH": path, "TORCH": "pypi"})
+    assert choice.endswith("as TORCH=pypi asks") and commands[-1] == install.format("")
+    choice, commands = _dry_run(tmp_path, {"PATH": path, "TORCH": "cu126"})
+    assert commands[-1] == install.format("--extra-index-url https://download.pytorch.org/whl/cu126 ")
+
+    # Installed, the choice is recorded; on a GPU machine later the venv keeps it (nothing runs again).
+    proc = _venv_script(tmp_path, {"PATH": path})
+    venv = tmp_path / "proj" / ".venv"
+    assert proc.returncode == 0 and proc.stdout.startswith("venv: torch: the CPU-only build"), proc.stdout
+    assert CPU_INDEX in (venv / "pip.log").read_text() and (venv / ".installed").read_text() == "torch=cpu\n"
+    (venv / "pip.log").unlink()
+    assert _venv_script(tmp_path, {"PATH": path}, gpus=1).stdout == "" and not (venv / "pip.log").exists()
+    # A stamp of before the build was picked (pip's default) counts as PyPI's build: kept, not replaced.
+    (venv / ".installed").write_text("torch=\n")
+    (tmp_path / "proj" / "pyproject.toml").touch()     # newer than the stamp: install again
+    proc = _venv_script(tmp_path, {"PATH": path})
+    assert proc.stdout.splitlines()[0] == (
+        "venv: torch: PyPI's default build (on Linux x86_64 the CUDA build, several GB): the build this venv has "
+        "(TORCH=cpu, pypi or cu126 replaces it)")
+    assert "download.pytorch.org" not in (venv / "pip.log").read_text() and "replacing" not in proc.stdout
+    assert (venv / ".installed").read_text() == "torch=pypi\n"
 
 
 def test_a_linked_venv_is_used_as_it_is_never_installed_into(tmp_path):

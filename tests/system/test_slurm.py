@@ -1,9 +1,9 @@
 """The pipeline on a real SLURM cluster through the Snakemake profile: the tiny pipeline as one job
 per stage equal to `dvc repro`, and a failed job naming its log (time limits: test_slurm_limits.py).
 
-The cluster is the one `scripts/slurm-local.sh start` sets up on this machine (`make test` starts
-it); the tier is skipped with its reason where none answers, and fails instead under
-PIPELINE_TESTS_REQUIRE=slurm (the CI machine)."""
+The cluster is the one `make slurm-setup` (scripts/slurm-local.sh start) sets up on this machine, on
+request: the tests never set one up. The tier is skipped with its reason where none answers, and
+fails instead under PIPELINE_TESTS_REQUIRE=slurm (the CI machine, whose .ci/run sets the cluster up)."""
 
 from __future__ import annotations
 
@@ -79,3 +79,27 @@ def test_the_slurm_tier_skips_with_its_reason_and_fails_where_it_is_required(mon
     assert conftest.pytest_runtest_setup(unmarked) is None
     monkeypatch.setattr(conftest, "slurm_available", lambda: (True, ""))
     assert conftest.pytest_runtest_setup(item) is None
+
+
+def test_the_slurm_tier_asks_the_cluster_and_never_sets_one_up(monkeypatch):
+    """Whether the tier runs is one `scontrol ping`; where no cluster answers (down, or no SLURM at
+    all) nothing is installed or started, whoever runs the tests."""
+    import conftest
+    calls = []
+
+    def answer(stdout):
+        def fake_run(cmd, **kwargs):
+            calls.append(cmd)
+            if stdout is None:
+                raise FileNotFoundError(cmd[0])
+            return subprocess.CompletedProcess(cmd, 0, stdout=stdout, stderr="")
+        return fake_run
+
+    for stdout, expected in (("Slurmctld(primary) at node is UP\n", True),
+                             ("Slurmctld(primary) at node is DOWN\n", False), (None, False)):
+        calls.clear()
+        monkeypatch.setattr(conftest.subprocess, "run", answer(stdout))
+        ok, why = conftest.slurm_available()
+        assert calls == [["scontrol", "ping"]] and ok is expected
+        assert why == ("" if ok else "SLURM tier: no SLURM cluster answers `scontrol ping` "
+                                     "(`make slurm-setup` starts one here, as root)")

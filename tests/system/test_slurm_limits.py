@@ -1,6 +1,6 @@
 """A stage on a real SLURM cluster stopped by the profile's warning signal and by its time limit:
 it finishes through Snakemake's retries with the model of one uninterrupted run. The cluster is the
-one `scripts/slurm-local.sh start` sets up (see test_slurm.py)."""
+one `make slurm-setup` sets up (see test_slurm.py)."""
 
 from __future__ import annotations
 
