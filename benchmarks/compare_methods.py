@@ -69,31 +69,41 @@ def rows_of(compare_dir: Path, runs: dict[str, tuple[str, int, str]]) -> list[di
     return rows
 
 
-def plot(rows: list[dict], compare0: Path, path: Path) -> None:
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-    m = json.loads((compare0 / "metrics.json").read_text())
-    fig, ax = plt.subplots(figsize=(7, 4.5))
+def figure(rows: list[dict], m: dict):
+    """Gold against KL: best-of-n from SFT as a curve, a point per (method, seed, sweep value) of `rows`,
+    each sweep value labelled; `m` is the seed-0 compare stage's metrics.json. Returns the open figure."""
+    from pipeline.measurement.comparison_plots import OUTSIDE
+    from pipeline.measurement.label_layout import label_points
+    from pipeline.measurement.plots import pyplot
+    fig, ax = pyplot().subplots(figsize=(8.2, 4.5))
     bon = sorted((int(k.split("_")[-1]), v) for k, v in m.items() if k.startswith("best_of_"))
     if bon:
         ax.plot([0] + [v["kl"] for _, v in bon], [m["sft"]["gold"]] + [v["gold"] for _, v in bon], "--o", color="grey",
-                label="best-of-n (4, 16, 64) from SFT")
+                label=f"best-of-n ({', '.join(str(n) for n, _ in bon)}) from SFT")
     ax.errorbar([0], [m["sft"]["gold"]], yerr=[m["sft"]["gold_ci95"]], fmt="ks", capsize=3, label="SFT")
     for method in dict.fromkeys(r["method"] for r in rows):
         mine = [r for r in rows if r["method"] == method]
         ax.errorbar([r["kl"] for r in mine], [r["gold"] for r in mine], yerr=[r["gold_ci95"] for r in mine],
                     fmt="o", capsize=3, label=method)
-        for r in mine:
-            if r["sweep"]:
-                key, value = r["sweep"].split("=")
-                ax.annotate(f"{'β' if key.endswith('beta') else 'kl_coef'} {value}", (r["kl"], r["gold"]),
-                            textcoords="offset points", xytext=(4, 4), fontsize=7)
     ax.set_xlabel("KL to the SFT policy (nats per response)")
     ax.set_ylabel("mean gold score, 200 held-out prompts")
     ax.set_title("Gold against KL: every method, seed and sweep value")
-    ax.legend(fontsize=8)
-    fig.savefig(path, dpi=110, bbox_inches="tight")
+    ax.legend(fontsize=8, **OUTSIDE)
+    ax.margins(x=0.06, y=0.08)
+    fig.tight_layout()
+    labels = []
+    for r in rows:
+        if r["sweep"]:
+            key, value = r["sweep"].split("=")
+            labels.append((r["kl"], r["gold"], f"{'β' if key.endswith('beta') else 'kl_coef'} {value}"))
+    points = [(r["kl"], r["gold"]) for r in rows] + [(v["kl"], v["gold"]) for _, v in bon]
+    label_points(ax, labels, avoid=points, fontsize=7)
+    return fig
+
+
+def plot(rows: list[dict], compare0: Path, path: Path) -> None:
+    from pipeline.measurement.plots import save_figure
+    save_figure(figure(rows, json.loads((compare0 / "metrics.json").read_text())), path)
 
 
 def main() -> int:

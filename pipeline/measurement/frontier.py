@@ -16,6 +16,7 @@ from typing import Any, Mapping, Optional
 from ..config import flatten, read_yaml
 from ..files import atomic_write_text
 from .comparison_plots import frontier_plot
+from .plots import close_figure
 
 METRICS = {"kl": "ppo.kl", "rm": "ppo.rm", "gold": "ppo.gold"}
 # Where they are read: the PPO stage writes the same names for its own held-out measurement (on
@@ -79,7 +80,7 @@ def main(out: Path = Path("outputs/frontier.png"), num: int = 10) -> list[dict[s
     points = collect(dvc.api.exp_show(num=num), fixed)
     if not points:
         raise SystemExit("frontier: no experiment has evaluate metrics yet (run `dvc exp run` first)")
-    frontier_plot(points, out)
+    close_figure(frontier_plot(points, out))
     table = ["| experiment | ppo.kl_coef | KL to SFT | RM score | gold score |", "| --- | --- | --- | --- | --- |"]
     for p in points:
         gold = f"{p['gold']:.3f}" if p["gold"] is not None else "n/a"

@@ -27,7 +27,8 @@ from typing import TYPE_CHECKING, Any, Optional, Sequence
 from ..config import Params
 from ..files import atomic_write_text, read_json_object
 from ..errors import ConfigError, DataError, shown
-from ..measurement.plots import close_figure, pyplot, save_figure
+from ..measurement.comparison_plots import gold_vs_kl_plot
+from ..measurement.plots import close_figure
 from ..tracking.sinks import StepLog
 from ..tracking.metric_names import METRICS_JSON, Metric
 from .spec import StageSpec, reads_held_out_prompts
@@ -164,30 +165,6 @@ def report_markdown(m: dict[str, Any], names: tuple[str, ...], resources: dict[s
                   "over seeds is in docs/guide/methods.md.", ""]
     lines += ["![gold against KL](gold_vs_kl.png)", ""]
     return "\n".join(lines)
-
-
-def gold_vs_kl_plot(m: dict[str, Any], names: tuple[str, ...], has_gold: bool, path: Path):
-    """Score (gold where there is an annotator, else RM) against KL to SFT: a point per method with
-    its 95% interval, best-of-n joined in order of n. Returns the open figure (see save_figure)."""
-    key = "gold" if has_gold else "rm"
-    fig, ax = pyplot().subplots(figsize=(6.4, 4.2))
-    bon = [n for n in names if n.startswith("best_of_")]
-    if bon:
-        ax.plot([0.0] + [m[f"{n}/kl"] for n in bon], [m[f"sft/{key}"]] + [m[f"{n}/{key}"] for n in bon],
-                "--o", color="grey", label="best-of-n from SFT")
-        for n in bon:
-            ax.annotate(n.replace("best_of_", "n="), (m[f"{n}/kl"], m[f"{n}/{key}"]), textcoords="offset points",
-                        xytext=(4, -10), fontsize=8, color="grey")
-    for name in names:
-        if name.startswith("best_of_"):
-            continue
-        ax.errorbar(m[f"{name}/kl"], m[f"{name}/{key}"], yerr=m[f"{name}/{key}_ci95"], fmt="s", capsize=4,
-                    label=name)
-    ax.set_xlabel("KL to the SFT policy (nats per response)")
-    ax.set_ylabel(f"mean {'gold' if has_gold else 'reward-model'} score (held-out prompts)")
-    ax.set_title("Quality for distance moved, per method")
-    ax.legend(fontsize=8)
-    return save_figure(fig, path, close=False)
 
 
 def memory_plan_of(params: Params, shapes: memory_plan.Shapes) -> Optional[memory_plan.Planner]:
