@@ -146,6 +146,9 @@ class DistributedConfig:
     # Recompute each layer's activations in the backward pass instead of storing them: about a third
     # more compute for activations of one layer instead of all (Chen et al. 2016).
     gradient_checkpointing: bool = False
+    # Each transformer block of a trained model through torch.compile (training/compilation.py):
+    # fused element-wise kernels, other rounding than eager, a compile on the first batches.
+    compile: bool = False
 
     def __post_init__(self) -> None:
         if self.backend == "none" and (self.num_processes > 1 or self.num_nodes > 1):
@@ -168,6 +171,10 @@ class DistributedConfig:
         if self.max_tokens_per_micro_batch is not None and self.gradient_accumulation_steps != 1:
             raise ConfigError("distributed.max_tokens_per_micro_batch: micro-batches come from the token budget, "
                               f"so gradient_accumulation_steps must stay 1, got {self.gradient_accumulation_steps}")
+        if self.compile and self.zero_stage == 3:
+            # ZeRO-3 gathers each block's parameters in hooks around its forward, which a compiled
+            # block would trace into its graph.
+            raise ConfigError("distributed.compile: not with zero_stage 3; use zero_stage 0-2 or compile: false")
         if self.node_rank >= self.num_nodes:
             raise ConfigError(f"distributed.node_rank: {self.node_rank} must be below num_nodes={self.num_nodes}")
 

@@ -80,7 +80,7 @@ def response_logits(model, input_ids: torch.Tensor, attention_mask: torch.Tensor
     it (prompt logits are never used)."""
     extra = {"logits_to_keep": n_response + 1} if keeps_logits(model) else {}
     logits = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
-                   **extra).logits                                             # (B, T or R + 1, V)
+                   use_cache=False, **extra).logits                                             # (B, T or R + 1, V)
     return logits[:, -(n_response + 1):-1].float() / temperature
 
 
@@ -165,6 +165,6 @@ def response_logprobs(model, input_ids: torch.Tensor, attention_mask: torch.Tens
     extra = {"logits_to_keep": R + 1} if keeps_logits(model) else {}
     with hidden_out(head):
         hidden = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
-                       **extra).logits[:, -(R + 1):-1]                                 # (B, R, H)
+                       use_cache=False, **extra).logits[:, -(R + 1):-1]                                 # (B, R, H)
     lp, ent = chunked_stats(head, hidden.reshape(B * R, -1), labels.reshape(-1), temperature, entropy, entropy_grad)
     return lp.view(B, R), (ent.view(B, R) if ent is not None else None)

@@ -102,7 +102,8 @@ def hidden_states(model: PreTrainedModel, input_ids: torch.Tensor, attention_mas
     counted from each row's first real token; or a (B, 1, T, T) additive mask with its position_ids."""
     if position_ids is None:
         position_ids = positions(attention_mask)
-    out = unwrap(model).base_model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids)
+    out = unwrap(model).base_model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
+                                   use_cache=False)
     return out.last_hidden_state
 
 

@@ -30,10 +30,9 @@ def ce_sum(model, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, int]:
     labels = batch["labels"][:, 1:]                                                                 # (B, T-1)
     valid = labels != IGNORE                                                                        # (B, T-1)
     inputs: dict[str, Any] = {k: v for k, v in batch.items() if k != "labels"}   # with attention_mask or position_ids
-    if "position_ids" in inputs:
-        # transformers reads packed rows from the position ids only when no KV cache is built
-        # (masking_utils); a model whose config keeps one would attend across the examples.
-        inputs["use_cache"] = False
+    # No KV cache: a training forward never reads one, and transformers reads packed rows from the
+    # position ids only when none is built (masking_utils; else they would attend across examples).
+    inputs["use_cache"] = False
     head = logprobs.chunked_head(model, labels.numel())
     if head is None:
         logits = model(**inputs).logits                                                             # (B, T, V)

@@ -37,6 +37,7 @@ import torch
 from ..models import lora
 from ..config import DistributedConfig
 from ..context import Context
+from . import compilation
 from .distributed import import_deepspeed
 from ..errors import ConfigError
 
@@ -433,6 +434,8 @@ def make_engine(model: torch.nn.Module, *, lr: float, weight_decay: float, sched
                 accumulation_steps: int) -> TrainEngine:
     if dist.gradient_checkpointing:
         enable_checkpointing(model)
+    if dist.compile:
+        compilation.compile_blocks(model)
     if dist.backend == "none":
         return TorchEngine(model.to(ctx.device), lr, weight_decay, schedule, max_grad_norm, dist.precision)
     return DeepSpeedEngine(model, lr, weight_decay, schedule, max_grad_norm, dist, ctx, micro_batch_size,
