@@ -105,23 +105,54 @@ class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
         return super()._get_help_string(action)
 
 
+# The console script pyproject.toml installs; bin/pipeline names itself in PIPELINE_PROG.
+CONSOLE_SCRIPT = "rlhf-pipeline"
+DESCRIPTION = ("%(prog)s <command> --params params.yaml ...: the one entry point of every stage of the "
+               "pipeline and of its tools. The params file is validated in full before anything runs; a user "
+               "error prints one line naming the file and the key or line, and exits with status 2.")
+
+
+def program() -> str:
+    """The command as the user invoked it, for usage lines and --version: the console script
+    (`rlhf-pipeline`), bin/pipeline as typed (it runs `python -m pipeline` and says how it was
+    called in PIPELINE_PROG), else `python -m pipeline`."""
+    name = Path(sys.argv[0]).name if sys.argv and sys.argv[0] else ""
+    if name == CONSOLE_SCRIPT:
+        return name
+    if name == "__main__.py" and os.environ.get("PIPELINE_PROG"):
+        return os.environ["PIPELINE_PROG"]
+    return "python -m pipeline"
+
+
+def _global_options(p: argparse.ArgumentParser, after_command: bool) -> None:
+    """--version, -v and --log-level, accepted before the command and after it (`rlhf-pipeline
+    check -v`). After it they keep defaults of their own: argparse copies every value a command's
+    parser sets over the top-level one, so -v counts there separately (`verbose_after`, added up
+    in `main`) and --log-level is set only when given."""
+    p.add_argument("--version", action="version", version=f"%(prog)s {package_version()}",
+                   help="print the package version and exit")
+    p.add_argument("-v", "--verbose", action="count", default=0,
+                   dest="verbose_after" if after_command else "verbose",
+                   help="more of the pipeline's log: -v its INFO messages, -vv DEBUG (default: warnings "
+                        "only)")
+    p.add_argument("--log-level",
+                   default=argparse.SUPPRESS if after_command else os.environ.get("PIPELINE_LOG_LEVEL"),
+                   choices=("DEBUG", "INFO", "WARNING", "ERROR"), type=str.upper,
+                   help="the pipeline's log level, overriding -v (default: $PIPELINE_LOG_LEVEL, which dvc "
+                        "repro and snakemake pass to the stages, else WARNING)")
+
+
 def _parser() -> argparse.ArgumentParser:
-    ap = argparse.ArgumentParser(prog="python -m pipeline", description=__doc__.splitlines()[0],
-                                 epilog="`python -m pipeline <command> --help` lists a command's options.",
+    ap = argparse.ArgumentParser(prog=program(), description=DESCRIPTION,
+                                 epilog="`%(prog)s <command> --help` lists a command's options.",
                                  formatter_class=_HelpFormatter)
-    ap.add_argument("--version", action="version", version=f"%(prog)s {package_version()}",
-                    help="print the package version and exit")
-    ap.add_argument("-v", "--verbose", action="count", default=0,
-                    help="more of the pipeline's log: -v its INFO messages, -vv DEBUG (default: warnings only)")
-    ap.add_argument("--log-level", default=os.environ.get("PIPELINE_LOG_LEVEL"),
-                    choices=("DEBUG", "INFO", "WARNING", "ERROR"), type=str.upper,
-                    help="the pipeline's log level, overriding -v (default: $PIPELINE_LOG_LEVEL, which dvc "
-                         "repro and snakemake pass to the stages, else WARNING)")
+    _global_options(ap, after_command=False)
     sub = ap.add_subparsers(dest="stage", required=True, metavar="command")
     specs = registry.specs()
     stages_planned = [n for n, s in specs.items() if s.plan is not None]
     for stage, (help_text, paths) in commands().items():
         p = sub.add_parser(stage, help=help_text, description=help_text, formatter_class=_HelpFormatter)
+        _global_options(p, after_command=True)
         for name, default in paths.items():
             what = (specs[stage].out_help if stage in specs else TOOL_OUT_HELP[stage]) if name == "out" \
                 else path_help(name, specs)
@@ -175,6 +206,10 @@ def quiet_libraries() -> None:
         hf_logging.disable_progress_bar()
 
 
+LOG_FORMAT = "%(asctime)s %(levelname)s %(message)s"
+LOG_TIME_FORMAT = "%Y-%m-%d %H:%M:%S"
+
+
 def configure_logging(level: str | None, verbose: int) -> None:
     """The `pipeline.*` loggers at `level` (or by -v count), one line per record on stderr; the
     libraries' loggers keep their own levels. The launched copies of a multi-process stage inherit
@@ -184,7 +219,9 @@ def configure_logging(level: str | None, verbose: int) -> None:
     logger.setLevel(name)
     if not any(getattr(h, "_pipeline", False) for h in logger.handlers):
         handler = logging.StreamHandler(sys.stderr)
-        handler.setFormatter(logging.Formatter("%(message)s"))   # the messages name their stage
+        # A time and a level on every line (the messages name their stage); a log of hours is read
+        # by when things happened. Only stderr: the results a command prints on stdout stay bare.
+        handler.setFormatter(logging.Formatter(LOG_FORMAT, LOG_TIME_FORMAT))
         handler._pipeline = True
         logger.addHandler(handler)
         logger.propagate = False
@@ -211,7 +248,7 @@ def run_tool(args: argparse.Namespace, argv: list[str] | None) -> int:
                 print(f"{name:<{width}}  {recipes.describe(name)}")
             return 0
         if args.name is None:
-            raise ConfigError("recipe: name a recipe (python -m pipeline recipe --list shows them)")
+            raise ConfigError(f"recipe: name a recipe ({program()} recipe --list shows them)")
         out = args.out or args.params
         written = recipes.apply(args.name, args.params, out, registry.shape_checked("load"),
                                 registry.cluster_checked(), registry.registered())
@@ -271,12 +308,13 @@ def run_stage(args: argparse.Namespace, argv: list[str] | None) -> int:
 
 
 # Arguments every stage command has, which are not the stage's own options.
-_COMMON = {"stage", "verbose", "log_level", "out", "params", "no_progress", "node_rank", "master_addr"}
+_COMMON = {"stage", "verbose", "verbose_after", "log_level", "out", "params", "no_progress", "node_rank",
+           "master_addr"}
 
 
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
-    configure_logging(args.log_level, args.verbose)
+    configure_logging(args.log_level, args.verbose + args.verbose_after)
     if args.stage == "frontier":
         from .measurement import frontier
         frontier.main(args.out)

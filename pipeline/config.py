@@ -869,7 +869,7 @@ def from_dict(cls: type, data: Any, where: str) -> Any:
         last, text = dotted.rsplit(".", 1)[-1], str(err)
         if dotted != last and text.startswith(f"{last}."):
             text = dotted + text[len(last):]
-        raise ConfigError(f"{where.split(':')[0]}: {text}") from None
+        raise ConfigError(f"{where.split(': ', 1)[0]}: {text}") from None   # the file (its path may hold ':')
 
 
 def read_yaml(path: str | Path) -> Any:
@@ -936,7 +936,7 @@ def load_params(path: str | Path, shapes: typing.Sequence[str] = (),
     if data is None:
         raise ConfigError(f"{path}: the params file is empty (write {{}} for every default, or start from the "
                           "repository's params.yaml)")
-    return validated(data, f"{Path(path).name}: ", shapes, registered)
+    return validated(data, f"{path}: ", shapes, registered)   # the path as given, as the YAML errors name it
 
 
 def validated(data: Any, where: str, shapes: typing.Sequence[str] = (),

@@ -16,21 +16,32 @@ MAX_MESSAGE = 500 - len("error: ")
 MAX_QUOTED = 80
 
 
-def shown(value: object, limit: int = MAX_QUOTED) -> str:
+def shown(value: object, limit: int = MAX_QUOTED, keep_end: bool = False) -> str:
     """`value` for quoting in a message: repr of a non-string, one line, cut to `limit` characters
-    with the full length said."""
+    with the full length said; `keep_end`: cut in the middle instead, for what says most at its end
+    (a command line, whose arguments and pid follow a long executable path)."""
     try:
         text = value if isinstance(value, str) else repr(value)
     except ValueError:   # an integer beyond Python's int-to-string limit
         text = f"an integer of about {int(value.bit_length() * 0.30103)} digits" if isinstance(value, int) else "?"
     text = re.sub(r"\s+", " ", text)
-    return text if len(text) <= limit else f"{text[:limit]}... ({len(text)} characters)"
+    if len(text) <= limit:
+        return text
+    return _middle_cut(text, limit) if keep_end else f"{text[:limit]}... ({len(text)} characters)"
+
+
+def _middle_cut(text: str, limit: int) -> str:
+    """`text` in `limit` characters: its start and its end, "..." for what is left out."""
+    head = (limit - 3) // 2
+    return f"{text[:head]}...{text[len(text) - (limit - 3 - head):]}"
 
 
 def one_line(message: str, limit: int = MAX_MESSAGE) -> str:
-    """A message as one line of at most `limit` characters."""
+    """A message as one line of at most `limit` characters. A longer one loses its middle, not its
+    end: it starts with the file and ends with what to do (a long checkout path must not cut off
+    the advice)."""
     text = re.sub(r"\s*\n\s*", " ", message.strip())
-    return text if len(text) <= limit else text[:limit - 3] + "..."
+    return text if len(text) <= limit else _middle_cut(text, limit)
 
 
 class UserError(Exception):
@@ -87,7 +98,10 @@ def loading(path: object, what: str, hint: str = "") -> Iterator[None]:
         raise
     except Exception as err:   # noqa: BLE001 - the boundary: any loader failure is a bad checkpoint
         first = next((line for line in str(err).splitlines() if line.strip()), "")
-        raise CheckpointError(f"{path}: cannot load {what} ({type(err).__name__}: {shown(first, 200)}){hint}") from None
+        # The path once, the hint whole: the loader's words get what a long path leaves of the line.
+        frame = f"{path}: cannot load {what} ({type(err).__name__}: ){hint}"
+        cause = shown(first, max(40, min(200, MAX_MESSAGE - len(frame) - 30)))
+        raise CheckpointError(f"{path}: cannot load {what} ({type(err).__name__}: {cause}){hint}") from None
 
 
 def check_finite(where: str, name: str, value) -> None:

@@ -146,10 +146,12 @@ def fit_prompts(records: list[tuple[str, Prompt]], tok, max_length: int, overlon
     return [p for _, p, _ in kept], truncated, dropped
 
 
-def _user_rows(cfg: SFTDatasetConfig | PromptDatasetConfig, split: str) -> list[tuple[str, dict]]:
+def _user_rows(cfg: SFTDatasetConfig | PromptDatasetConfig, split: str,
+               section: str) -> list[tuple[str, dict]]:
     """(where, record) of the "train" or "eval" split of a user's dataset section (`path`,
-    `train_split`, `eval_split`, `revision`)."""
-    rows = _rows(cfg.path, cfg.train_split if split == "train" else cfg.eval_split, cfg.revision)
+    `train_split`, `eval_split`, `revision`), `section` its key (`sft.dataset`)."""
+    split_name = cfg.train_split if split == "train" else cfg.eval_split
+    rows = _rows(cfg.path, split_name, cfg.revision, f"{section}.path")
     if not rows:
         raise DataError(f"{cfg.path}: no records")
     return rows
@@ -164,7 +166,7 @@ def demonstrations(params: Params, data_dir: Path, split: str) -> list[dict[str,
     if cfg.path is None:
         rows = load_demonstrations(data_dir / ("sft_train.jsonl" if split == "train" else "sft_eval.jsonl"))
     else:
-        raw = _user_rows(cfg, split)
+        raw = _user_rows(cfg, split, "sft.dataset")
         layout = detect_sft_layout(raw[0][1], cfg) if cfg.layout == "auto" else cfg.layout
         rows = [{**to_demonstration(row, layout, cfg, where), "where": where} for where, row in raw]
     if split == "eval":
@@ -181,7 +183,7 @@ def prompt_records(params: Params, data_dir: Path, split: str) -> list[tuple[str
     if cfg.path is None:
         records = load_prompts(data_dir / ("ppo_prompts.jsonl" if split == "train" else "eval_prompts.jsonl"))
     else:
-        rows = _user_rows(cfg, split)
+        rows = _user_rows(cfg, split, "prompts.dataset")
         layout = cfg.layout
         if layout == "auto":
             layout = "messages" if cfg.messages_column in rows[0][1] else "prompt"
@@ -240,8 +242,8 @@ def preference_pairs(ds: PreferenceDataConfig, data_dir: Path, section: str) -> 
         train, held = (load_pairs(data_dir / name, layout=ds.layout, margin_column=ds.margin_column, allowed=fields)
                        for name in ("pairs_train.jsonl", "pairs_eval.jsonl"))
     else:
-        train = load_pairs(ds.path, ds.train_split, ds.revision, ds.layout, ds.margin_column)
-        held = load_pairs(ds.path, ds.eval_split, ds.revision, ds.layout, ds.margin_column)
+        train, held = (load_pairs(ds.path, split, ds.revision, ds.layout, ds.margin_column,
+                                  key=f"{section}.dataset.path") for split in (ds.train_split, ds.eval_split))
     key = lambda p: (prompt_key(p.prompt), p.chosen, p.rejected)   # noqa: E731
     held = held_out([(p.where, key(p)) for p in train], held, [(p.where, key(p)) for p in held],
                     ds.leakage, f"{section}.dataset.leakage", "pair")

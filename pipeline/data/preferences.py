@@ -35,11 +35,26 @@ class Pair:
     where: str = field(default="", compare=False)   # `file:line` or `source: row N`, for messages
 
 
-def _rows(source: str, split: str, revision: Optional[str]) -> list[tuple[str, dict]]:
+# The file types a local source may have; a name with one of them is a file, never a hub id.
+LOCAL_SUFFIXES = (".jsonl", ".json", ".parquet", ".csv")
+
+
+def looks_local(source: str) -> bool:
+    """Whether `source` names a local file or folder rather than a hub dataset: a file type of
+    LOCAL_SUFFIXES, a path from `./`, `../` or `/`, or a `{split}` to fill in. A missing one is
+    then "no such file", not the hub's failure to find a dataset of that name."""
+    return (Path(source).suffix in LOCAL_SUFFIXES or source.startswith(("./", "../", "/"))
+            or "{split}" in source)
+
+
+def _rows(source: str, split: str, revision: Optional[str], key: str = "") -> list[tuple[str, dict]]:
     """Raw rows, each with how errors name it (`file:line` for JSONL, `source: row N` otherwise).
-    A `{split}` in a local path is replaced by the split's name (`data/sft_{split}.jsonl`)."""
-    source = source.replace("{split}", split)
+    A `{split}` in a local path is replaced by the split's name (`data/sft_{split}.jsonl`). `key`:
+    the params key that names `source` (`prompts.dataset.path`), for the error when it is missing."""
+    given, source = source, source.replace("{split}", split)
     path = Path(source)
+    if looks_local(given) and not path.exists() and not path.is_symlink():   # a dangling link: regular_file
+        raise DataError(f"{source}: no such file" + (f" ({key}: {shown(given)})" if key else ""))
     if (path.exists() or path.is_symlink()) and not path.is_dir():
         regular_file(path)   # a FIFO, device or dangling link is refused before any reader opens it
     if path.suffix == ".jsonl" and path.is_file():
@@ -161,10 +176,11 @@ def check_distinct(where: str, chosen: list[int], rejected: list[int]) -> None:
 
 def load_pairs(source: str | Path, split: str = "train", revision: Optional[str] = None,
                layout: Layout = "auto", margin_column: Optional[str] = None,
-               allowed: Optional[Sequence[str]] = None) -> list[Pair]:
+               allowed: Optional[Sequence[str]] = None, key: str = "") -> list[Pair]:
     """All pairs of `source` (a local file or folder, or a hub id), validated. With `allowed` (a
-    fixed schema, as in the prepared task's files) a field outside it is an error."""
-    rows = _rows(str(source), split, revision)
+    fixed schema, as in the prepared task's files) a field outside it is an error. `key`: the
+    params key naming `source`, for errors."""
+    rows = _rows(str(source), split, revision, key)
     if not rows:
         raise DataError(f"{source}: no records")
     if allowed is not None:

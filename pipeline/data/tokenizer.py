@@ -61,6 +61,17 @@ def build_word_tokenizer(words: list[str]) -> PreTrainedTokenizerFast:
         padding_side="right", model_max_length=1024, clean_up_tokenization_spaces=False)
 
 
+def prepared_tokenizer(data_dir: str | Path) -> Path:
+    """The tokenizer the prepare stage writes into its folder `data_dir`. Not there yet (a fresh
+    clone, or another --data) is said as such: the loader would take the missing path for a hub
+    id and fail on its form."""
+    path = Path(data_dir) / "tokenizer"
+    if not path.exists():
+        raise DataError(f"{path} does not exist yet: the prepare stage writes it; run `dvc repro prepare` "
+                        f"(or `python -m pipeline prepare --out {data_dir}`) first")
+    return path
+
+
 def reusable_pad_token(tok: PreTrainedTokenizerBase) -> str | None:
     """A token `tok` already has that can serve as pad, so the vocabulary and the model's embeddings
     stay as they are: the first special token whose text contains "pad" (Llama-3.1's

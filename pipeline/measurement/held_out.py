@@ -21,6 +21,7 @@ from ..config import SamplingConfig
 from ..data.tokenizer import load_tokenizer
 from ..errors import CheckpointError
 from ..models.checkpoints import load_policy
+from ..models.generation import check_stop_tokens
 from ..models.reward_source import RewardModelSource
 from ..context import SINGLE, Context
 from .policy import Measured, Policy, best_of_n, candidates, measure_policies, summary
@@ -36,6 +37,7 @@ def measure_against_sft(sft_dir: Path, policies: dict[str, Path], reward_dir: Pa
     policy at a time. Keys in report order: sft, best_of_<n> by n, then `policies` as given."""
     sft, tok = load_policy(sft_dir, trust_remote_code, dtype)
     same_vocabulary(tok, sft_dir, policies, trust_remote_code)   # before minutes of sampling
+    check_stop_tokens(tok, {"prompts.sampling": sampling})   # what the evaluate and compare stages pass
     sft = sft.to(ctx.device)
     reward = RewardModelSource(reward_dir, reward_max_length, trust_remote_code, device=ctx.device, dtype=dtype)
     per = measure_policies([Policy("sft", sft, seed)], tok, prompts, sampling, ctx=ctx, reward=reward, ref=sft,

@@ -10,7 +10,7 @@ from __future__ import annotations
 import functools
 import inspect
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Sequence
+from typing import TYPE_CHECKING, Mapping, Sequence
 
 import torch
 
@@ -292,11 +292,19 @@ def stop_ids(tok, model: PreTrainedModel, cfg: SamplingConfig) -> list[int]:
     return end_ids(tok, model) + ([stop] if stop is not None else [])
 
 
-def stop_token_id(tok, cfg: SamplingConfig) -> int | None:
-    """The id of `cfg.stop_token`, which must be a single token of `tok`; None when unset."""
+def stop_token_id(tok, cfg: SamplingConfig, key: str = "sampling") -> int | None:
+    """The id of `cfg.stop_token`, which must be a single token of `tok`; None when unset. `key`:
+    the section's place in params (`rs.sampling`), for the error."""
     if cfg.stop_token is None:
         return None
     ids = tok(cfg.stop_token, add_special_tokens=False)["input_ids"]
     if len(ids) != 1 or ids[0] == tok.unk_token_id:
-        raise ConfigError(f"sampling.stop_token: {cfg.stop_token!r} is not a single token of the tokenizer")
+        raise ConfigError(f"{key}.stop_token: {cfg.stop_token!r} is not a single token of the tokenizer")
     return ids[0]
+
+
+def check_stop_tokens(tok, sections: Mapping[str, SamplingConfig]) -> None:
+    """Every sampling section's stop_token against `tok`, each error naming its section by key
+    (`sections`: key -> section, e.g. {"rs.sampling": ...})."""
+    for key, cfg in sections.items():
+        stop_token_id(tok, cfg, key)

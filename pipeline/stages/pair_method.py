@@ -160,6 +160,7 @@ def train(method: PairMethod, run: StageRun, data_dir: Path, sft_dir: Path, prog
     # 2. The policy and its examples as token ids.
     with loading.partitioned(cfg.distributed, ctx):   # ZeRO-3: each rank loads its partition only
         model, tok = load_policy(sft_dir, params.model.trust_remote_code, loading.load_dtype(cfg.distributed, True))
+    run.check_stop_tokens(tok)   # the held-out measurement's (and onpolicy_dpo's own sampling)
     made: dict[str, Any] = {}
     if method.pairs is not None:   # the stage's own training pairs, made by the SFT policy before it trains
         own, made = method.pairs(run, model, tok, {"data": data_dir, "sft": sft_dir, **(more or {})})

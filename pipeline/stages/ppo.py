@@ -265,6 +265,7 @@ def _run(run: StageRun, data_dir: Path, sft_dir: Path, reward_dir: Path, progres
                        timeout=cfg.reward_timeout)
     engine = rollout_engine(run, [data_dir, sft_dir, reward_dir])   # before the trainer takes the device
     models = place_models(params, sft_dir, reward_dir, ctx, section)
+    run.check_stop_tokens(models.tok)
     prompts, n_trunc, n_drop = inputs.fit_prompts(prompts, models.tok, cfg.max_prompt_length, cfg.overlong,
                                                   f"{section}.max_prompt_length")
     eval_prompts, _, _ = inputs.fit_prompts(eval_prompts, models.tok, held.max_length, held.overlong,

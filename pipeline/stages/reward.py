@@ -235,11 +235,13 @@ def sft_samples(engine, tok, params: Params, sft_dir: Path, held: HeldOut, ctx: 
     from ..data import inputs
     from ..measurement.policy import measure, whole
     from ..models.checkpoints import load_policy
+    from ..models.generation import check_stop_tokens
     from ..models.reward_source import RewardModelSource
     judge, cfg = inputs.judge(params), params.reward
     if judge is None:
         return None
     policy, ptok = load_policy(sft_dir, dtype=next(engine.model.parameters()).dtype)
+    check_stop_tokens(ptok, {"sft.sampling": params.sft.sampling})   # with the SFT policy's tokenizer
     prompts = (held.prompts * (cfg.n_sft_samples // len(held.prompts) + 1))[:cfg.n_sft_samples]
     with whole(engine) as model:
         source = RewardModelSource(None, cfg.max_length, loaded=(model, tok))

@@ -208,6 +208,7 @@ def train(run: StageRun, data_dir: Path, sft_dir: Path, reward_dir: Path,
     eval_rows = inputs.demonstrations(params, data_dir, "eval")
     eval_prompts = inputs.prompts(params, data_dir, "eval")[:cfg.n_eval_prompts]
     model, tok = load_sft(params, sft_dir, ctx)
+    run.check_stop_tokens(tok)
     prompts, counts = sampled.training_prompts(params, records, tok, "rs")
     # 2. The winners (the SFT weights are untouched by sampling: the same model is trained next).
     fp = sampled.fingerprint(run, SAMPLING_KEYS, [data_dir, sft_dir, reward_dir, params.prompts.dataset.path], "winners")

@@ -100,6 +100,7 @@ def train(run: StageRun, data_dir: Path, progress: bool = True) -> tuple[Any, An
     with loading.partitioned(cfg.distributed, ctx) if pretrained else contextlib.nullcontext():
         model, tok = init_policy(params.model, data_dir / "tokenizer", cfg.seed,
                                  loading.load_dtype(cfg.distributed, trained=True))
+    run.check_stop_tokens(tok)   # sampled after training: checked before it
     recipe = demonstrations.recipe(
         "sft", model, tok, (train_rows, source), (eval_rows, source), cfg, ctx,
         measure=lambda engine: evaluate_policy(engine, tok, params, eval_prompts, eval_rows, ctx))  # every rank

@@ -64,7 +64,7 @@ from ..context import SINGLE, Context
 from ..training.resume import fingerprint, input_paths
 from ..workflow import code_deps
 from . import registry
-from .spec import StageSpec, declared, resolve
+from .spec import StageSpec, declared, declared_of_type, resolve
 
 ROOT = Path(__file__).resolve().parents[2]   # the folder holding the `pipeline` package
 # What a training stage writes only in some configurations (LoRA; DeepSpeed or several processes):
@@ -98,6 +98,14 @@ class StageRun:
     def checkpoint(self) -> Path:
         """The stage's resumable state (pipeline/training/resume.py): outlives a failed run."""
         return self.folder / "checkpoint"
+
+    def check_stop_tokens(self, tok: Any) -> None:
+        """Each sampling section the stage reads (`rs.sampling`, `prompts.sampling`...) against the
+        tokenizer it samples with, before the first step: a stop_token that is not one token is
+        refused naming its key, not found at the first sample after training."""
+        from ..config import SamplingConfig
+        from ..models.generation import check_stop_tokens
+        check_stop_tokens(tok, declared_of_type(self.params, self.spec, SamplingConfig))
 
     def finish(self, metrics: dict[str, Any], model: Any = None, tok: Any = None) -> None:
         """Write the stage's outputs (rank 0 only; other ranks return at once)."""

@@ -149,6 +149,26 @@ def declared(params: Params, spec: StageSpec) -> Params:
     return ParamsView(params, spec.allowed(), spec.name)  # type: ignore[return-value]
 
 
+def declared_of_type(params: Params, spec: StageSpec, cls: type) -> dict[str, Any]:
+    """The values of type `cls` in what the stage declares, by dotted key: e.g. every sampling
+    section it reads, `{"rs.sampling": ..., "prompts.sampling": ...}`, for errors that name the key."""
+    def within(value: Any, key: str) -> dict[str, Any]:
+        if isinstance(value, cls):
+            return {key: value}
+        if not dataclasses.is_dataclass(value):
+            return {}
+        return {k: v for f in dataclasses.fields(value)
+                for k, v in within(getattr(value, f.name), f"{key}.{f.name}").items()}
+
+    def walk(obj: Any, tree: dict[str, Any], prefix: str) -> dict[str, Any]:
+        found: dict[str, Any] = {}
+        for name, sub in sorted(tree.items()):
+            value = getattr(obj, name)
+            found.update(within(value, prefix + name) if sub is ALL else walk(value, sub, f"{prefix}{name}."))
+        return found
+    return walk(params, spec.allowed(), "")
+
+
 def resolve(params: Params, spec: StageSpec) -> dict[str, Any]:
     """The declared params as plain nested data (sections and keys as declared)."""
     def plain(value: Any) -> Any:

@@ -178,12 +178,12 @@ def policy_config(params: Params, data_dir: Optional[Path]) -> Any:
         from ..errors import loading
         with loading(cfg.name_or_path, "config"):
             return AutoConfig.from_pretrained(cfg.name_or_path, trust_remote_code=cfg.trust_remote_code)
-    from ..data.tokenizer import load_tokenizer
+    from ..data.tokenizer import load_tokenizer, prepared_tokenizer
     from ..models.checkpoints import tiny_config
     if data_dir is None:
         raise ConfigError("model.name_or_path: null builds the tiny model on the prepared tokenizer; "
                           "pass --data (the prepare stage's folder)")
-    return tiny_config(cfg, load_tokenizer(Path(data_dir) / "tokenizer"))
+    return tiny_config(cfg, load_tokenizer(prepared_tokenizer(data_dir)))
 
 
 # ---- The plan and its states ---------------------------------------------------------------------

@@ -120,14 +120,15 @@ def read_state(path: Path, fp: str) -> dict[str, Any] | None:
         # It holds the step logs so far, which grow with the run: the whole-file limit, not a record's.
         state = read_json_object(state_file, "checkpoint state", CheckpointError, MAX_FILE_BYTES)
     except CheckpointError as err:
-        raise CheckpointError(f"{err}; delete {path} to start afresh") from None
+        # The path once: `err` names state.json in the folder.
+        raise CheckpointError(f"{err}; delete the folder holding it to start afresh") from None
     return state if state.get("fingerprint") == fp else None
 
 
 def restoring(path: Path):
     """The checkpoint guard for resumable state: a corrupt or truncated file says so in one line and
     names the folder to delete (the run then starts afresh; no older save is kept to fall back to)."""
-    return loading(path, "the resumable checkpoint", f"; delete {path} to start afresh")
+    return loading(path, "the resumable checkpoint", "; delete that folder to start afresh")   # named first
 
 
 def load_engine(engine: Any, path: Path, name: str) -> None:

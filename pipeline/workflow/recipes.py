@@ -76,7 +76,7 @@ def render(name: str, params_path: Path, shapes: Sequence[str] = (),
     merge(base, changes)
     text = _dump(yaml, base)
     plain = YAML(typ="safe", pure=True).load(text)
-    params = validated(plain, f"{recipe.name} over {Path(params_path).name}: ", shapes, registered)
+    params = validated(plain, f"{recipe.name} over {params_path}: ", shapes, registered)
     if not isinstance(jobs, Mapping) or not all(isinstance(v, Mapping) for v in jobs.values()):
         raise ConfigError(f"{recipe.name}: slurm: expected a mapping of stage -> resources")
     return text, params, {k: dict(v) for k, v in jobs.items()}

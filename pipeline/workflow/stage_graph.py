@@ -23,6 +23,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import shlex
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -98,9 +99,17 @@ def load(path: str | Path = "dvc.yaml", root: str | Path | None = None) -> list[
                 params += list(dep.params or [])
             else:
                 deps.append(_rel(dep.def_path, base))
-        stages.append(Stage(name=st.name, cmd=" ".join(str(st.cmd).split()), deps=tuple(deps),
+        stages.append(Stage(name=st.name, cmd=shell_command(st.cmd), deps=tuple(deps),
                             outs=tuple(outs), persistent=tuple(persistent), params=tuple(params)))
     return stages
+
+
+def shell_command(cmd: str | list[str]) -> str:
+    """A stage's `cmd` as one shell command. DVC also takes a list, run in order until one fails:
+    it becomes `sh -c 'a && b'`, still one command, as a job's `exec` and `srun` need
+    (cluster.job_command)."""
+    parts = [" ".join(str(c).split()) for c in (cmd if isinstance(cmd, (list, tuple)) else [cmd])]
+    return parts[0] if len(parts) == 1 else f"sh -c {shlex.quote(' && '.join(parts))}"
 
 
 def _rel(def_path: str, wdir: Path) -> str:

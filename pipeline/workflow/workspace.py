@@ -46,7 +46,8 @@ def hold(root: Path) -> None:
     running = dvc_commands(path.with_name("rwlock"))
     if running:
         os.close(fd)   # at once: the DVC command takes this lock again after its stage
-        raise BusyError(f"{path.with_name('rwlock')}: DVC is running in this workspace ({shown(running[0])}); "
+        raise BusyError(f"{path.with_name('rwlock')}: DVC is running in this workspace "
+                        f"({shown(running[0], 160, keep_end=True)}); "
                         "wait for it to end, then run Snakemake again")
     _held.append(fd)
 

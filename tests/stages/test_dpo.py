@@ -3,6 +3,7 @@ easy preference, IPO and SimPO losses against the loss functions by hand, resume
 
 from __future__ import annotations
 
+import contextlib
 import csv
 import json
 import math
@@ -206,8 +207,8 @@ def test_killed_and_resumed_equals_uninterrupted(data, sft_dir, tmp_path, monkey
 def test_bad_dpo_params_are_refused_naming_the_key(section, message, tmp_path):
     path = tmp_path / "params.yaml"
     path.write_text(json.dumps({"dpo": section}))              # JSON is YAML
-    with pytest.raises(ConfigError) as err:
-        load_params(path)
+    with pytest.raises(ConfigError) as err, contextlib.chdir(tmp_path):
+        load_params("params.yaml")                              # as `--params params.yaml` names it
     assert str(err.value).startswith(message)
 
 

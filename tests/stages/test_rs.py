@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 from pathlib import Path
 
 import pytest
@@ -124,7 +125,7 @@ def test_min_score_leaves_low_winners_out(done, tiny_data, tiny_models, tmp_path
 def test_config_errors_name_the_file_and_key(section, message, tmp_path):
     path = tmp_path / "params.yaml"
     path.write_text(json.dumps({"rs": section}))
-    with pytest.raises(ConfigError, match=rf"^params\.yaml: {message}"):
+    with pytest.raises(ConfigError, match=rf"^{re.escape(str(path))}: {message}"):   # the path as given
         load_params(path)
 
 
@@ -152,3 +153,12 @@ def test_a_min_score_above_every_winner_is_an_error_naming_it(tiny_data, tiny_mo
 def test_more_prompts_than_the_split_holds_is_an_error_naming_the_key(tiny_data, tiny_models, tmp_path):
     with pytest.raises(DataError, match=r"^rs\.n_prompts: 17 prompts asked for, the train split of prompts.dataset has 16"):
         rs.run(_params(n_prompts=17), tiny_data, *tiny_models, tmp_path, progress=False)
+
+
+def test_a_stop_token_of_two_tokens_is_refused_naming_rs_sampling_before_sampling(tiny_data, tiny_models,
+                                                                                   tmp_path):
+    with pytest.raises(ConfigError) as err:
+        rs.run(_params(sampling={"stop_token": "good film"}), tiny_data, *tiny_models, tmp_path,
+               progress=False)
+    assert str(err.value) == "rs.sampling.stop_token: 'good film' is not a single token of the tokenizer"
+    assert not (tmp_path / rs.WINNERS).exists()

@@ -406,11 +406,44 @@ def test_hostile_corrupt_checkpoints(work, tmp_path):
         (_argv("reward", p, work / "data/prepared", work / "outputs", sft_dir=bad_tok),
          rf"{bad_tok}: cannot load the tokenizer \("),
         (_argv("reward", p, work / "data/prepared", work / "outputs", sft_dir=empty), rf"{empty}: "),
-        (_argv("sft", p, work / "data/prepared", resumable), rf"{resumable}/sft/checkpoint: cannot load the "
-                                                               rf"resumable checkpoint .*; delete .*checkpoint to start afresh$"),
+        (_argv("sft", p, work / "data/prepared", resumable),
+         rf"^error: {resumable}/sft/checkpoint: cannot load the resumable checkpoint [^/]*; "
+         r"delete that folder to start afresh$"),
         (_argv("sft", p, work / "data/prepared", resumable_state),
-         r"state\.json: expected a JSON object, got list; delete .*checkpoint to start afresh$"),
+         r"checkpoint/state\.json: expected a JSON object, got list; "
+         r"delete the folder holding it to start afresh$"),
     ], work)
+
+
+def test_a_corrupt_checkpoint_at_a_long_path_is_named_once_and_the_advice_is_whole(tmp_path):
+    """A CI checkout or a home folder can be 150 characters deep: the message names the folder
+    once, keeps the loader's reason as far as it fits, and always ends with what to do."""
+    from pipeline.errors import MAX_MESSAGE, CheckpointError
+    from pipeline.training.resume import load_rng, read_state
+    deep = tmp_path.joinpath(*["a-rather-long-folder-of-a-ci-runner"] * 5) / "outputs/sft/checkpoint"
+    assert len(str(deep)) >= 150
+    deep.mkdir(parents=True)
+    (deep / "rng_rank0.pt").write_bytes(b"not a tensor file")
+    with pytest.raises(CheckpointError) as err:
+        load_rng(deep, 0)
+    message = str(err.value)
+    assert message.startswith(f"{deep}: cannot load the resumable checkpoint (UnpicklingError: ")
+    assert message.endswith("; delete that folder to start afresh") and message.count(str(deep)) == 1
+    assert len(message) <= MAX_MESSAGE
+    (deep / "state.json").write_text("[1, 2]")
+    with pytest.raises(CheckpointError) as err:
+        read_state(deep, "fingerprint")
+    assert str(err.value) == (f"{deep}/state.json: expected a JSON object, got list; "
+                              "delete the folder holding it to start afresh")
+    # Deeper than a whole line: the middle goes, the start (the path's root) and the advice stay.
+    deeper = tmp_path.joinpath(*["a-rather-long-folder-of-a-ci-runner"] * 16)
+    deeper.mkdir(parents=True)
+    (deeper / "rng_rank0.pt").write_bytes(b"not a tensor file")
+    with pytest.raises(CheckpointError) as err:
+        load_rng(deeper, 0)
+    message = str(err.value)
+    assert len(message) == MAX_MESSAGE and message.startswith(str(tmp_path))
+    assert message.endswith("; delete that folder to start afresh") and "..." in message
 
 
 def test_hostile_reward_source_functions_fail_before_any_model(work, tmp_path):

@@ -13,7 +13,7 @@ import tomllib
 
 import pytest
 
-from conftest import BIN, REPO, run
+from conftest import BIN, REPO, run, run_env
 from pipeline.__main__ import _parser, commands, main
 from pipeline.progress import Progress, track
 
@@ -59,6 +59,38 @@ def test_version_is_the_installed_package_version():
     version = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["version"]
     proc = run([sys.executable, "-m", "pipeline", "--version"], REPO)
     assert proc.stdout == f"python -m pipeline {version}\n"
+
+
+def test_help_and_version_name_the_command_as_it_was_invoked():
+    """The console script, bin/pipeline and `python -m pipeline` each call themselves by the name
+    the user typed, and the description is whole sentences."""
+    version = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["version"]
+    env = {k: v for k, v in run_env().items() if k != "PIPELINE_PROG"}
+    for argv, name in (([str(BIN / "rlhf-pipeline")], "rlhf-pipeline"), (["bin/pipeline"], "bin/pipeline"),
+                       ([sys.executable, "-m", "pipeline"], "python -m pipeline")):
+        assert run([*argv, "--version"], REPO, env=env).stdout == f"{name} {version}\n"
+        out = run([*argv, "--help"], REPO, env=env).stdout
+        assert out.startswith(f"usage: {name} [-h]"), out
+        description = " ".join(out.split("\n\n")[1].split())
+        assert description.startswith(f"{name} <command> --params params.yaml ...: the one entry point")
+        assert description.endswith("and exits with status 2.") and "installed as" not in description
+        assert f"`{name} <command> --help` lists a command's options." in out
+        assert run([*argv, "check", "--help"], REPO, env=env).stdout.startswith(f"usage: {name} check ")
+
+
+def test_global_options_are_taken_after_the_command_too(monkeypatch):
+    monkeypatch.delenv("PIPELINE_LOG_LEVEL", raising=False)
+    parse = _parser().parse_args
+    assert (parse(["check", "-v"]).verbose_after, parse(["check", "-v"]).verbose) == (1, 0)
+    both = parse(["-v", "check", "-v", "--params", "p.yaml"])
+    assert both.verbose + both.verbose_after == 2 and str(both.params) == "p.yaml"
+    assert parse(["check", "--log-level", "debug"]).log_level == "DEBUG"
+    assert parse(["--log-level", "info", "check"]).log_level == "INFO"      # not reset by the command's
+    assert parse(["--log-level", "info", "check", "--log-level", "error"]).log_level == "ERROR"   # the last
+    proc = run([str(BIN / "rlhf-pipeline"), "check", "-v", "--params", str(REPO / "params.yaml")], REPO)
+    assert proc.returncode == 0 and proc.stdout.endswith("params.yaml: ok\n")
+    version = run([str(BIN / "rlhf-pipeline"), "check", "--version"], REPO).stdout
+    assert version.startswith("rlhf-pipeline check ")
 
 
 def test_recipe_list_names_each_recipe_with_its_first_comment_line(capsys):
@@ -193,6 +225,24 @@ def test_log_level_from_flags_and_environment(monkeypatch, capsys):
     assert logger.level == logging.DEBUG and len(logger.handlers) == 1
     err = capsys.readouterr().err
     assert "MLflow: registered x" in err and "hidden" not in err
+    # Each line says when and how serious, in logging's own format: `2026-12-06 14:03:59 INFO ...`.
+    (line,) = err.splitlines()
+    assert re.fullmatch(r"\d{4}-\d\d-\d\d \d\d:\d\d:\d\d INFO MLflow: registered x", line), line
+    logging.getLogger("pipeline.stages.ppo").warning("ppo: resuming from x at iteration 2")
+    assert re.fullmatch(r"\S+ \S+ WARNING ppo: resuming from x at iteration 2\n", capsys.readouterr().err)
+
+
+def test_results_go_to_stdout_bare_and_the_log_to_stderr(capsys, monkeypatch):
+    """A command's printed result stays clean for a pipe (`... headline | grep`) at any log level."""
+    import logging
+    logger = logging.getLogger("pipeline")
+    monkeypatch.setattr(logger, "handlers", [])
+    monkeypatch.setattr(logger, "level", logger.level)
+    assert main(["--log-level", "debug", "headline", "--outputs", str(REPO / "outputs")]) == 0
+    logging.getLogger("pipeline.x").info("a log line")
+    out = capsys.readouterr()
+    assert out.out.splitlines()[1].startswith("verdict: ") and "INFO" not in out.out
+    assert out.err.endswith(" INFO a log line\n")
 
 
 def test_console_command_is_the_module_entry_point():

@@ -62,6 +62,25 @@ def test_snakemake_dag_is_the_dvc_dag(tmp_path):
     assert one.outs == ("a",) and one.persistent == ("b",)
 
 
+def test_a_list_of_commands_runs_in_order_and_stops_at_a_failure(tmp_path):
+    """DVC takes `cmd: [a, b]`: the rule runs a then b, as one command a job can `exec`."""
+    import subprocess
+    (tmp_path / "dvc.yaml").write_text("stages:\n  s:\n    cmd:\n      - echo one > log\n"
+                                       "      - echo 'two words' >> log\n"
+                                       "  f:\n    cmd: [\"false\", echo never > never]\n")
+    ok, failing = stage_graph.load(tmp_path / "dvc.yaml")
+    assert ok.cmd == "sh -c 'echo one > log && echo '\"'\"'two words'\"'\"' >> log'"
+    for shape in (JobShape(), JobShape(warning="URG")):
+        (tmp_path / "log").unlink(missing_ok=True)
+        proc = subprocess.run(["bash", "-c", job_command(shape, ok.cmd)], cwd=tmp_path, capture_output=True,
+                              text=True)
+        assert proc.returncode == 0 and (tmp_path / "log").read_text() == "one\ntwo words\n", proc.stderr
+    proc = subprocess.run(["bash", "-c", job_command(JobShape(), failing.cmd)], cwd=tmp_path,
+                          capture_output=True)
+    assert proc.returncode == 1 and not (tmp_path / "never").exists()
+    assert stage_graph.shell_command(["echo a"]) == stage_graph.shell_command("echo a\n") == "echo a"
+
+
 def test_compare_pipeline_is_a_target_of_its_own_in_both_engines(tmp_path):
     """compare/dvc.yaml's methods hang off the default pipeline with the same edges in DVC and in
     the stage graph Snakemake builds; Snakemake's `compare` target plans them, its default target

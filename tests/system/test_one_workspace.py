@@ -139,3 +139,13 @@ def test_the_refusal_names_the_running_dvc_command_whatever_the_checkout_path(tm
         workspace.hold(tmp_path)
     assert str(err.value).endswith(f": DVC is running in this workspace (dvc repro -f -s sft (pid {os.getpid()})); "
                                    "wait for it to end, then run Snakemake again")
+    # Started as `python .../dvc`: the long path is an argument; its middle goes, the command's end stays.
+    deeper = f"{long}/worktrees/an-experiment-branch-with-a-descriptive-name"
+    started = f"{deeper}/.venv/bin/python {deeper}/.venv/bin/dvc repro -f -s sft"
+    rwlock.write_text(json.dumps({"write": {"outputs/sft": {"pid": os.getpid(), "cmd": started}}}))
+    with pytest.raises(BusyError) as err:
+        workspace.hold(tmp_path)
+    quoted = str(err.value).split("DVC is running in this workspace (", 1)[1]
+    assert quoted.startswith("python /home/a-user") and "..." in quoted
+    assert quoted.endswith(f".venv/bin/dvc repro -f -s sft (pid {os.getpid()})); "
+                           "wait for it to end, then run Snakemake again")

@@ -134,6 +134,27 @@ def test_prompt_layouts_and_split_placeholder(files):
         inputs.prompts(_params(prompts={"dataset": {"path": str(bad)}}), files, "train")
 
 
+def test_a_missing_local_source_is_no_such_file_naming_its_key(tmp_path, monkeypatch):
+    """A path that names a local file (a file type, ./ or /, a {split}) and is not there is said so
+    with the key that names it; the hub is never asked for a dataset of that name."""
+    from pipeline.data.preferences import load_pairs, looks_local
+    monkeypatch.chdir(tmp_path)
+    absolute = str(tmp_path / "pairs.parquet")
+    for section, path, read in (
+            ("prompts", "userdata/prompts_{split}.jsonl", lambda p: inputs.prompts(p, tmp_path, "train")),
+            ("sft", "./mine", lambda p: inputs.demonstrations(p, tmp_path, "train")),
+            ("reward", absolute, lambda p: inputs.preference_pairs(p.reward.dataset, tmp_path, "reward"))):
+        with pytest.raises(DataError) as err:
+            read(_params(**{section: {"dataset": {"path": path}}}))
+        named = path.replace("{split}", "train")
+        assert str(err.value) == f"{named}: no such file ({section}.dataset.path: {path})"
+    with pytest.raises(DataError) as err:   # the prepared task's files: no key names them
+        load_pairs(tmp_path / "pairs_train.jsonl")
+    assert str(err.value) == f"{tmp_path / 'pairs_train.jsonl'}: no such file"
+    hub_ids = ("Anthropic/hh-rlhf", "HuggingFaceH4/ultrafeedback_binarized", "org/data.v2")
+    assert not any(map(looks_local, hub_ids))
+
+
 def test_chat_template_is_the_prompt_format_in_every_stage(files):
     tok = load_tokenizer(files / "llama")
     messages = [{"role": "user", "content": _examples(1)[0][0]}]

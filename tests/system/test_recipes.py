@@ -4,6 +4,8 @@ models and datasets, so they cannot run here.)"""
 
 from __future__ import annotations
 
+import re
+
 import pytest
 
 from ruamel.yaml import YAML
@@ -91,7 +93,9 @@ def test_unknown_recipe_and_bad_recipe_values(tmp_path, monkeypatch):
     folder.mkdir()
     (folder / "broken.yaml").write_text("ppo:\n  kl_coef: -1\n")
     monkeypatch.setattr(recipes, "FOLDER", folder)
-    with pytest.raises(ConfigError, match=r"broken.yaml over params.yaml: ppo.kl_coef: expected a float >= 0.0, got -1"):
+    given = re.escape(str(REPO / "params.yaml"))   # the params file as given
+    with pytest.raises(ConfigError, match=rf"broken.yaml over {given}: ppo.kl_coef: expected a float >= 0.0, "
+                                          "got -1"):
         recipes.render("broken", REPO / "params.yaml")
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import subprocess
 import sys
@@ -26,8 +27,10 @@ def write_params(tmp_path: Path, text: str, name: str = "params.yaml") -> Path:
 
 
 def load_error(tmp_path: Path, text: str) -> str:
-    with pytest.raises(ConfigError) as err:
-        load_params(write_params(tmp_path, text))
+    """The error of `text` loaded as a user's `--params params.yaml`, from the folder holding it."""
+    write_params(tmp_path, text)
+    with pytest.raises(ConfigError) as err, contextlib.chdir(tmp_path):
+        load_params("params.yaml")
     return str(err.value)
 
 
@@ -130,10 +133,23 @@ def test_top_level_not_a_mapping_message(tmp_path):
     assert load_error(tmp_path, "- 1\n- 2\n") == "params.yaml: expected a mapping of keys, got [1, 2] (list)"
 
 
-def test_error_names_the_file_it_read(tmp_path):
+def test_error_names_the_file_by_the_path_it_was_given(tmp_path):
+    """As given: a relative path as typed (two recipes of one name in two folders stay apart), an
+    absolute one whole."""
+    folder = tmp_path / "recipes"
+    folder.mkdir()
+    path = write_params(folder, "sft:\n  lr: fast\n", name="exp7.yaml")
+    for given, named in ((path, str(path)), (Path("recipes/exp7.yaml"), "recipes/exp7.yaml"),
+                         (Path("./recipes/exp7.yaml"), "recipes/exp7.yaml")):
+        with pytest.raises(ConfigError) as err, contextlib.chdir(tmp_path):
+            load_params(given)
+        assert str(err.value) == f"{named}: sft.lr: expected a positive float, got 'fast'"
+    # A folder name with a colon in it is part of the file's name, not the key.
+    (tmp_path / "run:7").mkdir()
+    odd = write_params(tmp_path / "run:7", "distributed:\n  num_processes: 2\n")
     with pytest.raises(ConfigError) as err:
-        load_params(write_params(tmp_path, "sft:\n  lr: fast\n", name="exp7.yaml"))
-    assert str(err.value) == "exp7.yaml: sft.lr: expected a positive float, got 'fast'"
+        load_params(odd)
+    assert str(err.value) == f"{odd}: distributed.backend: several processes need backend: deepspeed"
 
 
 def test_not_yaml(tmp_path):
@@ -245,7 +261,7 @@ def test_cli_check_bad_params(tmp_path):
     assert proc.returncode == 2
     assert "Traceback" not in proc.stderr
     lines = proc.stderr.splitlines()
-    assert lines == ["error: bad_params.yaml: sft.lr: expected a positive float, got 'fast'"]
+    assert lines == [f"error: {bad}: sft.lr: expected a positive float, got 'fast'"]
     assert proc.stdout == ""
 
 

@@ -123,6 +123,30 @@ def test_stop_token_must_be_one_token():
         stop_token_id(tok, SamplingConfig(stop_token="not a token"))
 
 
+def test_a_bad_stop_token_is_named_by_its_full_key_in_every_stage():
+    """Each stage checks the sampling sections it declares, each named from the top of params."""
+    from pipeline.config import Params
+    from pipeline.data.tokenizer import build_word_tokenizer
+    from pipeline.errors import ConfigError
+    from pipeline.models.generation import check_stop_tokens
+    from pipeline.stages import registry
+    from pipeline.stages.spec import declared_of_type
+    from pipeline.tasks.reviews import vocabulary
+    tok = build_word_tokenizer(vocabulary())
+    found = {name: list(declared_of_type(Params(), spec, SamplingConfig))
+             for name, spec in registry.specs().items()}
+    assert found["sft"] == found["reward"] == ["sft.sampling"] and found["evaluate"] == ["prompts.sampling"]
+    for name in ("ppo", "grpo", "rs", "onpolicy_dpo"):
+        assert found[name] == sorted(["prompts.sampling", f"{name}.sampling"]), name
+    assert found["dpo"] == found["kto"] == found["compare"] == ["prompts.sampling"] and found["prepare"] == []
+    for key in sorted({k for keys in found.values() for k in keys}):
+        sections = {k: SamplingConfig(stop_token="good film" if k == key else ".")
+                    for k in found["rs"] + [key]}
+        with pytest.raises(ConfigError) as err:
+            check_stop_tokens(tok, sections)
+        assert str(err.value) == f"{key}.stop_token: 'good film' is not a single token of the tokenizer"
+
+
 def test_each_row_with_its_own_stream_samples_as_it_would_alone():
     """Row generators: a prompt's response depends on its own seed, not on its batch neighbours."""
     model = _tiny("llama")

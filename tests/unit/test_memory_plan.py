@@ -276,6 +276,18 @@ def test_plan_command_prints_every_stage_and_the_default_fits(tiny_default, caps
     assert len(rows) == len(planned) and all(float(r[1]) > 0 for r in rows)
 
 
+def test_plan_before_prepare_says_to_run_prepare_first(tmp_path, monkeypatch, capsys):
+    """A fresh clone has no data/prepared yet: one line naming the missing tokenizer and the stage
+    that writes it, not the hub loader's complaint about the path's form."""
+    from pipeline.__main__ import main
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "params.yaml").write_text((REPO / "params.yaml").read_text(), encoding="utf-8")
+    assert main(["plan", "--params", "params.yaml"]) == 2
+    assert capsys.readouterr().err == (
+        "error: data/prepared/tokenizer does not exist yet: the prepare stage writes it; "
+        "run `dvc repro prepare` (or `python -m pipeline prepare --out data/prepared`) first\n")
+
+
 def test_cli_refuses_a_plan_that_cannot_fit(tiny_default, tmp_path):
     params = write_yaml(tmp_path / "params.yaml", "distributed:\n  device_memory_gb: 0.001\n")
     bad = subprocess.run([sys.executable, "-m", "pipeline", "plan", "--params", str(params), "--stage", "ppo",

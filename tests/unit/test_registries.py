@@ -6,6 +6,7 @@ an unknown lookup and a second function of one name."""
 
 from __future__ import annotations
 
+import contextlib
 import subprocess
 import sys
 from pathlib import Path
@@ -41,9 +42,10 @@ def toy(monkeypatch):
 
 
 def load(tmp_path: Path, text: str):
-    path = tmp_path / "params.yaml"
-    path.write_text(text, encoding="utf-8")
-    return load_params(path)
+    """`text` loaded as a user's `--params params.yaml`, from the folder holding it."""
+    (tmp_path / "params.yaml").write_text(text, encoding="utf-8")
+    with contextlib.chdir(tmp_path):
+        return load_params("params.yaml")
 
 
 def load_error(tmp_path: Path, text: str) -> str:
