@@ -100,7 +100,8 @@ for _stage in STAGES:
         params:
             # The command travels as a param: a shell string is evaluated when the job runs,
             # after this loop has moved on, so it must not refer to `_stage`.
-            cmd=cluster.job_command(SHAPES[_stage.name], _stage.cmd),
+            # Locally, the stage keeps the thread settings it has under dvc repro (cluster.local_threads).
+            cmd=cluster.local_threads(SHAPES[_stage.name]) + cluster.job_command(SHAPES[_stage.name], _stage.cmd),
         log:
             f"logs/{_stage.name}.log",
         benchmark:

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import os
 import re
+import shlex
 import signal
 import subprocess
 from dataclasses import dataclass
@@ -128,6 +129,27 @@ def job_command(shape: JobShape, cmd: str) -> str:
     up to a minute early, so at once under a short time limit, while the stage is still starting."""
     warn = f"trap '' {shape.warning}; PIPELINE_STOP_SIGNAL={shape.warning} " if shape.warning else ""
     return f"{warn}exec srun --ntasks-per-node=1 --nodes={shape.nodes} {cmd}" if shape.nodes > 1 else f"{warn}exec {cmd}"
+
+
+# The thread counts Snakemake's shell sets in every job's environment to the rule's `threads`.
+THREAD_VARIABLES = ("OMP_NUM_THREADS", "GOTO_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS",
+                    "VECLIB_MAXIMUM_THREADS", "NUMEXPR_NUM_THREADS")
+
+
+def local_threads(shape: JobShape, env: Mapping[str, str] | None = None) -> str:
+    """Shell words that give a stage run by a local Snakemake job the thread settings it has under
+    `dvc repro`: those of the environment Snakemake was started from (`env`, read when the Snakefile
+    is parsed), each unset where that environment has none. Snakemake sets them all to the rule's
+    threads, here every logical CPU (`workflow.cores`), while torch left alone takes one thread per
+    physical core: on a CPU with two hardware threads per core, the two routes ran the same stage at
+    different thread counts and trained models that differ in their bits. Empty for a job given its
+    CPUs (`cpus_per_task`) or run inside a SLURM allocation, where Snakemake's count is the job's."""
+    env = os.environ if env is None else env
+    if shape.cpus_per_task is not None or "SLURM_JOB_ID" in env:
+        return ""
+    unset = [v for v in THREAD_VARIABLES if v not in env]
+    kept = [f"{v}={shlex.quote(env[v])}" for v in THREAD_VARIABLES if v in env]
+    return (f"unset {' '.join(unset)}; " if unset else "") + (f"export {' '.join(kept)}; " if kept else "")
 
 
 def slurm_node(env: Mapping[str, str] | None = None) -> tuple[int | None, str | None]:

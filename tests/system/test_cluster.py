@@ -6,6 +6,9 @@ from __future__ import annotations
 import json
 import os
 import re
+import shlex
+import subprocess
+import sys
 import time
 import zipfile
 from pathlib import Path
@@ -19,11 +22,11 @@ from snakemake_executor_plugin_slurm.utils import set_gres_string
 from conftest import BIN, REPO, TINY, bare_env, project_copy, run, write_params
 from pipeline.stages import registry
 from pipeline.workflow import stage_graph
-from pipeline.workflow.cluster import (JobShape, check_shape, expand_first, job_command, job_shape, shapes_in_profile,
+from pipeline.workflow.cluster import (THREAD_VARIABLES, JobShape, check_shape, expand_first, job_command, job_shape,
+                                       local_threads, shapes_in_profile,
                                        slurm_node, slurm_resources)
 from pipeline.config import Params, from_dict, merge_distributed
 from pipeline.errors import ConfigError
-from pipeline.stages import registry
 
 STAGES = ("prepare", "sft", "reward", "ppo", "evaluate")
 CHECKED = registry.cluster_checked()   # the default pipeline's distributed stages
@@ -416,3 +419,21 @@ def test_foreach_matrix_and_vars_stages_resolve_as_dvc_resolves_them(tmp_path):
     plan = run([str(BIN / "snakemake"), "-n", "--quiet", "rules"], repo).stdout
     for rule in ("extra_a", "extra_b", "grid_1", "grid_2", "sft", "evaluate"):
         assert re.search(rf"^\s*{rule}\s+1\s*$", plan, flags=re.M), (rule, plan)
+
+
+def test_a_local_job_runs_its_stage_at_the_thread_count_dvc_repro_gives_it(tmp_path):
+    # Snakemake's shell exports every thread variable as the rule's threads (all logical CPUs);
+    # under dvc repro the stage sees the caller's environment. The job's prefix undoes the first.
+    shown = "import os; print(os.environ.get('OMP_NUM_THREADS'), os.environ.get('MKL_NUM_THREADS'))"
+    cmd = f"{shlex.quote(sys.executable)} -c {shlex.quote(shown)}"
+    snakemake_env = {**os.environ, **{v: "64" for v in THREAD_VARIABLES}}
+    snakemake_env.pop("SLURM_JOB_ID", None)
+    for caller, expected in (({}, "None None"), ({"OMP_NUM_THREADS": "3"}, "3 None")):
+        prefix = local_threads(JobShape(), caller)
+        out = subprocess.run(["bash", "-c", prefix + job_command(JobShape(), cmd)], env=snakemake_env,
+                             capture_output=True, text=True, check=True).stdout.strip()
+        assert out == expected, (prefix, out)
+    assert local_threads(JobShape(cpus_per_task=4), {}) == ""           # a job given its CPUs keeps Snakemake's count
+    assert local_threads(JobShape(), {"SLURM_JOB_ID": "7"}) == ""      # and so does one inside an allocation
+    assert local_threads(JobShape(), {v: "2" for v in THREAD_VARIABLES}) == \
+        "export " + " ".join(f"{v}=2" for v in THREAD_VARIABLES) + "; "
