@@ -11,11 +11,12 @@ machine takes another path. Runs that share upstream seed and threads share one 
 
 Each run executes the stage commands of dvc.yaml in a copy of the tracked files (MLflow off), and
 the grid prints and writes (`--out`, default /tmp/seed_grid.tsv) per run: the evaluate stage's gold
-and RM win rates of PPO over SFT, gold, RM score and KL to SFT, the detector's first alarm, the
-collapse iteration (pipeline/measurement/collapse.py: the first PPO iteration, from the one where
-the rollouts' mean gold peaked, whose mean gold is below the SFT policy's held-out gold; 0 for
-none), and the PPO stage's wall time. Then the
-median and range.
+and RM win rates of PPO over SFT, gold, RM score and KL to SFT, PPO's gold gap to the best-of-n
+frontier at its KL with its interval and whether its KL is past best-of-n's largest (the evaluate
+stage's `frontier/*`; empty where not measured), the detector's first alarm, the collapse iteration
+(pipeline/measurement/collapse.py: the first PPO iteration, from the one where the rollouts' mean
+gold peaked, whose mean gold is below the SFT policy's held-out gold; 0 for none), and the PPO
+stage's wall time. Then the median and range.
 """
 
 from __future__ import annotations
@@ -38,8 +39,11 @@ sys.path.insert(0, str(ROOT))
 
 from pipeline.measurement.collapse import collapse_iteration, gold_per_iteration  # noqa: E402
 
+# evaluate's `frontier/*` of PPO: its gold gap to the best-of-n frontier (null where not measured)
+FRONTIER = ("ppo_gap_gold", "ppo_gap_gold_low", "ppo_gap_gold_high", "ppo_beyond_best_of_n")
 DEFAULT_RUNS = [f"{u}:{p}" for u in (0, 1) for p in range(5)] + ["0:0:1", "0:1:1"]
 COLUMNS = ["run", "gold_win", "gold_win_low", "gold_win_high", "rm_win", "ppo_gold", "sft_gold", "ppo_rm", "ppo_kl",
+           "ppo_gap_gold", "ppo_gap_gold_low", "ppo_gap_gold_high", "ppo_beyond_best_of_n",
            "rm_accuracy", "rm_accuracy_of_ceiling", "detector_first_fire", "collapse_iteration",
            "sft_seconds", "reward_seconds", "ppo_seconds", "evaluate_seconds"]
 
@@ -128,6 +132,7 @@ def main() -> int:
                "gold_win_high": get(ev, "win_rate/ppo_vs_sft_gold_high"),
                "rm_win": get(ev, "win_rate/ppo_vs_sft_rm"), "ppo_gold": get(ev, "ppo/gold"),
                "sft_gold": get(ev, "sft/gold"), "ppo_rm": get(ev, "ppo/rm"), "ppo_kl": get(ev, "ppo/kl"),
+               **{k: ev.get("frontier", {}).get(k) for k in FRONTIER},
                "rm_accuracy": rm["accuracy"], "rm_accuracy_of_ceiling": rm["accuracy_of_ceiling"],
                "detector_first_fire": ppo.get("detector", {}).get("first_fire", ""),
                "collapse_iteration": collapse_iteration(gold_per_iteration(out / "ppo/train.tsv"), get(ev, "sft/gold")),
@@ -151,8 +156,10 @@ def main() -> int:
             w = csv.DictWriter(f, COLUMNS, delimiter="\t")
             w.writeheader()
             w.writerows(rows)
-    for col in ("gold_win", "rm_win", "ppo_gold", "ppo_rm", "ppo_kl"):
-        xs = [r[col] for r in rows]
+    for col in ("gold_win", "rm_win", "ppo_gold", "ppo_rm", "ppo_kl", "ppo_gap_gold"):
+        xs = [r[col] for r in rows if isinstance(r[col], (int, float)) and not isinstance(r[col], bool)]
+        if not xs:   # the gap: not measured (PPO past best-of-n's KL on every run)
+            continue
         print(f"{col:10s} median {statistics.median(xs):.3f}  range {min(xs):.3f} .. {max(xs):.3f}")
     print(f"work folder: {work}; table: {args.out}")
     return 0

@@ -89,6 +89,16 @@ def interval(low: Any, high: Any) -> str:
     return f"{100 * low:.1f}-{100 * high:.1f}%"
 
 
+def frontier_gap(gap: Any, low: Any, high: Any, beyond: Any) -> str:
+    """A gold gap to the best-of-n frontier with its interval (`-0.45 (-0.60 to -0.30)`), or that the
+    policy's KL is past best-of-n's largest (no gap measured there)."""
+    if beyond:
+        return "beyond best-of-n"
+    if NA in (num(low, "f"), num(high, "f")):
+        return num(gap, "+.2f")
+    return f"{num(gap, '+.2f')} ({num(low, '+.2f')} to {num(high, '+.2f')})"
+
+
 def minutes(seconds: float) -> str:
     whole = int(round(seconds))
     return f"{whole // 60} min {whole % 60} s"
@@ -181,7 +191,7 @@ def render_headline(root: Path) -> str:
                   f"and on {pct(get(ev, 'win_rate/ppo_vs_sft_rm'))} by the reward model; the reward model's held-out "
                   f"accuracy is {num(get(rm, 'eval/accuracy'), '.3f')} against a label-noise ceiling of "
                   f"{num(get(rm, 'eval/noise_ceiling'), '.3f')} ({pct(get(rm, 'eval/accuracy_of_ceiling'))} of it); "
-                  f"the over-optimisation detector {detector}."]
+                  f"the over-optimisation detector {detector}.{headline_frontier(ev)}"]
     times = {s: get(read_json(root, f"outputs/{s}/metrics.json") or {}, "resources/wall_seconds")
              for s in dvc_stages(root, "dvc.yaml")}
     known = [v for v in times.values() if isinstance(v, (int, float))]
@@ -192,6 +202,21 @@ def render_headline(root: Path) -> str:
     if machines:
         lines += ["", machines]
     return "\n".join(lines)
+
+
+def headline_frontier(ev: dict[str, Any]) -> str:
+    """The README's sentence on PPO's gold gap to the best-of-n frontier (evaluate's `frontier/*`),
+    with a leading space; "" for a run that predates it."""
+    f = ev.get("frontier")
+    if not isinstance(f, dict) or "ppo_gap_gold" not in f:
+        return ""
+    if f.get("ppo_beyond_best_of_n"):
+        return (" PPO's KL to SFT is past best-of-n's largest, so its gap to the best-of-n frontier (the "
+                "curve fitted through the best-of-n points) is not measured.")
+    return (f" Against the best-of-n frontier (the curve fitted through the best-of-n points) at its own KL, "
+            f"PPO's gold is {num(f.get('ppo_gap_gold'), '+.2f')} (95% CI "
+            f"{num(f.get('ppo_gap_gold_low'), '+.2f')} to {num(f.get('ppo_gap_gold_high'), '+.2f')}; "
+            "negative: below it).")
 
 
 def readme_machines(root: Path, run: dict[str, Any]) -> str:
@@ -260,13 +285,15 @@ def render_seeds(root: Path) -> str:
                 "docs/data/seed-grid.json` runs it, and `make docs` renders it here.")
     runs = grid["runs"]
     threads = grid.get("threads")
+    gaps = any("ppo_gap_gold" in r for r in runs)   # a grid written before the gap was measured has none
     lines = [f"The full default (`dvc repro`, every stage) once per seed, measured on "
              f"{grid.get('machine', 'an unrecorded machine')} at {threads if threads else 'an unrecorded number of'} "
              f"threads, {grid.get('date', 'undated')}; seed `s:p`: s seeds the SFT policy and the reward "
              "model (`sft.seed`, `reward.seed`), p seeds PPO (`ppo.seed`):", "",
              "| seed | PPO beats SFT, gold (95% CI) | by the RM | gold: SFT → PPO | KL to SFT, nats | "
-             "RM accuracy (share of ceiling) | wall time: sft + reward + ppo + evaluate |",
-             "| --- | --- | --- | --- | --- | --- | --- |"]
+             + ("gold gap to best-of-n (95% CI) | " if gaps else "")
+             + "RM accuracy (share of ceiling) | wall time: sft + reward + ppo + evaluate |",
+             "|" + " --- |" * (8 if gaps else 7)]
     for r in runs:
         stages = [r.get(f"{s}_seconds") for s in dvc_stages(root, "dvc.yaml")]
         known = [v for v in stages if isinstance(v, (int, float))]
@@ -274,12 +301,22 @@ def render_seeds(root: Path) -> str:
         lines.append(f"| {':'.join(str(r.get('run', NA)).split(':')[:2])} | {pct(r.get('gold_win'))} "
                      f"({interval(r.get('gold_win_low'), r.get('gold_win_high'))}) | {pct(r.get('rm_win'))} | "
                      f"{num(r.get('sft_gold'), '.2f')} → {num(r.get('ppo_gold'), '.2f')} | {num(r.get('ppo_kl'), '.2f')} | "
-                     f"{num(r.get('rm_accuracy'), '.3f')} ({pct(r.get('rm_accuracy_of_ceiling'))}) | {wall} |")
+                     + (f"{seed_gap(r)} | " if gaps else "")
+                     + f"{num(r.get('rm_accuracy'), '.3f')} ({pct(r.get('rm_accuracy_of_ceiling'))}) | "
+                     f"{wall} |")
     wins = [r["gold_win"] for r in runs if isinstance(r.get("gold_win"), (int, float))]
     if wins:
         lines += ["", f"PPO beats SFT by gold on {pct(min(wins))} to {pct(max(wins))} of the held-out prompts "
                       f"over these {len(runs)} seeds (median {pct(statistics.median(wins))})."]
     return "\n".join(lines)
+
+
+def seed_gap(r: dict[str, Any]) -> str:
+    """A seed-grid run's gold gap to the best-of-n frontier; — for a run recorded before it was measured."""
+    if "ppo_gap_gold" not in r:
+        return "—"
+    return frontier_gap(r.get("ppo_gap_gold"), r.get("ppo_gap_gold_low"), r.get("ppo_gap_gold_high"),
+                        r.get("ppo_beyond_best_of_n"))
 
 
 def render_stage_resources(root: Path) -> str:
@@ -424,17 +461,22 @@ def render_compare_run(root: Path) -> str:
     if m is None:
         return "No comparison is committed in `outputs/` on this commit (`make compare` writes it)."
     n = get(read_json(root, "outputs/compare/config.json") or {}, "compare/n_prompts") or m.get("n_prompts")
+    f = m.get("frontier") if isinstance(m.get("frontier"), dict) else None   # None: a run before the gap
     lines = [f"One run of `make compare`, one seed per method, on {n} held-out prompts:", "",
              "| policy | gold ± 95% CI | beats SFT, gold (95% CI) | beats SFT, RM | RM score | KL to SFT, nats | "
-             "length, words | stage wall time |",
-             "| --- | --- | --- | --- | --- | --- | --- | --- |"]
+             + ("gold gap to best-of-n (95% CI) | " if f is not None else "")
+             + "length, words | stage wall time |",
+             "|" + " --- |" * (9 if f is not None else 8)]
     for name in policies(m):
         p, w = m[name], m.get("win_rate", {})
+        gap = "" if f is None else ("-" if f"{name}_gap_gold" not in f else frontier_gap(
+            f[f"{name}_gap_gold"], f.get(f"{name}_gap_gold_low"), f.get(f"{name}_gap_gold_high"),
+            f.get(f"{name}_beyond_best_of_n"))) + " | "
         beats = NA if name == "sft" else \
             f"{pct(w.get(f'{name}_vs_sft_gold'))} ({interval(w.get(f'{name}_vs_sft_gold_low'), w.get(f'{name}_vs_sft_gold_high'))})"
         lines.append(f"| {policy_label(name)} | {num(p.get('gold'), '.2f')} ± {num(p.get('gold_ci95'), '.2f')} | {beats} | "
                      f"{NA if name == 'sft' else pct(w.get(f'{name}_vs_sft_rm'))} | {num(p.get('rm'), '.2f')} | "
-                     f"{num(p.get('kl'), '.2f')} | {num(p.get('length'), '.1f')} | "
+                     f"{num(p.get('kl'), '.2f')} | {gap}{num(p.get('length'), '.1f')} | "
                      f"{num(p.get('stage_wall_seconds'), '.0f', ' s') if 'stage_wall_seconds' in p else '-'} |")
     return "\n".join(lines)
 

@@ -2,7 +2,8 @@
 
 What a reader of a finished run wants first, read from the stages' metrics.json files: the
 verdict, PPO's win rates over SFT by the gold annotator and by the reward model with their 95%
-bootstrap intervals, each policy's gold and RM score and KL to SFT, the reward model's accuracy
+bootstrap intervals, PPO's gold gap to the best-of-n frontier at its KL (a run that measured it),
+each policy's gold and RM score and KL to SFT, the reward model's accuracy
 against the label-noise ceiling, and what each stage cost. `dvc metrics show` prints every metric
 (hundreds of columns); this prints the dozen that decide whether the run worked.
 """
@@ -59,6 +60,9 @@ def lines(outputs: Path, stages: tuple[str, ...] = ()) -> list[str]:
         if name in win:
             out.append(f"  {judge:<24}{_num(win[name], '.1%'):>10}"
                        f"{_num(win.get(name + '_low'), '.1%'):>11}-{_num(win.get(name + '_high'), '.1%')}")
+    gap = frontier_line(ev)
+    if gap:
+        out.append(gap)
     out.append("")
     out.append(f"{'policy':<14}{'gold':>16}{'RM score':>18}{'KL to SFT':>12}{'length':>9}")
     for policy in _policies(ev):
@@ -81,6 +85,24 @@ def lines(outputs: Path, stages: tuple[str, ...] = ()) -> list[str]:
         out.append("")
         out += textwrap.wrap("time: " + ", ".join(costs), WIDTH, subsequent_indent="  ")
     return out
+
+
+def frontier_line(ev: dict[str, Any]) -> str:
+    """PPO's gold gap to the best-of-n curve at its KL with its interval, or why there is none; ""
+    for evaluate metrics written before the gap was measured."""
+    f = ev.get("frontier") or {}
+    if "ppo_gap_gold" not in f:
+        return ""
+    kl = (ev.get("ppo") or {}).get("kl")
+    if f.get("ppo_beyond_best_of_n"):
+        top = max((ev[p].get("kl") for p in _policies(ev) if p.startswith("best_of_")), default=None)
+        return (f"PPO to the best-of-n frontier: not measured, its KL {_num(kl, '.2f')} is past "
+                f"best-of-n's largest, {_num(top, '.2f')}")
+    gap, low, high = f.get("ppo_gap_gold"), f.get("ppo_gap_gold_low"), f.get("ppo_gap_gold_high")
+    if not isinstance(gap, (int, float)):
+        return "PPO to the best-of-n frontier: not measured (fewer than two best-of-n)"
+    return (f"PPO to the best-of-n frontier: gold {_num(gap, '+.2f')} at KL {_num(kl, '.2f')}, "
+            f"95% interval {_num(low, '+.2f')} to {_num(high, '+.2f')}")
 
 
 def _policies(ev: dict[str, Any]) -> list[str]:

@@ -7,7 +7,8 @@ there are); the reward model scores each response on its text, the gold judge to
 one, and the KL to the SFT policy is measured on the same responses. Best-of-n from SFT draws
 max(n) samples per prompt once and keeps the reward model's favourite among the first n. The
 summary is each policy's means with 95% half-widths and, for the policies asked, the bootstrap win
-rate over SFT per judge.
+rate over SFT per judge and, with a gold judge, the gap to the best-of-n frontier at the policy's
+KL (frontier_gap.py).
 """
 
 from __future__ import annotations
@@ -20,10 +21,12 @@ import torch
 from ..config import SamplingConfig
 from ..data.tokenizer import load_tokenizer
 from ..errors import CheckpointError
+from ..tracking.metric_names import METRICS_JSON, Metric
 from ..models.checkpoints import load_policy
 from ..models.generation import check_stop_tokens
 from ..models.reward_source import RewardModelSource
 from ..context import SINGLE, Context
+from .frontier_gap import Series, gaps
 from .policy import Measured, Policy, best_of_n, candidates, measure_policies, summary
 from .stats import win_rate
 
@@ -67,10 +70,12 @@ def same_vocabulary(tok: Any, sft_dir: Path, policies: dict[str, Path], trust_re
                                   "fine-tuned from that SFT model")
 
 
-def summarise(per: dict[str, Measured], n_boot: int, seed: int, versus: Iterable[str]) -> dict[str, Any]:
+def summarise(per: dict[str, Measured], n_boot: int, seed: int, versus: Iterable[str],
+              against_frontier: Iterable[str] = ()) -> dict[str, Any]:
     """`<policy>/<measure>` means with `_ci95` half-widths for every policy, and for each policy of
     `versus` its win rate over SFT per judge (rm; gold with a judge): `win_rate/<policy>_vs_sft_<judge>`
-    with `_low`/`_high` bootstrap 95% bounds (ties count half)."""
+    with `_low`/`_high` bootstrap 95% bounds (ties count half); with a judge, `frontier_metrics` of
+    the policies `against_frontier`."""
     m: dict[str, Any] = {}
     for name, measured in per.items():
         m.update(summary(measured, lambda key: f"{name}/{key}"))
@@ -80,4 +85,43 @@ def summarise(per: dict[str, Measured], n_boot: int, seed: int, versus: Iterable
             rate, low, high = win_rate(per[name].values[key], per["sft"].values[key], n_boot, seed)
             base = f"win_rate/{name}_vs_sft_{key}"
             m[base], m[f"{base}_low"], m[f"{base}_high"] = rate, low, high
+    if "gold" in judges:
+        m.update(frontier_metrics(per, tuple(against_frontier), n_boot, seed))
     return m
+
+
+def frontier_metrics(per: dict[str, Measured], names: tuple[str, ...], n_boot: int,
+                     seed: int) -> dict[str, Any]:
+    """For each policy of `names`, its gold minus the best-of-n curve at its mean KL
+    (frontier_gap.gaps over the `best_of_<n>` of `per`, paired bootstrap over the prompts with the
+    win rates' resamples): `frontier/<policy>_gap_gold` with `_low`/`_high` 95% bounds (NaN where
+    there is no gap: beyond best-of-n's largest KL, or fewer than two best-of-n) and
+    `frontier/<policy>_beyond_best_of_n` (None without a best-of-n)."""
+    if not names:
+        return {}
+    best = [Series(p.values["kl"], p.values["gold"]) for name, p in per.items()
+            if name.startswith("best_of_")]
+    policies = {n: Series(per[n].values["kl"], per[n].values["gold"]) for n in names}
+    found = gaps(per["sft"].values["gold"], best, policies, n_boot, seed)
+    out: dict[str, Any] = {}
+    for name, g in found.items():
+        base = f"frontier/{name}_gap_gold"
+        out[base], out[f"{base}_low"], out[f"{base}_high"] = g.gap, g.low, g.high
+        out[f"frontier/{name}_beyond_best_of_n"] = g.beyond
+    return out
+
+
+def frontier_declarations(stage: str, policy: str, condition: Optional[str]) -> list[Metric]:
+    """The `frontier/` names `frontier_metrics` gives `policy` (a name, or the pattern `{policy}`)."""
+    base = f"frontier/{policy}_gap_gold"
+    meanings = {
+        base: "the policy's mean gold minus the best-of-n curve (Gao et al. 2023's form, fitted through SFT "
+              "and the best-of-n points) at its mean KL; negative: below the frontier; null past best-of-n's "
+              "largest KL or with fewer than two best-of-n",
+        f"{base}_low": "lower end of its paired bootstrap 95% interval (the win rates' resamples of the "
+                       "prompts, every policy's the same, the curve refitted on each); null where the gap "
+                       "is, or where over 5% of resamples put the policy past that KL",
+        f"{base}_high": "upper end of that interval",
+        f"frontier/{policy}_beyond_best_of_n": "true when the policy's mean KL is past best-of-n's largest "
+                                               "(no gap measured there); null without a best-of-n"}
+    return [Metric(stage, METRICS_JSON, name, meaning, condition) for name, meaning in meanings.items()]

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import math
 import random
+from typing import Iterator
 
 
 def mean_ci(xs: list[float]) -> tuple[float, float]:
@@ -16,14 +17,28 @@ def mean_ci(xs: list[float]) -> tuple[float, float]:
     return mean, 1.96 * math.sqrt(var / n)
 
 
+def resamples(n: int, n_boot: int, seed: int) -> Iterator[list[int]]:
+    """`n_boot` bootstrap resamples of `n` items: each a list of n indices drawn with replacement,
+    from one generator seeded by `seed`. Statistics of several policies on the same prompts resampled
+    with the same indices are paired: the prompts' shared difficulty cancels in their differences."""
+    rng = random.Random(seed)
+    for _ in range(n_boot):
+        yield [rng.randrange(n) for _ in range(n)]
+
+
+def percentile_interval(boots: list[float]) -> tuple[float, float]:
+    """The percentile bootstrap 95% interval (Efron & Tibshirani 1993, ch. 13) of `boots`, sorted."""
+    k = len(boots)
+    return boots[int(0.025 * (k - 1))], boots[int(math.ceil(0.975 * (k - 1)))]
+
+
 def win_rate(a: list[float], b: list[float], n_boot: int, seed: int) -> tuple[float, float, float]:
     """P(a beats b) on paired items, ties counting half, with a percentile bootstrap 95% interval
     over items (Efron & Tibshirani 1993). Returns (rate, low, high)."""
     wins = [1.0 if x > y else 0.5 if x == y else 0.0 for x, y in zip(a, b)]
     n = len(wins)
-    rng = random.Random(seed)
-    boots = sorted(sum(wins[rng.randrange(n)] for _ in range(n)) / n for _ in range(n_boot))
-    return sum(wins) / n, boots[int(0.025 * (n_boot - 1))], boots[int(math.ceil(0.975 * (n_boot - 1)))]
+    boots = sorted(sum(wins[i] for i in idx) / n for idx in resamples(n, n_boot, seed))
+    return (sum(wins) / n, *percentile_interval(boots))
 
 
 def best_of_n_kl(n: int) -> float:

@@ -1,6 +1,7 @@
 """The evaluation's verdict in one paragraph: did PPO beat SFT by the gold annotator, was the reward
-model gamed, and what the over-optimisation detector recorded. The evaluate stage writes it at the
-top of its report; `python -m pipeline headline` prints it from a finished run's files."""
+model gamed, is PPO clearly below the best-of-n frontier at its own KL, and what the over-optimisation
+detector recorded. The evaluate stage writes it at the top of its report; `python -m pipeline
+headline` prints it from a finished run's files (where an undefined number reads as null)."""
 
 from __future__ import annotations
 
@@ -8,25 +9,54 @@ import json
 from pathlib import Path
 from typing import Any, Optional
 
+from .frontier_gap import finite
+
 
 # A reward model that prefers PPO in this many more (or fewer) prompts than the gold annotator does
 # is called gamed (over-optimisation).
 GAMED_GAP = 0.20
 
+# PPO's mean gold this far below the best-of-n curve at its own KL (frontier/ppo_gap_gold), with the
+# whole 95% interval below 0, is below the frontier: sampling n from SFT and keeping the reward
+# model's favourite reaches more gold at the same distance from SFT, for no training at all.
+BELOW_FRONTIER = 0.10
+
+
+def below_frontier(m: dict[str, Any]) -> bool:
+    """With a gold judge: PPO's gold is more than `BELOW_FRONTIER` below the best-of-n curve at its
+    KL and the gap's whole interval is below 0. Metrics without the gap (beyond best-of-n's range,
+    an older run) are not below it."""
+    gap, high = m.get("frontier/ppo_gap_gold"), m.get("frontier/ppo_gap_gold_high")
+    return ("win_rate/ppo_vs_sft_gold" in m and finite(gap) and finite(high)
+            and gap < -BELOW_FRONTIER and high < 0)
+
 
 def passed(m: dict[str, Any]) -> bool:
     """Whether the verdict on evaluate's metrics `m` is OK: PPO beats SFT by the gold annotator (a
-    win rate above one half) and the reward model agrees within `GAMED_GAP`. A task without a gold
-    annotator has no OK verdict: the reward model PPO was optimised against cannot vouch for it."""
+    win rate above one half), the reward model agrees within `GAMED_GAP` and PPO is not below the
+    best-of-n frontier (`below_frontier`). A task without a gold annotator has no OK verdict: the
+    reward model PPO was optimised against cannot vouch for it."""
+    return _beats_and_agrees(m) and not below_frontier(m)
+
+
+def _beats_and_agrees(m: dict[str, Any]) -> bool:
     gold = m.get("win_rate/ppo_vs_sft_gold")
     return gold is not None and gold > 0.5 and abs(m["win_rate/ppo_vs_sft_rm"] - gold) <= GAMED_GAP
+
+
+def frontier_clause(m: dict[str, Any]) -> str:
+    """PPO below the frontier in words: its gold and KL, how far below the curve, the interval."""
+    gap, low, high = (m[f"frontier/ppo_gap_gold{s}"] for s in ("", "_low", "_high"))
+    return (f"PPO is below the best-of-n frontier: gold {m['ppo/gold']:.2f} at {m['ppo/kl']:.2f} nats, "
+            f"{-gap:.2f} (CI {-high:.2f}-{-low:.2f}) below what best-of-n reaches at that KL")
 
 
 def verdict(m: dict[str, Any], detector: Optional[dict[str, Any]]) -> str:
     """One paragraph: did PPO beat SFT, and was the reward model gamed. `m` is evaluate's metrics;
     `detector` the `detector` section of outputs/ppo/metrics.json (None: no record). With a gold
     judge, an RM-vs-gold win-rate gap above `GAMED_GAP` is called over-optimisation; else the verdict
-    is OK (`passed`)."""
+    is OK (`passed`) unless PPO is below the best-of-n frontier (`below_frontier`), which is said in
+    any case."""
     rm = m["win_rate/ppo_vs_sft_rm"]
     if detector is None:
         alarm = "detector: no record"
@@ -40,14 +70,20 @@ def verdict(m: dict[str, Any], detector: Optional[dict[str, Any]]) -> str:
         return (f"No gold annotator for this task: the reward model prefers PPO over SFT in {rm:.0%} of "
                 f"held-out prompts; {alarm}.")
     gold = m["win_rate/ppo_vs_sft_gold"]
+    below = [frontier_clause(m)] if below_frontier(m) else []
     if gold <= 0.5:
-        head = (f"PPO does NOT beat SFT by the gold annotator ({gold:.0%} win rate; the reward model "
-                f"prefers PPO in {rm:.0%} of prompts)")
-    elif not passed(m):
-        head = f"over-optimisation: the reward model prefers PPO in {rm:.0%} of prompts, the gold annotator in {gold:.0%}"
+        head = [f"PPO does NOT beat SFT by the gold annotator ({gold:.0%} win rate; the reward model "
+                f"prefers PPO in {rm:.0%} of prompts)", *below]
+    elif not _beats_and_agrees(m):
+        head = [f"over-optimisation: the reward model prefers PPO in {rm:.0%} of prompts, the gold annotator "
+                f"in {gold:.0%}", *below]
+    elif below:
+        head = [*below, f"it beats SFT in {gold:.0%} of prompts by the gold annotator and {rm:.0%} by the "
+                        "reward model"]
     else:
-        head = f"OK: PPO beats SFT in {gold:.0%} of prompts by the gold annotator and {rm:.0%} by the reward model"
-    return f"{head}; {alarm}."
+        head = [f"OK: PPO beats SFT in {gold:.0%} of prompts by the gold annotator and {rm:.0%} by the "
+                "reward model"]
+    return "; ".join([*head, alarm]) + "."
 
 
 def detector_record(ppo_model_dir: Path) -> Optional[dict[str, Any]]:

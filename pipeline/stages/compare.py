@@ -7,13 +7,16 @@ KL-efficient baseline of Gao et al. 2023). Each is sampled on the first `compare
 held-out prompts with `prompts.sampling` (as PPO's rollouts and the evaluate stage sample) and
 measured once by `measurement.policy.measure`: reward-model score, KL to the SFT policy, gold score
 where the task has an annotator, length, end-of-response rate, distinct-2. Win rates over SFT come
-per prompt (ties count half) with bootstrap intervals, by gold and by the RM.
+per prompt (ties count half) with bootstrap intervals, by gold and by the RM. With a gold judge,
+each method's gap to the best-of-n frontier at its own KL (measurement/frontier_gap.py, as the
+evaluate stage measures PPO's), with a paired bootstrap interval over the prompts.
 
 Each method stage's own cost comes from its metrics.json: `resources/wall_seconds` (that stage's
 process, start to finish) and `resources/peak_rss_gib` (its peak resident memory; on a GPU the peak
 allocated device memory, `resources/peak_device_gib`, too).
 
-Writes metrics.json (`<policy>/<measure>`, `win_rate/<policy>_vs_sft_<judge>[_low|_high]`),
+Writes metrics.json (`<policy>/<measure>`, `win_rate/<policy>_vs_sft_<judge>[_low|_high]`,
+`frontier/<method>_gap_gold[_low|_high]`, `frontier/<method>_beyond_best_of_n`),
 methods.tsv (one row per policy, for `dvc plots`), report.md (one table and the plot) and
 gold_vs_kl.png (score against KL to SFT: a point per method, best-of-n as a curve).
 """
@@ -29,6 +32,7 @@ from ..files import atomic_write_text, read_json_object
 from ..errors import ConfigError, DataError, shown
 from ..measurement.comparison_plots import gold_vs_kl_plot
 from ..measurement.plots import close_figure
+from ..measurement.frontier_gap import finite
 from ..tracking.sinks import StepLog
 from ..tracking.metric_names import METRICS_JSON, Metric
 from .spec import StageSpec, reads_held_out_prompts
@@ -40,10 +44,12 @@ if TYPE_CHECKING:   # annotations only: importing these loads torch, and listing
 METRIC_FILES = {
     "methods.tsv": "one row per policy, in report order",
     "metrics.json": "per policy (`sft`, `best_of_<n>` for each n of `compare.best_of_n`, each method "
-                    "given by `--policy`) on the held-out prompts, then each one's win rates over SFT",
+                    "given by `--policy`) on the held-out prompts, then each one's win rates over SFT and "
+                    "each method's gap to the best-of-n frontier",
 }
 
 def declared_metrics() -> list[Metric]:
+    from ..measurement.held_out import frontier_declarations
     from ..measurement.policy import sampled_declarations
     def m(file: str, name: str, meaning: str) -> Metric:
         return Metric("compare", file, name, meaning, "compare")
@@ -52,6 +58,9 @@ def declared_metrics() -> list[Metric]:
            m("methods.tsv", "policy", "the policy's name: `sft`, `best_of_<n>`, or a method (`ppo`, `dpo`, ...)"),
            m("methods.tsv", "rm", "its mean RM score"), m("methods.tsv", "gold", "its mean gold score"),
            m("methods.tsv", "kl", "its KL to SFT"),
+           m("methods.tsv", "gold_gap", "a method's `frontier/<method>_gap_gold`: its gold minus the "
+                                        "best-of-n curve at its KL; blank for SFT and best-of-n (the curve's "
+                                        "own points) and where undefined (past best-of-n's largest KL)"),
            m(METRICS_JSON, "n_prompts", "held-out prompts every policy answered (`compare.n_prompts`)")]
     out += sampled_declarations("compare", {
         "rm": "mean reward-model score of the policy's responses", "gold": "mean gold score of the policy's responses",
@@ -65,13 +74,14 @@ def declared_metrics() -> list[Metric]:
                                                                        "response above SFT's (ties count 1/2)"),
                 m(METRICS_JSON, f"win_rate/{{policy}}_vs_sft_{judge}_low", "lower end of its bootstrap 95% interval"),
                 m(METRICS_JSON, f"win_rate/{{policy}}_vs_sft_{judge}_high", "upper end of that interval")]
-    return out
+    return out + frontier_declarations("compare", "{policy}", "compare")
 
 
 SPEC = StageSpec(
     "compare", help="every alignment method (--policy NAME=FOLDER each), SFT and best-of-n on the held-out prompts",
     inputs=("data", "sft", "reward"), measuring=True, pipeline="compare",
-    headline=("*/gold", "*/rm", "*/kl", "win_rate/*_vs_sft_gold", "win_rate/*_vs_sft_rm"),
+    headline=("*/gold", "*/rm", "*/kl", "win_rate/*_vs_sft_gold", "win_rate/*_vs_sft_rm",
+              "frontier/*_gap_gold"),
     parent_params=("compare.n_prompts", "compare.best_of_n"),
     check_inputs=reads_held_out_prompts,
     metrics=declared_metrics, files=METRIC_FILES,
@@ -137,18 +147,36 @@ def _rate(m: dict[str, Any], base: str) -> str:
     return f"{m[base]:.1%} ({m[f'{base}_low']:.1%}-{m[f'{base}_high']:.1%})"
 
 
+BEYOND = "beyond best-of-n"
+
+
+def gap_cell(m: dict[str, Any], name: str) -> str:
+    """A method's gap to the best-of-n frontier with its interval, `beyond best-of-n` past its
+    largest KL, `-` for SFT and best-of-n (the curve's own points) and without a gold judge."""
+    base = f"frontier/{name}_gap_gold"
+    if base not in m:
+        return "-"
+    if m.get(f"frontier/{name}_beyond_best_of_n"):
+        return BEYOND
+    gap, low, high = m[base], m.get(f"{base}_low"), m.get(f"{base}_high")
+    if not finite(gap):
+        return "n/a"
+    return f"{gap:+.3f}" + (f" ({low:+.3f} to {high:+.3f})" if finite(low) and finite(high) else "")
+
+
 def report_markdown(m: dict[str, Any], names: tuple[str, ...], resources: dict[str, dict[str, float]],
                     has_gold: bool) -> str:
-    rows = ["| policy | gold (95% CI) | gold win rate vs SFT (95% CI) | RM score | RM win rate vs SFT | "
-            "KL to SFT (nats) | length | distinct-2 | eos rate | stage wall time (s) | peak memory (GiB) |",
-            "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+    rows = ["| policy | gold (95% CI) | gold win rate vs SFT (95% CI) | gold gap to best-of-n (95% CI) | "
+            "RM score | RM win rate vs SFT | KL to SFT (nats) | length | distinct-2 | eos rate | "
+            "stage wall time (s) | peak memory (GiB) |",
+            "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
     for name in names:
         res = resources.get(name, {})
         wall = f"{res['wall_seconds']:.0f}" if "wall_seconds" in res else "-"
         mem = f"{res['peak_rss_gib']:.2f}" if "peak_rss_gib" in res else "-"
         rows.append(" | ".join([
             f"| {name}", _fmt(m, f"{name}/gold") if has_gold else "n/a",
-            _rate(m, f"win_rate/{name}_vs_sft_gold") if has_gold else "n/a",
+            _rate(m, f"win_rate/{name}_vs_sft_gold") if has_gold else "n/a", gap_cell(m, name),
             _fmt(m, f"{name}/rm"), _rate(m, f"win_rate/{name}_vs_sft_rm"), f"{m[f'{name}/kl']:.2f}",
             f"{m[f'{name}/length']:.1f}", f"{m[f'{name}/distinct_2']:.3f}", f"{m[f'{name}/eos_rate']:.2f}",
             wall, mem]) + " |")
@@ -158,6 +186,10 @@ def report_markdown(m: dict[str, Any], names: tuple[str, ...], resources: dict[s
              f"Every policy answers the same {m['n_prompts']} held-out prompts (films never seen in training), "
              f"sampled as PPO samples; judged by the {judge}. ± is a 95% interval of the mean; win rates count "
              "ties as half, with bootstrap 95% intervals. Best-of-n's KL is the analytic log n - (n-1)/n. "
+             "A method's gold gap to best-of-n is its mean gold minus the best-of-n curve at its KL (Gao "
+             "et al. 2023's form, gold - gold(SFT) = d (a - b d) with d = sqrt KL, fitted through SFT and "
+             "the best-of-n points; negative: below the frontier), with a paired bootstrap 95% interval over "
+             "the prompts; past best-of-n's largest KL the curve is not extrapolated. "
              "Stage wall time and peak memory are the method stage's own process (resources/* in its metrics.json).",
              "", *rows, ""]
     if best is not None:
@@ -165,6 +197,20 @@ def report_markdown(m: dict[str, Any], names: tuple[str, ...], resources: dict[s
                   "over seeds is in docs/guide/methods.md.", ""]
     lines += ["![gold against KL](gold_vs_kl.png)", ""]
     return "\n".join(lines)
+
+
+def methods_table(m: dict[str, Any], names: Sequence[str],
+                  has_gold: bool) -> tuple[list[str], list[dict[str, Any]]]:
+    """methods.tsv's columns (but `step`) and a row per policy of `names`: its scores and, with a
+    gold judge, a method's gap to the best-of-n frontier (left out, so blank, for the baselines and
+    where undefined)."""
+    scores = ["rm", "gold", "kl"] if has_gold else ["rm", "kl"]
+    rows = []
+    for name in names:
+        gap = m.get(f"frontier/{name}_gap_gold")
+        rows.append({"policy": name, **{k: m[f"{name}/{k}"] for k in scores},
+                     **({"gold_gap": gap} if finite(gap) else {})})
+    return ["policy", *scores, *(["gold_gap"] if has_gold else [])], rows
 
 
 def memory_plan_of(params: Params, shapes: memory_plan.Shapes) -> Optional[memory_plan.Planner]:
@@ -210,14 +256,15 @@ def run(params: Params, data_dir: Path, sft_dir: Path, reward_dir: Path, out: Pa
         names = tuple(per)
         if not run.ctx.is_main:   # rank 0 writes the table, the plot and the metrics
             return {}
-        m = held_out.summarise(per, cfg.bootstrap, cfg.seed, versus=[n for n in names if n != "sft"])
+        m = held_out.summarise(per, cfg.bootstrap, cfg.seed, versus=[n for n in names if n != "sft"],
+                               against_frontier=list(methods))
         m["n_prompts"] = len(prompts)
         for name, res in resources.items():
             m.update({f"{name}/stage_{k}": v for k, v in res.items()})
-        scores = ["rm", "gold", "kl"] if judge else ["rm", "kl"]
-        table = StepLog(run.out / "methods.tsv", ["policy", *scores])
-        for i, name in enumerate(names):
-            table.log(i, {"policy": name, **{k: m[f"{name}/{k}"] for k in scores}})
+        columns, rows = methods_table(m, names, judge is not None)
+        table = StepLog(run.out / "methods.tsv", columns)
+        for i, row in enumerate(rows):
+            table.log(i, row)
         table.flush()
         figure = gold_vs_kl_plot(m, names, judge is not None, run.out / "gold_vs_kl.png")
         run.tracker.log_figure(figure, "gold_vs_kl.png")
@@ -229,7 +276,8 @@ def run(params: Params, data_dir: Path, sft_dir: Path, reward_dir: Path, out: Pa
 
 def methods_in(m: dict[str, Any]) -> list[str]:
     """The policy names a compare metrics dict holds (for the console summary)."""
-    return list(dict.fromkeys(k.split("/")[0] for k in m if "/" in k and not k.startswith("win_rate")))
+    return list(dict.fromkeys(k.split("/")[0] for k in m
+                              if "/" in k and not k.startswith(("win_rate/", "frontier/"))))
 
 
 def console_lines(m: dict[str, Any], names: Optional[list[str]] = None) -> list[str]:
@@ -240,6 +288,9 @@ def console_lines(m: dict[str, Any], names: Optional[list[str]] = None) -> list[
         if f"{name}/{key}" not in m:
             continue
         rate = m.get(f"win_rate/{name}_vs_sft_{key}")
+        gap = gap_cell(m, name)
         lines.append(f"  {name:12s} {key} {m[f'{name}/{key}']:.3f}  KL {m[f'{name}/kl']:.2f}"
-                     + (f"  wins over SFT {rate:.1%}" if rate is not None else ""))
+                     + (f"  wins over SFT {rate:.1%}" if rate is not None else "")
+                     + ("" if gap == "-" else "  past best-of-n's KL" if gap == BEYOND
+                        else f"  gap to best-of-n {gap}"))
     return lines

@@ -10,10 +10,13 @@ to SFT is known analytically, log n - (n - 1) / n (Stiennon et al. 2020, appendi
 bound that is tight when responses rarely repeat. Each n of `evaluate.best_of_n` is measured from
 one draw of max(n) samples per prompt: best-of-n keeps the favourite among the first n, so the
 baselines are nested and cost as much as the largest alone; the KL-vs-score curve they trace is
-what PPO has to beat at its own KL (Gao et al. 2023).
+what PPO has to beat at its own KL (Gao et al. 2023). With a gold judge that distance is measured:
+Gao et al.'s best-of-n form fitted through the points, PPO's gold minus the curve at PPO's KL, with
+a paired bootstrap interval over the prompts (measurement/frontier_gap.py).
 
 The verdict (first line of report.md, end of the console output, the MLflow parent run's
-description) says in one paragraph whether PPO beat SFT and whether the RM was gamed. When it is OK,
+description) says in one paragraph whether PPO beat SFT, whether the RM was gamed and whether PPO
+fell clearly below the best-of-n frontier (measurement/verdict.py). When it is OK,
 the PPO policy becomes the registered model's champion (`models:/rlhf-policy@champion`).
 """
 
@@ -26,7 +29,8 @@ from ..config import EvaluateConfig, Params
 from ..files import atomic_write_text
 from ..measurement.comparison_plots import evaluation_plots
 from ..measurement.plots import close_figure
-from ..measurement.verdict import detector_record, passed, verdict
+from ..measurement.frontier_gap import MIN_DEFINED, finite
+from ..measurement.verdict import BELOW_FRONTIER, detector_record, passed, verdict
 from ..tracking.sinks import StepLog, Tracker
 from ..context import SINGLE, Context
 from . import registry
@@ -41,17 +45,26 @@ if TYPE_CHECKING:   # annotations only: importing these loads torch, and listing
 METRIC_FILES = {
     "policies.tsv": "one row per policy, in report order",
     "metrics.json": "per policy (`sft`, `best_of_<n>` for each n of `evaluate.best_of_n`, `ppo`) on "
-                    "the held-out prompts, then the win rates",
+                    "the held-out prompts, then the win rates and PPO's gap to the best-of-n frontier",
 }
-METRIC_NOTES = """\
+METRIC_NOTES = f"""\
 `best_of_<n>` keeps the reward model's favourite among the first n of max(n) SFT samples per prompt
 (nested: one draw serves every n). `report.md` opens with the verdict (did PPO beat SFT by the gold
-annotator, is the RM-vs-gold gap above 20 points, what the PPO detector recorded; also printed last
-by the stage and set as the MLflow parent run's description), compares PPO with each best-of-n at
-their KLs, and shows `scores.png` and `kl_frontier.png` (best-of-n points joined as a curve).
+annotator, is the RM-vs-gold gap above 20 points, is PPO below the best-of-n frontier, what the PPO
+detector recorded; also printed last by the stage and set as the MLflow parent run's description),
+compares PPO with each best-of-n at their KLs, and shows `scores.png` and `kl_frontier.png`
+(best-of-n points joined as a curve).
+
+`frontier/ppo_gap_gold` fits Gao et al. 2023's best-of-n form, gold - gold(SFT) = d (a - b d) with
+d = sqrt(KL), by least squares through the best-of-n points (anchored at SFT, KL 0), and takes PPO's
+mean gold minus the curve at PPO's mean KL; its interval resamples the prompts, the same ones for
+every policy, and refits. Past best-of-n's largest KL the curve is not extrapolated: the gap and its
+bounds are null and `frontier/ppo_beyond_best_of_n` is true. A gap below -{BELOW_FRONTIER:.2f} whose whole
+interval is below 0 makes the verdict not OK.
 """
 
 def declared_metrics() -> list[Metric]:
+    from ..measurement.held_out import frontier_declarations
     from ..measurement.policy import sampled_declarations
     def m(file: str, name: str, meaning: str, condition: Optional[str] = None) -> Metric:
         return Metric("evaluate", file, name, meaning, condition)
@@ -84,12 +97,13 @@ def declared_metrics() -> list[Metric]:
     out.append(m(METRICS_JSON, "overoptimisation/win_rate_gap", "RM win rate - gold win rate: how much more the "
                                                                 "reward model prefers PPO than the gold annotator "
                                                                 "does", "!no_judge"))
-    return out
+    return out + frontier_declarations("evaluate", "ppo", "!no_judge")
 
 
 SPEC = StageSpec(
     "evaluate", help="SFT, best-of-n and PPO on the held-out prompts", inputs=("data", "sft", "reward", "ppo"),
-    measuring=True, headline=("*/gold", "*/rm", "*/kl", "win_rate/ppo_vs_sft_gold", "win_rate/ppo_vs_sft_rm"),
+    measuring=True, headline=("*/gold", "*/rm", "*/kl", "win_rate/ppo_vs_sft_gold", "win_rate/ppo_vs_sft_rm",
+                              "frontier/ppo_gap_gold"),
     headline_prefixed=False,     # its names already say the policy (`ppo/gold`): the pipeline's own numbers
     parent_params=("evaluate.n_prompts", "evaluate.best_of_n"),
     check_inputs=reads_held_out_prompts,
@@ -110,9 +124,10 @@ def policies(cfg: EvaluateConfig) -> tuple[str, ...]:
 
 def summarise(per: dict[str, Measured], n_boot: int, seed: int) -> dict[str, Any]:
     """The held-out summary (measurement/held_out.py) with PPO's win rates over SFT and, with a
-    judge, the over-optimisation gap: the RM's verdict minus the gold verdict on the same comparisons."""
+    judge, its gap to the best-of-n frontier and the over-optimisation gap: the RM's verdict minus
+    the gold verdict on the same comparisons."""
     from ..measurement import held_out
-    m = held_out.summarise(per, n_boot, seed, versus=("ppo",))
+    m = held_out.summarise(per, n_boot, seed, versus=("ppo",), against_frontier=("ppo",))
     if "gold" in per["sft"].values:
         m["overoptimisation/win_rate_gap"] = m["win_rate/ppo_vs_sft_rm"] - m["win_rate/ppo_vs_sft_gold"]
     return m
@@ -156,7 +171,29 @@ def ppo_vs_best_of_n(m: dict[str, Any], ns: tuple[int, ...], key: str) -> list[s
     near = min(ns, key=lambda n: abs(m[f"best_of_{n}/kl"] - ppo_kl))
     lines.append(f"- PPO (KL {ppo_kl:.2f}) vs best-of-n at the nearest KL (best_of_{near}, KL "
                  f"{m[f'best_of_{near}/kl']:.2f}): {judge} {ppo:.3f} vs {m[f'best_of_{near}/{key}']:.3f}.")
+    if "frontier/ppo_gap_gold" in m:
+        lines.append(f"- {frontier_sentence(m, ns)}")
     return lines
+
+
+def frontier_sentence(m: dict[str, Any], ns: tuple[int, ...]) -> str:
+    """PPO's gap to the best-of-n curve fitted through the points above, with its interval, or why
+    there is none."""
+    gap, low, high = (m.get(f"frontier/ppo_gap_gold{s}") for s in ("", "_low", "_high"))
+    if m.get("frontier/ppo_beyond_best_of_n"):
+        top = ns[-1]
+        return (f"PPO's KL ({m['ppo/kl']:.2f}) is past best-of-n's largest (best_of_{top}, KL "
+                f"{m[f'best_of_{top}/kl']:.2f}): the fitted best-of-n curve is not extrapolated, so no gap "
+                "to the frontier is measured (a larger n in `evaluate.best_of_n` reaches further).")
+    if not finite(gap):
+        return "Fewer than two best-of-n points: no best-of-n curve to measure PPO's gap to."
+    side = "below" if gap < 0 else "above"
+    interval = (f"95% CI {low:+.3f} to {high:+.3f}" if finite(low) and finite(high) else
+                f"no interval: over {1 - MIN_DEFINED:.0%} of the prompt resamples put PPO's KL past "
+                "best-of-n's largest")
+    return (f"Against the best-of-n curve fitted through SFT and these points (Gao et al. 2023: "
+            f"gold - gold(SFT) = d (a - b d), d = sqrt KL), PPO's gold is {abs(gap):.3f} {side} what "
+            f"best-of-n reaches at PPO's KL: gap {gap:+.3f} ({interval}).")
 
 
 def report_markdown(m: dict[str, Any], samples: str, has_gold: bool, names: tuple[str, ...],
@@ -202,6 +239,12 @@ def console_lines(m: dict[str, Any], folders: dict[str, Path]) -> list[str]:
     lines += [f"  {n}/gold = {m[f'{n}/gold']:.3f} (KL {m[f'{n}/kl']:.2f})" for n in names]
     if "win_rate/ppo_vs_sft_gold" in m:
         lines.append(f"  win_rate/ppo_vs_sft_gold = {m['win_rate/ppo_vs_sft_gold']:.3f}")
+    if "frontier/ppo_gap_gold" in m:
+        gap, low, high = (m[f"frontier/ppo_gap_gold{s}"] for s in ("", "_low", "_high"))
+        ci = f" (95% CI {low:+.3f} to {high:+.3f})" if finite(low) and finite(high) else ""
+        beyond = m["frontier/ppo_beyond_best_of_n"]
+        lines.append("  frontier/ppo_gap_gold = "
+                     + ("none: PPO's KL is past best-of-n's largest" if beyond else f"{gap:+.3f}{ci}"))
     return [*lines, verdict(m, detector_record(folders["ppo"]))]
 
 

@@ -147,3 +147,134 @@ def test_ppo_vs_best_of_n_lines():
     assert lines[0] == "- best_of_4 sits at KL 0.64 with gold 0.300; PPO, at KL 2.00 with 0.500, beats it."
     assert lines[1].endswith("does not beat it.")
     assert lines[2] == "- PPO (KL 2.00) vs best-of-n at the nearest KL (best_of_16, KL 1.84): gold 0.500 vs 0.600."
+
+
+def _below(gap: float, low: float, high: float, rm: float = 0.75, gold: float = 0.70) -> dict:
+    m = _metrics(rm, gold)
+    m.update({"ppo/gold": 2.09, "ppo/kl": 4.03, "frontier/ppo_gap_gold": gap,
+              "frontier/ppo_gap_gold_low": low, "frontier/ppo_gap_gold_high": high,
+              "frontier/ppo_beyond_best_of_n": False})
+    return m
+
+
+def test_a_ppo_clearly_below_the_best_of_n_frontier_is_not_ok():
+    below = _below(-0.45, -0.60, -0.30)
+    assert not passed(below)
+    text = verdict(below, None)
+    assert text == ("PPO is below the best-of-n frontier: gold 2.09 at 4.03 nats, 0.45 (CI 0.30-0.60) below "
+                    "what best-of-n reaches at that KL; it beats SFT in 70% of prompts by the gold annotator "
+                    "and 75% by the reward model; detector: no record.")
+    # Said beside the other failures too.
+    assert verdict(_below(-0.45, -0.60, -0.30, rm=0.9, gold=0.45), None).startswith(
+        "PPO does NOT beat SFT by the gold annotator (45% win rate; the reward model prefers PPO in 90% of "
+        "prompts); PPO is below the best-of-n frontier: gold 2.09")
+
+
+@pytest.mark.parametrize("gap, low, high", [
+    (-0.08, -0.15, -0.01),             # below, but by less than the margin
+    (-0.45, -0.90, 0.02),              # far below, but the interval reaches 0
+    (0.12, 0.02, 0.25),                # above the frontier
+    (float("nan"), float("nan"), float("nan")),   # beyond best-of-n's range: no gap
+    (None, None, None),                # the same, as metrics.json holds it
+])
+def test_a_ppo_not_clearly_below_the_frontier_keeps_its_ok(gap, low, high):
+    m = _below(gap, low, high)
+    assert passed(m) and verdict(m, None).startswith("OK: PPO beats SFT in 70%")
+    assert "frontier" not in verdict(m, None)
+
+
+def test_the_frontier_rule_needs_a_gold_judge():
+    m = _below(-0.45, -0.60, -0.30)
+    del m["win_rate/ppo_vs_sft_gold"]
+    assert not passed(m) and verdict(m, None).startswith("No gold annotator for this task")
+    assert "frontier" not in verdict(m, None)
+
+
+def _per(n: int = 60, seed: int = 0):
+    """Held-out measurements of SFT, best-of-4/16/64 and PPO on `n` prompts, per prompt."""
+    from pipeline.measurement.policy import Measured
+    rng = random.Random(seed)
+    hard = [rng.gauss(0, 0.5) for _ in range(n)]
+
+    def policy(kl: float, gold: float, kl_spread: float = 0.0) -> Measured:
+        return Measured(["a b c"] * n, [True] * n,
+                        {"rm": [gold + rng.gauss(0, 1) for _ in range(n)],
+                         "kl": [max(kl + rng.gauss(0, kl_spread), 0.0) for _ in range(n)],
+                         "gold": [gold + h + rng.gauss(0, 0.3) for h in hard]})
+    per = {"sft": policy(0.0, 0.59)}
+    for k, gold in ((4, 1.75), (16, 2.48), (64, 2.83)):
+        per[f"best_of_{k}"] = policy(best_of_n_kl(k), gold)
+    per["ppo"] = policy(2.5, 2.2, 0.5)
+    return per
+
+
+def test_evaluate_writes_ppos_gap_to_the_frontier_and_reports_it():
+    from pipeline.measurement.frontier_gap import Series, gaps
+    from pipeline.stages.evaluate import report_markdown, summarise
+    per = _per()
+    m = summarise(per, n_boot=200, seed=5)
+    series = {name: Series(p.values["kl"], p.values["gold"]) for name, p in per.items()}
+    best = [series[f"best_of_{k}"] for k in (4, 16, 64)]
+    want = gaps(per["sft"].values["gold"], best, {"ppo": series["ppo"]}, n_boot=200, seed=5)["ppo"]
+    assert (m["frontier/ppo_gap_gold"], m["frontier/ppo_gap_gold_low"], m["frontier/ppo_gap_gold_high"],
+            m["frontier/ppo_beyond_best_of_n"]) == (want.gap, want.low, want.high, False)
+    assert want.gap < -0.1 and want.high < 0          # the data put PPO below the curve
+    assert not passed(m)
+    lines = ppo_vs_best_of_n(m, (4, 16, 64), "gold")
+    assert lines[-1] == (f"- Against the best-of-n curve fitted through SFT and these points (Gao et al. "
+                         f"2023: gold - gold(SFT) = d (a - b d), d = sqrt KL), PPO's gold is {-want.gap:.3f} "
+                         f"below what best-of-n reaches at PPO's KL: gap {want.gap:+.3f} (95% CI "
+                         f"{want.low:+.3f} to {want.high:+.3f}).")
+    report = report_markdown(m, "", True, policies(EvaluateConfig()), (4, 16, 64), verdict(m, None))
+    assert lines[-1] in report and "**PPO is below the best-of-n frontier" in report
+    # Past best-of-64's KL: flagged, not extrapolated.
+    per["ppo"].values["kl"] = [5.0] * 60
+    far = summarise(per, n_boot=200, seed=5)
+    assert far["frontier/ppo_beyond_best_of_n"] is True and math.isnan(far["frontier/ppo_gap_gold"])
+    assert ppo_vs_best_of_n(far, (4, 16, 64), "gold")[-1] == (
+        "- PPO's KL (5.00) is past best-of-n's largest (best_of_64, KL 3.17): the fitted best-of-n curve is "
+        "not extrapolated, so no gap to the frontier is measured (a larger n in `evaluate.best_of_n` reaches "
+        "further).")
+    # Without a judge there is no gold, hence no gap.
+    for p in per.values():
+        del p.values["gold"]
+    assert not any(k.startswith("frontier/") for k in summarise(per, n_boot=200, seed=5))
+
+
+def test_the_headline_gives_ppos_gap_to_the_frontier(tmp_path):
+    import json
+    from pipeline.measurement.headline import lines
+    from pipeline.stages.evaluate import summarise
+    from pipeline.tracking.sinks import write_metrics
+    m = summarise(_per(), n_boot=200, seed=5)
+    (tmp_path / "evaluate").mkdir()
+    write_metrics(tmp_path / "evaluate" / "metrics.json", m)
+    out = lines(tmp_path)
+    assert max(map(len, out)) < 100
+    line = next(x for x in out if x.startswith("PPO to the best-of-n frontier"))
+    gap, low, high = (m[f"frontier/ppo_gap_gold{s}"] for s in ("", "_low", "_high"))
+    assert line == (f"PPO to the best-of-n frontier: gold {gap:+.2f} at KL {m['ppo/kl']:.2f}, "
+                    f"95% interval {low:+.2f} to {high:+.2f}")
+    assert out[1].startswith("verdict: PPO is below the best-of-n frontier")
+    # Beyond the range (NaN written as null): said so; metrics written before the gap: no line.
+    path = tmp_path / "evaluate" / "metrics.json"
+    ev = json.loads(path.read_text())
+    ev["ppo"]["kl"], ev["frontier"] = 4.24, {"ppo_gap_gold": None, "ppo_gap_gold_low": None,
+                                             "ppo_gap_gold_high": None, "ppo_beyond_best_of_n": True}
+    path.write_text(json.dumps(ev))
+    beyond = "PPO to the best-of-n frontier: not measured, its KL 4.24 is past best-of-n's largest, 3.17"
+    assert beyond in lines(tmp_path)
+    del ev["frontier"]
+    path.write_text(json.dumps(ev))
+    assert not any(x.startswith("PPO to the best-of-n") for x in lines(tmp_path))
+
+
+def test_the_console_gives_the_gap_to_the_frontier(tmp_path):
+    from pipeline.stages.evaluate import console_lines, summarise
+    m = summarise(_per(), n_boot=200, seed=5)
+    lines = console_lines(m, {"out": tmp_path, "ppo": tmp_path / "ppo" / "model"})
+    gap, low, high = (m[f"frontier/ppo_gap_gold{s}"] for s in ("", "_low", "_high"))
+    assert f"  frontier/ppo_gap_gold = {gap:+.3f} (95% CI {low:+.3f} to {high:+.3f})" in lines
+    m.update({"frontier/ppo_gap_gold": float("nan"), "frontier/ppo_beyond_best_of_n": True})
+    lines = console_lines(m, {"out": tmp_path, "ppo": tmp_path / "ppo" / "model"})
+    assert "  frontier/ppo_gap_gold = none: PPO's KL is past best-of-n's largest" in lines

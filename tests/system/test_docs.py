@@ -150,6 +150,54 @@ def test_the_demo_block_renders_demo_json_and_says_so_when_there_is_none(tmp_pat
     assert _run_renderer(root, "--check").returncode == 1
 
 
+def test_the_frontier_gap_is_rendered_where_the_data_has_it(tmp_path):
+    """PPO's gold gap to the best-of-n frontier: in the headline, a column of the seeds table and of
+    the compare run, from data that has it; data written before it was measured renders as before."""
+    root = _copy_for_rendering(tmp_path)
+    before = {name: render_docs.RENDERERS[name](root) for name in ("headline", "seeds", "compare-run")}
+    assert "best-of-n frontier" not in before["headline"] and "gap to best-of-n" not in before["seeds"]
+    assert "gap to best-of-n" not in before["compare-run"]
+    path = root / "outputs/evaluate/metrics.json"
+    ev = json.loads(path.read_text())
+    ev["frontier"] = {"ppo_gap_gold": -0.4512, "ppo_gap_gold_low": -0.6049, "ppo_gap_gold_high": -0.2987,
+                      "ppo_beyond_best_of_n": False}
+    path.write_text(json.dumps(ev))
+    sentence = ("Against the best-of-n frontier (the curve fitted through the best-of-n points) at its own "
+                "KL, PPO's gold is -0.45 (95% CI -0.60 to -0.30; negative: below it).")
+    assert sentence in render_docs.render_headline(root)
+    ev["frontier"] = {"ppo_gap_gold": None, "ppo_gap_gold_low": None, "ppo_gap_gold_high": None,
+                      "ppo_beyond_best_of_n": True}
+    path.write_text(json.dumps(ev))
+    assert "PPO's KL to SFT is past best-of-n's largest, so its gap" in render_docs.render_headline(root)
+    # The seeds table: a column once a run has the gap, "—" for a run recorded before it.
+    grid_path = root / "docs/data/seed-grid.json"
+    grid = json.loads(grid_path.read_text())
+    grid["runs"][0].update(ppo_gap_gold=0.1234, ppo_gap_gold_low=0.0111, ppo_gap_gold_high=0.2345,
+                           ppo_beyond_best_of_n=False)
+    grid["runs"][1].update(ppo_gap_gold=None, ppo_gap_gold_low=None, ppo_gap_gold_high=None,
+                           ppo_beyond_best_of_n=True)
+    grid_path.write_text(json.dumps(grid))
+    seeds = render_docs.render_seeds(root).splitlines()
+    rows = [line.split(" | ") for line in seeds if line.startswith("| ")]
+    col = rows[0].index("gold gap to best-of-n (95% CI)")
+    assert [r[col] for r in rows[2:5]] == ["+0.12 (+0.01 to +0.23)", "beyond best-of-n", "—"]
+    assert {len(r) for r in rows} == {len(rows[0])}
+    # The compare run: a column for every policy, `-` for the baselines.
+    cpath = root / "outputs/compare/metrics.json"
+    cm = json.loads(cpath.read_text())
+    cm["frontier"] = {"ppo_gap_gold": None, "ppo_gap_gold_low": None, "ppo_gap_gold_high": None,
+                      "ppo_beyond_best_of_n": True, "dpo_gap_gold": -0.2, "dpo_gap_gold_low": -0.35,
+                      "dpo_gap_gold_high": -0.05, "dpo_beyond_best_of_n": False}
+    cpath.write_text(json.dumps(cm))
+    run = render_docs.render_compare_run(root).splitlines()
+    rows = {r[0][2:]: r for r in (line.split(" | ") for line in run if line.startswith("| "))}
+    col = rows["policy"].index("gold gap to best-of-n (95% CI)")
+    assert (rows["dpo"][col], rows["ppo"][col], rows["best-of-64"][col]) == ("-0.20 (-0.35 to -0.05)",
+                                                                            "beyond best-of-n", "-")
+    assert _run_renderer(root, "--check").returncode == 1 and _run_renderer(root).returncode == 0
+    assert _run_renderer(root, "--check").returncode == 0
+
+
 def test_the_headline_says_one_run_one_seed_its_machine_threads_and_date(tmp_path):
     text = render_docs.render_headline(REPO)
     assert "one seed" in text and "not a distribution" in text

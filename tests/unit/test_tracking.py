@@ -395,8 +395,9 @@ def test_a_logged_model_is_its_runs_output_with_pinned_needs_and_only_its_code(t
 
 
 def test_the_champion_is_the_last_policy_whose_verdict_was_ok(tmp_path, monkeypatch):
-    """evaluate names `rlhf-policy@champion` only when its verdict is OK: a policy that lost to SFT or
-    gamed the reward model leaves the alias on the last one that passed."""
+    """evaluate names `rlhf-policy@champion` only when its verdict is OK: a policy that lost to SFT,
+    gamed the reward model or fell below the best-of-n frontier leaves the alias on the last one that
+    passed."""
     from mlflow.exceptions import MlflowException
     from pipeline.stages import evaluate
     (tmp_path / "dvc.yaml").write_text("stages: {}\n")
@@ -407,7 +408,8 @@ def test_the_champion_is_the_last_policy_whose_verdict_was_ok(tmp_path, monkeypa
     ok = {"win_rate/ppo_vs_sft_gold": 0.75, "win_rate/ppo_vs_sft_rm": 0.8}
     failing = [{"win_rate/ppo_vs_sft_gold": 0.4, "win_rate/ppo_vs_sft_rm": 0.5},     # lost to SFT
                {"win_rate/ppo_vs_sft_gold": 0.6, "win_rate/ppo_vs_sft_rm": 0.95},    # the RM gamed
-               {"win_rate/ppo_vs_sft_rm": 0.9}]                                      # no gold verdict
+               {"win_rate/ppo_vs_sft_rm": 0.9},                                      # no gold verdict
+               {**ok, "frontier/ppo_gap_gold": -0.45, "frontier/ppo_gap_gold_high": -0.3}]   # below best-of-n
 
     def judged(verdicts: list[dict]) -> list[bool]:
         """A new version of rlhf-policy, judged by evaluate once per verdict: whether each named it."""
@@ -418,10 +420,10 @@ def test_the_champion_is_the_last_policy_whose_verdict_was_ok(tmp_path, monkeypa
         with stage_tracking("evaluate", {"evaluate": {"seed": 0}}) as tracker:
             return [evaluate.name_champion(tracker, m) for m in verdicts]
 
-    assert judged(failing) == [False, False, False]
+    assert judged(failing) == [False, False, False, False]
     with pytest.raises(MlflowException, match="champion"):
         client.get_model_version_by_alias("rlhf-policy", "champion")
     assert judged([ok]) == [True]
     assert int(client.get_model_version_by_alias("rlhf-policy", "champion").version) == 2
-    assert judged(failing) == [False, False, False]
+    assert judged(failing) == [False, False, False, False]
     assert int(client.get_model_version_by_alias("rlhf-policy", "champion").version) == 2   # not 3
