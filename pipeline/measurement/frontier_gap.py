@@ -14,6 +14,13 @@ measured range and has no gap, because the fitted curve past its last point (its
 at d = a / 2b) is a guess. This is not pipeline/measurement/frontier.py, which plots the policies
 of a `ppo.kl_coef` sweep across DVC experiments.
 
+Past that range one statement needs no curve: a policy whose gold is below what SFT or a best-of-n
+reaches at no more KL is dominated, worse on both axes than a point that was measured. Its
+`margin` is its mean gold minus the best gold measured at its KL or less (SFT's at KL 0 included):
+defined at every KL, negative where something cheaper does better. Inside the range the curve's
+gap is the finer measure (it credits the frontier between the points); the margin is what is left
+when the policy went further than best-of-n did.
+
 The interval is a paired percentile bootstrap over prompts (Efron & Tibshirani 1993): each resample
 draws prompt indices with replacement, the same for SFT, every best-of-n and every policy (they
 answered the same prompts, so a hard prompt lowers all of them and cancels in the gap), recomputes
@@ -71,6 +78,9 @@ class Gap:
     kl: float                 # the policy's mean KL
     gold: float               # its mean gold
     frontier: float           # the curve at its mean KL (NaN where `gap` is)
+    margin: float = NAN       # mean gold - the best gold of SFT and best-of-n at no more KL (`reference`)
+    margin_low: float = NAN   # paired bootstrap 95% interval of the margin
+    margin_high: float = NAN
 
 
 def finite(x: object) -> bool:
@@ -114,6 +124,18 @@ def _frontier(curve: Optional[Curve], kl: float) -> float:
     return NAN if curve is None else curve.at(kl)
 
 
+def reference(sft_gold: float, best_of: Sequence[tuple[float, float]], kl: float) -> float:
+    """The best mean gold measured at `kl` nats or less: SFT's (KL 0) or a best-of-n's, each
+    (mean KL, mean gold) of `best_of`."""
+    return max([sft_gold, *(gold for bkl, gold in best_of if bkl <= kl)])
+
+
+def _margin(sft_gold: Sequence[float], best_of: Sequence[Series], s: Series,
+            idx: Optional[Sequence[int]]) -> float:
+    points = [(_mean(b.kl, idx), _mean(b.gold, idx)) for b in best_of]
+    return _mean(s.gold, idx) - reference(_mean(sft_gold, idx), points, _mean(s.kl, idx))
+
+
 def gaps(sft_gold: Sequence[float], best_of: Sequence[Series], policies: Mapping[str, Series],
          n_boot: int, seed: int) -> dict[str, Gap]:
     """Each policy's gap to the best-of-n curve (`fit` through `best_of`, anchored at SFT's mean
@@ -131,11 +153,13 @@ def gaps(sft_gold: Sequence[float], best_of: Sequence[Series], policies: Mapping
     kl_max = max((_mean(s.kl) for s in best_of), default=None)
     point = {name: (_mean(s.kl), _mean(s.gold)) for name, s in policies.items()}
     boots: dict[str, list[float]] = {name: [] for name in policies}
-    if curve is not None and any(kl <= curve.kl_max for kl, _ in point.values()):
+    margins: dict[str, list[float]] = {name: [] for name in policies}
+    if best_of:
         for idx in resamples(n, n_boot, seed):
             c = _curve(sft_gold, best_of, idx)
             for name, s in policies.items():
                 boots[name].append(_mean(s.gold, idx) - _frontier(c, _mean(s.kl, idx)))
+                margins[name].append(_margin(sft_gold, best_of, s, idx))
     out = {}
     for name, (kl, gold) in point.items():
         frontier = _frontier(curve, kl)
@@ -143,5 +167,7 @@ def gaps(sft_gold: Sequence[float], best_of: Sequence[Series], policies: Mapping
         low, high = (percentile_interval(defined) if not math.isnan(frontier) and defined
                      and len(defined) >= MIN_DEFINED * n_boot else (NAN, NAN))
         beyond = None if kl_max is None else kl > kl_max
-        out[name] = Gap(gold - frontier, low, high, beyond, kl, gold, frontier)
+        m_low, m_high = percentile_interval(sorted(margins[name])) if margins[name] else (NAN, NAN)
+        margin = _margin(sft_gold, best_of, policies[name], None) if best_of else NAN
+        out[name] = Gap(gold - frontier, low, high, beyond, kl, gold, frontier, margin, m_low, m_high)
     return out

@@ -96,8 +96,10 @@ def frontier_line(ev: dict[str, Any]) -> str:
     kl = (ev.get("ppo") or {}).get("kl")
     if f.get("ppo_beyond_best_of_n"):
         top = max((ev[p].get("kl") for p in _policies(ev) if p.startswith("best_of_")), default=None)
-        return (f"PPO to the best-of-n frontier: not measured, its KL {_num(kl, '.2f')} is past "
-                f"best-of-n's largest, {_num(top, '.2f')}")
+        margin = f.get("ppo_margin_gold")
+        against = f"; gold {_num(margin, '+.2f')} against it" if isinstance(margin, (int, float)) else ""
+        return (f"PPO to the best-of-n frontier: past it, KL {_num(kl, '.2f')} > best-of-n's largest "
+                f"{_num(top, '.2f')}{against}")
     gap, low, high = f.get("ppo_gap_gold"), f.get("ppo_gap_gold_low"), f.get("ppo_gap_gold_high")
     if not isinstance(gap, (int, float)):
         return "PPO to the best-of-n frontier: not measured (fewer than two best-of-n)"

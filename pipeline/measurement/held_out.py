@@ -108,6 +108,8 @@ def frontier_metrics(per: dict[str, Measured], names: tuple[str, ...], n_boot: i
         base = f"frontier/{name}_gap_gold"
         out[base], out[f"{base}_low"], out[f"{base}_high"] = g.gap, g.low, g.high
         out[f"frontier/{name}_beyond_best_of_n"] = g.beyond
+        margin = f"frontier/{name}_margin_gold"
+        out[margin], out[f"{margin}_low"], out[f"{margin}_high"] = g.margin, g.margin_low, g.margin_high
     return out
 
 
@@ -123,5 +125,10 @@ def frontier_declarations(stage: str, policy: str, condition: Optional[str]) -> 
                        "is, or where over 5% of resamples put the policy past that KL",
         f"{base}_high": "upper end of that interval",
         f"frontier/{policy}_beyond_best_of_n": "true when the policy's mean KL is past best-of-n's largest "
-                                               "(no gap measured there); null without a best-of-n"}
+                                               "(no gap measured there); null without a best-of-n",
+        f"frontier/{policy}_margin_gold": "the policy's mean gold minus the best mean gold SFT or a best-of-n "
+                                          "reaches at no more KL (defined at every KL; negative: dominated by a "
+                                          "point that spends less KL); null without a best-of-n",
+        f"frontier/{policy}_margin_gold_low": "lower end of its paired bootstrap 95% interval",
+        f"frontier/{policy}_margin_gold_high": "upper end of that interval"}
     return [Metric(stage, METRICS_JSON, name, meaning, condition) for name, meaning in meanings.items()]

@@ -22,13 +22,29 @@ GAMED_GAP = 0.20
 BELOW_FRONTIER = 0.10
 
 
+def _clearly_below(m: dict[str, Any], key: str) -> bool:
+    value, high = m.get(key), m.get(f"{key}_high")
+    return finite(value) and finite(high) and value < -BELOW_FRONTIER and high < 0
+
+
 def below_frontier(m: dict[str, Any]) -> bool:
     """With a gold judge: PPO's gold is more than `BELOW_FRONTIER` below the best-of-n curve at its
-    KL and the gap's whole interval is below 0. Metrics without the gap (beyond best-of-n's range,
-    an older run) are not below it."""
-    gap, high = m.get("frontier/ppo_gap_gold"), m.get("frontier/ppo_gap_gold_high")
-    return ("win_rate/ppo_vs_sft_gold" in m and finite(gap) and finite(high)
-            and gap < -BELOW_FRONTIER and high < 0)
+    KL with the gap's whole interval below 0; or, wherever it is (past best-of-n's largest KL too,
+    where the curve is not extrapolated), more than that below the best gold SFT or a best-of-n
+    reaches at no more KL, with that margin's interval below 0 (dominated by a measured point).
+    Metrics without either (an older run) are not below it."""
+    return "win_rate/ppo_vs_sft_gold" in m and (_clearly_below(m, "frontier/ppo_gap_gold")
+                                                 or _clearly_below(m, "frontier/ppo_margin_gold"))
+
+
+def dominating(m: dict[str, Any]) -> tuple[str, float, float]:
+    """(name, mean gold, KL) of the best policy measured at PPO's KL or less: SFT or a best-of-n."""
+    kl = m["ppo/kl"]
+    names = ["sft", *sorted((k[:-len("/kl")] for k in m if k.startswith("best_of_") and k.endswith("/kl")),
+                            key=lambda name: int(name.rsplit("_", 1)[1]))]
+    cheaper = [name for name in names if name == "sft" or m[f"{name}/kl"] <= kl]
+    best = max(cheaper, key=lambda name: m[f"{name}/gold"])
+    return best, m[f"{best}/gold"], (0.0 if best == "sft" else m[f"{best}/kl"])
 
 
 def passed(m: dict[str, Any]) -> bool:
@@ -45,10 +61,17 @@ def _beats_and_agrees(m: dict[str, Any]) -> bool:
 
 
 def frontier_clause(m: dict[str, Any]) -> str:
-    """PPO below the frontier in words: its gold and KL, how far below the curve, the interval."""
-    gap, low, high = (m[f"frontier/ppo_gap_gold{s}"] for s in ("", "_low", "_high"))
+    """PPO below the frontier in words: its gold and KL, how far below the curve (or, where the
+    curve says nothing, below the policy that dominates it), the interval."""
+    if _clearly_below(m, "frontier/ppo_gap_gold"):
+        gap, low, high = (m[f"frontier/ppo_gap_gold{s}"] for s in ("", "_low", "_high"))
+        return (f"PPO is below the best-of-n frontier: gold {m['ppo/gold']:.2f} at {m['ppo/kl']:.2f} nats, "
+                f"{-gap:.2f} (CI {-high:.2f}-{-low:.2f}) below what best-of-n reaches at that KL")
+    margin, low, high = (m[f"frontier/ppo_margin_gold{s}"] for s in ("", "_low", "_high"))
+    name, gold, kl = dominating(m)
+    who = "SFT" if name == "sft" else name.replace("best_of_", "best-of-")
     return (f"PPO is below the best-of-n frontier: gold {m['ppo/gold']:.2f} at {m['ppo/kl']:.2f} nats, "
-            f"{-gap:.2f} (CI {-high:.2f}-{-low:.2f}) below what best-of-n reaches at that KL")
+            f"{-margin:.2f} (CI {-high:.2f}-{-low:.2f}) below {who}'s {gold:.2f} at {kl:.2f} nats")
 
 
 def verdict(m: dict[str, Any], detector: Optional[dict[str, Any]]) -> str:

@@ -59,8 +59,9 @@ compares PPO with each best-of-n at their KLs, and shows `scores.png` and `kl_fr
 d = sqrt(KL), by least squares through the best-of-n points (anchored at SFT, KL 0), and takes PPO's
 mean gold minus the curve at PPO's mean KL; its interval resamples the prompts, the same ones for
 every policy, and refits. Past best-of-n's largest KL the curve is not extrapolated: the gap and its
-bounds are null and `frontier/ppo_beyond_best_of_n` is true. A gap below -{BELOW_FRONTIER:.2f} whose whole
-interval is below 0 makes the verdict not OK.
+bounds are null and `frontier/ppo_beyond_best_of_n` is true. `frontier/ppo_margin_gold`, defined at
+every KL, is PPO's mean gold minus the best mean gold SFT or a best-of-n reaches at no more KL. A gap,
+or a margin, below -{BELOW_FRONTIER:.2f} whose whole interval is below 0 makes the verdict not OK.
 """
 
 def declared_metrics() -> list[Metric]:
@@ -182,9 +183,13 @@ def frontier_sentence(m: dict[str, Any], ns: tuple[int, ...]) -> str:
     gap, low, high = (m.get(f"frontier/ppo_gap_gold{s}") for s in ("", "_low", "_high"))
     if m.get("frontier/ppo_beyond_best_of_n"):
         top = ns[-1]
+        margin, m_low, m_high = (m.get(f"frontier/ppo_margin_gold{s}") for s in ("", "_low", "_high"))
+        against = (f" Against the best gold of SFT and best-of-n, all at less KL, PPO's differs by {margin:+.3f} "
+                   f"(95% CI {m_low:+.3f} to {m_high:+.3f}): `frontier/ppo_margin_gold`."
+                   if finite(margin) and finite(m_low) and finite(m_high) else "")
         return (f"PPO's KL ({m['ppo/kl']:.2f}) is past best-of-n's largest (best_of_{top}, KL "
                 f"{m[f'best_of_{top}/kl']:.2f}): the fitted best-of-n curve is not extrapolated, so no gap "
-                "to the frontier is measured (a larger n in `evaluate.best_of_n` reaches further).")
+                f"to the frontier is measured (a larger n in `evaluate.best_of_n` reaches further).{against}")
     if not finite(gap):
         return "Fewer than two best-of-n points: no best-of-n curve to measure PPO's gap to."
     side = "below" if gap < 0 else "above"

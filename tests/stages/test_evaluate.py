@@ -183,6 +183,24 @@ def test_a_ppo_not_clearly_below_the_frontier_keeps_its_ok(gap, low, high):
     assert "frontier" not in verdict(m, None)
 
 
+def test_a_ppo_past_best_of_ns_range_and_dominated_by_a_cheaper_best_of_n_is_not_ok():
+    # PPO further from SFT than best-of-64 went (no gap: the curve is not extrapolated), yet with
+    # less gold than best-of-16 at under half its KL: dominated by a measured point.
+    m = _below(float("nan"), float("nan"), float("nan"))
+    m.update({"frontier/ppo_beyond_best_of_n": True, "sft/gold": 0.35, "sft/kl": 0.0,
+              "best_of_4/gold": 1.33, "best_of_4/kl": 0.64, "best_of_16/gold": 2.26, "best_of_16/kl": 1.84,
+              "best_of_64/gold": 2.75, "best_of_64/kl": 3.17,
+              "frontier/ppo_margin_gold": 2.09 - 2.75, "frontier/ppo_margin_gold_low": -0.85,
+              "frontier/ppo_margin_gold_high": -0.47})
+    assert not passed(m)
+    assert verdict(m, None).startswith(
+        "PPO is below the best-of-n frontier: gold 2.09 at 4.03 nats, 0.66 (CI 0.47-0.85) below best-of-64's "
+        "2.75 at 3.17 nats; it beats SFT in 70% of prompts")
+    m.update({"frontier/ppo_margin_gold": -0.05, "frontier/ppo_margin_gold_low": -0.2,
+              "frontier/ppo_margin_gold_high": 0.1})                     # level with best-of-64: OK
+    assert passed(m) and verdict(m, None).startswith("OK: PPO beats SFT in 70%")
+
+
 def test_the_frontier_rule_needs_a_gold_judge():
     m = _below(-0.45, -0.60, -0.30)
     del m["win_rate/ppo_vs_sft_gold"]
@@ -231,10 +249,14 @@ def test_evaluate_writes_ppos_gap_to_the_frontier_and_reports_it():
     per["ppo"].values["kl"] = [5.0] * 60
     far = summarise(per, n_boot=200, seed=5)
     assert far["frontier/ppo_beyond_best_of_n"] is True and math.isnan(far["frontier/ppo_gap_gold"])
+    margin, m_low, m_high = (far[f"frontier/ppo_margin_gold{s}"] for s in ("", "_low", "_high"))
+    assert margin == pytest.approx(far["ppo/gold"] - max(far["sft/gold"], *(far[f"best_of_{n}/gold"] for n in (4, 16, 64))))
+    assert m_low <= margin <= m_high
     assert ppo_vs_best_of_n(far, (4, 16, 64), "gold")[-1] == (
         "- PPO's KL (5.00) is past best-of-n's largest (best_of_64, KL 3.17): the fitted best-of-n curve is "
         "not extrapolated, so no gap to the frontier is measured (a larger n in `evaluate.best_of_n` reaches "
-        "further).")
+        f"further). Against the best gold of SFT and best-of-n, all at less KL, PPO's differs by {margin:+.3f} (95% CI "
+        f"{m_low:+.3f} to {m_high:+.3f}): `frontier/ppo_margin_gold`.")
     # Without a judge there is no gold, hence no gap.
     for p in per.values():
         del p.values["gold"]
@@ -260,9 +282,10 @@ def test_the_headline_gives_ppos_gap_to_the_frontier(tmp_path):
     path = tmp_path / "evaluate" / "metrics.json"
     ev = json.loads(path.read_text())
     ev["ppo"]["kl"], ev["frontier"] = 4.24, {"ppo_gap_gold": None, "ppo_gap_gold_low": None,
-                                             "ppo_gap_gold_high": None, "ppo_beyond_best_of_n": True}
+                                             "ppo_gap_gold_high": None, "ppo_beyond_best_of_n": True,
+                                             "ppo_margin_gold": -0.12}
     path.write_text(json.dumps(ev))
-    beyond = "PPO to the best-of-n frontier: not measured, its KL 4.24 is past best-of-n's largest, 3.17"
+    beyond = "PPO to the best-of-n frontier: past it, KL 4.24 > best-of-n's largest 3.17; gold -0.12 against it"
     assert beyond in lines(tmp_path)
     del ev["frontier"]
     path.write_text(json.dumps(ev))

@@ -8,7 +8,7 @@ import random
 
 import pytest
 
-from pipeline.measurement.frontier_gap import Curve, Series, fit, gaps
+from pipeline.measurement.frontier_gap import Curve, Series, fit, gaps, reference
 from pipeline.measurement.stats import best_of_n_kl
 
 NS = (4, 16, 64)
@@ -97,6 +97,24 @@ def test_a_policy_beyond_best_of_ns_largest_kl_is_flagged_not_extrapolated():
     assert far.beyond is True and math.isnan(far.gap) and math.isnan(far.low) and math.isnan(far.high)
     assert math.isnan(far.frontier) and far.kl == pytest.approx(kl_max + 1.0) and far.gold == 2.0
     assert edge.beyond is False and edge.gap == pytest.approx(2.0 - curve_gold(kl_max), abs=1e-9)
+
+
+def test_the_margin_is_gold_minus_the_best_measured_at_no_more_kl_at_every_kl():
+    n = 40
+    best = [Series(constant(best_of_n_kl(k), n), constant(curve_gold(best_of_n_kl(k)), n)) for k in NS]
+    kl_max = best_of_n_kl(64)
+    assert reference(G0, [(best_of_n_kl(k), curve_gold(best_of_n_kl(k))) for k in NS], 0.1) == G0
+    policies = {"far": Series(constant(kl_max + 1.0, n), constant(2.0, n)),            # past the range
+                "middle": Series(constant(best_of_n_kl(16) + 0.1, n), constant(3.0, n)),
+                "near": Series(constant(0.1, n), constant(G0 - 0.2, n))}             # below SFT's gold
+    out = gaps(constant(G0, n), best, policies, n_boot=50, seed=0)
+    assert out["far"].margin == pytest.approx(2.0 - curve_gold(kl_max))               # best-of-64 dominates
+    assert out["far"].margin < 0 and out["far"].margin_low <= out["far"].margin <= out["far"].margin_high
+    assert out["middle"].margin == pytest.approx(3.0 - curve_gold(best_of_n_kl(16)))   # best-of-16, not 64
+    assert out["near"].margin == pytest.approx(-0.2)                                    # SFT at KL 0
+    # constant series: every resample is the same, so is the interval
+    assert out["far"].margin_high - out["far"].margin_low == pytest.approx(0.0, abs=1e-12)
+    assert math.isnan(gaps(constant(G0, n), [], policies, n_boot=10, seed=0)["far"].margin)
 
 
 def test_no_interval_where_the_policys_kl_straddles_the_end_of_the_range():
