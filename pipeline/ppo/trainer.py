@@ -32,6 +32,7 @@ from ..config import PPOConfig
 from ..errors import check_finite
 from ..measurement.stats import distinct_n
 from ..training.batches import BatchSampler
+from ..training import token_batches
 from ..training import nonfinite
 from ..models.rollout_engine import TORCH, RolloutEngine
 from ..training.nonfinite import NonfiniteGuard
@@ -237,13 +238,10 @@ class PPOTrainer:
                 mb_stats: dict[str, float] = {}
                 chunks = update_chunks(b.ro.response_mask, mb, cfg.micro_batch_size, b.ro.n_prompt, budget)
                 # A budget gives each rank its own count: all run the largest (ZeRO's collectives pair up).
-                runs = len(chunks) if budget is None or self.ctx.world_size == 1 else \
-                    max(n for [n] in self.ctx.gather([len(chunks)]))
-                for j in range(runs):
-                    micro = chunks[j] if j < len(chunks) else chunks[0][:1]
+                for run in token_batches.agreed_runs(len(chunks), budget, self.ctx):
+                    micro = chunks[run.part] if not run.filler else chunks[0][:1]
                     stats = self.micro_step(b, micro, n_tokens, first=n_minibatches == 0, n_rows=n_rows,
-                                            boundary=None if budget is None else j == runs - 1,
-                                            filler=j >= len(chunks))
+                                            boundary=run.boundary, filler=run.filler)
                     for k, v in stats.items():
                         mb_stats[k] = max(mb_stats.get(k, v), v) if k in MAX_STATS else mb_stats.get(k, 0.0) + v
                 # Each rank holds token-weighted parts of the global minibatch: they add up.

@@ -53,8 +53,9 @@ def compile_blocks(model: torch.nn.Module) -> int:
     to gain and the user asked for it."""
     found = blocks(model)
     if not found:
-        raise ConfigError(f"distributed.compile: {type(lora.unwrap(model)).__name__} has no transformer blocks "
-                          "that torch.compile can take one at a time; set it to false")
+        name = type(lora.unwrap(model)).__name__
+        raise ConfigError(f"distributed.compile: {name} has no transformer blocks that torch.compile "
+                          "can take one at a time; set it to false")
     for block in found:
         eager = block.forward
         block.forward = _dispatch(eager, torch.compile(eager, dynamic=True))

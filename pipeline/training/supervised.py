@@ -6,7 +6,8 @@ Per optimizer step: the next global batch of the seeded `BatchSampler` (the same
 this rank's shard of it in micro-batches of `micro` rows, or by the token budget
 `distributed.max_tokens_per_micro_batch` (training/token_batches.py; every rank then runs as many
 micro-batches as the rank with the most, a rank short of them a zero-weighted repeat, so ZeRO's
-collectives pair up), `engine.backward` per micro-batch and one `engine.step`; the loss's per-step statistics summed over micro-batches and ranks and divided by
+collectives pair up: token_batches.agreed_runs), `engine.backward` per micro-batch and one
+`engine.step`; the loss's per-step statistics summed over micro-batches and ranks and divided by
 the task's normaliser of the global batch; `train.tsv` / `eval.tsv` rows with the learning rate the
 step used and the gradient norm; the held-out evaluation every `eval_every` steps and after the
 last; the resumable state every `save_every` steps and after the last (resume.SupervisedState: a
@@ -141,17 +142,15 @@ def train(task: SupervisedTask, cfg: Any, engine: TrainEngine, micro: int, out: 
         batch = [task.items[i] for i in next(batches)]
         mine = ctx.shard(batch)
         parts = token_batches.micro_batches([task.length(item) for item in mine], micro, budget)
-        runs = len(parts) if budget is None or ctx.world_size == 1 else max(n for [n] in ctx.gather([len(parts)]))
         sums = torch.zeros(len(task.columns), dtype=torch.float64, device="cpu")
-        for k in range(runs):
-            filler = k >= len(parts)       # this rank has run its share: a repeat that adds nothing
-            part = [mine[i] for i in parts[k]] if not filler else (mine or batch)[:1]
+        for run in token_batches.agreed_runs(len(parts), budget, ctx):
+            filler = run.filler            # this rank has run its share: a repeat that adds nothing
+            part = [mine[i] for i in parts[run.part]] if not filler else (mine or batch)[:1]
             with engine.autocast():
                 loss, stats = task.loss(part, batch)
             if guard.stops:
                 check_finite(f"{task.name} step {step}", "loss", loss.detach())
-            engine.backward(guard.poisoned(loss * 0.0 if filler else loss),
-                            boundary=None if budget is None else k == runs - 1)
+            engine.backward(guard.poisoned(loss * 0.0 if filler else loss), boundary=run.boundary)
             if not filler:
                 sums += torch.tensor(stats, dtype=torch.float64, device="cpu")
         result = engine.step()

@@ -12,7 +12,9 @@ micro-batches are today's: consecutive runs of a fixed number of rows.
 
 from __future__ import annotations
 
-from typing import Callable, Optional, Sequence
+from typing import Callable, NamedTuple, Optional, Sequence
+
+from ..context import Context
 
 
 def micro_batches(lengths: Sequence[int], rows: int, max_tokens: Optional[int]) -> list[list[int]]:
@@ -30,6 +32,24 @@ def micro_batches(lengths: Sequence[int], rows: int, max_tokens: Optional[int]) 
         else:
             out.append([i])
     return out
+
+
+class Run(NamedTuple):
+    """One micro-batch as a process runs it: `part` indexes its micro-batches (a filler repeats the
+    first); `filler`: run only so that every process runs as many, its loss weighted 0; `boundary`:
+    whether it ends the step, told to DeepSpeed where the count varies (None: fixed rows)."""
+    part: int
+    filler: bool
+    boundary: Optional[bool]
+
+
+def agreed_runs(n_parts: int, budget: Optional[int], ctx: Context) -> list[Run]:
+    """The micro-batches this process runs for its `n_parts`: with a token budget each process cuts
+    its own share into its own count, yet ZeRO's collectives pair up across processes, so all run
+    the largest count and the shorter add zero-weighted repeats. Without a budget (or alone) its own."""
+    runs = n_parts if budget is None or ctx.world_size == 1 else max(n for [n] in ctx.gather([n_parts]))
+    return [Run(k if k < n_parts else 0, k >= n_parts, None if budget is None else k == runs - 1)
+            for k in range(runs)]
 
 
 def padded_tokens(lengths: Sequence[int], parts: list[list[int]],

@@ -14,9 +14,30 @@ import pytest
 import torch
 
 from conftest import run_stage, step_rows, tiny_params
-from pipeline.training.token_batches import micro_batches, padded_tokens
+from pipeline.context import SINGLE
+from pipeline.training.token_batches import Run, agreed_runs, micro_batches, padded_tokens
 
 BUDGET = 160   # padded tokens per micro-batch: several micro-batches per tiny global batch of 16
+
+
+class _Ranks:
+    """A process among several whose gather returns every rank's count."""
+    world_size = 2
+
+    def __init__(self, counts):
+        self.counts = counts
+
+    def gather(self, value):
+        return [[n] for n in self.counts]
+
+
+def test_every_rank_runs_the_largest_count_of_micro_batches_the_short_ones_zero_weighted_repeats():
+    assert agreed_runs(2, None, SINGLE) == [Run(0, False, None), Run(1, False, None)]
+    assert agreed_runs(2, 100, SINGLE) == [Run(0, False, False), Run(1, False, True)]
+    # fixed rows: every rank has the same count and tells DeepSpeed nothing
+    assert agreed_runs(1, None, _Ranks([3, 1])) == [Run(0, False, None)]
+    assert agreed_runs(1, 100, _Ranks([3, 1])) == [Run(0, False, False), Run(0, True, False), Run(0, True, True)]
+    assert agreed_runs(3, 100, _Ranks([3, 1])) == [Run(0, False, False), Run(1, False, False), Run(2, False, True)]
 
 
 def test_micro_batches_cover_each_item_once_within_the_budget_longest_first():
