@@ -3,13 +3,17 @@ another commit beside it, with the ratio of each stage's time and whether its mo
 
     .venv/bin/python benchmarks/stages.py                   # this checkout's tracked files
     .venv/bin/python benchmarks/stages.py --base a602a5f    # ... and a602a5f's, stage by stage
+    .venv/bin/python benchmarks/stages.py --params A.yaml --vs-params B.yaml   # one tree, two params files
 
 Copies the tracked files (this working tree's, and `git archive` of the base) to temporary
 folders and runs every stage command of dvc.yaml in order (the commands `dvc repro` runs), timing
 each; MLflow is off so only the stage's own work counts. With a base, the two sides alternate stage
 by stage (base, then this tree), so a machine whose speed drifts over the run drifts for both
 alike; each model's safetensors files are hashed (md5) on both sides. `--out FILE.tsv` writes the
-table. `--params FILE` runs another params file (a small one makes the script a quick check).
+table. `--params FILE` runs another params file (a small one makes the script a quick check);
+`--vs-params FILE` runs this tree twice, once with each params file, alternating stage by stage
+as with a base (what a param such as `distributed.compile` costs or saves). `--json FILE` writes
+the table with the machine, the thread count and the date.
 """
 
 from __future__ import annotations
@@ -17,6 +21,7 @@ from __future__ import annotations
 import argparse
 import hashlib
 import io
+import json
 import os
 import shlex
 import shutil
@@ -29,7 +34,10 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "benchmarks"))
 
+from demo_seeds import machine  # noqa: E402
+from pipeline.files import atomic_write_text  # noqa: E402
 from pipeline.workflow import stage_graph  # noqa: E402
 
 
@@ -76,11 +84,15 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--base", help="a commit to run beside this working tree, stage by stage")
     ap.add_argument("--params", type=Path, help="a params file to run instead of each tree's params.yaml")
+    ap.add_argument("--vs-params", type=Path, help="run this tree a second time with this params file")
     ap.add_argument("--out", type=Path, help="write the table here (TSV)")
+    ap.add_argument("--json", type=Path, help="write the table, machine and date here (JSON)")
     args = ap.parse_args()
+    if args.base and args.vs_params:
+        ap.error("--base and --vs-params: one comparison at a time")
     env = {**os.environ, "PIPELINE_TRACKING": "off", "PIPELINE_PYTHON": sys.executable,
            "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}"}
-    sides = ["base", "head"] if args.base else ["head"]
+    sides = ["base", "head"] if args.base or args.vs_params else ["head"]
     threads = os.environ.get("OMP_NUM_THREADS", f"all {os.cpu_count()}")
     print(f"default pipeline, stage wall times ({os.cpu_count()} CPUs, torch threads: {threads})", flush=True)
     rows = []
@@ -88,14 +100,16 @@ def main() -> int:
         trees = {side: Path(tmp) / side for side in sides}
         for side, tree in trees.items():
             copy_tree(tree, args.base if side == "base" else None)
-            if args.params is not None:
-                shutil.copy2(args.params, tree / "params.yaml")
+            params = args.vs_params if side == "head" and args.vs_params else args.params
+            if params is not None:
+                shutil.copy2(params, tree / "params.yaml")
         for stage in stage_graph.load(trees["head"] / "dvc.yaml"):
             row = {"stage": stage.name}
             for side, tree in trees.items():
-                row[f"{side}_s"] = run_stage(tree, stage.cmd, env)
+                # each side its own torch.compile cache, empty at its first stage: a first run's cost
+                row[f"{side}_s"] = run_stage(tree, stage.cmd, {**env, "TORCHINDUCTOR_CACHE_DIR": str(tree / ".inductor")})
                 row[f"{side}_md5"] = model_md5(tree / "outputs" / stage.name)
-            if args.base:
+            if len(sides) == 2:
                 row["ratio"] = row["head_s"] / row["base_s"]
                 row["same_model"] = row["head_md5"] == row["base_md5"]
                 print(f"  {stage.name:9s} base {row['base_s']:7.1f} s  head {row['head_s']:7.1f} s  "
@@ -106,11 +120,18 @@ def main() -> int:
             rows.append(row)
     total = {side: sum(r[f"{side}_s"] for r in rows) for side in sides}
     print("  total     " + "  ".join(f"{side} {total[side]:7.1f} s" for side in sides)
-          + (f"  head/base {total['head'] / total['base']:.3f}" if args.base else ""))
+          + (f"  head/base {total['head'] / total['base']:.3f}" if len(sides) == 2 else ""))
     if args.out is not None:
         columns = list(rows[0])
         args.out.write_text("\t".join(columns) + "\n" + "".join(
             "\t".join(f"{r[c]:.3f}" if isinstance(r[c], float) else str(r[c]) for c in columns) + "\n" for r in rows))
+    if args.json is not None:
+        atomic_write_text(args.json, json.dumps({
+            "machine": machine(), "threads": threads, "date": time.strftime("%Y-%m-%d"),
+            "command": "benchmarks/stages.py " + " ".join(sys.argv[1:]),
+            "sides": {"base": str(args.base or args.params or "params.yaml"),
+                      "head": str(args.vs_params or args.params or "params.yaml")} if len(sides) == 2 else None,
+            "rows": rows, "total": total}, indent=1) + "\n")
     return 0
 
 

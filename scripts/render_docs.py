@@ -361,6 +361,24 @@ def render_throughput(root: Path) -> str:
     return "\n".join(out).strip() or "No throughput measurement is committed."
 
 
+def render_stage_pairs(root: Path) -> str:
+    """docs/guide/benchmarks.md: the default pipeline's stage wall times under two params files,
+    alternating stage by stage (docs/data/stages-*.json, written by benchmarks/stages.py --json)."""
+    out = []
+    for path in sorted((root / "docs" / "data").glob("stages-*.json")):
+        r = read_json(root, str(path.relative_to(root)))
+        base, head = r["sides"]["base"], r["sides"]["head"]
+        out += [f"{r['machine']}, torch threads: {r['threads']}, {r['date']}; `{r['command']}` "
+                f"(base: `{base}`, head: `{head}`):", "",
+                "| stage | base | head | head/base | same model |", "| --- | --- | --- | --- | --- |"]
+        for row in r["rows"]:
+            same = "-" if row["head_md5"] == "-" else ("yes" if row["same_model"] else "no")
+            out.append(f"| {row['stage']} | {row['base_s']:.1f} s | {row['head_s']:.1f} s | {row['ratio']:.2f} | {same} |")
+        t = r["total"]
+        out += [f"| total | {t['base']:.1f} s | {t['head']:.1f} s | {t['head'] / t['base']:.2f} | |", ""]
+    return "\n".join(out).strip() or "No stage-time comparison is committed."
+
+
 GPU_CHECK_SUITES = {"1": "1 process (plain PyTorch)", "ds1": "1 process (DeepSpeed ZeRO-2 and ZeRO-3)",
                     "2": "2 processes (DeepSpeed ZeRO-3)"}
 
@@ -602,6 +620,7 @@ RENDERERS: dict[str, Callable[[Path], str]] = {
     "demo": render_demo,
     "stage-resources": render_stage_resources,
     "throughput": render_throughput,
+    "stage-pairs": render_stage_pairs,
     "compare-run": render_compare_run,
     "compare-seeds": render_compare_seeds,
     "compare-sweeps": render_compare_sweeps,

@@ -109,7 +109,8 @@ def test_stages_benchmark_runs_both_sides_and_compares_their_models(tmp_path):
     dirty = subprocess.run(["git", "status", "--porcelain", "--", "pipeline", "dvc.yaml"], cwd=ROOT,
                            capture_output=True, text=True).stdout.strip()
     proc = subprocess.run([sys.executable, str(ROOT / "benchmarks/stages.py"), "--base", "HEAD", "--params",
-                           str(tmp_path / "tiny.yaml"), "--out", str(out)], cwd=ROOT, env=run_env(),
+                           str(tmp_path / "tiny.yaml"), "--out", str(out), "--json", str(tmp_path / "stages.json")],
+                          cwd=ROOT, env=run_env(),
                           capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stderr[-3000:]
     header, *rows = [line.split("\t") for line in out.read_text().splitlines()]
@@ -121,6 +122,12 @@ def test_stages_benchmark_runs_both_sides_and_compares_their_models(tmp_path):
         if not dirty:   # HEAD against itself
             assert r["same_model"] == "True" and r["head_md5"] == r["base_md5"], r
     assert "head/base" in proc.stdout
+    data = json.loads((tmp_path / "stages.json").read_text())
+    assert [r["stage"] for r in data["rows"]] == [r["stage"] for r in table] and data["machine"]
+    assert data["total"]["head"] == pytest.approx(sum(float(r["head_s"]) for r in table), abs=0.01)
+    both = subprocess.run([sys.executable, str(ROOT / "benchmarks/stages.py"), "--base", "HEAD", "--vs-params",
+                           str(tmp_path / "tiny.yaml")], cwd=ROOT, capture_output=True, text=True)
+    assert both.returncode == 2 and "one comparison at a time" in both.stderr
 
 
 # --- The scripts that need trained models or whole stages (minutes even at their smallest) run here on
