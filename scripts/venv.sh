@@ -122,12 +122,18 @@ echo "venv: torch: $name: $because"
 run() { if [ -n "$DRY_RUN" ]; then echo "$*"; else "$@"; fi; }
 [ -x "$VENV/bin/python" ] && [ "$stamp" != /nonexistent ] || run "$py" -m venv "$VENV"
 run "$VENV/bin/python" -m pip install -q --upgrade pip
-run "$VENV/bin/python" -m pip install -q "${torch_args[@]}" -c requirements.lock -c requirements-dev.lock \
-    -e '.[dev]'
+# torch first and alone from its build's index (its dependencies come with the rest, from PyPI):
+# only this one name is looked up there, so a network that cannot reach the index costs one failed
+# lookup, not one for every package, and pip then takes PyPI's torch (or a local wheel).
+replace=()
 if [ -n "$recorded" ] && [ "$recorded" != "$build" ]; then
     # The pinned version is already there, as the other build: pip would keep it.
     echo "venv: replacing torch with the $build build"
-    run "$VENV/bin/python" -m pip install -q --force-reinstall --no-deps "${torch_args[@]}" \
+    replace=(--force-reinstall)
+fi
+if [ ${#torch_args[@]} -gt 0 ] || [ ${#replace[@]} -gt 0 ]; then
+    run "$VENV/bin/python" -m pip install -q "${replace[@]}" --no-deps "${torch_args[@]}" \
         "$(grep -E '^torch==' requirements.lock)"
 fi
+run "$VENV/bin/python" -m pip install -q -c requirements.lock -c requirements-dev.lock -e '.[dev]'
 [ -n "$DRY_RUN" ] || echo "torch=$build" > "$stamp"

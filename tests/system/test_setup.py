@@ -178,9 +178,9 @@ def test_venv_torch_build_choice_and_refusals(tmp_path):
     proc = _venv_script(tmp_path, {"PATH": path, "TORCH": "cpu"})
     assert proc.returncode == 0 and "venv: replacing torch with the cpu build" in proc.stdout
     log = (venv / "pip.log").read_text()
-    assert "--extra-index-url https://download.pytorch.org/whl/cpu -c requirements.lock -c requirements-dev.lock -e .[dev]" in log
     pinned = next(line for line in (REPO / "requirements.lock").read_text().splitlines() if line.startswith("torch=="))
     assert f"--force-reinstall --no-deps --extra-index-url https://download.pytorch.org/whl/cpu {pinned}" in log
+    assert "install -q -c requirements.lock -c requirements-dev.lock -e .[dev]" in log   # the rest: PyPI alone
     assert (venv / ".installed").read_text().strip() == "torch=cpu"
     bad = _venv_script(tmp_path, {"PATH": path, "TORCH": "rocm"})
     assert bad.returncode == 1
@@ -193,6 +193,12 @@ def test_venv_torch_build_choice_and_refusals(tmp_path):
 
 
 CPU_INDEX = "--extra-index-url https://download.pytorch.org/whl/cpu"
+PINNED = next(line for line in (REPO / "requirements.lock").read_text().splitlines() if line.startswith("torch=="))
+
+
+def _torch_alone(index: str) -> str:
+    """The command that installs torch by itself from a build's index, before everything else."""
+    return f".venv/bin/python -m pip install -q --no-deps {index} {PINNED}"
 
 
 def _dry_run(tmp_path: Path, env: dict[str, str], gpus: int = 0) -> tuple[str, list[str]]:
@@ -218,13 +224,14 @@ def test_venv_picks_the_torch_build_from_the_machine_unless_torch_says(tmp_path)
     assert choice == ("venv: torch: the CPU-only build (https://download.pytorch.org/whl/cpu): no NVIDIA GPU "
                       f"here (no nvidia-smi on PATH lists one, no {tmp_path / 'no-driver'}); TORCH=pypi "
                       "installs PyPI's default build")
+    # torch alone from the CPU index, then the rest from PyPI only: an index out of reach costs one lookup
     assert commands == ["python3.12 -m venv .venv", ".venv/bin/python -m pip install -q --upgrade pip",
-                        install.format(CPU_INDEX + " ")]
+                        _torch_alone(CPU_INDEX), install.format("")]
 
     choice, commands = _dry_run(tmp_path, {"PATH": path}, gpus=2)
     assert choice == ("venv: torch: PyPI's default build (on Linux x86_64 the CUDA build, several GB): "
                       "nvidia-smi lists a GPU; TORCH=cpu installs the CPU-only build")
-    assert commands[-1] == install.format("")
+    assert commands[-1] == install.format("") and not any("--no-deps" in c for c in commands)
 
     driver = tmp_path / "version"
     driver.write_text("NVRM version: NVIDIA UNIX x86_64 Kernel Module\n")
@@ -234,11 +241,11 @@ def test_venv_picks_the_torch_build_from_the_machine_unless_torch_says(tmp_path)
     choice, commands = _dry_run(tmp_path, {"PATH": path, "TORCH": "cpu"}, gpus=1)
     assert choice == ("venv: torch: the CPU-only build (https://download.pytorch.org/whl/cpu): "
                       "as TORCH=cpu asks")
-    assert commands[-1] == install.format(CPU_INDEX + " ")
+    assert commands[-2:] == [_torch_alone(CPU_INDEX), install.format("")]
     choice, commands = _dry_run(tmp_path, {"PATH": path, "TORCH": "pypi"})
     assert choice.endswith("as TORCH=pypi asks") and commands[-1] == install.format("")
     choice, commands = _dry_run(tmp_path, {"PATH": path, "TORCH": "cu126"})
-    assert commands[-1] == install.format("--extra-index-url https://download.pytorch.org/whl/cu126 ")
+    assert commands[-2:] == [_torch_alone("--extra-index-url https://download.pytorch.org/whl/cu126"), install.format("")]
 
     # Installed, the choice is recorded; on a GPU machine later the venv keeps it (nothing runs again).
     proc = _venv_script(tmp_path, {"PATH": path})
