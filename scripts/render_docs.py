@@ -211,8 +211,12 @@ def headline_frontier(ev: dict[str, Any]) -> str:
     if not isinstance(f, dict) or "ppo_gap_gold" not in f:
         return ""
     if f.get("ppo_beyond_best_of_n"):
+        margin = ("" if f.get("ppo_margin_gold") is None else
+                  f" Against the best gold that SFT or a best-of-n reaches at less KL, PPO's is "
+                  f"{num(f.get('ppo_margin_gold'), '+.2f')} (95% CI {num(f.get('ppo_margin_gold_low'), '+.2f')} to "
+                  f"{num(f.get('ppo_margin_gold_high'), '+.2f')}; negative: a cheaper best-of-n does better).")
         return (" PPO's KL to SFT is past best-of-n's largest, so its gap to the best-of-n frontier (the "
-                "curve fitted through the best-of-n points) is not measured.")
+                "curve fitted through the best-of-n points) is not measured." + margin)
     return (f" Against the best-of-n frontier (the curve fitted through the best-of-n points) at its own KL, "
             f"PPO's gold is {num(f.get('ppo_gap_gold'), '+.2f')} (95% CI "
             f"{num(f.get('ppo_gap_gold_low'), '+.2f')} to {num(f.get('ppo_gap_gold_high'), '+.2f')}; "

@@ -77,7 +77,7 @@ def test_the_pages_have_the_blocks_they_should():
     assert blocks["README.md"] == ["demo", "seeds", "headline"]
     assert blocks["docs/guide/methods.md"] == ["compare-run", "compare-seeds", "compare-sweeps"]
     assert blocks["docs/guide/overoptimisation.md"] == ["frontier"]
-    assert blocks["docs/guide/benchmarks.md"] == ["stage-resources", "throughput"]
+    assert blocks["docs/guide/benchmarks.md"] == ["stage-resources", "throughput", "stage-pairs"]
     assert blocks["docs/guide/gpu-check.md"] == ["gpu-check"]
     assert blocks["docs/architecture.md"] == ["stages"]
     assert set(render_docs.RENDERERS) == {b for bs in blocks.values() for b in bs}, "a renderer no page uses"
@@ -154,6 +154,14 @@ def test_the_frontier_gap_is_rendered_where_the_data_has_it(tmp_path):
     """PPO's gold gap to the best-of-n frontier: in the headline, a column of the seeds table and of
     the compare run, from data that has it; data written before it was measured renders as before."""
     root = _copy_for_rendering(tmp_path)
+    path = root / "outputs/evaluate/metrics.json"
+    ev = json.loads(path.read_text())
+    ev.pop("frontier", None)                                   # a run written before the gap was measured
+    path.write_text(json.dumps(ev))
+    compare_path = root / "outputs/compare/metrics.json"
+    cm = json.loads(compare_path.read_text())
+    cm.pop("frontier", None)
+    compare_path.write_text(json.dumps(cm))
     before = {name: render_docs.RENDERERS[name](root) for name in ("headline", "seeds", "compare-run")}
     assert "best-of-n frontier" not in before["headline"] and "gap to best-of-n" not in before["seeds"]
     assert "gap to best-of-n" not in before["compare-run"]
@@ -166,9 +174,13 @@ def test_the_frontier_gap_is_rendered_where_the_data_has_it(tmp_path):
                 "KL, PPO's gold is -0.45 (95% CI -0.60 to -0.30; negative: below it).")
     assert sentence in render_docs.render_headline(root)
     ev["frontier"] = {"ppo_gap_gold": None, "ppo_gap_gold_low": None, "ppo_gap_gold_high": None,
-                      "ppo_beyond_best_of_n": True}
+                      "ppo_beyond_best_of_n": True, "ppo_margin_gold": -0.1221, "ppo_margin_gold_low": -0.2734,
+                      "ppo_margin_gold_high": 0.0292}
     path.write_text(json.dumps(ev))
-    assert "PPO's KL to SFT is past best-of-n's largest, so its gap" in render_docs.render_headline(root)
+    assert ("PPO's KL to SFT is past best-of-n's largest, so its gap to the best-of-n frontier (the curve fitted "
+            "through the best-of-n points) is not measured. Against the best gold that SFT or a best-of-n reaches "
+            "at less KL, PPO's is -0.12 (95% CI -0.27 to +0.03; negative: a cheaper best-of-n does better)."
+            ) in render_docs.render_headline(root)
     # The seeds table: a column once a run has the gap, "—" for a run recorded before it.
     grid_path = root / "docs/data/seed-grid.json"
     grid = json.loads(grid_path.read_text())
