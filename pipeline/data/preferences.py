@@ -54,7 +54,8 @@ def _rows(source: str, split: str, revision: Optional[str], key: str = "") -> li
     given, source = source, source.replace("{split}", split)
     path = Path(source)
     if looks_local(given) and not path.exists() and not path.is_symlink():   # a dangling link: regular_file
-        raise DataError(f"{source}: no such file" + (f" ({key}: {shown(given)})" if key else ""))
+        # A path is shown whole up to a long one (the user's own folders), cut in its middle beyond.
+        raise DataError(f"{source}: no such file" + (f" ({key}: {shown(given, 300, keep_end=True)})" if key else ""))
     if (path.exists() or path.is_symlink()) and not path.is_dir():
         regular_file(path)   # a FIFO, device or dangling link is refused before any reader opens it
     if path.suffix == ".jsonl" and path.is_file():

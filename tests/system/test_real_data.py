@@ -139,7 +139,7 @@ def test_a_missing_local_source_is_no_such_file_naming_its_key(tmp_path, monkeyp
     with the key that names it; the hub is never asked for a dataset of that name."""
     from pipeline.data.preferences import load_pairs, looks_local
     monkeypatch.chdir(tmp_path)
-    absolute = str(tmp_path / "pairs.parquet")
+    absolute = str(tmp_path / ("a-long-folder-name-" * 6) / "pairs.parquet")   # whole at any checkout path
     for section, path, read in (
             ("prompts", "userdata/prompts_{split}.jsonl", lambda p: inputs.prompts(p, tmp_path, "train")),
             ("sft", "./mine", lambda p: inputs.demonstrations(p, tmp_path, "train")),

@@ -593,7 +593,15 @@ def test_the_tiny_pipeline_on_a_device_that_is_not_the_cpu_measures_what_the_cpu
         assert {k: got[k] for k in gpu_only(stage)} == dict.fromkeys(gpu_only(stage), 0.0)
         assert (got["resources/gpus"], want["resources/gpus"]) == (1, 0)
         for key, value in want.items():
-            if not key.startswith(timings):
+            if key.startswith(timings):
+                continue
+            if value is None:                          # a gap not measured (beyond best-of-n's range)
+                assert got[key] is None, (stage, key)
+            elif key.startswith("frontier/"):
+                # The best-of-n curve is refitted on each resample through the policies' mean KLs,
+                # whose float differences (~1e-6) move a percentile bound by about 1e-5.
+                assert got[key] == pytest.approx(value, rel=1e-4, abs=1e-4, nan_ok=True), (stage, key)
+            else:
                 assert got[key] == pytest.approx(value, rel=1e-4, abs=1e-6, nan_ok=True), (stage, key)
 
 
@@ -647,7 +655,11 @@ def test_every_method_and_option_on_a_device_that_is_not_the_cpu_measures_what_t
             # required to be there and finite; its code ran on the device all the same.
             if key.startswith(timings) or "/seconds" in key or "stage_" in key:
                 continue
-            if stage == "grpo" or key.startswith("grpo/"):
-                assert math.isfinite(got[key]), (stage, key)
+            if stage == "grpo" or key.startswith(("grpo/", "frontier/grpo_")):
+                assert got[key] is None or math.isfinite(got[key]), (stage, key)
+            elif value is None:                        # a gap not measured (beyond best-of-n's range)
+                assert got[key] is None, (stage, key)
+            elif key.startswith("frontier/"):          # refitted curves: see the test above
+                assert got[key] == pytest.approx(value, rel=1e-4, abs=1e-4, nan_ok=True), (stage, key)
             else:
                 assert got[key] == pytest.approx(value, rel=1e-4, abs=1e-5, nan_ok=True), (stage, key)
