@@ -115,11 +115,6 @@ def _mean(xs: Sequence[float], idx: Optional[Sequence[int]] = None) -> float:
     return sum(xs[i] for i in idx) / len(idx)
 
 
-def _curve(sft_gold: Sequence[float], best_of: Sequence[Series],
-           idx: Optional[Sequence[int]]) -> Optional[Curve]:
-    return fit(_mean(sft_gold, idx), [(_mean(s.kl, idx), _mean(s.gold, idx)) for s in best_of])
-
-
 def _frontier(curve: Optional[Curve], kl: float) -> float:
     return NAN if curve is None else curve.at(kl)
 
@@ -128,12 +123,6 @@ def reference(sft_gold: float, best_of: Sequence[tuple[float, float]], kl: float
     """The best mean gold measured at `kl` nats or less: SFT's (KL 0) or a best-of-n's, each
     (mean KL, mean gold) of `best_of`."""
     return max([sft_gold, *(gold for bkl, gold in best_of if bkl <= kl)])
-
-
-def _margin(sft_gold: Sequence[float], best_of: Sequence[Series], s: Series,
-            idx: Optional[Sequence[int]]) -> float:
-    points = [(_mean(b.kl, idx), _mean(b.gold, idx)) for b in best_of]
-    return _mean(s.gold, idx) - reference(_mean(sft_gold, idx), points, _mean(s.kl, idx))
 
 
 def gaps(sft_gold: Sequence[float], best_of: Sequence[Series], policies: Mapping[str, Series],
@@ -149,25 +138,36 @@ def gaps(sft_gold: Sequence[float], best_of: Sequence[Series], policies: Mapping
         if len(s.kl) != n or len(s.gold) != n:
             raise ValueError(f"frontier gap: {name} has {len(s.kl)} KLs and {len(s.gold)} gold scores for "
                              f"{n} prompts; every policy answers the same prompts")
-    curve = _curve(sft_gold, best_of, None)
-    kl_max = max((_mean(s.kl) for s in best_of), default=None)
-    point = {name: (_mean(s.kl), _mean(s.gold)) for name, s in policies.items()}
+    def means(idx: Optional[Sequence[int]]):
+        """SFT's mean gold, best-of-n's (mean KL, mean gold) points and their curve, over prompts
+        `idx` (None: all): computed once per resample, for every policy's gap and margin."""
+        g0, points = _mean(sft_gold, idx), [(_mean(s.kl, idx), _mean(s.gold, idx)) for s in best_of]
+        return g0, points, fit(g0, points)
+
+    def gap_and_margin(s: Series, idx: Optional[Sequence[int]], g0, points, c) -> tuple[float, float]:
+        kl, gold = _mean(s.kl, idx), _mean(s.gold, idx)
+        return gold - _frontier(c, kl), (gold - reference(g0, points, kl) if points else NAN)
+
+    g0, points, curve = means(None)
+    kl_max = max((kl for kl, _ in points), default=None)
     boots: dict[str, list[float]] = {name: [] for name in policies}
     margins: dict[str, list[float]] = {name: [] for name in policies}
     if best_of:
         for idx in resamples(n, n_boot, seed):
-            c = _curve(sft_gold, best_of, idx)
+            resampled = means(idx)
             for name, s in policies.items():
-                boots[name].append(_mean(s.gold, idx) - _frontier(c, _mean(s.kl, idx)))
-                margins[name].append(_margin(sft_gold, best_of, s, idx))
+                gap, margin = gap_and_margin(s, idx, *resampled)
+                boots[name].append(gap)
+                margins[name].append(margin)
     out = {}
-    for name, (kl, gold) in point.items():
+    for name, s in policies.items():
+        kl, gold = _mean(s.kl), _mean(s.gold)
         frontier = _frontier(curve, kl)
         defined = sorted(g for g in boots[name] if not math.isnan(g))
         low, high = (percentile_interval(defined) if not math.isnan(frontier) and defined
                      and len(defined) >= MIN_DEFINED * n_boot else (NAN, NAN))
         beyond = None if kl_max is None else kl > kl_max
         m_low, m_high = percentile_interval(sorted(margins[name])) if margins[name] else (NAN, NAN)
-        margin = _margin(sft_gold, best_of, policies[name], None) if best_of else NAN
+        margin = gap_and_margin(s, None, g0, points, curve)[1]
         out[name] = Gap(gold - frontier, low, high, beyond, kl, gold, frontier, margin, m_low, m_high)
     return out
