@@ -496,12 +496,20 @@ class PPOConfig:
     kl_estimator: str = named("KL estimator", "k1", doc="k1, k2 or k3 (Schulman 2020; ppo/advantages.py)")
     adaptive_kl: bool = False
     kl_target: float = num(6.0, gt=0.0)
-    kl_horizon: float = num(10000.0, gt=0.0)
+    # The adaptive controller's horizon in iterations (TRL's and Ziegler et al.'s is in episodes: theirs
+    # divided by rollout_batch_size): each iteration moves kl_coef by at most 0.2 / kl_horizon of itself.
+    kl_horizon: float = num(10.0, gt=0.0, doc="adaptive controller horizon, in iterations")
     target_kl: Optional[float] = num(None, gt=0.0, doc="stop the epochs early above this approx KL")
     score_clip: Optional[float] = num(None, gt=0.0)
     whiten_rewards: bool = False
     missing_eos_score: Optional[float] = -3.0
     critic_init: Literal["reward", "sft"] = "reward"
+    # The first critic_warmup iterations train the critic only, the actor frozen (OpenRLHF's
+    # freezing_actor_steps): its first advantages come from a critic that has seen the policy's returns.
+    critic_warmup: int = num(0, ge=0, doc="iterations at the start that train the critic only")
+    # Scores divided by the reward model's stored scale (the standard deviation of its held-out
+    # demonstration scores; OpenRLHF's --normalize_reward): kl_coef then weighs KL against a unit of spread.
+    normalize_reward: bool = False
     reward_source: str = "reward_model"
     reward_timeout: float = num(600.0, gt=0.0, le=1e6, doc="seconds one call of a reward_source function may take")
     on_nonfinite: Literal["stop", "skip"] = "stop"   # a NaN/inf loss or gradient (training/nonfinite.py)
@@ -599,6 +607,22 @@ class PPOConfig:
                               f"{self.kl_coef}); set one of them to 0, never both (double penalty)")
         if self.adaptive_kl and self.kl_coef == 0:
             raise ConfigError(f"{s}.adaptive_kl: needs {s}.kl_coef > 0 as its initial value")
+        if self.adaptive_kl and self.kl_horizon > self.iterations:
+            # Also what an episode count (TRL's unit, e.g. 10000) becomes here: a controller that cannot move.
+            raise ConfigError(f"{s}.kl_horizon: {self.kl_horizon:g} iterations is longer than the run "
+                              f"({s}.iterations={self.iterations}), so kl_coef could not reach kl_target; the horizon "
+                              f"is in iterations (an episode count divided by {s}.rollout_batch_size)")
+        if self.critic_warmup and not self.uses_critic:
+            raise ConfigError(f"{s}.critic_warmup: {self.advantage} has no critic to warm up; set it to 0")
+        if self.critic_warmup and self.shared_backbone:
+            raise ConfigError(f"{s}.critic_warmup: with shared_backbone the critic's trunk is the actor, which the "
+                              "warm-up freezes; use one or the other")
+        if self.critic_warmup >= self.iterations:
+            raise ConfigError(f"{s}.critic_warmup: {self.critic_warmup} iterations leave none of the "
+                              f"{self.iterations} ({s}.iterations) to train the actor")
+        if self.normalize_reward and self.reward_source != "reward_model":
+            raise ConfigError(f"{s}.normalize_reward: divides by the reward model's stored scale; "
+                              f"{s}.reward_source {self.reward_source!r} is a function (scale it there)")
         if self.rollout_engine == "vllm":
             self._check_vllm()
         if type(self.recompute_logprobs) is not bool and self.recompute_logprobs != "auto":

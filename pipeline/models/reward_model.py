@@ -9,6 +9,9 @@ right-padded batches give the same scores.
 Normalisation (Huang et al. 2024, "The N+ implementation details of RLHF with PPO", §reward
 normalisation): after training, the mean raw score of reference responses is stored in the model's
 config as `reward_offset`; `score` subtracts it, so every consumer (PPO, evaluation) applies it alike.
+The standard deviation of the same scores is stored beside it as `reward_scale`, for the RL stages
+that divide by it (`ppo.normalize_reward`, as OpenRLHF's `--normalize_reward` reads the mean and
+std its reward model stored); the scores themselves stay in the offset's units.
 """
 
 from __future__ import annotations
@@ -32,6 +35,7 @@ if TYPE_CHECKING:   # imported where a model is loaded (pipeline/models/checkpoi
     from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 OFFSET_KEY = "reward_offset"
+SCALE_KEY = "reward_scale"
 
 
 def head(model: torch.nn.Module) -> torch.nn.Module:
@@ -159,6 +163,13 @@ def length_sorted_scores(model: PreTrainedModel, seqs: list[list[int]], pad_id: 
 
 def offset(model: PreTrainedModel) -> float:
     return float(getattr(model.config, OFFSET_KEY, 0.0) or 0.0)
+
+
+def scale(model: PreTrainedModel) -> float | None:
+    """The stored standard deviation of the normalised scores of the reference responses (None when
+    the model stores none: trained without `reward.normalize`, or by an earlier version)."""
+    value = getattr(model.config, SCALE_KEY, None)
+    return float(value) if value is not None else None
 
 
 def fit_pair_parts(p: list[int], r: list[int], max_length: int,

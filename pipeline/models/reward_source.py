@@ -22,7 +22,7 @@ import torch
 
 from . import reward_model as rm
 from ..config import reward_function
-from ..errors import ConfigError, shown
+from ..errors import CheckpointError, ConfigError, shown
 
 
 class RewardSource(Protocol):
@@ -36,11 +36,14 @@ class RewardModelSource:
 
     def __init__(self, path: Path | None, max_length: int, trust_remote_code: bool = False,
                  place: Callable[[torch.nn.Module], Any] | None = None, *, device: torch.device | None = None,
-                 dtype: torch.dtype | None = None, loaded: tuple[torch.nn.Module, Any] | None = None):
+                 dtype: torch.dtype | None = None, loaded: tuple[torch.nn.Module, Any] | None = None,
+                 unit_variance: str | None = None):
         """The reward model at `path` (or `loaded`: a model and tokenizer in memory). `place` puts it
         where PPO's placement wants it (a FrozenModel: e.g. partitioned by ZeRO-3); else it goes to
         `device` in `dtype` (this rank's device, for a measurement). A `loaded` model is used as it
-        is (score_texts scores in eval mode and restores its mode)."""
+        is (score_texts scores in eval mode and restores its mode). `unit_variance`: the params key that
+        asked for scores divided by the model's stored scale (reward_model.SCALE_KEY), for its error
+        when the model stores none; None: scores in the offset's units."""
         if loaded is not None:
             model, self.tok = loaded
         else:
@@ -49,9 +52,18 @@ class RewardModelSource:
         self.placed = place(model) if place is not None else None
         self.model = self.placed.model if self.placed is not None else model.to(device) if device else model
         self.max_length = max_length
+        self.scale = 1.0
+        if unit_variance is not None:
+            stored = rm.scale(model)
+            if stored is None or not stored > 0:
+                raise CheckpointError(f"{unit_variance}: the reward model {path or 'in memory'} stores no "
+                                      f"{rm.SCALE_KEY} (trained without reward.normalize, or by an earlier version); "
+                                      f"retrain it, or set {unit_variance}: false")
+            self.scale = stored
 
     def score(self, prompts: list[str], responses: list[str]) -> torch.Tensor:
-        return rm.score_texts(self.model, self.tok, prompts, responses, self.max_length)
+        scores = rm.score_texts(self.model, self.tok, prompts, responses, self.max_length)
+        return scores / self.scale if self.scale != 1.0 else scores
 
     @contextlib.contextmanager
     def gathered(self) -> Iterator["RewardModelSource"]:
@@ -134,7 +146,9 @@ def user_code(key: str, spec: str, timeout: float, what: str) -> Iterator[None]:
 def make_reward_source(spec: str, reward_dir: Path, max_length: int, trust_remote_code: bool,
                        place: Callable[[torch.nn.Module], Any] | None = None,
                        dtype: torch.dtype | None = None, key: str = "ppo.reward_source",
-                       timeout: float = 600.0) -> RewardSource:
+                       timeout: float = 600.0, unit_variance: str | None = None) -> RewardSource:
+    """The source `spec` names; `unit_variance` as RewardModelSource's (reward models only, config.py)."""
     if spec == "reward_model":
-        return RewardModelSource(reward_dir, max_length, trust_remote_code, place, dtype=dtype)
+        return RewardModelSource(reward_dir, max_length, trust_remote_code, place, dtype=dtype,
+                                 unit_variance=unit_variance)
     return FunctionSource(spec, key=key, timeout=timeout)

@@ -260,7 +260,8 @@ class AdaptiveKLController:
         self.horizon = float(horizon)
 
     def update(self, current_kl: float, n_steps: int) -> float:
-        """Update from the KL measured over the last ``n_steps`` samples; returns the new kl_coef."""
+        """Update from the KL measured over the last ``n_steps`` steps, in the horizon's unit (the PPO
+        trainer's: iterations, one per call); returns the new kl_coef."""
         proportional_error = min(max(current_kl / self.target - 1.0, -0.2), 0.2)
         self.kl_coef *= 1.0 + proportional_error * n_steps / self.horizon
         return self.kl_coef

@@ -34,7 +34,7 @@ from ..context import SINGLE, Context
 from ..training import loading
 from ..training.engines import FrozenModel, TrainEngine, make_engine
 from ..errors import CheckpointError
-from ..models.checkpoints import load_policy
+from ..models.checkpoints import load_policy, modifying
 from ..models.reward_source import RewardModelSource, RewardSource, make_reward_source
 
 if TYPE_CHECKING:   # annotations only (pipeline/models/checkpoints.py says why)
@@ -134,12 +134,14 @@ def place_models(params: Params, sft_dir: Path, reward_dir: Path, ctx: Context =
     dist = cfg.distributed
     trust = params.model.trust_remote_code
     torch.manual_seed(cfg.seed)
-    n_updates = cfg.iterations * cfg.ppo_epochs * (cfg.rollout_batch_size // cfg.minibatch_size)
-    schedule = _linear_decay(n_updates, cfg.lr_schedule)
-    # Actor and critic engines differ only in their learning rate.
+    per_iteration = cfg.ppo_epochs * (cfg.rollout_batch_size // cfg.minibatch_size)   # optimizer steps
+    # Actor and critic engines differ in their learning rate, and in their schedule's length when the
+    # actor sits out the critic's warm-up (its decay spans the iterations that train it).
     accumulation = cfg.minibatch_size // ctx.world_size // cfg.micro_batch_size
-    engine_settings = dict(weight_decay=0.0, schedule=schedule, max_grad_norm=cfg.max_grad_norm, dist=dist, ctx=ctx,
+    engine_settings = dict(weight_decay=0.0, schedule=_linear_decay(cfg.iterations * per_iteration, cfg.lr_schedule),
+                           max_grad_norm=cfg.max_grad_norm, dist=dist, ctx=ctx,
                            micro_batch_size=cfg.micro_batch_size, accumulation_steps=accumulation)
+    actor_schedule = _linear_decay((cfg.iterations - cfg.critic_warmup) * per_iteration, cfg.lr_schedule)
     trained, frozen_dtype = loading.load_dtype(dist, trained=True), loading.load_dtype(dist, trained=False)
 
     memory = _MemoryMeter(ctx.device)
@@ -148,7 +150,7 @@ def place_models(params: Params, sft_dir: Path, reward_dir: Path, ctx: Context =
     actor_model = lora.wrap(actor_model, cfg.lora, "CAUSAL_LM", f"{section}.lora")
     # Dropout off in the trained models too: PPO's ratio must be exactly 1 before the first update.
     actor_model.eval()
-    actor = make_engine(actor_model, lr=cfg.lr, **engine_settings)
+    actor = make_engine(actor_model, lr=cfg.lr, **{**engine_settings, "schedule": actor_schedule})
     memory.mark("actor")
 
     with loading.partitioned(dist, ctx):
@@ -172,7 +174,8 @@ def place_models(params: Params, sft_dir: Path, reward_dir: Path, ctx: Context =
             ref = ref_holder.model
         memory.mark("reference")
         reward = make_reward_source(cfg.reward_source, reward_dir, params.reward.max_length, trust, place_frozen,
-                                    frozen_dtype, key=f"{section}.reward_source", timeout=cfg.reward_timeout)
+                                    frozen_dtype, key=f"{section}.reward_source", timeout=cfg.reward_timeout,
+                                    unit_variance=f"{section}.normalize_reward" if cfg.normalize_reward else None)
         memory.mark("reward")
         auditor = None
         if cfg.detector.enabled and cfg.detector.auditor is not None:
@@ -192,6 +195,8 @@ def _critic(cfg: PPOConfig, actor: TrainEngine, vocab_size: int, sft_dir: Path, 
     else:
         if cfg.critic_init == "reward":
             critic_model, _ = rm.load_reward_model(reward_dir, trust, dtype)
+            if cfg.normalize_reward:   # values in the units of the scores they predict (the source checked the scale)
+                rescale_head(critic_model, 1.0 / (rm.scale(critic_model) or 1.0))
         else:
             critic_model, _ = rm.init_reward_model(sft_dir, cfg.seed, None, trust, {"dtype": dtype})
         if critic_model.config.vocab_size != vocab_size:
@@ -200,6 +205,16 @@ def _critic(cfg: PPOConfig, actor: TrainEngine, vocab_size: int, sft_dir: Path, 
         critic_model = lora.wrap(critic_model, cfg.critic_lora, "SEQ_CLS", f"{cfg._section}.critic_lora")
     critic_model.eval()
     return make_engine(critic_model, lr=cfg.critic_lr, **engine_settings)
+
+
+def rescale_head(model: torch.nn.Module, factor: float) -> None:
+    """Multiply a scalar-head model's outputs by `factor` (its head's weight and bias), before any
+    engine wraps it."""
+    layer = rm.head(model)
+    weights = [p for p in (layer.weight, layer.bias) if p is not None]
+    with modifying(weights), torch.no_grad():   # ZeRO-3 may have partitioned them as they loaded
+        for p in weights:
+            p.mul_(factor)
 
 
 class _MemoryMeter:

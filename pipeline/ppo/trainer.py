@@ -12,7 +12,8 @@ One iteration (numbered as in the code):
                  baseline (group_advantages.py), the same advantage on every token
   5. update      ppo_epochs of shuffled minibatches, micro-batch gradient accumulation,
                  clipped policy loss (aggregated as ppo.loss_aggregation), value loss (with a
-                 critic), early stop above target_kl
+                 critic), early stop above target_kl; the first critic_warmup iterations
+                 update the critic only
   6. log         metrics of the iteration, health warnings, checkpoint every save_every
 """
 
@@ -156,7 +157,8 @@ class PPOTrainer:
         counts = {"tokens": n_tokens, "responses": n_rows}   # what the mode averages over (AGGREGATIONS)
         agg = dict(mode=mode, loss_denominator=counts[group.AGGREGATIONS.facts(mode)["counts"]],
                    max_len=cfg.sampling.max_new_tokens)
-        with self.forwards():
+        frozen = self.actor_frozen
+        with self.forwards(), (torch.no_grad() if frozen else contextlib.nullcontext()):   # its stats still logged
             logprobs, entropy = policy_logprobs(self.m.actor.forward, ro, cfg.sampling.temperature, with_entropy=True,
                                                 entropy_grad=cfg.entropy_coef > 0)
         weights = b.tis_weights[idx, :r] if b.tis_weights is not None else None
@@ -184,7 +186,8 @@ class PPOTrainer:
             vstats["loss/value"] = v_loss.item()
         # Two graphs (a shared trunk is run twice), so two backward passes, one per engine.
         keep = 0.0 if filler else 1.0
-        self.m.actor.backward(self.guard.poisoned(loss * keep), boundary=boundary)
+        if not frozen:
+            self.m.actor.backward(self.guard.poisoned(loss * keep), boundary=boundary)
         if self.m.critic is not None:
             self.m.critic.backward(self.guard.poisoned(cfg.vf_coef * v_loss * keep), boundary=boundary)
         if filler:
@@ -194,6 +197,11 @@ class PPOTrainer:
         out.update({"loss/policy": pg_loss.item(), **({"loss/value": vstats["loss/value"]} if vstats else {}),
                     "objective/entropy": ent_sum.item(), **{k: stats[k] for k in MAX_STATS if k in stats}})
         return out
+
+    @property
+    def actor_frozen(self) -> bool:
+        """Whether this iteration trains the critic only (the first `critic_warmup`)."""
+        return self.iteration < self.cfg.critic_warmup
 
     @contextlib.contextmanager
     def forwards(self) -> Iterator[None]:
@@ -211,6 +219,9 @@ class PPOTrainer:
         norms = {}
         for name, engine in (("policy/grad_norm", self.m.actor), ("val/grad_norm", self.m.critic)):
             if engine is None:
+                continue
+            if engine is self.m.actor and self.actor_frozen:   # no gradient to apply: logged as 0
+                norms[name], self.actor_lr = 0.0, 0.0
                 continue
             result = engine.step()   # skipped (and reported below) when the norm is not finite
             if self.guard.stops:
@@ -309,7 +320,7 @@ class PPOTrainer:
         # Every rank continues with the same, global statistics.
         stats = self.ctx.reduce_stats(stats, sum_keys=SUM_STATS, max_keys=MAX_STATS)
         stats[nonfinite.COLUMN] = self.guard.skipped   # the same on every rank (training/nonfinite.py)
-        self.kl_ctl.update(stats["objective/kl"], cfg.rollout_batch_size)
+        self.kl_ctl.update(stats["objective/kl"], 1)   # the horizon is in iterations (config.py)
         self.iteration = it
         if self.ctx.is_main:
             if not self._announced:   # warning level: the stages configure no logging, and this must show

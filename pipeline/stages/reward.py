@@ -62,6 +62,8 @@ def declared_metrics() -> list[Metric]:
         m("calibration.tsv", "count", "ordered pairs in the bin"),
         m(METRICS_JSON, "eval/offset", "the normalisation offset stored in the model: mean raw score of the "
                                        "held-out demonstrations", "!no_normalize"),
+        m(METRICS_JSON, "eval/scale", "standard deviation of the same demonstrations' scores, stored in the model "
+                                      "for `ppo.normalize_reward` (not stored when 0)", "!no_normalize"),
         m(METRICS_JSON, "eval/accuracy", "held-out pairwise accuracy: r(chosen) > r(rejected)"),
         m(METRICS_JSON, "eval/chosen_mean", "mean normalised RM score of the held-out chosen responses"),
         m(METRICS_JSON, "eval/chosen_std", "their standard deviation"),
@@ -287,14 +289,19 @@ def evaluate(params: Params, held: HeldOut, out_dir: Path, scored: Scored,
     return m
 
 
-def normalise(model, tok, params: Params, demos: list[dict]) -> float:
-    """Store the mean raw score of held-out demonstrations as the offset; returns that mean."""
+def normalise(model, tok, params: Params, demos: list[dict]) -> tuple[float, float]:
+    """Store the mean raw score of held-out demonstrations as the offset and their standard deviation
+    as the scale (what `ppo.normalize_reward` divides by); returns (mean, std)."""
     from ..models import reward_model as rm
     setattr(model.config, rm.OFFSET_KEY, 0.0)
-    mean = float(rm.score_texts(model, tok, [d["prompt"] for d in demos], [d["response"] for d in demos],
-                                params.reward.max_length).mean())
+    raw = rm.score_texts(model, tok, [d["prompt"] for d in demos], [d["response"] for d in demos],
+                         params.reward.max_length)                                      # (N,)
+    mean, std = float(raw.mean()), float(raw.std()) if len(demos) > 1 else 0.0
     setattr(model.config, rm.OFFSET_KEY, mean)
-    return mean
+    # One demonstration, or all scored alike: no spread to divide by, so no scale is stored (and
+    # ppo.normalize_reward refuses this model) rather than failing a trained model here.
+    setattr(model.config, rm.SCALE_KEY, std if std > 0 else None)
+    return mean, std
 
 
 def train(run: StageRun, data_dir: Path, sft_dir: Path, progress: bool = True):
@@ -339,7 +346,7 @@ def train(run: StageRun, data_dir: Path, sft_dir: Path, progress: bool = True):
         offset = None
         with whole(engine) as trained:
             if cfg.normalize:
-                offset = normalise(trained, tok, params, held.demonstrations)
+                offset = normalise(trained, tok, params, held.demonstrations)   # (mean, std)
             rc, rr, imbalance = score_pairs(trained, tok, eval_pairs, cfg.max_length, ctx, engine.device,
                                             shared_prompt=cfg.shared_prompt)
             stored = rm.offset(trained)
@@ -347,7 +354,7 @@ def train(run: StageRun, data_dir: Path, sft_dir: Path, progress: bool = True):
 
     def report(model, result, measured) -> dict[str, Any]:
         offset, scored = measured
-        return {**({"eval/offset": offset} if offset is not None else {}),
+        return {**({"eval/offset": offset[0], "eval/scale": offset[1]} if offset is not None else {}),
                 **evaluate(params, held, out_dir, scored, run.tracker)}
 
     recipe = supervised.Recipe(model, len(train_pairs), task, measure, report,

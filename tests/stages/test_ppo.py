@@ -249,3 +249,48 @@ def test_detector_stop_keeps_the_last_checkpoint_before_the_alarm(dirs, tmp_path
     model = AutoModelForCausalLM.from_pretrained(str(tmp_path / "out/model")).state_dict()
     common = set(kept) & set(model)
     assert len(common) > 5 and all(torch.equal(kept[k], model[k]) for k in common)
+
+
+def test_critic_warmup_freezes_the_actor_then_releases_it(dirs):
+    """critic_warmup: 2 of 3 iterations train the critic alone (actor bits unchanged, its lr logged 0);
+    the third moves the actor, whose schedule starts at the peak there."""
+    params = _params(iterations=3, critic_warmup=2, lr_schedule="linear")
+    m = place_models(params, dirs / "sft", dirs / "rm")
+    trainer = PPOTrainer(params.ppo, m, ["Review the film Silent River . Focus on the music ."] * 8)
+    actor0 = [p.detach().clone() for p in m.actor.model.parameters()]
+    critic0 = [p.detach().clone() for p in m.critic.model.parameters()]
+    for _ in range(2):
+        stats = trainer.step()
+        assert stats["lr"] == 0.0 and stats["policy/grad_norm"] == 0.0 and stats["val/grad_norm"] > 0
+    assert all(torch.equal(a, b) for a, b in zip(actor0, m.actor.model.parameters()))
+    assert not all(torch.equal(a, b) for a, b in zip(critic0, m.critic.model.parameters()))
+    stats = trainer.step()
+    assert stats["lr"] == pytest.approx(1e-3 * (1 - 3 / 4))   # its 4th of 4 updates: (3 - 2) x 2 epochs x 2 minibatches
+    assert stats["policy/grad_norm"] > 0
+    assert not all(torch.equal(a, b) for a, b in zip(actor0, m.actor.model.parameters()))
+
+
+def test_normalize_reward_divides_scores_and_critic_by_the_stored_scale(dirs, tmp_path):
+    import shutil
+    with pytest.raises(Exception, match=r"^ppo.normalize_reward: the reward model .* stores no reward_scale"):
+        place_models(_params(normalize_reward=True), dirs / "sft", dirs / "rm")   # the fixture's RM has none
+    shutil.copytree(dirs / "rm", tmp_path / "rm")
+    config = json.loads((tmp_path / "rm/config.json").read_text())
+    (tmp_path / "rm/config.json").write_text(json.dumps({**config, rm.SCALE_KEY: 2.5}))
+    plain = place_models(_params(), dirs / "sft", dirs / "rm")
+    unit = place_models(_params(normalize_reward=True), dirs / "sft", tmp_path / "rm")
+    prompts, responses = ["Review the film Silent River . Focus on the music ."] * 2, ["the music was good .", "bad ."]
+    torch.testing.assert_close(unit.reward.score(prompts, responses), plain.reward.score(prompts, responses) / 2.5)
+    torch.testing.assert_close(rm.head(unit.critic.model).weight, rm.head(plain.critic.model).weight / 2.5)
+
+
+@pytest.mark.parametrize("ppo, match", [
+    ({"adaptive_kl": True, "kl_horizon": 10000}, r"ppo.kl_horizon: 10000 iterations is longer than the run"),
+    ({"critic_warmup": 100}, r"ppo.critic_warmup: 100 iterations leave none"),
+    ({"critic_warmup": 5, "advantage": "grpo", "samples_per_prompt": 4}, r"ppo.critic_warmup: grpo has no critic"),
+    ({"critic_warmup": 5, "shared_backbone": True}, r"ppo.critic_warmup: with shared_backbone"),
+    ({"normalize_reward": True, "reward_source": "pipeline.tasks.reviews:gold_scores"}, r"ppo.normalize_reward: .*function"),
+])
+def test_warmup_horizon_and_normalisation_keys_are_checked(ppo, match):
+    with pytest.raises(ConfigError, match=r"^params.yaml: " + match):
+        from_dict(Params, {"ppo": ppo}, "params.yaml: ")

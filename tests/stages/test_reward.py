@@ -10,7 +10,7 @@ from transformers import AutoModelForSequenceClassification, GPT2Config, LlamaCo
 
 from pipeline.data.padding import right_pad
 from pipeline.models import reward_model as rm
-from pipeline.errors import DataError
+from pipeline.errors import CheckpointError, DataError
 from pipeline.data.preferences import Pair, load_pairs
 from pipeline.stages.reward import calibration, gold_order_agreement
 
@@ -122,11 +122,21 @@ def test_normalisation_makes_reference_mean_zero(tmp_path):
     (tmp_path / "sft_train.jsonl").write_text(json.dumps({"prompt": "Review the film Silent Harbor .",
                                                           "response": "I loved the plot ."}) + "\n")
     from pipeline.data import inputs
-    raw_mean = normalise(model, tok, Params(), inputs.demonstrations(Params(), tmp_path, "eval"))
-    scores = rm.score_texts(model, tok, [d["prompt"] for d in demos], [d["response"] for d in demos], 96)
+    raw_mean, raw_std = normalise(model, tok, Params(), inputs.demonstrations(Params(), tmp_path, "eval"))
+    prompts, responses = [d["prompt"] for d in demos], [d["response"] for d in demos]
+    scores = rm.score_texts(model, tok, prompts, responses, 96)
     assert abs(raw_mean) > 1e-3                       # the offset did something
     assert scores.mean().item() == pytest.approx(0.0, abs=1e-5)
     assert rm.offset(model) == pytest.approx(raw_mean)
+    assert rm.scale(model) == pytest.approx(scores.std().item(), rel=1e-5) == pytest.approx(raw_std)
+    # ppo.normalize_reward's source: the same scores in units of that spread (unit variance here)
+    from pipeline.models.reward_source import RewardModelSource
+    unit = RewardModelSource(None, 96, loaded=(model, tok), unit_variance="ppo.normalize_reward").score(prompts, responses)
+    torch.testing.assert_close(unit, scores / raw_std)
+    assert unit.std().item() == pytest.approx(1.0, rel=1e-5)
+    setattr(model.config, rm.SCALE_KEY, None)          # an RM that stores no scale is refused, naming the key
+    with pytest.raises(CheckpointError, match=r"^ppo.normalize_reward: .*stores no reward_scale"):
+        RewardModelSource(None, 96, loaded=(model, tok), unit_variance="ppo.normalize_reward")
 
 
 # ---- Data layouts -------------------------------------------------------------------------------
