@@ -12,8 +12,9 @@ machine takes another path. Runs that share upstream seed and threads share one 
 Each run executes the stage commands of dvc.yaml in a copy of the tracked files (MLflow off), and
 the grid prints and writes (`--out`, default /tmp/seed_grid.tsv) per run: the evaluate stage's gold
 and RM win rates of PPO over SFT, gold, RM score and KL to SFT, PPO's gold gap to the best-of-n
-frontier at its KL with its interval and whether its KL is past best-of-n's largest (the evaluate
-stage's `frontier/*`; empty where not measured), the detector's first alarm, the collapse iteration
+frontier at its KL with its interval and whether its KL is past best-of-n's largest, and its margin
+over the best gold SFT or a best-of-n reaches at no more KL with its interval (the evaluate stage's
+`frontier/*`; empty where not measured), the detector's first alarm, the collapse iteration
 (pipeline/measurement/collapse.py: the first PPO iteration, from the one where the rollouts' mean
 gold peaked, whose mean gold is below the SFT policy's held-out gold; 0 for none), and the PPO
 stage's wall time. Then the median and range.
@@ -40,10 +41,12 @@ sys.path.insert(0, str(ROOT))
 from pipeline.measurement.collapse import collapse_iteration, gold_per_iteration  # noqa: E402
 
 # evaluate's `frontier/*` of PPO: its gold gap to the best-of-n frontier (null where not measured)
-FRONTIER = ("ppo_gap_gold", "ppo_gap_gold_low", "ppo_gap_gold_high", "ppo_beyond_best_of_n")
+FRONTIER = ("ppo_gap_gold", "ppo_gap_gold_low", "ppo_gap_gold_high", "ppo_beyond_best_of_n",
+            "ppo_margin_gold", "ppo_margin_gold_low", "ppo_margin_gold_high")
 DEFAULT_RUNS = [f"{u}:{p}" for u in (0, 1) for p in range(5)] + ["0:0:1", "0:1:1"]
 COLUMNS = ["run", "gold_win", "gold_win_low", "gold_win_high", "rm_win", "ppo_gold", "sft_gold", "ppo_rm", "ppo_kl",
            "ppo_gap_gold", "ppo_gap_gold_low", "ppo_gap_gold_high", "ppo_beyond_best_of_n",
+           "ppo_margin_gold", "ppo_margin_gold_low", "ppo_margin_gold_high",
            "rm_accuracy", "rm_accuracy_of_ceiling", "detector_first_fire", "collapse_iteration",
            "sft_seconds", "reward_seconds", "ppo_seconds", "evaluate_seconds"]
 
@@ -156,7 +159,7 @@ def main() -> int:
             w = csv.DictWriter(f, COLUMNS, delimiter="\t")
             w.writeheader()
             w.writerows(rows)
-    for col in ("gold_win", "rm_win", "ppo_gold", "ppo_rm", "ppo_kl", "ppo_gap_gold"):
+    for col in ("gold_win", "rm_win", "ppo_gold", "ppo_rm", "ppo_kl", "ppo_gap_gold", "ppo_margin_gold"):
         xs = [r[col] for r in rows if isinstance(r[col], (int, float)) and not isinstance(r[col], bool)]
         if not xs:   # the gap: not measured (PPO past best-of-n's KL on every run)
             continue

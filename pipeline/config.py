@@ -311,7 +311,18 @@ class RewardConfig(SupervisedConfig):
     # One row [prompt, chosen, rejected] per pair under a block attention mask instead of two rows:
     # the same scores with the prompt run once (reward_model.branch_scores).
     shared_prompt: bool = True
+    # Each training micro-batch's pairs end to end in one row, their two sequences side by side with
+    # position ids restarting per sequence (reward_model.packed_scores), as sft.packing: no compute
+    # on padding with flash_attention_2, a dense mask under SDPA or eager. Only with shared_prompt
+    # false: a rejected branch sees the prompt but not the chosen response, which restarting position
+    # ids cannot say.
+    packing: bool = False
     dataset: PreferenceDataConfig = field(default_factory=PreferenceDataConfig)
+
+    def __post_init__(self) -> None:
+        if self.packing and self.shared_prompt:
+            raise ConfigError("reward.packing: packs whole sequences, not reward.shared_prompt's branch "
+                              "rows; set reward.shared_prompt: false to pack, or reward.packing: false")
 
 
 @dataclass(frozen=True)
@@ -329,6 +340,11 @@ class PairMethodConfig(SupervisedConfig):
     max_length: int = num(96, ge=8, doc="prompt + the longer of its two responses (kto: its own and its "
                                         "mismatched one), in tokens; longer ones follow `overlong`")
     n_eval_prompts: int = num(200, ge=2, doc="held-out prompts the trained policy is measured on (as prompts.sampling)")
+    # Each training micro-batch's sequences (a pair's two, kto: its own responses and, in the step's
+    # KL forward, the mismatched ones) end to end in one row with position ids restarting per
+    # sequence (preference.logprobs.packed_sequence_logprobs), as sft.packing; the reference and
+    # held-out passes stay padded rows.
+    packing: bool = False
     dataset: PreferenceDataConfig = field(default_factory=PreferenceDataConfig)   # the RM's pairs by default
 
     _section: typing.ClassVar[str] = ""   # the params section, for error messages

@@ -323,6 +323,41 @@ def seed_gap(r: dict[str, Any]) -> str:
                         r.get("ppo_beyond_best_of_n"))
 
 
+def render_ppo_variants(root: Path) -> str:
+    """docs/guide/ppo.md: PPO variants over seeds against each run's best-of-n frontier
+    (docs/data/ppo-variants.json, written by benchmarks/ppo_variants.py --collect)."""
+    data = read_json(root, "docs/data/ppo-variants.json")
+    if data is None or not data.get("variants"):
+        return ("No PPO variants are measured on this commit: `benchmarks/ppo_variants.py` runs them, and "
+                "`make docs` renders them here.")
+    lines = [f"Measured on {data.get('machine', 'an unrecorded machine')}, {data.get('date', 'undated')}, the "
+             "full default's SFT and reward model per seed, PPO and evaluate per variant; seed `s:p` as in the "
+             "README's seeds table. Against best-of-n: the gold gap to its curve at PPO's own KL, or, past "
+             "best-of-n's largest KL, the margin over the best gold SFT or a best-of-n reaches at no more KL "
+             "(95% intervals, paired over prompts):", "",
+             "| variant | params | seed | gold: SFT → PPO | KL to SFT, nats | against best-of-n (95% CI) | "
+             "PPO beats SFT, gold |", "|" + " --- |" * 7]
+    for v in data["variants"]:
+        params = ", ".join(f"`{o}`" for o in v.get("overrides", [])) or "as committed"
+        for r in v.get("runs", []):
+            lines.append(f"| {v.get('name', NA)} | {params} | {':'.join(str(r.get('run', NA)).split(':')[:2])} | "
+                         f"{num(r.get('sft_gold'), '.2f')} → {num(r.get('ppo_gold'), '.2f')} | "
+                         f"{num(r.get('ppo_kl'), '.2f')} | {against_frontier(r)} | {pct(r.get('gold_win'))} |")
+    return "\n".join(lines)
+
+
+def against_frontier(r: dict[str, Any]) -> str:
+    """A run's gap to the best-of-n curve, or past best-of-n's KL its margin over the best point at no
+    more KL; n/a where neither was measured."""
+    if not r.get("ppo_beyond_best_of_n"):
+        return "gap " + frontier_gap(r.get("ppo_gap_gold"), r.get("ppo_gap_gold_low"), r.get("ppo_gap_gold_high"), False)
+    margin = r.get("ppo_margin_gold")
+    if NA in (num(r.get("ppo_margin_gold_low"), "f"), num(r.get("ppo_margin_gold_high"), "f")):
+        return f"beyond; margin {num(margin, '+.2f')}"
+    return (f"beyond; margin {num(margin, '+.2f')} ({num(r.get('ppo_margin_gold_low'), '+.2f')} to "
+            f"{num(r.get('ppo_margin_gold_high'), '+.2f')})")
+
+
 def render_stage_resources(root: Path) -> str:
     """docs/guide/benchmarks.md: each committed stage's wall time and peak memory."""
     lines = ["| stage | wall time | peak resident memory | device |", "| --- | --- | --- | --- |"]
@@ -630,6 +665,7 @@ RENDERERS: dict[str, Callable[[Path], str]] = {
     "compare-sweeps": render_compare_sweeps,
     "frontier": render_frontier,
     "hub-rehearsal": render_hub_rehearsal,
+    "ppo-variants": render_ppo_variants,
 }
 
 

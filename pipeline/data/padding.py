@@ -1,9 +1,14 @@
-"""Padding token-id lists into batches: the one place every stage pads.
+"""Padding token-id lists into batches: the one place every stage pads, or packs.
 
 Prompts are padded on the left (every prompt ends at the same column, so generation appends to all
 rows at once); responses and whole training sequences on the right. Masks are bool, True on real
 tokens; callers that hand a mask to a Hugging Face model as `attention_mask` convert it with
 `.long()`.
+
+Packed (`pack`), the sequences go end to end in one row with no padding and no mask: position ids
+restarting at 0 for each are what tells attention where one ends (transformers' masking_utils
+starts a sequence wherever a position id is not the one before it plus 1: flash-attention's
+variable-length kernel, a block-diagonal mask under SDPA or eager).
 """
 
 from __future__ import annotations
@@ -35,3 +40,12 @@ def right_pad(seqs: list[list[int]], pad_id: int) -> tuple[torch.Tensor, torch.T
 def positions(attention_mask: torch.Tensor) -> torch.Tensor:
     """(B, T) position ids counted from each row's first real token (left pads never shift them)."""
     return (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
+
+
+def pack(seqs: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor]:
+    """(1, N) ids of `seqs` end to end, N their total length, and (1, N) position ids restarting at
+    0 for each: every sequence gets the positions it has alone, as right-padded rows give it."""
+    ids = [t for s in seqs for t in s]
+    pos = [i for s in seqs for i in range(len(s))]
+    return (torch.tensor(ids, dtype=torch.long, device="cpu")[None],     # (1, N)
+            torch.tensor(pos, dtype=torch.long, device="cpu")[None])     # (1, N)

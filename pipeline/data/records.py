@@ -14,7 +14,7 @@ import torch
 
 from ..errors import DataError
 from ..files import read_records
-from .padding import right_pad
+from .padding import pack, right_pad
 from .tokenizer import cut_prompt, encode_prompt, encode_response
 
 if TYPE_CHECKING:   # annotations only (pipeline/models/checkpoints.py says why)
@@ -81,8 +81,7 @@ def collate_packed(batch: list[Example]) -> dict[str, torch.Tensor]:
     restarts as packed sequences and keeps attention within each (flash-attention's
     variable-length kernel; a block-diagonal mask under SDPA or eager). Labels as collate_sft's,
     each example's first token ignored too, so none is trained to follow the one before it."""
-    ids = torch.tensor([t for e in batch for t in e.input_ids], dtype=torch.long, device="cpu")[None]   # (1, N)
-    pos = torch.tensor([i for e in batch for i in range(len(e.input_ids))], dtype=torch.long, device="cpu")[None]
+    ids, pos = pack([e.input_ids for e in batch])                                            # (1, N) each
     labels = ids.clone()                                                                             # (1, N)
     start = 0
     for e in batch:

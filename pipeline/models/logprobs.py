@@ -168,3 +168,29 @@ def response_logprobs(model, input_ids: torch.Tensor, attention_mask: torch.Tens
                        use_cache=False, **extra).logits[:, -(R + 1):-1]                                 # (B, R, H)
     lp, ent = chunked_stats(head, hidden.reshape(B * R, -1), labels.reshape(-1), temperature, entropy, entropy_grad)
     return lp.view(B, R), (ent.view(B, R) if ent is not None else None)
+
+
+def keeps_logits_at(model) -> bool:
+    """Whether the model's forward takes `logits_to_keep` as a tensor of positions: transformers'
+    own classes do (slice_logits_to_keep); a class of remote code may take a count only."""
+    return keeps_logits(model) and type(hf_model(model)).__module__.startswith("transformers.")
+
+
+def packed_logprobs(model, input_ids: torch.Tensor, position_ids: torch.Tensor,
+                    predicting: torch.Tensor) -> torch.Tensor:
+    """(K,) log pi(input_ids[0, c + 1]) given its sequence up to column c, for each of the K columns
+    c of `predicting`, in a packed (1, N) row (data.padding.pack: no attention mask, position ids
+    restarting per sequence, so attention stays within each), temperature 1. The LM head runs on
+    those columns only where the model takes them (`keeps_logits_at`), and chunk by chunk above
+    logit_chunks.LOGITS_CHUNK_BYTES, as `response_logprobs`."""
+    labels = input_ids[0, predicting + 1]                                                           # (K,)
+    at = keeps_logits_at(model)
+    head = chunked_head(model, labels.numel())
+    extra = {"logits_to_keep": predicting} if at else {}
+    with hidden_out(head) if head is not None else contextlib.nullcontext():
+        out = model(input_ids=input_ids, position_ids=position_ids, use_cache=False, **extra).logits
+    # out: (1, K) columns, or all N without `at`; V logits each, or H hidden states when chunked
+    out = out[0] if at else out[0, predicting]                                                  # (K, V or H)
+    if head is None:
+        return logprobs_from_logits(out.float(), labels)
+    return chunked_stats(head, out, labels, 1.0)[0]

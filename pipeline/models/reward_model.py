@@ -16,8 +16,8 @@ std its reward model stored); the scores themselves stay in the offset's units.
 
 from __future__ import annotations
 
+import itertools
 import json
-
 import math
 from typing import TYPE_CHECKING, Callable
 from pathlib import Path
@@ -25,7 +25,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from ..data.padding import positions, right_pad
+from ..data.padding import pack, positions, right_pad
 from ..errors import CheckpointError
 from .lora import unwrap
 from .checkpoints import fit_embeddings, from_checkpoint, modifying
@@ -100,10 +100,11 @@ def last_token_index(attention_mask: torch.Tensor) -> torch.Tensor:
     return T - 1 - attention_mask.flip(-1).long().argmax(-1)
 
 
-def hidden_states(model: PreTrainedModel, input_ids: torch.Tensor, attention_mask: torch.Tensor,
+def hidden_states(model: PreTrainedModel, input_ids: torch.Tensor, attention_mask: torch.Tensor | None,
                   position_ids: torch.Tensor | None = None) -> torch.Tensor:
     """(B, T, H) last hidden states of the backbone. attention_mask: (B, T) padding mask, positions
-    counted from each row's first real token; or a (B, 1, T, T) additive mask with its position_ids."""
+    counted from each row's first real token; or a (B, 1, T, T) additive mask with its position_ids;
+    or None for a packed row (data.padding.pack), its position ids restarting per sequence."""
     if position_ids is None:
         position_ids = positions(attention_mask)
     out = unwrap(model).base_model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
@@ -139,6 +140,18 @@ def in_input_order(part_scores: list[torch.Tensor], parts: list[list[int]]) -> t
     scores = torch.cat(part_scores)
     order = torch.tensor([i for part in parts for i in part], device=scores.device)
     return scores[torch.argsort(order)]
+
+
+def packed_scores(model: PreTrainedModel, seqs: list[list[int]],
+                  device: torch.device | None = None) -> torch.Tensor:
+    """(N,) raw scores of `seqs` end to end in one row (data.padding.pack): each read at its own last
+    token, as `raw_scores` of padded rows gives them up to floating-point rounding, with no token
+    of the forward padding."""
+    device = device if device is not None else next(model.parameters()).device
+    ids, pos = pack(seqs)                                                                  # (1, N) each
+    last = torch.tensor(list(itertools.accumulate(map(len, seqs))), device="cpu") - 1      # (S,)
+    hidden = hidden_states(model, ids.to(device), None, pos.to(device))                    # (1, N, H)
+    return head(model)(hidden[0, last.to(device)]).squeeze(-1).float()
 
 
 def length_sorted_scores(model: PreTrainedModel, seqs: list[list[int]], pad_id: int,
@@ -267,9 +280,12 @@ class EncodedPairs:
         return fit_pair_parts(p, self.response_ids(response), self.max_length,
                               lambda room: cut_prompt(self.tok, prompt, room, p))
 
-    def row_tokens(self, triple: tuple, shared_prompt: bool) -> int:
+    def row_tokens(self, triple: tuple, shared_prompt: bool, packed: bool = False) -> int:
         """Tokens the pair occupies in a training forward: its one row of prompt and both
-        responses (`shared_prompt`), else its two rows of prompt + response padded to the longer."""
+        responses (`shared_prompt`), its two sequences end to end (`packed`), else its two rows of
+        prompt + response padded to the longer."""
+        if packed:
+            return sum(map(len, self.seqs(triple)))
         if shared_prompt:
             return sum(len(prefix) + sum(map(len, branches)) for prefix, branches in self.rows(triple))
         return 2 * max(map(len, self.seqs(triple)))
@@ -345,18 +361,26 @@ def branch_scores(model: PreTrainedModel, rows: list[Row], pad_id: int, device: 
 
 
 def pair_scores(model: PreTrainedModel, tok: PreTrainedTokenizerBase, triples: list[tuple[str, str, str]],
-                max_length: int, device: torch.device | None = None,
-                shared_prompt: bool = True, encoded: EncodedPairs | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                max_length: int, device: torch.device | None = None, shared_prompt: bool = True,
+                encoded: EncodedPairs | None = None,
+                packed: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """Raw (B,) scores of chosen and rejected of (prompt, chosen, rejected) triples.
 
     shared_prompt: each pair is one row [prompt, chosen, rejected] (`branch_scores`), so the prompt
     is run once instead of twice; else 2B length-sorted sequences (`length_sorted_scores`). Both
-    give the same scores up to floating-point rounding (tests/stages/test_reward.py). encoded: token ids
-    kept from earlier calls (its max_length must be this one); None: encode afresh."""
+    give the same scores up to floating-point rounding (tests/stages/test_reward.py). packed: the 2B
+    sequences in one row, each pair's two side by side (`packed_scores`; not with shared_prompt, whose
+    rejected branch sees the prompt but not the chosen response: position ids cannot say that).
+    encoded: token ids kept from earlier calls (its max_length must be this one); None: encode afresh."""
     if encoded is None:
         encoded = EncodedPairs(tok, max_length)
     elif encoded.max_length != max_length:
         raise ValueError(f"pair_scores: encoded pairs of max_length {encoded.max_length}, asked {max_length}")
+    if packed:
+        if shared_prompt:
+            raise ValueError("pair_scores: packed rows hold whole sequences; pass shared_prompt=False")
+        scores = packed_scores(model, [s for t in triples for s in encoded.seqs(t)], device).view(-1, 2)
+        return scores[:, 0], scores[:, 1]
     if not shared_prompt:
         both = [encoded.seqs(t) for t in triples]
         seqs = [c for c, _ in both] + [r for _, r in both]

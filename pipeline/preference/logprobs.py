@@ -4,7 +4,8 @@ Layout: the rollout's (``pipeline/models/logprobs.py``): prompts left-padded, re
 right-padded, so the prompt is never gathered (its log-probs are not part of the sum) and the
 numbers are the same gather PPO's reference log-probs and the evaluate stage's KL use. Chosen and
 rejected go through one forward of 2N rows (each prompt twice), so a training step is one forward
-and one backward, and each side sees the same padding of its prompt.
+and one backward, and each side sees the same padding of its prompt. Packed (`<stage>.packing`,
+the training forwards only): the 2N sequences end to end in one row, no token of it padding.
 
 The reference model's log-probs do not change during training: ``reference_logprobs`` computes
 them once, without a graph, before the first step, so no second model is resident while the
@@ -18,11 +19,11 @@ from dataclasses import dataclass
 import torch
 
 from ..data.inputs import fit_lengths
-from ..data.padding import left_pad, positions, right_pad
+from ..data.padding import left_pad, pack, positions, right_pad
 from ..data.preferences import Pair, check_distinct
 from ..data.tokenizer import cut_prompt, encode_prompt, encode_response
 from ..errors import DataError
-from ..models.logprobs import response_logprobs
+from ..models.logprobs import packed_logprobs, response_logprobs
 
 
 @dataclass(frozen=True)
@@ -41,6 +42,11 @@ class TokenPair:
     def width(self) -> int:
         """Tokens of the longer of its two rows (prompt + response)."""
         return len(self.prompt) + max(len(self.chosen), len(self.rejected))
+
+    @property
+    def packed_width(self) -> int:
+        """Tokens of its two sequences end to end (prompt + chosen, prompt + rejected)."""
+        return 2 * len(self.prompt) + len(self.chosen) + len(self.rejected)
 
 
 def fit_pairs(pairs: list[Pair], tok, max_length: int, overlong: str,
@@ -78,12 +84,17 @@ def sequence_logprobs(
     prompts: list[list[int]],
     responses: list[list[int]],
     pad_id: int,
+    packed: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:  # (B,) summed response log-probs, (B,) response lengths
     """Sum over each response's tokens of log pi(y_t | x, y_<t), with grad when the caller has
     it enabled. Temperature 1: these are the model's own probabilities, not a sampler's. Float32
-    whatever the model's dtype (``response_logprobs`` upcasts the logits before the logsumexp)."""
+    whatever the model's dtype (``response_logprobs`` upcasts the logits before the logsumexp).
+    `packed`: the B sequences end to end in one row (`packed_sequence_logprobs`), the same sums up
+    to floating-point rounding."""
     if len(prompts) != len(responses) or not prompts:
         raise ValueError(f"need as many prompts as responses, at least one; got {len(prompts)} and {len(responses)}")
+    if packed:
+        return packed_sequence_logprobs(model, prompts, responses)
     device = next(model.parameters()).device
     p_ids, p_mask = left_pad(prompts, pad_id)  # (B, P)
     r_ids, r_mask = right_pad(responses, pad_id)  # (B, R)
@@ -96,12 +107,40 @@ def sequence_logprobs(
     return summed, r_mask.sum(1)
 
 
+def packed_sequence_logprobs(
+    model,
+    prompts: list[list[int]],
+    responses: list[list[int]],
+) -> tuple[torch.Tensor, torch.Tensor]:  # (B,) summed response log-probs, (B,) response lengths
+    """`sequence_logprobs` of prompt + response sequences packed end to end in one (1, N) row
+    (data.padding.pack): no padding computed, attention within each sequence by its restarting
+    position ids, and the LM head run only at the columns that predict a response token."""
+    device = next(model.parameters()).device
+    ids, pos = pack([p + r for p, r in zip(prompts, responses)])  # (1, N) each
+    predicting, start = [], 0  # columns whose next token is a response token
+    for p, r in zip(prompts, responses):
+        predicting += range(start + len(p) - 1, start + len(p) + len(r) - 1)
+        start += len(p) + len(r)
+    cols = torch.tensor(predicting, dtype=torch.long, device="cpu")  # (K,), K = the responses' tokens
+    per_token = packed_logprobs(model, ids.to(device), pos.to(device), cols.to(device))  # (K,)
+    lengths = [len(r) for r in responses]
+    summed = torch.stack([t.sum() for t in per_token.split(lengths)])  # (B,)
+    return summed, torch.tensor(lengths, dtype=torch.long, device=device)
+
+
 def pair_logprobs(
     model,
     pairs: list[TokenPair],
     pad_id: int,
+    packed: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:  # chosen (N,), rejected (N,): summed response log-probs
-    """Chosen and rejected log-probs of N pairs in one forward of 2N rows."""
+    """Chosen and rejected log-probs of N pairs in one forward of 2N rows, or (`packed`) of one
+    row holding the 2N sequences, each pair's two side by side."""
+    if packed:
+        prompts = [p.prompt for p in pairs for _ in range(2)]
+        responses = [r for p in pairs for r in (p.chosen, p.rejected)]
+        summed, _ = sequence_logprobs(model, prompts, responses, pad_id, packed=True)  # (2N,)
+        return summed[0::2], summed[1::2]
     prompts = [p.prompt for p in pairs] * 2
     responses = [p.chosen for p in pairs] + [p.rejected for p in pairs]
     summed, _ = sequence_logprobs(model, prompts, responses, pad_id)  # (2N,)

@@ -5,7 +5,8 @@ It runs the offline-pair sequence of pipeline/stages/pair_method.py (steps 1-5 t
 1. The examples are the pairs themselves; a pair whose responses tokenise alike is refused.
 3. The reference pass scores the training pairs only for a loss that takes reference log-probs
    (SimPO is reference-free); the held-out pairs are scored for every method, for the log-prob drift.
-4. Per micro-batch one forward of 2N rows, the method's loss (pipeline/preference/losses.py).
+4. Per micro-batch one forward of 2N rows (`dpo.packing`: one row), the method's loss
+   (pipeline/preference/losses.py).
    train.tsv and eval.tsv carry the same columns (COLUMNS): the loss, the implicit-reward accuracy,
    margin and rewards, and the policy's mean summed log-probs of the chosen and rejected responses,
    so the known failure where both fall while the margin grows (Pal et al. 2024) is visible;
@@ -142,10 +143,12 @@ def preference_loss(cfg: PreferenceOptConfig, part: list[ScoredPair], logp_chose
     return loss(logp_chosen, logp_rejected, beta=cfg.beta, **given, **{k: options[k] for k in facts["options"]})
 
 
-def batch_loss(model, cfg: PreferenceOptConfig, part: list[ScoredPair], pad_id: int) -> tuple[torch.Tensor, dict[str, float]]:
-    """The policy's loss on `part`: one forward of its 2n sequences, then the method's loss."""
+def batch_loss(model, cfg: PreferenceOptConfig, part: list[ScoredPair], pad_id: int,
+               packed: bool = False) -> tuple[torch.Tensor, dict[str, float]]:
+    """The policy's loss on `part`: one forward of its 2n sequences (2n rows, or one `packed` row),
+    then the method's loss."""
     from ..preference.logprobs import pair_logprobs
-    logp_chosen, logp_rejected = pair_logprobs(model, [s.tokens for s in part], pad_id)   # (n,), (n,)
+    logp_chosen, logp_rejected = pair_logprobs(model, [s.tokens for s in part], pad_id, packed)   # (n,), (n,)
     return preference_loss(cfg, part, logp_chosen, logp_rejected)
 
 
@@ -185,6 +188,7 @@ def task(cfg: PreferenceOptConfig, engine: TrainEngine, micro: int, prepared: Pr
     """Steps 3-4: the reference log-probs, then the method's loss of a micro-batch."""
     import torch
     from ..preference.losses import PREFERENCE_LOSSES
+    from ..training import token_batches
     from ..training.supervised import SupervisedTask
     pad, width = prepared.pad, prepared.width
     # 3. The reference log-probs, once, before the first step (and before a resumed state is loaded).
@@ -192,15 +196,19 @@ def task(cfg: PreferenceOptConfig, engine: TrainEngine, micro: int, prepared: Pr
                                   needed=PREFERENCE_LOSSES.facts(cfg.method)["reference"])
     eval_items = score_reference(engine, prepared.held_tokens, width, pad)   # every method: the drift columns
 
-    # 4. The loss of a micro-batch, normalised by the global batch (pairs).
+    # 4. The loss of a micro-batch, normalised by the global batch (pairs); with `packing` its
+    # sequences in one row (the reference and held-out passes stay padded rows).
     def loss(part: list[ScoredPair], batch: list[ScoredPair]) -> tuple[torch.Tensor, list[float]]:
-        value, stats = batch_loss(engine.forward, cfg, part, pad)
+        value, stats = batch_loss(engine.forward, cfg, part, pad, cfg.packing)
         return value * len(part) / len(batch), [stats[key] * len(part) for key in COLUMNS.values()]
 
     return SupervisedTask(prepared.name, train_items, list(COLUMNS), loss, normaliser=len,
                           eval_columns=[*COLUMNS, *DRIFT],
                           evaluate=lambda: eval_pairs(engine.model, cfg, eval_items, pad, prepared.ctx, width),
-                          length=lambda item: 2 * item.tokens.width)   # its two rows, chosen and rejected
+                          # its two rows, chosen and rejected; packed, its two sequences
+                          length=lambda item: (item.tokens.packed_width if cfg.packing
+                                               else 2 * item.tokens.width),
+                          forwards=token_batches.packed if cfg.packing else None)
 
 
 METHOD = PairMethod(SPEC, task, final_metrics)

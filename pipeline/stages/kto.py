@@ -15,8 +15,9 @@ pipeline/stages/pair_method.py (steps 1-5 there); what is its own:
 4. Per step z_ref is the policy's KL estimate over the whole global batch (every rank the same,
    without gradient, clamped at 0), so the step does not depend on how the batch is split into
    processes and micro-batches; per micro-batch one forward of its own responses and `kto_loss`
-   (pipeline/preference/losses.py). train.tsv and eval.tsv carry the loss, z_ref, the mean implicit
-   reward (beta (log pi - log pi_ref)) of each kind, their margin and each kind's mean summed log-prob.
+   (pipeline/preference/losses.py); `kto.packing` runs both forwards on packed rows. train.tsv and
+   eval.tsv carry the loss, z_ref, the mean implicit reward (beta (log pi - log pi_ref)) of each
+   kind, their margin and each kind's mean summed log-prob.
 5. The last held-out row as `eval/*`, the last step's margin as `train/margin`.
 """
 
@@ -128,15 +129,16 @@ def _tensors(part: list[Example], device, dtype) -> tuple[torch.Tensor, torch.Te
     return ref, kl_ref, desirable
 
 
-def batch_kl(model, items: list[Example], chunk: int, pad_id: int) -> torch.Tensor:
+def batch_kl(model, items: list[Example], chunk: int, pad_id: int, packed: bool = False) -> torch.Tensor:
     """z_ref of `items` (a global batch): the policy's log-probs of the mismatched responses, `chunk`
-    at a time, against the reference's."""
+    at a time (in one row each when `packed`), against the reference's."""
     import torch
     from ..preference.logprobs import sequence_logprobs
     from ..preference.losses import reference_point
     with torch.no_grad():  # not inference_mode: see pipeline/ppo/scoring.py
         kl_logp = torch.cat([sequence_logprobs(model, [e.tokens.prompt for e in items[s:s + chunk]],
-                                               [e.tokens.rejected for e in items[s:s + chunk]], pad_id)[0].float().cpu()
+                                               [e.tokens.rejected for e in items[s:s + chunk]], pad_id,
+                                               packed)[0].float().cpu()
                              for s in range(0, len(items), chunk)])   # (B,)
         return reference_point(kl_logp, torch.tensor([e.kl_ref for e in items], dtype=kl_logp.dtype, device=kl_logp.device))
 
@@ -155,12 +157,13 @@ def stats_sums(terms: torch.Tensor, rewards: torch.Tensor, logp: torch.Tensor, d
 
 
 def part_loss(forward, cfg, part: list[Example], z_ref: torch.Tensor, pad_id: int,
-              counts: tuple[int, int, int]) -> tuple[torch.Tensor, list[float]]:
+              counts: tuple[int, int, int], packed: bool = False) -> tuple[torch.Tensor, list[float]]:
     """A micro-batch's share of the batch's mean loss (its terms' sum over the batch size), and its
-    column sums (`stats_sums`)."""
+    column sums (`stats_sums`); its own responses in one row when `packed`."""
     from ..preference.logprobs import sequence_logprobs
     from ..preference.losses import kto_loss
-    logp, _ = sequence_logprobs(forward, [e.tokens.prompt for e in part], [e.tokens.chosen for e in part], pad_id)
+    logp, _ = sequence_logprobs(forward, [e.tokens.prompt for e in part], [e.tokens.chosen for e in part],
+                                pad_id, packed)
     ref, _, desirable = _tensors(part, logp.device, logp.dtype)
     terms, rewards = kto_loss(logp, ref, desirable, z_ref.to(logp.device, logp.dtype), cfg.beta,
                               cfg.lambda_desirable, cfg.lambda_undesirable)
@@ -201,23 +204,26 @@ def final_metrics(result: SupervisedResult) -> dict[str, Any]:
 def task(cfg: KTOConfig, engine: TrainEngine, micro: int, prepared: Prepared) -> SupervisedTask:
     """Steps 3-4: the reference log-probs, then z_ref per step and the loss of a micro-batch."""
     import torch
+    from ..training import token_batches
     from ..training.supervised import SupervisedTask
     pad, width = prepared.pad, prepared.width
     # 3. The reference log-probs, once, before the first step (and before a resumed state is loaded).
     train_items = score_reference(engine, prepared.train, width, pad)
     eval_items = score_reference(engine, prepared.held, width, pad)
 
-    # 4. Per step z_ref over the global batch (the same on every rank), then each micro-batch's terms.
+    # 4. Per step z_ref over the global batch (the same on every rank), then each micro-batch's terms;
+    # with `packing` both forwards in packed rows (the reference and held-out passes stay padded).
     step_z: dict[str, Any] = {"batch": None, "z": None}
 
     def loss(part: list[Example], batch: list[Example]) -> tuple[torch.Tensor, list[float]]:
         if step_z["batch"] is not batch:
-            step_z["batch"], step_z["z"] = batch, batch_kl(engine.forward, batch, 2 * micro, pad)
-        return part_loss(engine.forward, cfg, part, step_z["z"], pad, kinds(batch))
+            step_z["batch"], step_z["z"] = batch, batch_kl(engine.forward, batch, 2 * micro, pad, cfg.packing)
+        return part_loss(engine.forward, cfg, part, step_z["z"], pad, kinds(batch), cfg.packing)
 
     return SupervisedTask("kto", train_items, list(COLUMNS), loss, normaliser=len, eval_columns=list(COLUMNS),
                           evaluate=lambda: eval_examples(engine.model, cfg, eval_items, pad, prepared.ctx, width),
-                          length=lambda e: len(e.tokens.prompt) + len(e.tokens.chosen))   # its own response's row
+                          length=lambda e: len(e.tokens.prompt) + len(e.tokens.chosen),   # its own response
+                          forwards=token_batches.packed if cfg.packing else None)
 
 
 def counts(kept: list[Pair]) -> dict[str, int]:

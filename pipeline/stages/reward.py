@@ -128,11 +128,12 @@ def fit_pairs(pairs: list[Pair], encoded: rm.EncodedPairs, overlong: str) -> tup
 
 
 def batch_scores(model, tok, pairs: list[Pair], max_length: int, device: torch.device | None = None,
-                 shared_prompt: bool = True, encoded: rm.EncodedPairs | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """Raw (B,) scores of chosen and rejected (`reward_model.pair_scores`)."""
+                 shared_prompt: bool = True, encoded: rm.EncodedPairs | None = None,
+                 packed: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """Raw (B,) scores of chosen and rejected (`reward_model.pair_scores`; `packed`: in one row)."""
     from ..models import reward_model as rm
     return rm.pair_scores(model, tok, [(p.prompt, p.chosen, p.rejected) for p in pairs], max_length, device,
-                          shared_prompt, encoded)
+                          shared_prompt, encoded, packed)
 
 
 def score_pairs(model, tok, pairs: list[Pair], max_length: int, ctx: Context = SINGLE,
@@ -311,7 +312,7 @@ def train(run: StageRun, data_dir: Path, sft_dir: Path, progress: bool = True):
     from ..measurement.policy import whole
     from ..models import lora, reward_model as rm
     from ..models.checkpoints import load_kwargs
-    from ..training import loading, supervised
+    from ..training import loading, supervised, token_batches
     from ..training.supervised import SupervisedTask
     params, ctx, out_dir = run.params, run.ctx, run.out
     cfg = params.reward
@@ -327,8 +328,10 @@ def train(run: StageRun, data_dir: Path, sft_dir: Path, progress: bool = True):
     torch.manual_seed(cfg.seed)
 
     def task(engine, micro: int) -> SupervisedTask:
+        # With `packing`, a micro-batch's pairs in one row (held-out and final scoring stay padded rows).
         def loss(part: list[Pair], batch: list[Pair]) -> tuple[torch.Tensor, list[float]]:
-            rc, rr = batch_scores(engine.model, tok, part, cfg.max_length, engine.device, cfg.shared_prompt, encoded)
+            rc, rr = batch_scores(engine.model, tok, part, cfg.max_length, engine.device, cfg.shared_prompt,
+                                  encoded, cfg.packing)
             total, correct = rm.pairwise_loss_sum(rc, rr, torch.tensor([p.margin for p in part], device=rc.device))
             return total / cfg.batch_size, [total.item(), correct]
 
@@ -337,8 +340,10 @@ def train(run: StageRun, data_dir: Path, sft_dir: Path, progress: bool = True):
                               evaluate=lambda: eval_pairs_loss(engine.model, tok, eval_pairs, cfg.max_length, ctx,
                                                                engine.device, shared_prompt=cfg.shared_prompt,
                                                                encoded=encoded),
-                              length=lambda p: encoded.row_tokens((p.prompt, p.chosen, p.rejected), cfg.shared_prompt),
-                              forwards=lambda lengths: rm.length_sorted_parts(lengths, rm.PAIRS_PER_FORWARD))
+                              length=lambda p: encoded.row_tokens((p.prompt, p.chosen, p.rejected),
+                                                                  cfg.shared_prompt, cfg.packing),
+                              forwards=token_batches.packed if cfg.packing else
+                              lambda lengths: rm.length_sorted_parts(lengths, rm.PAIRS_PER_FORWARD))
 
     def measure(engine) -> tuple[Optional[float], Scored]:
         # Every rank, with the trained model whole on its device: the offset (the same on every rank),

@@ -15,6 +15,7 @@ from ..data.records import IGNORE, Example, collate_packed, collate_sft, tokeniz
 from ..models import logprobs, lora
 from ..context import SINGLE, Context
 from .distributed import to_device
+from . import token_batches
 from .supervised import Recipe, SupervisedTask
 
 
@@ -78,8 +79,7 @@ def task(name: str, engine, tok, train_ex: list[Example], eval_ex: list[Example]
                           evaluate=lambda: {"loss": eval_loss(engine.forward, eval_ex, tok.pad_token_id,
                                                               2 * cfg.batch_size, ctx, engine.device)},
                           length=lambda e: len(e.input_ids),
-                          # packed: every example its own segment, so nothing computed is padding
-                          forwards=(lambda sizes: [[i] for i in range(len(sizes))]) if cfg.packing else None)
+                          forwards=token_batches.packed if cfg.packing else None)
 
 
 def recipe(stage: str, model, tok, train: tuple[list[dict], Path | str], held_out: tuple[list[dict], Path | str],

@@ -280,7 +280,8 @@ def supervised_planner(stage: str, params: Params, model: ModelShape, read: tupl
     samples none (the reward model is measured on the SFT policy's samples); `beside`: the models
     the measurement loads whole beside the trained one (memory_terms.supervised_plan)."""
     def shape(cfg: Any) -> tuple[int, int]:
-        """(sequences, tokens each) of the largest forward: packed (sft, rs), one row of them all."""
+        """(sequences, tokens each) of the largest forward: packed (`<stage>.packing`), one row of
+        them all, a pair's two sequences included."""
         n = _sequences(cfg, rows)
         return (1, n * cfg.max_length) if getattr(cfg, "packing", False) else (n, cfg.max_length)
 

@@ -213,7 +213,8 @@ def declared_metrics(stage: str, items: str, loss: str, eval_loss: str, trained:
         m(METRICS_JSON, "train/seconds", "seconds of the training loop, interrupted runs' (resumed) included"),
         m(METRICS_JSON, "train/skipped_updates", "`train.tsv`'s last `skipped_updates`"),
         m(METRICS_JSON, "train/pad_share", "share of the training forwards' tokens that were padding, each "
-                                           "row padded to its micro-batch's longest (every step of the run)"),
+                                           "row padded to its micro-batch's longest (every step of the run; "
+                                           f"0 with `{stage}.packing`)"),
         m(METRICS_JSON, "eval/loss", "`eval.tsv`'s last `loss`"),
         m(METRICS_JSON, "data/truncated", f"training {items} longer than `{stage}.max_length` kept with their "
                                           f"prompt's left end cut (`{stage}.overlong: truncate`)"),

@@ -2,8 +2,9 @@
 Micro-batches by a token budget (distributed.max_tokens_per_micro_batch): the same global batches
 cut by padded tokens, longest first, give the fixed-row path's gradients (every loss is normalised
 by the global batch), so each supervised stage's step log equals the fixed-row run's within float
-tolerance, with less padding computed. Packing (sft.packing, rs.packing): a micro-batch's examples
-in one row with restarting positions give the padded rows' loss and gradients."""
+tolerance, with less padding computed. Packing (sft.packing, rs.packing, reward.packing, dpo.packing,
+kto.packing): a micro-batch's sequences in one row with restarting positions give the padded rows'
+losses, scores, log-probs and gradients, and a stage trains as it does padded with no padding."""
 
 from __future__ import annotations
 
@@ -118,6 +119,116 @@ def test_the_sft_stage_packed_trains_as_padded_with_no_padding(tiny_data, tmp_pa
     for a, b in zip(padded_log, packed_log, strict=True):
         for column in ("loss", "grad_norm"):
             assert float(b[column]) == pytest.approx(float(a[column]), rel=1e-4, abs=1e-6), (a["step"], column)
+    assert packed["train/pad_share"] == 0.0 < padded["train/pad_share"]
+    assert packed["eval/loss"] == pytest.approx(padded["eval/loss"], rel=1e-4)
+
+
+def _tiny_llama(cls, dtype=torch.float64):
+    """A 2-layer Llama (SDPA attention) of `cls`, seeded, in `dtype`."""
+    from transformers import LlamaConfig
+    torch.manual_seed(0)
+    return cls(LlamaConfig(vocab_size=50, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                           num_attention_heads=4, num_key_value_heads=2, pad_token_id=0, num_labels=1,
+                           attn_implementation="sdpa")).to(dtype)
+
+
+def _ids(*lengths: int, seed: int = 1) -> list[list[int]]:
+    gen = torch.Generator().manual_seed(seed)
+    return [torch.randint(1, 50, (n,), generator=gen).tolist() for n in lengths]
+
+
+def _loss_and_grads(model, loss_of) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    model.zero_grad()
+    loss = loss_of()
+    loss.backward()
+    return loss.detach(), {k: p.grad.clone() for k, p in model.named_parameters() if p.grad is not None}
+
+
+def _assert_same_grads(got: dict, want: dict) -> None:
+    assert got.keys() == want.keys() and len(want) > 5
+    for name, grad in want.items():
+        assert grad.abs().max() > 0, name
+        torch.testing.assert_close(got[name], grad, atol=1e-9, rtol=1e-5, msg=name)
+
+
+def test_a_packed_row_gives_the_padded_rows_reward_scores_loss_and_gradients():
+    """Pairs of uneven lengths (one sequence a single token): their 2N sequences end to end in one
+    row (reward.packing) against length-sorted padded rows (several parts), the scores, the
+    Bradley-Terry loss and every parameter's gradient equal within 1e-5 relative (the model in
+    float64; its scores are float32 whatever its dtype)."""
+    from transformers import LlamaForSequenceClassification
+
+    from pipeline.models import reward_model as rm
+    model = _tiny_llama(LlamaForSequenceClassification)
+    seqs = _ids(9, 23, 4, 1, 15, 7)                   # chosen, rejected of three pairs, side by side
+    margin = torch.tensor([0.0, 0.5, -0.25])
+
+    def loss(scores: torch.Tensor) -> torch.Tensor:
+        return rm.pairwise_loss_sum(scores[0::2], scores[1::2], margin)[0]
+    padded = rm.length_sorted_scores(model, seqs, 0, max_rows=4)
+    packed = rm.packed_scores(model, seqs)
+    assert padded.shape == packed.shape == (6,) and padded.std() > 1e-3
+    torch.testing.assert_close(packed, padded, atol=1e-6, rtol=1e-5)
+    l_padded, g_padded = _loss_and_grads(model, lambda: loss(rm.length_sorted_scores(model, seqs, 0, 4)))
+    l_packed, g_packed = _loss_and_grads(model, lambda: loss(rm.packed_scores(model, seqs)))
+    torch.testing.assert_close(l_packed, l_padded, atol=1e-6, rtol=1e-5)
+    _assert_same_grads(g_packed, g_padded)
+    with pytest.raises(ValueError, match="shared_prompt=False"):
+        rm.pair_scores(model, None, [("p", "a", "b")], 16, shared_prompt=True, packed=True)
+
+
+@pytest.mark.parametrize("head", ["positions", "chunked", "whole"])
+def test_a_packed_row_gives_the_padded_rows_dpo_log_probs_loss_and_gradients(head, monkeypatch):
+    """DPO's summed response log-probs of pairs of uneven lengths, their 2N sequences in one row
+    (dpo.packing) against 2N rows of left-padded prompts and right-padded responses: log-probs, the
+    DPO loss and every gradient equal within 1e-5 relative (float64 model, float32 log-probs). The
+    LM head run at the response-predicting columns only (`positions`), chunk by chunk (`chunked`:
+    a chunk budget of 3 positions), or on the whole row (a model that takes no positions)."""
+    from transformers import LlamaForCausalLM
+
+    from pipeline.models import logit_chunks, logprobs
+    from pipeline.preference.logprobs import TokenPair, pair_logprobs, sequence_logprobs
+    from pipeline.preference.losses import dpo_loss
+    if head == "chunked":
+        monkeypatch.setattr(logit_chunks, "LOGITS_CHUNK_BYTES", 3 * 50 * 4)
+    if head == "whole":
+        monkeypatch.setattr(logprobs, "keeps_logits_at", lambda model: False)
+    model = _tiny_llama(LlamaForCausalLM)
+    parts = _ids(5, 3, 7, 2, 9, 1, 11, 4, 4)
+    pairs = [TokenPair(*parts[i:i + 3]) for i in range(0, 9, 3)]
+    ref = (torch.tensor([-30.0, -20.0, -25.0]), torch.tensor([-28.0, -5.0, -20.0]))
+
+    def loss(packed: bool) -> torch.Tensor:
+        return dpo_loss(*pair_logprobs(model, pairs, 0, packed), *ref, beta=0.5, label_smoothing=0.1)[0]
+    for padded, packed in zip(pair_logprobs(model, pairs, 0), pair_logprobs(model, pairs, 0, packed=True)):
+        assert padded.shape == packed.shape == (3,)
+        torch.testing.assert_close(packed, padded, atol=1e-5, rtol=1e-6)
+    summed, lengths = sequence_logprobs(model, [p.prompt for p in pairs], [p.chosen for p in pairs], 0, True)
+    assert lengths.tolist() == [3, 9, 4] and torch.equal(summed, pair_logprobs(model, pairs, 0, True)[0])
+    l_padded, g_padded = _loss_and_grads(model, lambda: loss(False))
+    l_packed, g_packed = _loss_and_grads(model, lambda: loss(True))
+    torch.testing.assert_close(l_packed, l_padded, atol=1e-6, rtol=1e-5)
+    _assert_same_grads(g_packed, g_padded)
+
+
+@pytest.mark.parametrize("stage", ["reward", "dpo", "kto"])
+def test_a_preference_stage_packed_trains_as_padded_with_no_padding(stage, tiny_data, tiny_models, tmp_path):
+    """reward (two rows per pair: reward.shared_prompt false), dpo and kto with `packing`: every
+    step's loss and gradient norm and the held-out loss equal the padded run's, and nothing the
+    training forwards computed was padding."""
+    folders = {"data": tiny_data, "sft": tiny_models[0], "reward": tiny_models[1]}
+    own = {"shared_prompt": False} if stage == "reward" else {}
+    runs = {}
+    for packing in (False, True):
+        params = tiny_params({stage: {**own, "packing": packing}})
+        metrics = run_stage(stage, params, folders, tmp_path / str(packing))
+        runs[packing] = (metrics, step_rows(tmp_path / str(packing) / "train.tsv"))
+    (padded, padded_log), (packed, packed_log) = runs[False], runs[True]
+    assert len(padded_log) > 1
+    for a, b in zip(padded_log, packed_log, strict=True):
+        for column in ("loss", "grad_norm"):
+            assert float(b[column]) == pytest.approx(float(a[column]), rel=1e-4, abs=1e-6), \
+                (stage, a["step"], column)
     assert packed["train/pad_share"] == 0.0 < padded["train/pad_share"]
     assert packed["eval/loss"] == pytest.approx(padded["eval/loss"], rel=1e-4)
 

@@ -94,6 +94,9 @@ def test_shipped_values_spot_check():
     ("model:\n  attn_implementation: flash_attention_2\n",
      "params.yaml: reward.shared_prompt: needs an attention that takes a custom mask (eager or sdpa); "
      "flash_attention_2 does not. Set reward.shared_prompt: false"),
+    ("reward:\n  packing: true\n",
+     "params.yaml: reward.packing: packs whole sequences, not reward.shared_prompt's branch rows; set "
+     "reward.shared_prompt: false to pack, or reward.packing: false"),
 ])
 def test_error_messages(tmp_path, text, message):
     assert load_error(tmp_path, text) == message

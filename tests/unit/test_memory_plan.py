@@ -6,6 +6,8 @@ suggestions (each one applied as a user would, then re-planned)."""
 from __future__ import annotations
 
 import copy
+import dataclasses
+import functools
 import json
 import logging
 import os
@@ -684,16 +686,27 @@ def test_a_token_budget_plans_the_activations_it_holds(tiny_default):
     assert update(32, 10) == update(1, None)
 
 
-def test_packing_plans_one_row_of_the_micro_batch(tiny_default):
-    """Packed, a micro-batch of 8 rows of 96 tokens is one row of 768: the same activations but for
-    eager attention's scores, which grow with the square of the row."""
-    from pipeline.config import ModelConfig
-    folders = {"data": tiny_default / "data"}
+@pytest.mark.parametrize("stage, rows", [("sft", 1), ("reward", 2), ("dpo", 2), ("kto", 2)])
+def test_packing_plans_one_row_of_the_micro_batch(tiny_default, stage, rows, monkeypatch):
+    """Packed, a micro-batch of 8 examples of `rows` sequences of 96 tokens (a pair's two; kto's own
+    and KL forwards) is one row of 8 x rows x 96: the same activations but for eager attention's
+    scores, which grow with the square of the row."""
+    from pipeline.config import KTOConfig, ModelConfig, RewardConfig
+    folders = {"data": tiny_default / "data", "sft": tiny_default / "sft"}
+    section = {"sft": SFTConfig, "reward": functools.partial(RewardConfig, shared_prompt=False),
+               "dpo": PreferenceOptConfig, "kto": KTOConfig}[stage]
+    saved = mp.checkpoint_shape
 
     def update(packing: bool, attention) -> float:
-        params = Params(model=ModelConfig(attn_implementation=attention), sft=SFTConfig(batch_size=8, packing=packing))
-        return mp.stage_plan("sft", plan_of("sft"), params, folders).device["update"]
+        params = Params(model=ModelConfig(attn_implementation=attention),
+                        **{stage: section(batch_size=8, packing=packing)})
+        with monkeypatch.context() as m:
+            if attention == "eager":   # dpo and kto plan the SFT checkpoint's own attention: an eager one
+                m.setattr(mp, "checkpoint_shape",
+                          lambda *a: dataclasses.replace(saved(*a), eager_attention=True))
+            return mp.stage_plan(stage, plan_of(stage), params, folders).device["update"]
 
     assert update(True, None) == pytest.approx(update(False, None), rel=1e-9)
     scores = {packing: update(packing, "eager") - update(packing, None) for packing in (False, True)}
-    assert scores[False] > 0 and scores[True] == pytest.approx(8 * scores[False])   # 768^2 = 8 x (8 x 96^2)
+    # (8 rows 96)^2 = 8 rows x (8 rows x 96^2)
+    assert scores[False] > 0 and scores[True] == pytest.approx(8 * rows * scores[False])

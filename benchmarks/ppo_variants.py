@@ -1,0 +1,97 @@
+"""PPO variants over seeds, each judged by its distance to the same run's best-of-n frontier.
+
+    .venv/bin/python benchmarks/ppo_variants.py --keep /tmp/variants            # every variant, seeds 0:0 1:1 2:2
+    .venv/bin/python benchmarks/ppo_variants.py --keep /tmp/variants --variants base norm --runs 3:3 4:4
+    .venv/bin/python benchmarks/ppo_variants.py --keep /tmp/variants --collect --out docs/data/ppo-variants.json
+
+A variant is a name and the params it changes (VARIANTS). Each one runs through
+benchmarks/seed_grid.py with the same work folder, so the runs of one upstream seed share one SFT
+model and one reward model whatever the variant, and only PPO and evaluate run again; each variant's
+table lands in the work folder as `variant_<name>.json`. `--collect` merges every table found there
+into one file with the machine and date (`make docs` renders it in the decision record that chose
+among them), reading a run's `frontier/*` from its evaluate metrics where an older table lacks a
+column. Choose on some seeds and confirm on others that no choice used.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from seed_grid import FRONTIER  # noqa: E402
+
+# name -> params changed (as dvc exp run -S); "base" is params.yaml as committed
+VARIANTS: dict[str, list[str]] = {
+    "base": [],
+    "norm": ["ppo.normalize_reward=true"],
+    "warm": ["ppo.critic_warmup=10"],
+    "adapt": ["ppo.adaptive_kl=true", "ppo.kl_target=3.0"],
+    "norm_warm": ["ppo.normalize_reward=true", "ppo.critic_warmup=10"],
+    "norm_warm_adapt": ["ppo.normalize_reward=true", "ppo.critic_warmup=10", "ppo.adaptive_kl=true",
+                        "ppo.kl_target=3.0"],
+}
+
+
+def run_variant(name: str, runs: list[str], keep: Path) -> None:
+    table = keep / f"variant_{name}.json"
+    part = keep / f"variant_{name}.{'_'.join(r.replace(':', '-') for r in runs)}.json"
+    cmd = [sys.executable, str(ROOT / "benchmarks/seed_grid.py"), "--keep", str(keep), "--tag", f"_{name}",
+           "--runs", *runs, "--out", str(part)]
+    for setting in VARIANTS[name]:
+        cmd += ["-S", setting]
+    subprocess.run(cmd, check=True)
+    merged = json.loads(table.read_text()) if table.exists() else None
+    new = json.loads(part.read_text())
+    if merged is not None:   # the same variant on more seeds: one table, later runs replacing earlier ones
+        seen = {r["run"] for r in new["runs"]}
+        new["runs"] = [r for r in merged["runs"] if r["run"] not in seen] + new["runs"]
+    table.write_text(json.dumps(new, indent=1, allow_nan=False) + "\n")
+    part.unlink()
+
+
+def collect(keep: Path, out: Path) -> None:
+    from demo_seeds import machine
+    variants = []
+    for name, settings in VARIANTS.items():
+        table = keep / f"variant_{name}.json"
+        if not table.exists():
+            continue
+        runs = json.loads(table.read_text())["runs"]
+        for r in runs:
+            upstream, ppo, threads = r["run"].split(":")
+            metrics = keep / f"u{upstream}_p{ppo}_t{threads}_{name}" / "evaluate" / "metrics.json"
+            if any(k not in r for k in FRONTIER) and metrics.exists():
+                frontier = json.loads(metrics.read_text()).get("frontier", {})
+                r.update({k: frontier.get(k) for k in FRONTIER if k not in r})
+        variants.append({"name": name, "overrides": settings, "runs": runs})
+    result = {"machine": machine(), "date": datetime.date.today().isoformat(), "variants": variants}
+    tmp = out.with_suffix(".json.tmp")
+    tmp.write_text(json.dumps(result, indent=1, allow_nan=False) + "\n")
+    tmp.replace(out)
+    print(f"{out}: {len(variants)} variants")
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--keep", type=Path, required=True, help="the work folder shared by every variant")
+    ap.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=list(VARIANTS))
+    ap.add_argument("--runs", nargs="+", default=["0:0", "1:1", "2:2"], help="UPSTREAM:PPO[:THREADS] per run")
+    ap.add_argument("--collect", action="store_true", help="only merge the variants' tables into --out")
+    ap.add_argument("--out", type=Path, default=Path("/tmp/ppo-variants.json"))
+    args = ap.parse_args()
+    if not args.collect:
+        for name in args.variants:
+            run_variant(name, args.runs, args.keep)
+    collect(args.keep, args.out)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
