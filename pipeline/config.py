@@ -536,11 +536,20 @@ class PPOConfig:
                                                 "critic, reward, recomputed log-probs); None: micro_batch_size")
     sampling: SamplingConfig = field(default_factory=SamplingConfig)
     # Our sampler's memory and speed (rollout_engine: torch): responses per sampling call, so long
-    # responses' KV cache fits (0: a process's whole rollout batch at once), and ended responses
-    # leaving the batch. Either draws the rollouts' one random stream otherwise: other samples, the
-    # same training (pipeline/models/generation.py); both off keeps the committed runs' bits.
+    # responses' KV cache fits (0: a process's whole rollout batch at once), or calls cut by a token
+    # budget, rows x (longest prompt + max_new_tokens), the prompts longest first (verl's
+    # token-budget micro-batches; pipeline/models/rollout_engine.py), and ended responses leaving the
+    # batch. Each draws the rollouts' one random stream otherwise: other samples, the same training
+    # (pipeline/models/generation.py); all off keeps the committed runs' bits.
     rollout_micro_batch_size: int = num(0, ge=0, doc="responses per sampling call; 0: all at once")
+    rollout_max_tokens: Optional[int] = num(None, ge=1, doc="tokens per sampling call: rows x (longest "
+                                            "prompt + max_new_tokens); None: rollout_micro_batch_size's rows")
     rollout_drop_finished: bool = False
+    # The update's actor and critic forwards on one packed row per micro-batch, each rollout's prompt
+    # and response end to end, position ids restarting (pipeline/ppo/scoring.py's packed_rollout), as
+    # sft.packing: no compute on padding where attention takes packed rows without a dense mask
+    # (flash_attention_2); the scoring forwards stay padded rows. Off by default, as sft.packing.
+    packing: bool = False
     max_prompt_length: int = num(256, ge=4, doc="training prompt tokens; longer ones follow `overlong`")
     overlong: Literal["truncate", "drop", "error"] = "truncate"
     # pi_old's log-probs: from a training forward (true), the sampler's (false), or auto: recompute
@@ -628,6 +637,11 @@ class PPOConfig:
             raise ConfigError(f"{s}.kl_horizon: {self.kl_horizon:g} iterations is longer than the run "
                               f"({s}.iterations={self.iterations}), so kl_coef could not reach kl_target; the horizon "
                               f"is in iterations (an episode count divided by {s}.rollout_batch_size)")
+        if self.rollout_max_tokens is not None and self.rollout_micro_batch_size:
+            raise ConfigError(f"{s}.rollout_max_tokens: {self.rollout_max_tokens} and "
+                              f"{s}.rollout_micro_batch_size: {self.rollout_micro_batch_size} both size the "
+                              "sampling calls; set one (rollout_micro_batch_size: 0 or "
+                              "rollout_max_tokens: null)")
         if self.critic_warmup and not self.uses_critic:
             raise ConfigError(f"{s}.critic_warmup: {self.advantage} has no critic to warm up; set it to 0")
         if self.critic_warmup and self.shared_backbone:

@@ -34,6 +34,11 @@ class Sampled:
     logprobs: torch.Tensor         # (B, R) log pi(a_t|s_t) of the sampled token, temperature-scaled
     ended: torch.Tensor            # (B,) bool, True when the response emitted eos (or the stop token)
 
+    def rows(self, idx: torch.Tensor) -> "Sampled":
+        """The rows `idx` (B',) in that order, every column kept."""
+        return Sampled(self.prompt_ids[idx], self.prompt_mask[idx], self.response_ids[idx],
+                       self.response_mask[idx], self.logprobs[idx], self.ended[idx])
+
 
 def filter_logits(logits: torch.Tensor, top_k: int, top_p: float) -> torch.Tensor:
     """Top-k then nucleus (top-p) filtering of (B, V) logits; removed entries become -inf."""

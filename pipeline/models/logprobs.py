@@ -180,9 +180,18 @@ def packed_logprobs(model, input_ids: torch.Tensor, position_ids: torch.Tensor,
                     predicting: torch.Tensor) -> torch.Tensor:
     """(K,) log pi(input_ids[0, c + 1]) given its sequence up to column c, for each of the K columns
     c of `predicting`, in a packed (1, N) row (data.padding.pack: no attention mask, position ids
-    restarting per sequence, so attention stays within each), temperature 1. The LM head runs on
-    those columns only where the model takes them (`keeps_logits_at`), and chunk by chunk above
-    logit_chunks.LOGITS_CHUNK_BYTES, as `response_logprobs`."""
+    restarting per sequence, so attention stays within each), temperature 1 (`packed_stats`)."""
+    return packed_stats(model, input_ids, position_ids, predicting)[0]
+
+
+def packed_stats(model, input_ids: torch.Tensor, position_ids: torch.Tensor, predicting: torch.Tensor,
+                 temperature: float = 1.0, entropy: bool = False,
+                 entropy_grad: bool = True) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+    """(K,) log pi(input_ids[0, c + 1]) under the temperature-scaled distribution at each of the K
+    columns c of `predicting` in a packed (1, N) row, and their (K,) entropy when `entropy` (with a
+    graph only when `entropy_grad`), as `response_logprobs` gives them for padded rows. The LM head
+    runs on those columns only where the model takes them (`keeps_logits_at`), and chunk by chunk
+    above logit_chunks.LOGITS_CHUNK_BYTES."""
     labels = input_ids[0, predicting + 1]                                                           # (K,)
     at = keeps_logits_at(model)
     head = chunked_head(model, labels.numel())
@@ -191,6 +200,13 @@ def packed_logprobs(model, input_ids: torch.Tensor, position_ids: torch.Tensor,
         out = model(input_ids=input_ids, position_ids=position_ids, use_cache=False, **extra).logits
     # out: (1, K) columns, or all N without `at`; V logits each, or H hidden states when chunked
     out = out[0] if at else out[0, predicting]                                                  # (K, V or H)
-    if head is None:
-        return logprobs_from_logits(out.float(), labels)
-    return chunked_stats(head, out, labels, 1.0)[0]
+    if head is not None:
+        return chunked_stats(head, out, labels, temperature, entropy, entropy_grad)
+    logits = out.float() / temperature                                                          # (K, V)
+    lp = logprobs_from_logits(logits, labels)
+    if not entropy:
+        return lp, None
+    if entropy_grad:
+        return lp, entropy_from_logits(logits)
+    with torch.no_grad():
+        return lp, entropy_from_logits(logits.detach())

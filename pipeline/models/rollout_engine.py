@@ -20,6 +20,7 @@ import torch
 
 from ..config import SamplingConfig
 from ..devices import generator
+from ..training.token_batches import micro_batches
 from .generation import Sampled, concat, sample
 
 
@@ -34,9 +35,11 @@ class Request:
     seeds: Sequence[int] | None = None  # B seeds: each row its own stream (measurement)
     stream: torch.Generator | None = None   # or one stream for every row (rollouts)
     # Our sampler's memory and speed (an engine with its own scheduler ignores them): at most this
-    # many prompts per sampling call (0: all at once), so long responses' KV cache fits; ended rows
-    # leave the batch. Either changes the bits of a `stream` request (see generation.sample).
+    # many prompts per sampling call (0: all at once), so long responses' KV cache fits; or calls
+    # cut by a token budget instead (`max_tokens`: `sampling_calls`); ended rows leave the batch. Each
+    # changes the bits of a `stream` request (see generation.sample).
     micro_batch: int = 0
+    max_tokens: int | None = None
     drop_finished: bool = False
 
 
@@ -57,14 +60,33 @@ class TorchSampler:
         if request.seeds is not None and not request.greedy:
             device = next(model.parameters()).device
             rows = [generator(device, s) for s in request.seeds]
-        n = len(request.prompts)
-        size = request.micro_batch or n
-        parts = [sample(model, request.prompts[i:i + size], request.pad_id, request.stop_ids, request.sampling,
-                        generator=request.stream, greedy=request.greedy,
-                        row_generators=None if rows is None else rows[i:i + size],
+        calls = sampling_calls(request)
+        parts = [sample(model, [request.prompts[i] for i in call], request.pad_id, request.stop_ids,
+                        request.sampling, generator=request.stream, greedy=request.greedy,
+                        row_generators=None if rows is None else [rows[i] for i in call],
                         drop_finished=request.drop_finished)
-                 for i in range(0, n, size)]
-        return concat(parts, request.pad_id)
+                 for call in calls]
+        merged = concat(parts, request.pad_id)
+        order = [i for call in calls for i in call]
+        if order == sorted(order):
+            return merged
+        back = torch.empty(len(order), dtype=torch.long)
+        back[torch.tensor(order)] = torch.arange(len(order))   # row of the merged result for each prompt
+        return merged.rows(back.to(merged.prompt_ids.device))
+
+
+def sampling_calls(request: Request) -> list[list[int]]:
+    """Indices of `request.prompts` of each sampling call, in the order they run. By a token budget
+    (`max_tokens`): the prompts longest first, a call closed when one more would make its rows x
+    (longest prompt + max_new_tokens) exceed the budget (a prompt longer than the budget alone), as
+    training's micro-batches by tokens are cut (training/token_batches.py): its KV cache and logits
+    are then bounded whatever the prompts' lengths. Else consecutive runs of `micro_batch` (0: one
+    call)."""
+    n = len(request.prompts)
+    if request.max_tokens is not None:
+        new = request.sampling.max_new_tokens
+        return micro_batches([len(p) + new for p in request.prompts], n, request.max_tokens)
+    return micro_batches([0] * n, request.micro_batch or max(n, 1), None)
 
 
 TORCH = TorchSampler()

@@ -64,14 +64,17 @@ class Rollout:
 @torch.no_grad()   # not inference_mode: see pipeline/ppo/scoring.py
 def rollout(actor: PreTrainedModel, tok: PreTrainedTokenizerBase, prompts: list, cfg: SamplingConfig,
             generator: torch.Generator, max_prompt_length: int | None = None,
-            engine: RolloutEngine = TORCH, micro_batch: int = 0, drop_finished: bool = False) -> Rollout:
+            engine: RolloutEngine = TORCH, micro_batch: int = 0, drop_finished: bool = False,
+            max_tokens: int | None = None) -> Rollout:
     """Sample one response per prompt from `actor` by `engine` (default: our KV-cache sampler),
     all rows from the stream `generator`, stopping at eos or at `cfg.stop_token` (TRL's stop-token
     truncation: nothing after it is part of the response). Prompts longer than `max_prompt_length`
-    tokens keep their right end. `micro_batch`, `drop_finished`: our sampler's (rollout_engine.Request)."""
+    tokens keep their right end. `micro_batch`, `drop_finished`, `max_tokens`: our sampler's
+    (rollout_engine.Request); the rows come back in the order of `prompts` whatever the calls."""
     ids = [encode_prompt(tok, p, max_prompt_length) for p in prompts]
     out = engine.generate(actor, Request(ids, tok.pad_token_id, tuple(stop_ids(tok, actor, cfg)), cfg,
-                                         stream=generator, micro_batch=micro_batch, drop_finished=drop_finished))
+                                         stream=generator, micro_batch=micro_batch, max_tokens=max_tokens,
+                                         drop_finished=drop_finished))
     ends = end_ids(tok, actor)
     responses = [decode_response(tok, row.tolist(), ends) for row in out.response_ids]
     input_ids = torch.cat([out.prompt_ids, out.response_ids], dim=1)

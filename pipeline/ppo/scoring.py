@@ -3,6 +3,9 @@
 Actor log-probs (the `old_logprobs` every ratio is taken against), reference log-probs, critic
 values (none without a critic) and sequence scores. Log-probs use the sampling temperature (logits / T), exactly as the
 update does, so the ratio is 1 at the first minibatch.
+
+The update's forwards are these functions too: over padded rows, or with `ppo.packing` over one
+packed row per micro-batch (`packed_rollout`), the same numbers up to rounding; scoring stays padded.
 """
 
 from __future__ import annotations
@@ -23,21 +26,52 @@ if TYPE_CHECKING:   # annotations only (pipeline/models/checkpoints.py says why)
     from transformers import PreTrainedModel
 
 
-def policy_logprobs(model: PreTrainedModel, ro: Rollout, temperature: float,
-                    with_entropy: bool = False, entropy_grad: bool = True) -> tuple[torch.Tensor, torch.Tensor | None]:
+def policy_logprobs(model: PreTrainedModel, ro: Rollout, temperature: float, with_entropy: bool = False,
+                    entropy_grad: bool = True,
+                    packed: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
     """(B, R) log pi(a_t|s_t) of the response tokens, and (B, R) entropy when asked (without a
-    graph when `entropy_grad` is False: logged, not trained on)."""
-    return logprobs.response_logprobs(model, ro.input_ids, ro.attention_mask, ro.position_ids,
-                                      ro.input_ids[:, ro.n_prompt:], temperature, with_entropy, entropy_grad)
+    graph when `entropy_grad` is False: logged, not trained on). `packed`: from one packed row
+    (`packed_rollout`), zero on padding; the same numbers up to floating-point rounding."""
+    if not packed:
+        return logprobs.response_logprobs(model, ro.input_ids, ro.attention_mask, ro.position_ids,
+                                          ro.input_ids[:, ro.n_prompt:], temperature, with_entropy,
+                                          entropy_grad)
+    ids, pos, predicting = packed_rollout(ro)
+    lp, ent = logprobs.packed_stats(model, ids, pos, predicting, temperature, with_entropy, entropy_grad)
+    return unpack(lp, ro.response_mask), (unpack(ent, ro.response_mask) if ent is not None else None)
 
 
-def critic_values(critic: PreTrainedModel, ro: Rollout) -> torch.Tensor:
-    """(B, R) V(s_t): the value head on the state that precedes response token t.
+def critic_values(critic: PreTrainedModel, ro: Rollout, packed: bool = False) -> torch.Tensor:
+    """(B, R) V(s_t): the value head on the state that precedes response token t (`packed`: from
+    one packed row, zero on padding).
 
     A critic initialised from the reward model keeps its normalisation offset, so its first
     values are on the same scale as the (normalised) scores they predict."""
+    if packed:
+        ids, pos, predicting = packed_rollout(ro)
+        hidden = rm.hidden_states(critic, ids, None, pos)[0, predicting]      # (K, H)
+        return unpack(rm.head(critic)(hidden).squeeze(-1).float() - rm.offset(critic), ro.response_mask)
     hidden = rm.hidden_states(critic, ro.input_ids, ro.attention_mask)     # (B, T, H)
     return rm.head(critic)(hidden[:, ro.n_prompt - 1:-1]).squeeze(-1).float() - rm.offset(critic)
+
+
+def packed_rollout(ro: Rollout) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The rows of `ro` end to end in one row, the row data.padding.pack makes of each rollout's
+    prompt and response (its real tokens, in order): (1, N) ids and (1, N) position ids restarting
+    at each rollout (so attention stays within it), N the real tokens; and the (K,) columns whose
+    logits predict each real response token, K = response_mask.sum(), in the row-major order of
+    `response_mask` (`unpack`). Built on the rollout's device (the boolean selections read their
+    sizes from it once)."""
+    real = ro.attention_mask.bool()                          # (B, T) the prompt's mask, then the response's
+    flat = real.flatten().long().cumsum(0).view_as(real) - 1  # (B, T) each real token's column in the row
+    predicting = flat[:, ro.n_prompt:][ro.response_mask] - 1  # (K,) the column before each response token
+    return ro.input_ids[real][None], ro.position_ids[real][None], predicting
+
+
+def unpack(values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """(K,) `values` of the True entries of (B, R) `mask`, in row-major order, as (B, R), zero
+    elsewhere (with a graph to `values`)."""
+    return values.new_zeros(mask.shape).masked_scatter(mask, values)
 
 
 def length_sorted_chunks(mask: torch.Tensor, rows: torch.Tensor, size: int) -> list[torch.Tensor]:

@@ -150,7 +150,8 @@ class PPOTrainer:
         to the minibatch's loss (n_tokens, n_rows: real tokens and responses of the whole minibatch).
         `first`: a micro-batch of the first minibatch, whose ratio (before any update) is logged.
         `boundary`: whether it ends the minibatch, where their number varies (a token budget);
-        `filler`: a repeat run only so that every rank runs as many micro-batches, adding nothing."""
+        `filler`: a repeat run only so that every rank runs as many micro-batches, adding nothing.
+        With `packing` the actor's and the critic's forwards take the micro-batch as one packed row."""
         cfg, ro = self.cfg, b.ro.select(idx, trim=True)   # only this micro-batch's own padding
         mask, r = ro.response_mask, ro.response_mask.size(1)
         mode = cfg.loss_aggregation
@@ -160,7 +161,7 @@ class PPOTrainer:
         frozen = self.actor_frozen
         with self.forwards(), (torch.no_grad() if frozen else contextlib.nullcontext()):   # its stats still logged
             logprobs, entropy = policy_logprobs(self.m.actor.forward, ro, cfg.sampling.temperature, with_entropy=True,
-                                                entropy_grad=cfg.entropy_coef > 0)
+                                                entropy_grad=cfg.entropy_coef > 0, packed=cfg.packing)
         weights = b.tis_weights[idx, :r] if b.tis_weights is not None else None
         pg_loss, stats = policy_loss(logprobs, b.sc.old_logprobs[idx, :r], b.advantages[idx, :r], mask,
                                      cfg.clip_eps, cfg.dual_clip, loss_denominator=agg["loss_denominator"],
@@ -178,7 +179,7 @@ class PPOTrainer:
         vstats: dict[str, float] = {}
         if self.m.critic is not None:
             with self.forwards():
-                values = critic_values(self.m.critic.model, ro)
+                values = critic_values(self.m.critic.model, ro, packed=cfg.packing)
             v_loss, vstats = value_loss(values, b.sc.values[idx, :r], b.returns[idx, :r], mask, cfg.clip_eps_value,
                                         loss_denominator=n_tokens)
             if self.guard.stops:
@@ -283,7 +284,8 @@ class PPOTrainer:
         prompts = self.ctx.shard([self.prompts[i] for i in next(self.prompt_sampler) for _ in range(k)])
         with self.m.actor.gathered() as policy, self.m.actor.autocast():   # ZeRO-3: gathered once per rollout
             ro = rollout(policy, self.m.tok, prompts, cfg.sampling, self.sample_gen, cfg.max_prompt_length,   # 1
-                         self.engine, cfg.rollout_micro_batch_size, cfg.rollout_drop_finished)
+                         self.engine, cfg.rollout_micro_batch_size, cfg.rollout_drop_finished,
+                         cfg.rollout_max_tokens)
         t1 = time.perf_counter()
         critic = self.m.critic.model if self.m.critic is not None else None
         with self.m.actor.autocast():

@@ -141,7 +141,11 @@ def candidates(stage: str, cfg: Any, plan: Plan, on_cpu: bool = False) -> list[S
     if score > 1:
         suggest(f"{stage}.score_micro_batch_size", score // 2, "a smaller scoring forward")
     rows = cfg.rollout_micro_batch_size or cfg.rollout_batch_size // dist.world_size
-    if rows > 1:
+    if cfg.rollout_max_tokens is not None:   # rollout_micro_batch_size beside it is refused
+        if cfg.rollout_max_tokens > 1:
+            suggest(f"{stage}.rollout_max_tokens", cfg.rollout_max_tokens // 2,
+                    "sampling in smaller calls, the same training")
+    elif rows > 1:
         suggest(f"{stage}.rollout_micro_batch_size", rows // 2, "sampling in smaller calls, the same training")
     suggest(f"{stage}.rollout_batch_size", cfg.rollout_batch_size // 2, "fewer responses; changes training")
     return out
@@ -309,7 +313,8 @@ def ppo_planner(params: Params, actor: ModelShape, critic: Optional[ModelShape],
                        extra_frozen=auditors if det.enabled and det.auditor is not None else (),
                        lora=cfg.lora, critic_lora=cfg.critic_lora, score_micro_batch=cfg.score_micro_batch_size,
                        reward_length=reward_length, rollout_micro_batch=cfg.rollout_micro_batch_size,
-                       engine=cfg.rollout_engine)
+                       rollout_max_tokens=cfg.rollout_max_tokens, engine=cfg.rollout_engine,
+                       packing=cfg.packing)
     return plan
 
 

@@ -43,7 +43,9 @@ fp32 otherwise.
   for the tiny default's 64 x 256 prefill, 126 by the term). The sampler keeps the logits of the
   last position only (logits_to_keep=1): one (B, V) row in the working dtype, its fp32
   temperature-scaled copy, the fp32 log-softmax and the fp32 probabilities
-  (pipeline/models/generation.py).
+  (pipeline/models/generation.py). Sampled in calls of `rollout_micro_batch_size` rows, one call's
+  rows; in calls by a token budget (`rollout_max_tokens`), the most one call can hold under it
+  (`budget_sampling_bytes`).
 - scoring: one micro-batch's forward without a graph per model (reference, recomputed actor,
   critic, reward model), one at a time: one layer's term plus (R + 1) x V response logits in the
   working dtype, their fp32 copy and the temperature-scaled fp32 copy
@@ -329,6 +331,22 @@ def sampling_bytes(m: ModelShape, sequences: int, prompt_length: int, response_l
             + layer_bytes(m, sequences, prompt_length, nbytes) + sampler_logits_bytes(m, sequences, nbytes))
 
 
+def budget_sampling_bytes(m: ModelShape, sequences: int, prompt_length: int, response_length: int,
+                          budget: int, nbytes: int) -> float:
+    """Sampling `sequences` responses in calls of at most `budget` tokens, rows x (longest prompt +
+    response_length) (pipeline/models/rollout_engine.py; a prompt longer than the budget alone): the
+    largest call's KV cache holds at most max(budget, one row) tokens, its prefill rows x prompt <=
+    budget - response_length tokens (counted as rows of `prompt_length`, the longest a prompt is),
+    and it has at most budget // (response_length + 1) rows (prompts of one token) of logits. Each
+    is capped by the whole rollout's, so a budget above it costs what one call does."""
+    seq = prompt_length + response_length
+    kv = min(sequences * seq, max(budget, seq))
+    prefill = min(sequences * prompt_length, max(budget - response_length, prompt_length))
+    rows = min(sequences, max(1, budget // (response_length + 1)))
+    return (kv_cache_bytes(m, 1, kv, nbytes) + layer_bytes(m, prefill / prompt_length, prompt_length, nbytes)
+            + sampler_logits_bytes(m, rows, nbytes))
+
+
 def forward_bytes(m: ModelShape, batch: int, seq: int, response_length: int, nbytes: int) -> float:
     """A forward without a graph over `batch` sequences of `seq` tokens: one layer's term, and for
     a language model the (R + 1) x V response logits with their two fp32 copies."""
@@ -379,27 +397,31 @@ def rl_plan(stage: str, actor: ModelShape, dist: DistributedConfig, *, micro_bat
             reward: Optional[ModelShape] = None, extra_frozen: tuple[ModelShape, ...] = (),
             samples_per_prompt: int = 1, cached_ref_logprobs: bool = False, lora: LoraConfig = LoraConfig(),
             critic_lora: LoraConfig = LoraConfig(), score_micro_batch: Optional[int] = None,
-            reward_length: Optional[int] = None, rollout_micro_batch: int = 0, engine: str = "torch") -> Plan:
+            reward_length: Optional[int] = None, rollout_micro_batch: int = 0,
+            rollout_max_tokens: Optional[int] = None, engine: str = "torch", packing: bool = False) -> Plan:
     """PPO and its relatives, per rank (pipeline/ppo/trainer.py's steps). `critic` None: a
     critic-free method (GRPO-like); `samples_per_prompt` k: k responses per prompt (the rollout
     grows k-fold); `cached_ref_logprobs`: no reference model is placed; `reward` None: a reward
     function instead of a model; `rollout_batch` counts prompts, globally; `score_micro_batch`:
     rollouts per scoring forward (None: micro_batch); `reward_length`: the tokens the reward model
-    reads of each rollout (None: all); `rollout_micro_batch`: responses per sampling call (0: all);
-    `engine`: who samples the rollouts (torch: our sampler; vllm: an engine with weights of its own,
-    in bf16 when the stage is, else fp32)."""
+    reads of each rollout (None: all); `rollout_micro_batch`: responses per sampling call (0: all),
+    or `rollout_max_tokens`: the token budget of a sampling call (`budget_sampling_bytes`);
+    `engine`: who samples the rollouts (torch: our sampler; vllm: an engine with weights of its
+    own, in bf16 when the stage is, else fp32); `packing`: the update's micro-batch as one row of
+    them all (the same activations but for eager attention's scores)."""
     plan = Plan(stage, dist.num_processes, checkpointing=actor.checkpointing and (critic or actor).checkpointing)
     n, c, ckpt = dist.world_size, compute_bytes(dist), dist.gradient_checkpointing
     seq = prompt_length + response_length
     actor_whole = actor.params + actor.adapter_params(lora)
     model_states(plan, actor_whole, actor.adapter_params(lora) if lora.enabled else actor.params,
                  actor.largest_layer, dist, n)
-    plan.add("update", activation_bytes(actor, micro_batch, seq, c, ckpt))
+    rows, width = (1, micro_batch * seq) if packing else (micro_batch, seq)   # the update's forwards
+    plan.add("update", activation_bytes(actor, rows, width, c, ckpt))
     if critic is not None:
         c_trainable = critic.adapter_params(critic_lora) if critic_lora.enabled else critic.params
         model_states(plan, critic.params + critic.adapter_params(critic_lora), c_trainable, critic.largest_layer,
                      dist, n)
-        plan.add("update", activation_bytes(critic, micro_batch, seq, c, ckpt))
+        plan.add("update", activation_bytes(critic, rows, width, c, ckpt))
     # Under LoRA the reference is the actor with its adapter off: no second copy.
     ref = not cached_ref_logprobs and not lora.enabled
     measured = ((actor,) if ref else ()) + ((reward,) if reward is not None else ())   # besides the policy
@@ -416,6 +438,9 @@ def rl_plan(stage: str, actor: ModelShape, dist: DistributedConfig, *, micro_bat
         plan.engine = engine_bytes(actor, sequences, prompt_length + response_length,
                                    2 if dist.precision == "bf16" else 4, c)
         plan.add("rollout", w_actor + plan.engine)
+    elif rollout_max_tokens is not None:
+        plan.add("rollout", w_actor + budget_sampling_bytes(actor, sequences, prompt_length, response_length,
+                                                            rollout_max_tokens, c))
     else:
         plan.add("rollout", w_actor + sampling_bytes(actor, sequences, prompt_length, response_length, c))
     # 2. scoring: each model's forward over one micro-batch (the reward model's over SCORE_BATCH rows).

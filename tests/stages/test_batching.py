@@ -3,8 +3,9 @@ Micro-batches by a token budget (distributed.max_tokens_per_micro_batch): the sa
 cut by padded tokens, longest first, give the fixed-row path's gradients (every loss is normalised
 by the global batch), so each supervised stage's step log equals the fixed-row run's within float
 tolerance, with less padding computed. Packing (sft.packing, rs.packing, reward.packing, dpo.packing,
-kto.packing): a micro-batch's sequences in one row with restarting positions give the padded rows'
-losses, scores, log-probs and gradients, and a stage trains as it does padded with no padding."""
+kto.packing, and ppo.packing's update forwards): a micro-batch's sequences in one row with restarting
+positions give the padded rows' losses, scores, log-probs, values and gradients, and a stage trains
+as it does padded with no padding."""
 
 from __future__ import annotations
 
@@ -210,6 +211,53 @@ def test_a_packed_row_gives_the_padded_rows_dpo_log_probs_loss_and_gradients(hea
     torch.testing.assert_close(l_packed, l_padded, atol=1e-6, rtol=1e-5)
     _assert_same_grads(g_packed, g_padded)
 
+
+@pytest.mark.parametrize("head", ["positions", "chunked", "whole"])
+def test_a_packed_rollout_gives_the_padded_rows_log_probs_entropy_values_and_gradients(head, monkeypatch):
+    """PPO's update forwards (ppo.packing): rollouts of uneven prompts and responses (prompts
+    left-padded, responses right-padded, one response a single token) in one packed row against
+    the padded rows: log-probs and entropy at temperature 0.7 and a critic's values equal within
+    1e-9, zero on padding, and the gradients of a loss of all three equal. The LM head as in the
+    dpo test above (at the predicting columns, chunk by chunk, or on the whole row)."""
+    from transformers import LlamaForCausalLM, LlamaForSequenceClassification
+
+    from pipeline.data.padding import left_pad, right_pad
+    from pipeline.models import logit_chunks, logprobs
+    from pipeline.ppo.rollout import Rollout
+    from pipeline.ppo.scoring import critic_values, packed_rollout, policy_logprobs
+    if head == "chunked":
+        monkeypatch.setattr(logit_chunks, "LOGITS_CHUNK_BYTES", 3 * 50 * 4)
+    if head == "whole":
+        monkeypatch.setattr(logprobs, "keeps_logits_at", lambda model: False)
+    actor, critic = _tiny_llama(LlamaForCausalLM), _tiny_llama(LlamaForSequenceClassification)
+    prompts, responses = _ids(4, 1, 7, 3), _ids(3, 1, 6, 2, seed=2)
+    (p_ids, p_mask), (r_ids, r_mask) = left_pad(prompts, 0), right_pad(responses, 0)
+    ro = Rollout([""] * 4, [""] * 4, torch.cat([p_ids, r_ids], 1), torch.cat([p_mask, r_mask], 1).long(),
+                 r_mask, torch.ones(4, dtype=torch.bool), p_ids.size(1))
+    ids, pos, predicting = packed_rollout(ro)
+    assert ids[0].tolist() == [t for p, r in zip(prompts, responses) for t in p + r]
+    assert pos[0].tolist() == [i for p, r in zip(prompts, responses) for i in range(len(p + r))]
+    assert predicting.numel() == sum(map(len, responses)) == int(r_mask.sum())
+    weights = torch.randn(3, *r_mask.shape, generator=torch.Generator().manual_seed(3), dtype=torch.float64)
+
+    def forwards(packed: bool):
+        lp, ent = policy_logprobs(actor, ro, 0.7, with_entropy=True, packed=packed)
+        return lp, ent, critic_values(critic, ro, packed=packed)
+
+    out = {}
+    for packed in (False, True):
+        actor.zero_grad()
+        critic.zero_grad()
+        stats = forwards(packed)
+        sum(((x * w).masked_fill(~r_mask, 0.0)).sum() for x, w in zip(stats, weights)).backward()
+        grads = {f"{who}.{k}": p.grad.clone() for who, model in (("actor", actor), ("critic", critic))
+                 for k, p in model.named_parameters() if p.grad is not None}
+        out[packed] = ([x.detach() for x in stats], grads)
+    (padded, g_padded), (packed, g_packed) = out[False], out[True]
+    for got, want in zip(packed, padded):
+        assert got.shape == want.shape == r_mask.shape and (got[~r_mask] == 0).all()
+        torch.testing.assert_close(got[r_mask], want[r_mask].to(got.dtype), atol=1e-9, rtol=1e-7)
+    _assert_same_grads(g_packed, g_padded)
 
 @pytest.mark.parametrize("stage", ["reward", "dpo", "kto"])
 def test_a_preference_stage_packed_trains_as_padded_with_no_padding(stage, tiny_data, tiny_models, tmp_path):

@@ -1,5 +1,6 @@
-"""The PPO stage on tiny models: ratio 1 at the first update, accumulation equivalence, the EOS
-trick, NaN detection, reward functions, and a killed-then-resumed run equal to an uninterrupted one."""
+"""The PPO stage on tiny models: ratio 1 at the first update, accumulation equivalence, packed
+update forwards equal to padded ones, the EOS trick, NaN detection, reward functions, and a
+killed-then-resumed run equal to an uninterrupted one."""
 
 import csv
 import dataclasses
@@ -11,7 +12,7 @@ from transformers import AutoModelForCausalLM
 
 from conftest import assert_same_run, die_in_iteration, tiny_ppo_inputs
 from pipeline.models import reward_model as rm
-from pipeline.config import DetectorConfig, Params, PPOConfig, SamplingConfig, from_dict
+from pipeline.config import DetectorConfig, LoraConfig, Params, PPOConfig, SamplingConfig, from_dict
 from pipeline.errors import ConfigError
 from pipeline.models.generation import sample
 from pipeline.stages import ppo as stage
@@ -82,6 +83,39 @@ def test_micro_batch_accumulation_equals_full_minibatch(dirs):
     assert torch.allclose(results[0], results[1], atol=1e-10, rtol=0)
     assert torch.allclose(results[0], results[2], atol=1e-10, rtol=0)
 
+
+
+# Prompts of different lengths: packed rows of different widths, prompts left-padded differently.
+VARIED_PROMPTS = ["Review the film Silent River . Focus on the music .", "Review the film Red Canyon .",
+                  "What did you think of Lost Harbor ? Talk about the plot and the acting .",
+                  "Review Lost Harbor ."] * 2
+
+
+@pytest.mark.parametrize("variant", [{}, {"shared_backbone": True},
+                                     {"lora": LoraConfig(r=4), "critic_lora": LoraConfig(r=4)}],
+                         ids=["separate", "shared_backbone", "lora"])
+def test_packed_update_equals_padded(dirs, variant):
+    """One PPO iteration with ppo.packing (the update's actor and critic forwards on one packed row
+    per micro-batch) against padded rows, float64: the same losses and the same actor and critic
+    weights after it; the entropy bonus is on, so the entropy's packed gradient counts too."""
+    results = []
+    for packing in (False, True):
+        params = _params(packing=packing, entropy_coef=0.01, **variant)
+        m = place_models(params, dirs / "sft", dirs / "rm")
+        for model in (m.actor.model, m.critic.model, m.ref):
+            model.double()
+
+        def weights() -> torch.Tensor:
+            trained = [*m.actor.model.parameters(), *m.critic.model.parameters()]
+            return torch.cat([p.detach().flatten() for p in trained])
+        start = weights()
+        stats = PPOTrainer(params.ppo, m, VARIED_PROMPTS).step()
+        results.append((stats, start, weights()))
+    (padded, start, trained), (packed, _, trained_packed) = results
+    assert (trained - start).abs().max() > 1e-4   # the update moved the weights
+    torch.testing.assert_close(trained_packed, trained, atol=1e-8, rtol=0)
+    for key in ("loss/policy", "loss/value", "objective/entropy", "policy/approxkl", "policy/clipfrac"):
+        assert packed[key] == pytest.approx(padded[key], abs=1e-10, rel=0), key
 
 def test_function_reward_source_gold_oracle(dirs):
     params = _params(reward_source="pipeline.tasks.reviews:gold_scores")

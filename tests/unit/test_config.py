@@ -343,6 +343,22 @@ def test_ppo_logprob_settings(tmp_path):
         "params.yaml: ppo.tis_cap: 2.0 weights tokens by pi_old / pi_sampler")
 
 
+
+def test_sampling_calls_are_sized_by_rows_or_by_tokens_never_both(tmp_path):
+    """rollout_max_tokens (null by default) sizes the sampling calls by tokens; grpo inherits it;
+    beside rollout_micro_batch_size it is refused, naming both keys."""
+    assert load_params(write_params(tmp_path, "{}\n")).ppo.rollout_max_tokens is None
+    text = "ppo:\n  rollout_max_tokens: 4096\ngrpo:\n  rollout_max_tokens: 512\n"
+    p = load_params(write_params(tmp_path, text))
+    assert (p.ppo.rollout_max_tokens, p.grpo.rollout_max_tokens) == (4096, 512)
+    assert load_error(tmp_path, "ppo:\n  rollout_max_tokens: 0\n") == \
+        "params.yaml: ppo.rollout_max_tokens: expected an integer >= 1, got 0 (int)"
+    for section in ("ppo", "grpo"):
+        text = f"{section}:\n  rollout_max_tokens: 512\n  rollout_micro_batch_size: 8\n"
+        assert load_error(tmp_path, text) == (
+            f"params.yaml: {section}.rollout_max_tokens: 512 and {section}.rollout_micro_batch_size: 8 both "
+            "size the sampling calls; set one (rollout_micro_batch_size: 0 or rollout_max_tokens: null)")
+
 # ---- The prompts section ------------------------------------------------------------------------
 
 

@@ -272,6 +272,76 @@ def test_sub_batches_give_the_responses_of_one_batch():
         assert not stream.prompt_mask[i:i + 2, :-P].any()
 
 
+# Prompts from 1 to 13 tokens, in no order of length: a token budget sorts them, so its calls
+# hold rows from all over the batch and their results must be put back in place.
+VARIED = [[2, 5, 6, 7], [2], [2, 12, 13, 14, 15, 16, 17, 18, 19, 20, 21, 22, 23], [2, 9, 9],
+          [2, 11, 4, 7, 8, 9, 10, 12], [2, 10], [2, 14, 15, 16, 17, 18], [2, 8, 8, 8, 8]]
+
+
+def test_token_budget_calls_greedy_equal_one_call():
+    """Request.max_tokens through our engine, greedy: every prompt's response and log-probs are
+    those of one call, in the prompts' order, though the calls sort the prompts by length."""
+    from pipeline.models.rollout_engine import TORCH, Request, sampling_calls
+
+    model = _tiny("llama")
+    cfg = SamplingConfig(max_new_tokens=8)
+    request = Request(VARIED, PAD, tuple(STOPS), cfg, greedy=True, max_tokens=40)
+    calls = sampling_calls(request)
+    assert len(calls) >= 3 and [i for call in calls for i in call] != list(range(len(VARIED)))
+    one = TORCH.generate(model, Request(VARIED, PAD, tuple(STOPS), cfg, greedy=True))
+    split = TORCH.generate(model, request)
+    lengths = one.response_mask.sum(1)
+    assert lengths.min() < lengths.max()   # uneven responses: the calls' widths differ
+    for name in ("prompt_ids", "prompt_mask", "response_ids", "response_mask", "ended"):
+        assert torch.equal(getattr(split, name), getattr(one, name)), name
+    torch.testing.assert_close(split.logprobs, one.logprobs, rtol=0, atol=1e-5)
+    assert torch.equal(split.logprobs == 0, one.logprobs == 0)
+
+
+@pytest.mark.parametrize("budget", [12, 25, 40, 1000])
+def test_token_budget_calls_fit_it_and_sample_each_prompt_once(monkeypatch, budget):
+    """Each sampling call holds rows x (longest prompt + max_new_tokens) <= the budget, or one
+    prompt longer than it; every prompt is in one call, longest first; with one stream the calls
+    draw from it in turn, and each call's rows come back at their prompts' places."""
+    from pipeline.models import rollout_engine
+    from pipeline.models.rollout_engine import TORCH, Request
+
+    model, new = _tiny("llama"), 6
+    cfg = SamplingConfig(max_new_tokens=new)
+    seen: list[list[list[int]]] = []
+
+    def recorded(model, prompts, *args, **kwargs):
+        seen.append(prompts)
+        return sample(model, prompts, *args, **kwargs)
+
+    monkeypatch.setattr(rollout_engine, "sample", recorded)
+    stream = torch.Generator().manual_seed(4)
+    out = TORCH.generate(model, Request(VARIED, PAD, tuple(STOPS), cfg, stream=stream, max_tokens=budget))
+    for call in seen:
+        longest = max(len(p) for p in call)
+        assert len(call) * (longest + new) <= budget or len(call) == 1, (budget, call)
+    assert sorted(map(tuple, (p for call in seen for p in call))) == sorted(map(tuple, VARIED))
+    firsts = [len(call[0]) for call in seen]
+    assert firsts == sorted(firsts, reverse=True)
+    # 12: below any two rows (2 x (1 + 6) > 12), a call each; 1000: one call; else in between.
+    assert len(seen) == 8 if budget == 12 else len(seen) == 1 if budget == 1000 else 1 < len(seen) < 8
+    monkeypatch.undo()
+    gen = torch.Generator().manual_seed(4)
+    P = out.prompt_ids.size(1)
+    assert P == max(len(p) for p in VARIED)
+    for call in seen:
+        part = sample(model, call, PAD, STOPS, cfg, generator=gen)
+        width = part.response_ids.size(1)
+        for j, prompt in enumerate(call):
+            i = VARIED.index(prompt)
+            pads = P - len(prompt)
+            assert out.prompt_ids[i, pads:].tolist() == prompt and not out.prompt_mask[i, :pads].any()
+            assert torch.equal(out.response_ids[i, :width], part.response_ids[j])
+            assert torch.equal(out.response_mask[i, :width], part.response_mask[j])
+            assert torch.equal(out.logprobs[i, :width], part.logprobs[j]) and out.ended[i] == part.ended[j]
+            assert not out.response_mask[i, width:].any()
+
+
 # ---- On an accelerator (the fake one, tests/helpers/fake_device.py): no read from the device per token
 
 NEVER = 99   # a stop id outside the tiny models' vocabulary (40): no row ends early

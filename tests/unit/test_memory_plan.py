@@ -394,6 +394,59 @@ def test_rollout_phase_by_hand():
     assert whole.device["rollout"] == z2.device["rollout"]
 
 
+
+def test_rollout_token_budget_by_hand():
+    """ppo.rollout_max_tokens: the rollout phase holds the largest call the budget allows, whatever
+    the rank's rows (4 of prompts up to 10 tokens, R = 6, bf16 below ZeRO-3). Budget 16: a KV cache
+    of 16 tokens (a quarter of the 4 x 16 of one call), a prefill of one 10-token prompt, and the
+    logits of the 2 rows of 1-token prompts that fit (2 x 7 <= 16). Budget 40: 40 KV tokens, 34
+    prefill tokens, 40 // 7 = 5 rows, capped at the rank's 4. A budget beyond the rank's rollout
+    plans one call; halving the budget is the suggestion, and never rollout_micro_batch_size."""
+    m = mt.shape_of(SMALL)
+    dist = ds(num_processes=2, zero_stage=2, precision="bf16")
+    common = dict(micro_batch=2, rollout_batch=8, prompt_length=10, response_length=6)
+    kv, logits = 2 * 2 * 2 * 8 * 16 * 4 * 2, 4 * 153 * 14   # one call of the rank's 4 rows
+    whole = mt.rl_plan("ppo", m, dist, **common).device["rollout"]
+    assert whole == kv + layer(4, 10, 2) + logits
+
+    def rollout(budget: int) -> float:
+        return mt.rl_plan("ppo", m, dist, rollout_max_tokens=budget, **common).device["rollout"]
+
+    assert rollout(16) == kv // 4 + layer(1, 10, 2) + logits // 2
+    assert rollout(40) == kv * 40 // 64 + layer(1, 34, 2) + logits
+    assert rollout(16) < rollout(40) < whole == rollout(64) == rollout(10 ** 6)
+    assert rollout(1) == rollout(16) - logits // 4   # one row alone: its KV cache and one row of logits
+    cfg = PPOConfig(rollout_batch_size=8, minibatch_size=8, micro_batch_size=2, rollout_max_tokens=40)
+    plan = mt.rl_plan("ppo", m, cfg.distributed, rollout_max_tokens=40, **common)
+    tips = {t.key: t.value for t in mp.candidates("ppo", cfg, plan)}
+    assert tips["ppo.rollout_max_tokens"] == 20 and "ppo.rollout_micro_batch_size" not in tips
+    assert mp.apply("ppo", cfg, {"ppo.rollout_max_tokens": 20}).rollout_max_tokens == 20
+    with pytest.raises(ConfigError, match="both size the sampling calls"):
+        mp.apply("ppo", cfg, {"ppo.rollout_micro_batch_size": 2})
+
+
+def test_ppo_packing_plans_one_row_of_the_micro_batch():
+    """ppo.packing: the update's actor and critic forwards over one row of the micro-batch's 4
+    rollouts of 16 tokens: the same activations but for eager attention's scores, 4 times as many
+    ((4 x 16)^2 = 4 x (4 x 16^2)); the planner passes the key."""
+    sdpa = (mt.shape_of(SMALL), mt.shape_of(SMALL, scalar_head=True))
+    eager = tuple(dataclasses.replace(s, eager_attention=True) for s in sdpa)
+    common = dict(micro_batch=4, rollout_batch=8, prompt_length=10, response_length=6)
+
+    def update(shapes, packing: bool) -> float:
+        actor, critic = shapes
+        plan = mt.rl_plan("ppo", actor, DistributedConfig(), critic=critic, packing=packing, **common)
+        return plan.device["update"]
+
+    assert update(sdpa, True) == pytest.approx(update(sdpa, False), rel=1e-12)
+    scores = {packing: update(eager, packing) - update(sdpa, packing) for packing in (False, True)}
+    assert scores[False] > 0 and scores[True] == pytest.approx(4 * scores[False])
+    planner = mp.ppo_planner(Params(), *eager, None)
+    cfg = PPOConfig(micro_batch_size=4, sampling=SamplingConfig(max_new_tokens=6), max_prompt_length=10)
+    planned = {packing: planner(dataclasses.replace(cfg, packing=packing)).device["update"]
+               for packing in (False, True)}
+    assert planned[True] - planned[False] == pytest.approx(scores[True] - scores[False])
+
 def test_scoring_phase_by_hand():
     """Scoring forwards without a graph, one model at a time, fp32, sequences of 16 tokens (R = 6):
     a language model's one layer plus its (R + 1) x V logits with the two fp32 copies (4 + 8
