@@ -10,7 +10,10 @@ model and one reward model whatever the variant, and only PPO and evaluate run a
 table lands in the work folder as `variant_<name>.json`. `--collect` merges every table found there
 into one file with the machine and date (`make docs` renders it in the decision record that chose
 among them), reading a run's `frontier/*` from its evaluate metrics where an older table lacks a
-column. Choose on some seeds and confirm on others that no choice used.
+column. Choose on some seeds and confirm on others that no choice used. `--seed-grid NAME` also
+writes that variant's runs as benchmarks/seed_grid.py's JSON (the README's seeds table, once the
+variant is the default), without wall times: a variant grid trains each upstream seed once for every
+variant, so its stage times are not one run's.
 """
 
 from __future__ import annotations
@@ -33,9 +36,7 @@ VARIANTS: dict[str, list[str]] = {
     "norm": ["ppo.normalize_reward=true"],
     "warm": ["ppo.critic_warmup=10"],
     "adapt": ["ppo.adaptive_kl=true", "ppo.kl_target=3.0"],
-    "norm_warm": ["ppo.normalize_reward=true", "ppo.critic_warmup=10"],
-    "norm_warm_adapt": ["ppo.normalize_reward=true", "ppo.critic_warmup=10", "ppo.adaptive_kl=true",
-                        "ppo.kl_target=3.0"],
+    "adapt_const": ["ppo.adaptive_kl=true", "ppo.kl_target=3.0", "ppo.lr_schedule=constant"],
 }
 
 
@@ -56,7 +57,7 @@ def run_variant(name: str, runs: list[str], keep: Path) -> None:
     part.unlink()
 
 
-def collect(keep: Path, out: Path) -> None:
+def collect(keep: Path, out: Path) -> dict:
     from demo_seeds import machine
     variants = []
     for name, settings in VARIANTS.items():
@@ -76,6 +77,23 @@ def collect(keep: Path, out: Path) -> None:
     tmp.write_text(json.dumps(result, indent=1, allow_nan=False) + "\n")
     tmp.replace(out)
     print(f"{out}: {len(variants)} variants")
+    return result
+
+
+def as_seed_grid(result: dict, name: str, out: Path) -> None:
+    """The variant `name`'s runs in seed_grid.py's --out JSON, without the stage times."""
+    variant = next((v for v in result["variants"] if v["name"] == name), None)
+    if variant is None:
+        sys.exit(f"--seed-grid: no variant {name!r} measured in this work folder")
+    runs = [{k: v for k, v in r.items() if not k.endswith("_seconds")} for r in variant["runs"]]
+    runs.sort(key=lambda r: [int(x) for x in r["run"].split(":")])
+    threads = ",".join(sorted({r["run"].split(":")[2] for r in runs}))
+    grid = {"machine": result["machine"], "threads": threads, "date": result["date"],
+            "overrides": variant["overrides"], "runs": runs}
+    tmp = out.with_suffix(".json.tmp")
+    tmp.write_text(json.dumps(grid, indent=1, allow_nan=False) + "\n")
+    tmp.replace(out)
+    print(f"{out}: {name}, {len(runs)} runs")
 
 
 def main() -> int:
@@ -85,11 +103,15 @@ def main() -> int:
     ap.add_argument("--runs", nargs="+", default=["0:0", "1:1", "2:2"], help="UPSTREAM:PPO[:THREADS] per run")
     ap.add_argument("--collect", action="store_true", help="only merge the variants' tables into --out")
     ap.add_argument("--out", type=Path, default=Path("/tmp/ppo-variants.json"))
+    ap.add_argument("--seed-grid", nargs=2, metavar=("NAME", "OUT"), default=None,
+                    help="also write variant NAME's runs as seed_grid.py's JSON to OUT")
     args = ap.parse_args()
     if not args.collect:
         for name in args.variants:
             run_variant(name, args.runs, args.keep)
-    collect(args.keep, args.out)
+    result = collect(args.keep, args.out)
+    if args.seed_grid:
+        as_seed_grid(result, args.seed_grid[0], Path(args.seed_grid[1]))
     return 0
 
 

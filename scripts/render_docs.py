@@ -290,14 +290,15 @@ def render_seeds(root: Path) -> str:
     runs = grid["runs"]
     threads = grid.get("threads")
     gaps = any("ppo_gap_gold" in r for r in runs)   # a grid written before the gap was measured has none
+    timed = any(k.endswith("_seconds") for r in runs for k in r)   # a variant grid's export has no times
     lines = [f"The full default (`dvc repro`, every stage) once per seed, measured on "
              f"{grid.get('machine', 'an unrecorded machine')} at {threads if threads else 'an unrecorded number of'} "
              f"threads, {grid.get('date', 'undated')}; seed `s:p`: s seeds the SFT policy and the reward "
              "model (`sft.seed`, `reward.seed`), p seeds PPO (`ppo.seed`):", "",
              "| seed | PPO beats SFT, gold (95% CI) | by the RM | gold: SFT → PPO | KL to SFT, nats | "
-             + ("gold gap to best-of-n (95% CI) | " if gaps else "")
-             + "RM accuracy (share of ceiling) | wall time: sft + reward + ppo + evaluate |",
-             "|" + " --- |" * (8 if gaps else 7)]
+             + ("against best-of-n (95% CI) | " if gaps else "")
+             + "RM accuracy (share of ceiling) |" + (" wall time: sft + reward + ppo + evaluate |" if timed else ""),
+             "|" + " --- |" * (6 + gaps + timed)]
     for r in runs:
         stages = [r.get(f"{s}_seconds") for s in dvc_stages(root, "dvc.yaml")]
         known = [v for v in stages if isinstance(v, (int, float))]
@@ -306,8 +307,8 @@ def render_seeds(root: Path) -> str:
                      f"({interval(r.get('gold_win_low'), r.get('gold_win_high'))}) | {pct(r.get('rm_win'))} | "
                      f"{num(r.get('sft_gold'), '.2f')} → {num(r.get('ppo_gold'), '.2f')} | {num(r.get('ppo_kl'), '.2f')} | "
                      + (f"{seed_gap(r)} | " if gaps else "")
-                     + f"{num(r.get('rm_accuracy'), '.3f')} ({pct(r.get('rm_accuracy_of_ceiling'))}) | "
-                     f"{wall} |")
+                     + f"{num(r.get('rm_accuracy'), '.3f')} ({pct(r.get('rm_accuracy_of_ceiling'))}) |"
+                     + (f" {wall} |" if timed else ""))
     wins = [r["gold_win"] for r in runs if isinstance(r.get("gold_win"), (int, float))]
     if wins:
         lines += ["", f"PPO beats SFT by gold on {pct(min(wins))} to {pct(max(wins))} of the held-out prompts "
@@ -319,6 +320,8 @@ def seed_gap(r: dict[str, Any]) -> str:
     """A seed-grid run's gold gap to the best-of-n frontier; — for a run recorded before it was measured."""
     if "ppo_gap_gold" not in r:
         return "—"
+    if "ppo_margin_gold" in r:   # recorded with the margin: the gap, or past best-of-n the margin
+        return against_frontier(r)
     return frontier_gap(r.get("ppo_gap_gold"), r.get("ppo_gap_gold_low"), r.get("ppo_gap_gold_high"),
                         r.get("ppo_beyond_best_of_n"))
 

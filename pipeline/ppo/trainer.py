@@ -83,7 +83,7 @@ class PPOTrainer:
                  judge: Optional[Callable[[str, str], float]] = None, engine: RolloutEngine = TORCH):
         self.cfg, self.m, self.prompts, self.judge, self.engine = cfg, models, prompts, judge, engine
         self.ctx = models.ctx
-        self.kl_ctl = (adv.AdaptiveKLController(cfg.kl_coef, cfg.kl_target, cfg.kl_horizon) if cfg.adaptive_kl
+        self.kl_ctl = (adv.AdaptiveKLController(cfg.kl_coef, cfg.kl_target, cfg.kl_horizon_iterations) if cfg.adaptive_kl
                        else adv.FixedKLController(cfg.kl_coef))
         # rollout_batch_size counts responses: rollout_batch_size / k prompts per iteration, each k times.
         self.prompt_sampler = BatchSampler(len(prompts), cfg.rollout_batch_size // cfg.samples_per_prompt, cfg.seed)
