@@ -36,7 +36,6 @@ VARIANTS: dict[str, list[str]] = {
     "norm": ["ppo.normalize_reward=true"],
     "warm": ["ppo.critic_warmup=10"],
     "adapt": ["ppo.adaptive_kl=true", "ppo.kl_target=3.0"],
-    "adapt_const": ["ppo.adaptive_kl=true", "ppo.kl_target=3.0", "ppo.lr_schedule=constant"],
 }
 
 
