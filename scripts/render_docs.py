@@ -296,7 +296,7 @@ def render_seeds(root: Path) -> str:
              f"threads, {grid.get('date', 'undated')}; seed `s:p`: s seeds the SFT policy and the reward "
              "model (`sft.seed`, `reward.seed`), p seeds PPO (`ppo.seed`):", "",
              "| seed | PPO beats SFT, gold (95% CI) | by the RM | gold: SFT → PPO | KL to SFT, nats | "
-             + ("against best-of-n (95% CI) | " if gaps else "")
+             + ("gold gap to best-of-n (95% CI) | " if gaps else "")
              + "RM accuracy (share of ceiling) |" + (" wall time: sft + reward + ppo + evaluate |" if timed else ""),
              "|" + " --- |" * (6 + gaps + timed)]
     for r in runs:

@@ -20,7 +20,6 @@ import torch
 
 from ..config import SamplingConfig
 from ..devices import generator
-from ..training.token_batches import micro_batches
 from .generation import Sampled, concat, sample
 
 
@@ -70,8 +69,8 @@ class TorchSampler:
         order = [i for call in calls for i in call]
         if order == sorted(order):
             return merged
-        back = torch.empty(len(order), dtype=torch.long)
-        back[torch.tensor(order)] = torch.arange(len(order))   # row of the merged result for each prompt
+        back = torch.empty(len(order), dtype=torch.long, device="cpu")
+        back[torch.tensor(order, device="cpu")] = torch.arange(len(order), device="cpu")   # merged row of each prompt
         return merged.rows(back.to(merged.prompt_ids.device))
 
 
@@ -83,10 +82,19 @@ def sampling_calls(request: Request) -> list[list[int]]:
     are then bounded whatever the prompts' lengths. Else consecutive runs of `micro_batch` (0: one
     call)."""
     n = len(request.prompts)
-    if request.max_tokens is not None:
-        new = request.sampling.max_new_tokens
-        return micro_batches([len(p) + new for p in request.prompts], n, request.max_tokens)
-    return micro_batches([0] * n, request.micro_batch or max(n, 1), None)
+    if request.max_tokens is None:
+        size = request.micro_batch or max(n, 1)
+        return [list(range(i, min(i + size, n))) for i in range(0, n, size)]
+    # Longest first (ties in input order), so a call's first prompt is its longest: one more row
+    # costs that prompt's length + max_new_tokens.
+    cost = [len(p) + request.sampling.max_new_tokens for p in request.prompts]
+    calls: list[list[int]] = []
+    for i in sorted(range(n), key=lambda i: -cost[i]):
+        if calls and (len(calls[-1]) + 1) * cost[calls[-1][0]] <= request.max_tokens:
+            calls[-1].append(i)
+        else:
+            calls.append([i])
+    return calls
 
 
 TORCH = TorchSampler()
