@@ -155,19 +155,26 @@ def response_logprobs(model, input_ids: torch.Tensor, attention_mask: torch.Tens
     head = chunked_head(model, B * R)
     if head is None:
         logits = response_logits(model, input_ids, attention_mask, position_ids, R, temperature)   # (B, R, V)
-        lp = logprobs_from_logits(logits, labels)
-        if not entropy:
-            return lp, None
-        if entropy_grad:
-            return lp, entropy_from_logits(logits)
-        with torch.no_grad():
-            return lp, entropy_from_logits(logits.detach())
+        return stats_from_logits(logits, labels, entropy, entropy_grad)
     extra = {"logits_to_keep": R + 1} if keeps_logits(model) else {}
     with hidden_out(head):
         hidden = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
                        use_cache=False, **extra).logits[:, -(R + 1):-1]                                 # (B, R, H)
     lp, ent = chunked_stats(head, hidden.reshape(B * R, -1), labels.reshape(-1), temperature, entropy, entropy_grad)
     return lp.view(B, R), (ent.view(B, R) if ent is not None else None)
+
+
+def stats_from_logits(logits: torch.Tensor, labels: torch.Tensor, entropy: bool,
+                      entropy_grad: bool) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+    """(...,) log-probs of `labels` under (..., V) `logits`, and their (...,) entropy when `entropy`
+    (with a graph only when `entropy_grad`)."""
+    lp = logprobs_from_logits(logits, labels)
+    if not entropy:
+        return lp, None
+    if entropy_grad:
+        return lp, entropy_from_logits(logits)
+    with torch.no_grad():
+        return lp, entropy_from_logits(logits.detach())
 
 
 def keeps_logits_at(model) -> bool:
@@ -202,11 +209,4 @@ def packed_stats(model, input_ids: torch.Tensor, position_ids: torch.Tensor, pre
     out = out[0] if at else out[0, predicting]                                                  # (K, V or H)
     if head is not None:
         return chunked_stats(head, out, labels, temperature, entropy, entropy_grad)
-    logits = out.float() / temperature                                                          # (K, V)
-    lp = logprobs_from_logits(logits, labels)
-    if not entropy:
-        return lp, None
-    if entropy_grad:
-        return lp, entropy_from_logits(logits)
-    with torch.no_grad():
-        return lp, entropy_from_logits(logits.detach())
+    return stats_from_logits(out.float() / temperature, labels, entropy, entropy_grad)         # (K, V) logits
