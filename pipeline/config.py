@@ -313,7 +313,8 @@ class RewardConfig(SupervisedConfig):
     shared_prompt: bool = True
     # Each training micro-batch's pairs end to end in one row, their two sequences side by side with
     # position ids restarting per sequence (reward_model.packed_scores), as sft.packing: no compute
-    # on padding with flash_attention_2, a dense mask under SDPA or eager. Only with shared_prompt
+    # on padding with flash_attention_2, a dense mask under SDPA or eager; the held-out, offset and
+    # SFT-sample scoring passes too. Only with shared_prompt
     # false: a rejected branch sees the prompt but not the chosen response, which restarting position
     # ids cannot say.
     packing: bool = False
@@ -340,10 +341,10 @@ class PairMethodConfig(SupervisedConfig):
     max_length: int = num(96, ge=8, doc="prompt + the longer of its two responses (kto: its own and its "
                                         "mismatched one), in tokens; longer ones follow `overlong`")
     n_eval_prompts: int = num(200, ge=2, doc="held-out prompts the trained policy is measured on (as prompts.sampling)")
-    # Each training micro-batch's sequences (a pair's two, kto: its own responses and, in the step's
-    # KL forward, the mismatched ones) end to end in one row with position ids restarting per
-    # sequence (preference.logprobs.packed_sequence_logprobs), as sft.packing; the reference and
-    # held-out passes stay padded rows.
+    # Each micro-batch's sequences (a pair's two, kto: its own responses and, in the step's KL
+    # forward, the mismatched ones) end to end in one row with position ids restarting per sequence
+    # (preference.logprobs.packed_sequence_logprobs), as sft.packing: in training, in the reference
+    # and held-out passes, and in the measurement's KL forwards.
     packing: bool = False
     dataset: PreferenceDataConfig = field(default_factory=PreferenceDataConfig)   # the RM's pairs by default
 
@@ -549,10 +550,11 @@ class PPOConfig:
     rollout_max_tokens: Optional[int] = num(None, ge=1, doc="tokens per sampling call: rows x (longest "
                                             "prompt + max_new_tokens); None: rollout_micro_batch_size's rows")
     rollout_drop_finished: bool = False
-    # The update's actor and critic forwards on one packed row per micro-batch, each rollout's prompt
-    # and response end to end, position ids restarting (pipeline/ppo/scoring.py's packed_rollout), as
-    # sft.packing: no compute on padding where attention takes packed rows without a dense mask
-    # (flash_attention_2); the scoring forwards stay padded rows. Off by default, as sft.packing.
+    # Every forward of an iteration but sampling on one packed row per micro-batch, each rollout's
+    # prompt and response end to end, position ids restarting (pipeline/ppo/scoring.py's
+    # packed_rollout): the scoring pass (actor, reference, critic, reward model) and the update, and
+    # the held-out measurement's scoring. As sft.packing: no compute on padding where attention takes
+    # packed rows without a dense mask (flash_attention_2). Off by default, as sft.packing.
     packing: bool = False
     max_prompt_length: int = num(256, ge=4, doc="training prompt tokens; longer ones follow `overlong`")
     overlong: Literal["truncate", "drop", "error"] = "truncate"
@@ -703,6 +705,10 @@ class MeasuringConfig:
     n_prompts: int = num(200, ge=2)
     best_of_n: tuple[int, ...] = num((4, 16, 64), ge=2, doc="samples per prompt of each best-of-n baseline from SFT")
     bootstrap: int = num(1000, ge=100, doc="bootstrap resamples for win-rate intervals")
+    # The scoring forwards (each policy's and SFT's log-probs for the KL, the reward model's scores)
+    # in packed rows, as sft.packing: no compute on padding where attention takes packed rows without
+    # a dense mask (flash_attention_2); sampling is unchanged. Off by default, as sft.packing.
+    packing: bool = False
     distributed: DistributedConfig = field(default_factory=DistributedConfig)  # merged over the top level
 
     _section: typing.ClassVar[str] = ""

@@ -49,3 +49,9 @@ def pack(seqs: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor]:
     pos = [i for s in seqs for i in range(len(s))]
     return (torch.tensor(ids, dtype=torch.long, device="cpu")[None],     # (1, N)
             torch.tensor(pos, dtype=torch.long, device="cpu")[None])     # (1, N)
+
+
+def unpack(values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """(K,) `values` of the True entries of (B, R) `mask`, in row-major order, as (B, R), zero
+    elsewhere (with a graph to `values`): per-token results of a packed row back in padded rows."""
+    return values.new_zeros(mask.shape).masked_scatter(mask, values)

@@ -34,17 +34,19 @@ from .stats import win_rate
 def measure_against_sft(sft_dir: Path, policies: dict[str, Path], reward_dir: Path, prompts: list,
                         judge: Optional[Callable], *, sampling: SamplingConfig, seed: int, best_of: tuple[int, ...],
                         reward_max_length: int, trust_remote_code: bool, dtype: Optional[torch.dtype],
-                        ctx: Context = SINGLE) -> dict[str, Measured]:
+                        ctx: Context = SINGLE, packed: bool = False) -> dict[str, Measured]:
     """Collective. Each policy's responses and per-response measures (rm, gold with a judge, kl to
     SFT), every rank its share of the prompts, the models on its device in `dtype`, one trained
-    policy at a time. Keys in report order: sft, best_of_<n> by n, then `policies` as given."""
+    policy at a time. Keys in report order: sft, best_of_<n> by n, then `policies` as given.
+    `packed`: the scoring forwards (KL log-probs, reward model) in packed rows."""
     sft, tok = load_policy(sft_dir, trust_remote_code, dtype)
     same_vocabulary(tok, sft_dir, policies, trust_remote_code)   # before minutes of sampling
     check_stop_tokens(tok, {"prompts.sampling": sampling})   # what the evaluate and compare stages pass
     sft = sft.to(ctx.device)
-    reward = RewardModelSource(reward_dir, reward_max_length, trust_remote_code, device=ctx.device, dtype=dtype)
+    reward = RewardModelSource(reward_dir, reward_max_length, trust_remote_code, device=ctx.device, dtype=dtype,
+                               packed=packed)
     per = measure_policies([Policy("sft", sft, seed)], tok, prompts, sampling, ctx=ctx, reward=reward, ref=sft,
-                           judge=judge)
+                           judge=judge, packed=packed)
     if best_of:   # draw k with seed seed + 1 + k, scored once; each n keeps the RM's favourite of the first n
         draws = candidates(sft, seed + 1, max(best_of))
         cands = measure_policies(draws, tok, prompts, sampling, ctx=ctx, reward=reward)
@@ -52,7 +54,7 @@ def measure_against_sft(sft_dir: Path, policies: dict[str, Path], reward_dir: Pa
     for name, folder in policies.items():
         policy, _ = load_policy(folder, trust_remote_code, dtype)
         per.update(measure_policies([Policy(name, policy.to(ctx.device), seed)], tok, prompts, sampling, ctx=ctx,
-                                    reward=reward, ref=sft, judge=judge))
+                                    reward=reward, ref=sft, judge=judge, packed=packed))
         del policy
     return per
 

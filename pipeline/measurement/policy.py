@@ -29,10 +29,10 @@ from typing import Any, Callable, Iterator, Mapping, Optional, Sequence
 import torch
 
 from ..config import SamplingConfig
-from ..data.padding import left_pad, positions, right_pad
+from ..data.padding import left_pad, pack, positions, right_pad, unpack
 from ..data.tokenizer import decode_response, encode_prompt, encode_response, end_ids
 from ..models.generation import stop_ids
-from ..models.logprobs import response_logprobs
+from ..models.logprobs import packed_stats, response_logprobs
 from ..models.rollout_engine import TORCH, Request, RolloutEngine
 from ..tracking.metric_names import METRICS_JSON, Metric
 from ..context import SINGLE, Context
@@ -108,10 +108,11 @@ class _Part:
 def measure_policies(policies: Sequence[Policy], tok, prompts: list, sampling: SamplingConfig, *,
                      ctx: Context = SINGLE, reward: Any = None, judge: Optional[Judge] = None, ref: Any = None,
                      max_prompt_length: int | None = None, batch_size: int = GENERATION_BATCH,
-                     engine: RolloutEngine = TORCH) -> dict[str, Measured]:
+                     engine: RolloutEngine = TORCH, packed: bool = False) -> dict[str, Measured]:
     """Each policy's responses to `prompts` (sampled by `engine`) and, per response, the reward
     source's score ("rm"), the KL to `ref` ("kl") and the judge's gold score ("gold"), each only when
-    given. Collective (every rank calls it with the same arguments and gets every result)."""
+    given. Collective (every rank calls it with the same arguments and gets every result).
+    `packed`: the KL's forwards on packed rows (the reward source packs its own when built to)."""
     mine = shares(len(prompts), ctx, batch_size)
     ids = {s: [encode_prompt(tok, p, max_prompt_length) for p in prompts[s:e]] for s, e in mine}
     parts: dict[str, dict[int, _Part]] = {}
@@ -123,12 +124,12 @@ def measure_policies(policies: Sequence[Policy], tok, prompts: list, sampling: S
             with whole(pol.model) as model:
                 for s, e in mine:
                     parts[pol.name][s].logprobs = _logprobs(model, tok, prompts[s:e], parts[pol.name][s].texts,
-                                                            sampling.temperature)
+                                                            sampling.temperature, packed)
         with whole(ref) as model:
             for pol in policies:
                 for s, e in mine:
                     part = parts[pol.name][s]
-                    theirs = _logprobs(model, tok, prompts[s:e], part.texts, sampling.temperature)
+                    theirs = _logprobs(model, tok, prompts[s:e], part.texts, sampling.temperature, packed)
                     part.values["kl"] = [v for (lp, mask), (rlp, _) in zip(part.logprobs, theirs)
                                          for v in torch.where(mask, lp - rlp, 0.0).sum(1).tolist()]
                     part.logprobs = []
@@ -155,15 +156,29 @@ def _sample(model, tok, ids: list[list[int]], sampling: SamplingConfig, pol: Pol
 
 
 @torch.no_grad()   # not inference_mode: see pipeline/ppo/scoring.py
-def _logprobs(model, tok, prompts: list, responses: list[str], temperature: float) -> list[tuple[torch.Tensor, torch.Tensor]]:
+def _logprobs(model, tok, prompts: list, responses: list[str], temperature: float,
+              packed: bool = False) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """Per KL_BATCH chunk: (B, R) log pi(a_t) of each response token (its text re-encoded with eos
-    appended) and the (B, R) response mask."""
+    appended) and the (B, R) response mask. `packed`: each chunk's sequences in one packed row
+    (data.padding.pack), zero on padding; the same numbers up to rounding."""
     out = []
+    device = next(model.parameters()).device
     for start in range(0, len(prompts), KL_BATCH):
-        p_ids, p_mask = left_pad([encode_prompt(tok, p) for p in prompts[start:start + KL_BATCH]], tok.pad_token_id)
-        r_ids, r_mask = right_pad([encode_response(tok, r) for r in responses[start:start + KL_BATCH]],
-                                  tok.pad_token_id)
-        device = next(model.parameters()).device
+        p_seqs = [encode_prompt(tok, p) for p in prompts[start:start + KL_BATCH]]
+        r_seqs = [encode_response(tok, r) for r in responses[start:start + KL_BATCH]]
+        r_ids, r_mask = right_pad(r_seqs, tok.pad_token_id)                                         # (B, R) each
+        if packed:
+            ids, pos = pack([p + r for p, r in zip(p_seqs, r_seqs)])                                 # (1, N) each
+            # the column before each response token, row by row (the row-major order of r_mask)
+            predicting, at = [], 0
+            for p, r in zip(p_seqs, r_seqs):
+                predicting += range(at + len(p) - 1, at + len(p) - 1 + len(r))
+                at += len(p) + len(r)
+            lp, _ = packed_stats(model, ids.to(device), pos.to(device),
+                                 torch.tensor(predicting, device="cpu").to(device), temperature)      # (K,)
+            out.append((unpack(lp, r_mask.to(device)), r_mask.to(device)))
+            continue
+        p_ids, p_mask = left_pad(p_seqs, tok.pad_token_id)
         ids, mask = torch.cat([p_ids, r_ids], 1).to(device), torch.cat([p_mask, r_mask], 1).long().to(device)
         lp, _ = response_logprobs(model, ids, mask, positions(mask), r_ids.to(device), temperature)   # (B, R)
         out.append((lp, r_mask.to(device)))
@@ -189,16 +204,16 @@ def _gathered(parts: dict[str, dict[int, _Part]], ctx: Context, names: list[str]
 
 def measure(policy, tok, prompts: list, sampling: SamplingConfig, seed: int, *, greedy: bool = False,
             reward: Any = None, judge: Optional[Judge] = None, ref: Any = None,
-            max_prompt_length: int | None = None, ctx: Context = SINGLE) -> Measured:
+            max_prompt_length: int | None = None, ctx: Context = SINGLE, packed: bool = False) -> Measured:
     """`measure_policies` of one policy."""
     return measure_policies([Policy("policy", policy, seed, greedy)], tok, prompts, sampling, ctx=ctx, reward=reward,
-                            judge=judge, ref=ref, max_prompt_length=max_prompt_length)["policy"]
+                            judge=judge, ref=ref, max_prompt_length=max_prompt_length, packed=packed)["policy"]
 
 
 def measure_trained(name: str, policy, tok, prompts: list, sampling: SamplingConfig, seed: int, *,
                     sft: Any = None, reward: Any = None, judge: Optional[Judge] = None,
                     max_prompt_length: int | None = None, ctx: Context = SINGLE, beside_sft: bool = False,
-                    greedy: bool = False) -> tuple[dict[str, float], dict[str, Measured]]:
+                    greedy: bool = False, packed: bool = False) -> tuple[dict[str, float], dict[str, Measured]]:
     """Collective. The measurement every training stage makes of the policy it trained (a module or
     an engine) called `name`, on held-out `prompts`, every rank its share: sampled as `sampling` says
     from `seed`, with its KL to `sft` when given and the RM and gold scores when `reward` and `judge`
@@ -207,14 +222,14 @@ def measure_trained(name: str, policy, tok, prompts: list, sampling: SamplingCon
     `beside_sft`: `sft` sampled the same way too (`sft/...`), and the per-prompt gold gain of the
     policy over it (`<name>/gold_gain`, with `_ci95`, with a judge). `greedy`: its greedy responses
     too (`<name>/<...>_greedy`). Returns the metrics and the responses by policy ("sft", `name`,
-    "greedy")."""
+    "greedy"). `packed`: as measure_policies'."""
     policies = [Policy(name, policy, seed)]
     if beside_sft:
         policies.insert(0, Policy("sft", sft, seed))
     if greedy:
         policies.insert(0, Policy("greedy", policy, seed, greedy=True))
     per = measure_policies(policies, tok, prompts, sampling, ctx=ctx, reward=reward, judge=judge, ref=sft,
-                           max_prompt_length=max_prompt_length)
+                           max_prompt_length=max_prompt_length, packed=packed)
     out: dict[str, float] = {}
     for pol in policies:
         if pol.name == "greedy":

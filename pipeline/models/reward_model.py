@@ -393,15 +393,16 @@ def pair_scores(model: PreTrainedModel, tok: PreTrainedTokenizerBase, triples: l
 
 @torch.no_grad()   # not inference_mode: see pipeline/ppo/scoring.py
 def score_texts(model: PreTrainedModel, tok: PreTrainedTokenizerBase, prompts: list[str], responses: list[str],
-                max_length: int, batch_size: int = 64) -> torch.Tensor:
-    """(N,) normalised scores of (prompt, response) texts: raw score minus the stored offset."""
+                max_length: int, batch_size: int = 64, packed: bool = False) -> torch.Tensor:
+    """(N,) normalised scores of (prompt, response) texts: raw score minus the stored offset.
+    `packed`: each batch's sequences in one packed row (`packed_scores`), no padding computed."""
     was_training = model.training
     model.eval()
     out = []
     for start in range(0, len(prompts), batch_size):
         seqs = [encode_pair_text(tok, p, r, max_length)
                 for p, r in zip(prompts[start:start + batch_size], responses[start:start + batch_size])]
-        out.append(length_sorted_scores(model, seqs, tok.pad_token_id))
+        out.append(packed_scores(model, seqs) if packed else length_sorted_scores(model, seqs, tok.pad_token_id))
     model.train(was_training)
     return torch.cat(out) - offset(model)
 

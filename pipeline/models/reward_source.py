@@ -37,13 +37,14 @@ class RewardModelSource:
     def __init__(self, path: Path | None, max_length: int, trust_remote_code: bool = False,
                  place: Callable[[torch.nn.Module], Any] | None = None, *, device: torch.device | None = None,
                  dtype: torch.dtype | None = None, loaded: tuple[torch.nn.Module, Any] | None = None,
-                 unit_variance: str | None = None):
+                 unit_variance: str | None = None, packed: bool = False):
         """The reward model at `path` (or `loaded`: a model and tokenizer in memory). `place` puts it
         where PPO's placement wants it (a FrozenModel: e.g. partitioned by ZeRO-3); else it goes to
         `device` in `dtype` (this rank's device, for a measurement). A `loaded` model is used as it
         is (score_texts scores in eval mode and restores its mode). `unit_variance`: the params key that
         asked for scores divided by the model's stored scale (reward_model.SCALE_KEY), for its error
-        when the model stores none; None: scores in the offset's units."""
+        when the model stores none; None: scores in the offset's units. `packed`: each batch of
+        texts scored in one packed row (reward_model.score_texts), the same scores up to rounding."""
         if loaded is not None:
             model, self.tok = loaded
         else:
@@ -52,6 +53,7 @@ class RewardModelSource:
         self.placed = place(model) if place is not None else None
         self.model = self.placed.model if self.placed is not None else model.to(device) if device else model
         self.max_length = max_length
+        self.packed = packed
         self.scale = 1.0
         if unit_variance is not None:
             stored = rm.scale(model)
@@ -62,7 +64,7 @@ class RewardModelSource:
             self.scale = stored
 
     def score(self, prompts: list[str], responses: list[str]) -> torch.Tensor:
-        scores = rm.score_texts(self.model, self.tok, prompts, responses, self.max_length)
+        scores = rm.score_texts(self.model, self.tok, prompts, responses, self.max_length, packed=self.packed)
         return scores / self.scale if self.scale != 1.0 else scores
 
     @contextlib.contextmanager
@@ -146,9 +148,11 @@ def user_code(key: str, spec: str, timeout: float, what: str) -> Iterator[None]:
 def make_reward_source(spec: str, reward_dir: Path, max_length: int, trust_remote_code: bool,
                        place: Callable[[torch.nn.Module], Any] | None = None,
                        dtype: torch.dtype | None = None, key: str = "ppo.reward_source",
-                       timeout: float = 600.0, unit_variance: str | None = None) -> RewardSource:
-    """The source `spec` names; `unit_variance` as RewardModelSource's (reward models only, config.py)."""
+                       timeout: float = 600.0, unit_variance: str | None = None,
+                       packed: bool = False) -> RewardSource:
+    """The source `spec` names; `unit_variance` and `packed` as RewardModelSource's (reward models
+    only, config.py)."""
     if spec == "reward_model":
         return RewardModelSource(reward_dir, max_length, trust_remote_code, place, dtype=dtype,
-                                 unit_variance=unit_variance)
+                                 unit_variance=unit_variance, packed=packed)
     return FunctionSource(spec, key=key, timeout=timeout)

@@ -175,12 +175,13 @@ def place_models(params: Params, sft_dir: Path, reward_dir: Path, ctx: Context =
         memory.mark("reference")
         reward = make_reward_source(cfg.reward_source, reward_dir, params.reward.max_length, trust, place_frozen,
                                     frozen_dtype, key=f"{section}.reward_source", timeout=cfg.reward_timeout,
-                                    unit_variance=f"{section}.normalize_reward" if cfg.normalize_reward else None)
+                                    unit_variance=f"{section}.normalize_reward" if cfg.normalize_reward else None,
+                                    packed=cfg.packing)
         memory.mark("reward")
         auditor = None
         if cfg.detector.enabled and cfg.detector.auditor is not None:
             auditor = RewardModelSource(Path(cfg.detector.auditor), params.reward.max_length, trust, place_frozen,
-                                        dtype=frozen_dtype)
+                                        dtype=frozen_dtype, packed=cfg.packing)
             memory.mark("auditor")
     return PPOModels(actor=actor, critic=critic, ref=ref, reward=reward, tok=tok, ctx=ctx,
                      frozen=placed[0] if placed else None, memory=memory.used or None, auditor=auditor,

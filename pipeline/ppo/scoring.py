@@ -4,8 +4,9 @@ Actor log-probs (the `old_logprobs` every ratio is taken against), reference log
 values (none without a critic) and sequence scores. Log-probs use the sampling temperature (logits / T), exactly as the
 update does, so the ratio is 1 at the first minibatch.
 
-The update's forwards are these functions too: over padded rows, or with `ppo.packing` over one
-packed row per micro-batch (`packed_rollout`), the same numbers up to rounding; scoring stays padded.
+The update's forwards are these functions too. Over padded rows, or with `ppo.packing` over one
+packed row per micro-batch (`packed_rollout`) in scoring and update alike: the same numbers up to
+rounding, with no forward computing a padding token.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from ..data.padding import unpack
 from ..models import logprobs
 from ..models import reward_model as rm
 from ..models.reward_source import RewardSource
@@ -68,12 +70,6 @@ def packed_rollout(ro: Rollout) -> tuple[torch.Tensor, torch.Tensor, torch.Tenso
     return ro.input_ids[real][None], ro.position_ids[real][None], predicting
 
 
-def unpack(values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    """(K,) `values` of the True entries of (B, R) `mask`, in row-major order, as (B, R), zero
-    elsewhere (with a graph to `values`)."""
-    return values.new_zeros(mask.shape).masked_scatter(mask, values)
-
-
 def length_sorted_chunks(mask: torch.Tensor, rows: torch.Tensor, size: int) -> list[torch.Tensor]:
     """`rows` split into chunks of `size`, longest responses first, so each chunk is padded only to
     its own longest response (with `Rollout.select(trim=True)`). Which rows share a chunk changes
@@ -111,7 +107,7 @@ class Scored:
 def score_rollout(actor: PreTrainedModel, ref: PreTrainedModel, critic: PreTrainedModel | None, reward: RewardSource,
                   ro: Rollout, temperature: float, micro_batch_size: int,
                   missing_eos_score: float | None, score_clip: float | None,
-                  recompute_logprobs: bool = False, check_rows: int = 0) -> Scored:
+                  recompute_logprobs: bool = False, check_rows: int = 0, packed: bool = False) -> Scored:
     """Run the models over `ro` in micro-batches (bounded memory). The actor's log-probs are the
     ones the sampler computed (its forward passes *are* the actor's pass over the rollout), unless
     `recompute_logprobs`. Micro-batches take rows of similar length and drop all-padding columns.
@@ -119,7 +115,10 @@ def score_rollout(actor: PreTrainedModel, ref: PreTrainedModel, critic: PreTrain
     The sampler/trainer difference is measured either way: over every row when recomputing (free:
     both are at hand), else over the first `check_rows` rows by one extra training forward (the
     prompts are a random draw already, so the first rows are a random sample; no generator is
-    touched). That forward's log-probs are only measured, never used."""
+    touched). That forward's log-probs are only measured, never used.
+
+    `packed`: each micro-batch's forwards over one packed row (`packed_rollout`); the reward
+    source packs its own forwards when it was built to (RewardModelSource's `packed`)."""
     B, R = ro.response_mask.shape
     mask = ro.response_mask
     recompute = recompute_logprobs or ro.logprobs is None
@@ -129,10 +128,10 @@ def score_rollout(actor: PreTrainedModel, ref: PreTrainedModel, critic: PreTrain
         mb = ro.select(idx, trim=True)
         r = mb.response_mask.size(1)
         if recompute:
-            out["old"][idx, :r] = policy_logprobs(actor, mb, temperature)[0]
-        out["ref"][idx, :r] = policy_logprobs(ref, mb, temperature)[0]
+            out["old"][idx, :r] = policy_logprobs(actor, mb, temperature, packed=packed)[0]
+        out["ref"][idx, :r] = policy_logprobs(ref, mb, temperature, packed=packed)[0]
         if critic is not None:
-            out["values"][idx, :r] = critic_values(critic, mb)
+            out["values"][idx, :r] = critic_values(critic, mb, packed=packed)
     if not recompute:
         out["old"] = ro.logprobs.float()
     old, refp = (out[k].masked_fill(~mask, 0.0) for k in ("old", "ref"))
@@ -141,7 +140,7 @@ def score_rollout(actor: PreTrainedModel, ref: PreTrainedModel, critic: PreTrain
     if ro.logprobs is not None and recompute:
         mismatch = logprob_diff(ro.logprobs.float(), old, mask)
     elif ro.logprobs is not None and check_rows > 0:
-        mismatch = sampler_trainer_diff(actor, ro, temperature, micro_batch_size, min(check_rows, B))
+        mismatch = sampler_trainer_diff(actor, ro, temperature, micro_batch_size, min(check_rows, B), packed)
     # A reward function scores on the CPU, a reward model where it lives: the scores join the rollout's device.
     raw = reward.score(ro.prompts, ro.responses).float().to(mask.device)
     scores = raw.clone()
@@ -156,12 +155,13 @@ def score_rollout(actor: PreTrainedModel, ref: PreTrainedModel, critic: PreTrain
 
 @torch.no_grad()
 def sampler_trainer_diff(actor: PreTrainedModel, ro: Rollout, temperature: float, micro_batch_size: int,
-                         n_rows: int) -> dict[str, float]:
+                         n_rows: int, packed: bool = False) -> dict[str, float]:
     """val/logprob_diff_{mean,max} over the first `n_rows` rows of `ro`: the sampler's log-probs
-    against a training forward's, in micro-batches laid out as scoring lays them out."""
+    against a training forward's, in micro-batches laid out as scoring lays them out (`packed`:
+    one packed row each)."""
     rows = torch.arange(n_rows, device=ro.response_mask.device)
     trainer = torch.zeros(n_rows, ro.response_mask.size(1), device=ro.response_mask.device)
     for idx in length_sorted_chunks(ro.response_mask, rows, micro_batch_size):
         mb = ro.select(idx, trim=True)
-        trainer[idx, :mb.response_mask.size(1)] = policy_logprobs(actor, mb, temperature)[0]
+        trainer[idx, :mb.response_mask.size(1)] = policy_logprobs(actor, mb, temperature, packed=packed)[0]
     return logprob_diff(ro.logprobs[rows].float(), trainer, ro.response_mask[rows])

@@ -291,7 +291,8 @@ class PPOTrainer:
         with self.m.actor.autocast():
             sc = score_rollout(self.m.actor.forward, self.m.ref, critic, self.m.reward, ro,            # 2
                                cfg.sampling.temperature, cfg.score_micro_batch_size or cfg.micro_batch_size,
-                               cfg.missing_eos_score, cfg.score_clip, self.recompute, cfg.logprob_check_rows)
+                               cfg.missing_eos_score, cfg.score_clip, self.recompute, cfg.logprob_check_rows,
+                               cfg.packing)
         _check_finite("rewards (scores)", sc.raw_scores, it)
         batch, stats = self.make_batch(ro, sc)                                                     # 3, 4
         stats.update(sc.mismatch)

@@ -166,11 +166,13 @@ def reference_logprobs(
     pairs: list[TokenPair],
     batch_size: int,
     pad_id: int | None = None,
+    packed: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:  # chosen (N,), rejected (N,): float32 on the CPU
     """The reference model's summed log-probs of every pair's chosen and rejected response, once,
     before training: no graph, no grad, the model put in eval mode for the pass
     (dropout off, as a frozen reference must be) and its previous mode restored. ``pad_id``
-    defaults to the model config's; its value never changes a result (pads are masked)."""
+    defaults to the model config's; its value never changes a result (pads are masked). `packed`:
+    each batch's sequences in one packed row (`pair_logprobs`)."""
     if batch_size < 1:
         raise ValueError(f"batch_size must be >= 1, got {batch_size}")
     if not pairs:
@@ -181,7 +183,7 @@ def reference_logprobs(
     try:
         chosen, rejected = [], []
         for start in range(0, len(pairs), batch_size):
-            c, r = pair_logprobs(model, pairs[start:start + batch_size], pad_id)  # (n,), (n,)
+            c, r = pair_logprobs(model, pairs[start:start + batch_size], pad_id, packed)  # (n,), (n,)
             chosen.append(c.cpu())
             rejected.append(r.cpu())
     finally:

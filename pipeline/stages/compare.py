@@ -252,7 +252,7 @@ def run(params: Params, data_dir: Path, sft_dir: Path, reward_dir: Path, out: Pa
             sft_dir, methods, reward_dir, prompts, judge, sampling=p.prompts.sampling, seed=cfg.seed,
             best_of=cfg.best_of_n, reward_max_length=p.reward.max_length,
             trust_remote_code=p.model.trust_remote_code, dtype=loading.load_dtype(cfg.distributed, trained=False),
-            ctx=run.ctx)
+            ctx=run.ctx, packed=cfg.packing)
         names = tuple(per)
         if not run.ctx.is_main:   # rank 0 writes the table, the plot and the metrics
             return {}

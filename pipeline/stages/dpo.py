@@ -112,14 +112,14 @@ def attach_reference(pairs: list[TokenPair], ref_chosen: torch.Tensor, ref_rejec
 
 
 def score_reference(engine: TrainEngine, pairs: list[TokenPair], batch_size: int, pad_id: int,
-                    needed: bool = True) -> list[ScoredPair]:
-    """The reference log-probs of `pairs` (pair_method.reference_logprobs_of: the SFT policy itself);
-    zeros when not `needed` (the training pairs of a reference-free loss)."""
+                    needed: bool = True, packed: bool = False) -> list[ScoredPair]:
+    """The reference log-probs of `pairs` (pair_method.reference_logprobs_of: the SFT policy itself;
+    `packed`: in packed rows); zeros when not `needed` (the training pairs of a reference-free loss)."""
     import torch
     if not needed:
         zeros = torch.zeros(len(pairs), device="cpu")
         return attach_reference(pairs, zeros, zeros)
-    return attach_reference(pairs, *pair_method.reference_logprobs_of(engine, pairs, batch_size, pad_id))
+    return attach_reference(pairs, *pair_method.reference_logprobs_of(engine, pairs, batch_size, pad_id, packed))
 
 
 def preference_loss(cfg: PreferenceOptConfig, part: list[ScoredPair], logp_chosen: torch.Tensor,
@@ -153,15 +153,16 @@ def batch_loss(model, cfg: PreferenceOptConfig, part: list[ScoredPair], pad_id: 
 
 
 def eval_pairs(model, cfg: PreferenceOptConfig, items: list[ScoredPair], pad_id: int, ctx: Context = SINGLE,
-               batch_size: int = 64) -> dict[str, float]:
+               batch_size: int = 64, packed: bool = False) -> dict[str, float]:
     """The COLUMNS and DRIFT over every held-out pair (pair-weighted means), every rank scoring its
-    share; every rank runs the same number of forwards (ZeRO-3 gathers per forward)."""
+    share; every rank runs the same number of forwards (ZeRO-3 gathers per forward; `packed`: each
+    a packed row)."""
     import torch
     with torch.no_grad():  # not inference_mode: see pipeline/ppo/scoring.py
         model.eval()
         sums = torch.zeros(len(COLUMNS) + 3, dtype=torch.float64, device="cpu")   # the columns, reference chosen, rejected, count
         for part in ctx.eval_parts(items, batch_size):
-            _, stats = batch_loss(model, cfg, part or items[:1], pad_id)
+            _, stats = batch_loss(model, cfg, part or items[:1], pad_id, packed)
             if part:
                 n = len(part)
                 sums += torch.tensor([stats[key] * n for key in COLUMNS.values()]
@@ -192,19 +193,21 @@ def task(cfg: PreferenceOptConfig, engine: TrainEngine, micro: int, prepared: Pr
     from ..training.supervised import SupervisedTask
     pad, width = prepared.pad, prepared.width
     # 3. The reference log-probs, once, before the first step (and before a resumed state is loaded).
+    # With `packing`, every forward in packed rows: reference, training and held-out passes.
     train_items = score_reference(engine, prepared.train_tokens, width, pad,
-                                  needed=PREFERENCE_LOSSES.facts(cfg.method)["reference"])
-    eval_items = score_reference(engine, prepared.held_tokens, width, pad)   # every method: the drift columns
+                                  needed=PREFERENCE_LOSSES.facts(cfg.method)["reference"], packed=cfg.packing)
+    eval_items = score_reference(engine, prepared.held_tokens, width, pad,   # every method: the drift columns
+                                 packed=cfg.packing)
 
-    # 4. The loss of a micro-batch, normalised by the global batch (pairs); with `packing` its
-    # sequences in one row (the reference and held-out passes stay padded rows).
+    # 4. The loss of a micro-batch, normalised by the global batch (pairs).
     def loss(part: list[ScoredPair], batch: list[ScoredPair]) -> tuple[torch.Tensor, list[float]]:
         value, stats = batch_loss(engine.forward, cfg, part, pad, cfg.packing)
         return value * len(part) / len(batch), [stats[key] * len(part) for key in COLUMNS.values()]
 
     return SupervisedTask(prepared.name, train_items, list(COLUMNS), loss, normaliser=len,
                           eval_columns=[*COLUMNS, *DRIFT],
-                          evaluate=lambda: eval_pairs(engine.model, cfg, eval_items, pad, prepared.ctx, width),
+                          evaluate=lambda: eval_pairs(engine.model, cfg, eval_items, pad, prepared.ctx, width,
+                                                      cfg.packing),
                           # its two rows, chosen and rejected; packed, its two sequences
                           length=lambda item: (item.tokens.packed_width if cfg.packing
                                                else 2 * item.tokens.width),

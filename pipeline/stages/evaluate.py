@@ -295,7 +295,7 @@ def _run(params: Params, data_dir: Path, sft_dir: Path, reward_dir: Path, ppo_di
         sft_dir, {"ppo": ppo_dir}, reward_dir, prompts, judge, sampling=params.prompts.sampling, seed=cfg.seed,
         best_of=cfg.best_of_n, reward_max_length=params.reward.max_length,
         trust_remote_code=params.model.trust_remote_code, dtype=loading.load_dtype(cfg.distributed, trained=False),
-        ctx=ctx)
+        ctx=ctx, packed=cfg.packing)
     if not ctx.is_main:
         return {}, "", {}, {}
     m = summarise(per, cfg.bootstrap, cfg.seed)

@@ -111,11 +111,11 @@ class Example:
 
 
 def score_reference(engine: TrainEngine, examples: list[tuple[Pair, TokenPair]], batch_size: int,
-                    pad_id: int) -> list[Example]:
+                    pad_id: int, packed: bool = False) -> list[Example]:
     """The reference log-probs of each example's own and mismatched response
-    (pair_method.reference_logprobs_of: the SFT policy itself)."""
+    (pair_method.reference_logprobs_of: the SFT policy itself; `packed`: in packed rows)."""
     items = [tokens for _, tokens in examples]
-    ref, kl_ref = pair_method.reference_logprobs_of(engine, items, batch_size, pad_id)
+    ref, kl_ref = pair_method.reference_logprobs_of(engine, items, batch_size, pad_id, packed)
     for name, t in (("the own responses", ref), ("the mismatched responses", kl_ref)):
         check_finite("kto reference pass", f"the SFT model's log-prob of {name}", t)
     return [Example(t, is_desirable(p), r, k) for (p, t), r, k in zip(examples, ref.tolist(), kl_ref.tolist())]
@@ -176,17 +176,18 @@ def kinds(items: Sequence[Example]) -> tuple[int, int, int]:
 
 
 def eval_examples(model, cfg, items: list[Example], pad_id: int, ctx: Context = SINGLE,
-                  batch_size: int = 64) -> dict[str, float]:
+                  batch_size: int = 64, packed: bool = False) -> dict[str, float]:
     """The COLUMNS over every held-out example (z_ref over all of them), every rank scoring its
-    share; every rank runs the same number of forwards (ZeRO-3 gathers per forward)."""
+    share; every rank runs the same number of forwards (ZeRO-3 gathers per forward; `packed`: each
+    a packed row)."""
     import torch
     with torch.no_grad():
         model.eval()
-        z_ref = batch_kl(model, items, batch_size, pad_id)
+        z_ref = batch_kl(model, items, batch_size, pad_id, packed)
         counts = kinds(items)
         sums = torch.zeros(len(COLUMNS), dtype=torch.float64, device="cpu")
         for part in ctx.eval_parts(items, batch_size):
-            _, stats = part_loss(model, cfg, part or items[:1], z_ref, pad_id, counts)
+            _, stats = part_loss(model, cfg, part or items[:1], z_ref, pad_id, counts, packed)
             if part:
                 sums += torch.tensor(stats, dtype=torch.float64, device="cpu")
         model.train()
@@ -208,11 +209,11 @@ def task(cfg: KTOConfig, engine: TrainEngine, micro: int, prepared: Prepared) ->
     from ..training.supervised import SupervisedTask
     pad, width = prepared.pad, prepared.width
     # 3. The reference log-probs, once, before the first step (and before a resumed state is loaded).
-    train_items = score_reference(engine, prepared.train, width, pad)
-    eval_items = score_reference(engine, prepared.held, width, pad)
+    # With `packing`, every forward in packed rows: reference, training and held-out passes.
+    train_items = score_reference(engine, prepared.train, width, pad, cfg.packing)
+    eval_items = score_reference(engine, prepared.held, width, pad, cfg.packing)
 
-    # 4. Per step z_ref over the global batch (the same on every rank), then each micro-batch's terms;
-    # with `packing` both forwards in packed rows (the reference and held-out passes stay padded).
+    # 4. Per step z_ref over the global batch (the same on every rank), then each micro-batch's terms.
     step_z: dict[str, Any] = {"batch": None, "z": None}
 
     def loss(part: list[Example], batch: list[Example]) -> tuple[torch.Tensor, list[float]]:
@@ -221,7 +222,8 @@ def task(cfg: KTOConfig, engine: TrainEngine, micro: int, prepared: Prepared) ->
         return part_loss(engine.forward, cfg, part, step_z["z"], pad, kinds(batch), cfg.packing)
 
     return SupervisedTask("kto", train_items, list(COLUMNS), loss, normaliser=len, eval_columns=list(COLUMNS),
-                          evaluate=lambda: eval_examples(engine.model, cfg, eval_items, pad, prepared.ctx, width),
+                          evaluate=lambda: eval_examples(engine.model, cfg, eval_items, pad, prepared.ctx, width,
+                                                         cfg.packing),
                           length=lambda e: len(e.tokens.prompt) + len(e.tokens.chosen),   # its own response
                           forwards=token_batches.packed if cfg.packing else None)
 

@@ -108,14 +108,14 @@ def declared_metrics(stage: str, items: str, loss: str, eval_loss: str, own: lis
 
 
 def reference_logprobs_of(engine: TrainEngine, pairs: list[TokenPair], batch_size: int,
-                          pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
+                          pad_id: int, packed: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """Step 3: the SFT policy's summed log-probs of every pair's two responses, (N,) and (N,) on the
-    CPU, from the engine's model before its first step with any adapter off."""
+    CPU, from the engine's model before its first step with any adapter off (`packed`: in packed rows)."""
     from ..models import lora
     from ..preference.logprobs import reference_logprobs
     model = engine.model
     with (model.disable_adapter() if lora.is_peft(model) else contextlib.nullcontext()):
-        return reference_logprobs(model, pairs, batch_size, pad_id)
+        return reference_logprobs(model, pairs, batch_size, pad_id, packed)
 
 
 def read_inputs(method: PairMethod, params: Params, data_dir: Path) -> tuple[list[Pair], list[Pair], list]:
@@ -141,7 +141,7 @@ def measure_policy(name: str, engine: TrainEngine, tok, params: Params, sft_dir:
     sft, _ = load_policy(sft_dir, params.model.trust_remote_code, next(engine.model.parameters()).dtype)
     return measure_trained(name, engine, tok, prompts, params.prompts.sampling, cfg.seed, sft=sft.to(ctx.device),
                            judge=inputs.judge(params) if cfg.dataset.path is None else None,
-                           max_prompt_length=params.prompts.max_length, ctx=ctx)[0]
+                           max_prompt_length=params.prompts.max_length, ctx=ctx, packed=cfg.packing)[0]
 
 
 def train(method: PairMethod, run: StageRun, data_dir: Path, sft_dir: Path, progress: bool = True,

@@ -152,7 +152,7 @@ def compare_policies(models: PPOModels, cfg: PPOConfig, sampling: SamplingConfig
     from ..measurement.policy import measure_trained
     return measure_trained(policy_name, models.actor, models.tok, prompts, sampling, cfg.seed + 7, sft=models.reference(),
                            reward=models.reward, judge=judge, max_prompt_length=max_prompt_length, ctx=models.ctx,
-                           beside_sft=True)[0]
+                           beside_sft=True, packed=cfg.packing)[0]
 
 
 def auditor_dirs(cfg: PPOConfig) -> list[Path]:

@@ -138,7 +138,7 @@ def batch_scores(model, tok, pairs: list[Pair], max_length: int, device: torch.d
 
 def score_pairs(model, tok, pairs: list[Pair], max_length: int, ctx: Context = SINGLE,
                 device: torch.device | None = None, batch_size: int = 64,
-                shared_prompt: bool = True) -> tuple[torch.Tensor, torch.Tensor, int]:
+                shared_prompt: bool = True, packed: bool = False) -> tuple[torch.Tensor, torch.Tensor, int]:
     """Collective. Raw (N,) scores of every pair's chosen and rejected response, in the pairs' order
     on every rank (on the CPU): each rank scores its share on `device` (`Context.eval_parts`, the
     same number of forwards per rank), and the shares are gathered. Also returns the imbalance:
@@ -148,7 +148,7 @@ def score_pairs(model, tok, pairs: list[Pair], max_length: int, ctx: Context = S
         model.eval()
         mine: list[list[tuple[float, float]]] = []
         for part in ctx.eval_parts(pairs, batch_size):
-            rc, rr = batch_scores(model, tok, part or pairs[:1], max_length, device, shared_prompt)
+            rc, rr = batch_scores(model, tok, part or pairs[:1], max_length, device, shared_prompt, packed=packed)
             mine.append(list(zip(rc.tolist(), rr.tolist()))[:len(part)])
         model.train()
         ranks = ctx.gather(mine)   # ranks[r][k]: rank r's share of the k-th span of pairs
@@ -247,7 +247,7 @@ def sft_samples(engine, tok, params: Params, sft_dir: Path, held: HeldOut, ctx: 
     check_stop_tokens(ptok, {"sft.sampling": params.sft.sampling})   # with the SFT policy's tokenizer
     prompts = (held.prompts * (cfg.n_sft_samples // len(held.prompts) + 1))[:cfg.n_sft_samples]
     with whole(engine) as model:
-        source = RewardModelSource(None, cfg.max_length, loaded=(model, tok))
+        source = RewardModelSource(None, cfg.max_length, loaded=(model, tok), packed=cfg.packing)
         return measure(policy.to(ctx.device), ptok, prompts, params.sft.sampling, cfg.seed, judge=judge,
                        reward=source, ctx=ctx)
 
@@ -290,13 +290,14 @@ def evaluate(params: Params, held: HeldOut, out_dir: Path, scored: Scored,
     return m
 
 
-def normalise(model, tok, params: Params, demos: list[dict]) -> tuple[float, float]:
+def normalise(model, tok, params: Params, demos: list[dict], packed: bool = False) -> tuple[float, float]:
     """Store the mean raw score of held-out demonstrations as the offset and their standard deviation
-    as the scale (what `ppo.normalize_reward` divides by); returns (mean, std)."""
+    as the scale (what `ppo.normalize_reward` divides by); returns (mean, std). `packed`: scored in
+    packed rows."""
     from ..models import reward_model as rm
     setattr(model.config, rm.OFFSET_KEY, 0.0)
     raw = rm.score_texts(model, tok, [d["prompt"] for d in demos], [d["response"] for d in demos],
-                         params.reward.max_length)                                      # (N,)
+                         params.reward.max_length, packed=packed)                       # (N,)
     mean, std = float(raw.mean()), float(raw.std()) if len(demos) > 1 else 0.0
     setattr(model.config, rm.OFFSET_KEY, mean)
     # One demonstration, or all scored alike: no spread to divide by, so no scale is stored (and
@@ -328,7 +329,7 @@ def train(run: StageRun, data_dir: Path, sft_dir: Path, progress: bool = True):
     torch.manual_seed(cfg.seed)
 
     def task(engine, micro: int) -> SupervisedTask:
-        # With `packing`, a micro-batch's pairs in one row (held-out and final scoring stay padded rows).
+        # With `packing`, a micro-batch's pairs in one row, and so every held-out and final scoring pass.
         def loss(part: list[Pair], batch: list[Pair]) -> tuple[torch.Tensor, list[float]]:
             rc, rr = batch_scores(engine.model, tok, part, cfg.max_length, engine.device, cfg.shared_prompt,
                                   encoded, cfg.packing)
@@ -339,7 +340,7 @@ def train(run: StageRun, data_dir: Path, sft_dir: Path, progress: bool = True):
                               normaliser=lambda batch: cfg.batch_size, eval_columns=["loss", "accuracy"],
                               evaluate=lambda: eval_pairs_loss(engine.model, tok, eval_pairs, cfg.max_length, ctx,
                                                                engine.device, shared_prompt=cfg.shared_prompt,
-                                                               encoded=encoded),
+                                                               encoded=encoded, packed=cfg.packing),
                               length=lambda p: encoded.row_tokens((p.prompt, p.chosen, p.rejected),
                                                                   cfg.shared_prompt, cfg.packing),
                               forwards=token_batches.packed if cfg.packing else
@@ -351,9 +352,9 @@ def train(run: StageRun, data_dir: Path, sft_dir: Path, progress: bool = True):
         offset = None
         with whole(engine) as trained:
             if cfg.normalize:
-                offset = normalise(trained, tok, params, held.demonstrations)   # (mean, std)
+                offset = normalise(trained, tok, params, held.demonstrations, cfg.packing)   # (mean, std)
             rc, rr, imbalance = score_pairs(trained, tok, eval_pairs, cfg.max_length, ctx, engine.device,
-                                            shared_prompt=cfg.shared_prompt)
+                                            shared_prompt=cfg.shared_prompt, packed=cfg.packing)
             stored = rm.offset(trained)
         return offset, Scored(rc, rr, stored, imbalance, sft_samples(engine, tok, params, sft_dir, held, ctx))
 
@@ -370,15 +371,17 @@ def train(run: StageRun, data_dir: Path, sft_dir: Path, progress: bool = True):
 
 def eval_pairs_loss(model, tok, pairs: list[Pair], max_length: int, ctx: Context = SINGLE,
                     device: torch.device | None = None, batch_size: int = 64,
-                    shared_prompt: bool = True, encoded: rm.EncodedPairs | None = None) -> dict[str, float]:
-    """Held-out loss and accuracy, every rank scoring its share (same number of forwards per rank)."""
+                    shared_prompt: bool = True, encoded: rm.EncodedPairs | None = None,
+                    packed: bool = False) -> dict[str, float]:
+    """Held-out loss and accuracy, every rank scoring its share (same number of forwards per rank;
+    `packed`: each share's pairs in one packed row)."""
     import torch
     from ..models import reward_model as rm
     with torch.no_grad():  # not inference_mode: see pipeline/ppo/scoring.py
         model.eval()
         sums = torch.zeros(3, dtype=torch.float64, device="cpu")                          # loss, correct, count
         for part in ctx.eval_parts(pairs, batch_size):
-            rc, rr = batch_scores(model, tok, part or pairs[:1], max_length, device, shared_prompt, encoded)
+            rc, rr = batch_scores(model, tok, part or pairs[:1], max_length, device, shared_prompt, encoded, packed)
             if part:
                 loss, correct = rm.pairwise_loss_sum(rc, rr, torch.tensor([p.margin for p in part], device=rc.device))
                 sums += torch.tensor([float(loss), correct, len(part)], dtype=torch.float64, device="cpu")

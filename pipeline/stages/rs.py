@@ -172,10 +172,10 @@ def measure_policy(model, tok, params: Params, sft_dir: Path, reward_dir: Path, 
     dtype = next(getattr(model, "model", model).parameters()).dtype
     sft, _ = load_policy(sft_dir, params.model.trust_remote_code, dtype)
     reward = RewardModelSource(reward_dir, params.reward.max_length, params.model.trust_remote_code,
-                               device=ctx.device, dtype=dtype)
+                               device=ctx.device, dtype=dtype, packed=params.rs.packing)
     return measure_trained("rs", model, tok, prompts, params.prompts.sampling, params.rs.seed, sft=sft.to(ctx.device),
                            reward=reward, judge=inputs.judge(params), max_prompt_length=params.prompts.max_length,
-                           ctx=ctx)[0]
+                           ctx=ctx, packed=params.rs.packing)[0]
 
 
 def check_inputs(params: Params, data_dir: Path) -> None:

@@ -57,11 +57,11 @@ def scored_draws(run: StageRun, sft_policy, tok, prompts: list, reward_dir: Path
     from ..training import loading
     params, ctx, cfg = run.params, run.ctx, getattr(run.params, run.spec.name)
     reward = RewardModelSource(reward_dir, params.reward.max_length, params.model.trust_remote_code,
-                               device=ctx.device, dtype=next(sft_policy.parameters()).dtype)
+                               device=ctx.device, dtype=next(sft_policy.parameters()).dtype, packed=cfg.packing)
     policy = loading.Loaded(sft_policy if loading.is_partitioned(sft_policy) else sft_policy.to(ctx.device))
     draws = candidates(policy, cfg.seed, n)
     measured = measure_policies(draws, tok, prompts, cfg.sampling, ctx=ctx, reward=reward, judge=inputs.judge(params),
-                                max_prompt_length=params.prompts.max_length)
+                                max_prompt_length=params.prompts.max_length, packed=cfg.packing)
     return [measured[d.name] for d in draws]
 
 

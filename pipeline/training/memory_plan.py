@@ -293,7 +293,7 @@ def supervised_planner(stage: str, params: Params, model: ModelShape, read: tupl
         return lambda cfg: supervised_plan(stage, model, cfg.distributed, *shape(cfg), cfg.lora, read, beside=beside)
     prompt = params.prompts.max_length
     return lambda cfg: supervised_plan(stage, model, cfg.distributed, *shape(cfg), cfg.lora,
-                                       read, (prompt, sampled(cfg)), beside)
+                                       read, (prompt, sampled(cfg)), beside, getattr(cfg, "packing", False))
 
 
 def ppo_planner(params: Params, actor: ModelShape, critic: Optional[ModelShape], reward: Optional[ModelShape],
@@ -324,7 +324,7 @@ def measuring_planner(stage: str, params: Params, resident: tuple[ModelShape, ..
     and the reward model): `resident` whole on every rank, the first sampling the held-out prompts
     as prompts.sampling."""
     prompt, new = params.prompts.max_length, params.prompts.sampling.max_new_tokens
-    return lambda cfg: inference_plan(stage, cfg.distributed, resident, resident[0], prompt, new, read)
+    return lambda cfg: inference_plan(stage, cfg.distributed, resident, resident[0], prompt, new, read, cfg.packing)
 
 
 class PredictedShapes:

@@ -347,10 +347,13 @@ def budget_sampling_bytes(m: ModelShape, sequences: int, prompt_length: int, res
             + sampler_logits_bytes(m, rows, nbytes))
 
 
-def forward_bytes(m: ModelShape, batch: int, seq: int, response_length: int, nbytes: int) -> float:
-    """A forward without a graph over `batch` sequences of `seq` tokens: one layer's term, and for
-    a language model the (R + 1) x V response logits with their two fp32 copies."""
-    return layer_bytes(m, batch, seq, nbytes) + logits_bytes(m, batch * (response_length + 1), nbytes)
+def forward_bytes(m: ModelShape, batch: int, seq: int, response_length: int, nbytes: int,
+                  packed: bool = False) -> float:
+    """A forward without a graph over `batch` sequences of `seq` tokens (`packed`: one row of them
+    all, the same but for eager attention's scores): one layer's term, and for a language model the
+    (R + 1) x V response logits with their two fp32 copies."""
+    rows, width = (1, batch * seq) if packed else (batch, seq)
+    return layer_bytes(m, rows, width, nbytes) + logits_bytes(m, batch * (response_length + 1), nbytes)
 
 
 def engine_bytes(m: ModelShape, sequences: int, tokens: int, weight_nbytes: int, nbytes: int) -> float:
@@ -361,11 +364,12 @@ def engine_bytes(m: ModelShape, sequences: int, tokens: int, weight_nbytes: int,
             + sampler_logits_bytes(m, sequences, nbytes))
 
 
-def measurement_bytes(m: ModelShape, prompt_length: int, response_length: int, nbytes: int) -> float:
-    """The final measurement's work with policy `m`: sampling, then the KL forward."""
+def measurement_bytes(m: ModelShape, prompt_length: int, response_length: int, nbytes: int,
+                      packed: bool = False) -> float:
+    """The final measurement's work with policy `m`: sampling, then the KL forward (`packed`: in one row)."""
     seq = prompt_length + response_length
     return max(sampling_bytes(m, GENERATION_BATCH, prompt_length, response_length, nbytes),
-               forward_bytes(m, KL_BATCH, seq, response_length, nbytes))
+               forward_bytes(m, KL_BATCH, seq, response_length, nbytes, packed))
 
 
 # ---- Plans of the trainers ---------------------------------------------------------------------
@@ -373,12 +377,14 @@ def measurement_bytes(m: ModelShape, prompt_length: int, response_length: int, n
 
 def supervised_plan(stage: str, m: ModelShape, dist: DistributedConfig, micro_batch: int, seq: int,
                     lora: LoraConfig = LoraConfig(), read: tuple[ModelShape, ...] = (),
-                    sampled: Optional[tuple[int, int]] = None, beside: tuple[ModelShape, ...] = ()) -> Plan:
+                    sampled: Optional[tuple[int, int]] = None, beside: tuple[ModelShape, ...] = (),
+                    packed: bool = False) -> Plan:
     """One trained model (SFT's causal LM, or a reward model: m with a scalar head) reading the
     checkpoints `read`. Under ZeRO-3 it is gathered whole at the end (engines.full_model); with
     `sampled` (prompt, response lengths) the trained policy is measured on held-out prompts; `beside`:
     the models its measurement loads whole on each rank beside it, in the trained model's dtype (the
-    SFT policy for the KL, a reward model), while its training states are still held."""
+    SFT policy for the KL, a reward model), while its training states are still held; `packed`: the
+    measurement's KL forward in one row (the stage's `packing`)."""
     plan = Plan(stage, dist.num_processes, checkpointing=m.checkpointing)
     trainable = m.adapter_params(lora) if lora.enabled else m.params
     whole = m.params + m.adapter_params(lora)
@@ -387,7 +393,7 @@ def supervised_plan(stage: str, m: ModelShape, dist: DistributedConfig, micro_ba
     plan.add("update", activation_bytes(m, micro_batch, seq, c, dist.gradient_checkpointing))
     gathered = weight_bytes(dist, trained=True) * whole if zero3(dist) else 0
     loaded = weight_bytes(dist, trained=True) * sum(b.params for b in beside)
-    plan.add("measurement", gathered + loaded + (measurement_bytes(m, *sampled, c) if sampled else 0))
+    plan.add("measurement", gathered + loaded + (measurement_bytes(m, *sampled, c, packed) if sampled else 0))
     loading(plan, *read)
     return plan
 
@@ -407,8 +413,9 @@ def rl_plan(stage: str, actor: ModelShape, dist: DistributedConfig, *, micro_bat
     reads of each rollout (None: all); `rollout_micro_batch`: responses per sampling call (0: all),
     or `rollout_max_tokens`: the token budget of a sampling call (`budget_sampling_bytes`);
     `engine`: who samples the rollouts (torch: our sampler; vllm: an engine with weights of its
-    own, in bf16 when the stage is, else fp32); `packing`: the update's micro-batch as one row of
-    them all (the same activations but for eager attention's scores)."""
+    own, in bf16 when the stage is, else fp32); `packing`: every forward's micro-batch (update,
+    scoring, measurement) as one row of them all (the same activations but for eager attention's
+    scores)."""
     plan = Plan(stage, dist.num_processes, checkpointing=actor.checkpointing and (critic or actor).checkpointing)
     n, c, ckpt = dist.world_size, compute_bytes(dist), dist.gradient_checkpointing
     seq = prompt_length + response_length
@@ -445,25 +452,26 @@ def rl_plan(stage: str, actor: ModelShape, dist: DistributedConfig, *, micro_bat
         plan.add("rollout", w_actor + sampling_bytes(actor, sequences, prompt_length, response_length, c))
     # 2. scoring: each model's forward over one micro-batch (the reward model's over SCORE_BATCH rows).
     b = score_micro_batch or micro_batch
-    scored = [forward_bytes(m, b, seq, response_length, c) for m in (actor, critic) if m is not None]
+    scored = [forward_bytes(m, b, seq, response_length, c, packing) for m in (actor, critic) if m is not None]
     if reward is not None:
         scored.append(forward_bytes(reward, min(SCORE_BATCH, sequences), min(seq, reward_length or seq),
-                                    response_length, c))
+                                    response_length, c, packing))
     plan.add("scoring", max(scored))
     # 6. the held-out measurement: policy, reference and reward model gathered in turn under ZeRO-3.
     gathered = max([w_actor] + [w_frozen * m.params for m in measured])
-    plan.add("measurement", gathered + measurement_bytes(actor, prompt_length, response_length, c))
+    plan.add("measurement", gathered + measurement_bytes(actor, prompt_length, response_length, c, packing))
     loading(plan, actor, *((critic,) if critic is not None else ()), *frozen)
     return plan
 
 
 def inference_plan(stage: str, dist: DistributedConfig, resident: tuple[ModelShape, ...], sampler: ModelShape,
-                   prompt_length: int, response_length: int, read: tuple[ModelShape, ...] = ()) -> Plan:
+                   prompt_length: int, response_length: int, read: tuple[ModelShape, ...] = (),
+                   packed: bool = False) -> Plan:
     """evaluate and compare: the `resident` models whole (replicated) on every rank in the working
-    dtype, `sampler` sampling GENERATION_BATCH prompts at a time and its KL forward."""
+    dtype, `sampler` sampling GENERATION_BATCH prompts at a time and its KL forward (`packed`: in one row)."""
     plan = Plan(stage, dist.num_processes, trains=False)
     for model in resident:
         plan.add("frozen", weight_bytes(dist, trained=False) * model.params)
-    plan.add("measurement", measurement_bytes(sampler, prompt_length, response_length, compute_bytes(dist)))
+    plan.add("measurement", measurement_bytes(sampler, prompt_length, response_length, compute_bytes(dist), packed))
     loading(plan, *(read or resident))
     return plan

@@ -3,9 +3,9 @@ Micro-batches by a token budget (distributed.max_tokens_per_micro_batch): the sa
 cut by padded tokens, longest first, give the fixed-row path's gradients (every loss is normalised
 by the global batch), so each supervised stage's step log equals the fixed-row run's within float
 tolerance, with less padding computed. Packing (sft.packing, rs.packing, reward.packing, dpo.packing,
-kto.packing, and ppo.packing's update forwards): a micro-batch's sequences in one row with restarting
-positions give the padded rows' losses, scores, log-probs, values and gradients, and a stage trains
-as it does padded with no padding."""
+kto.packing, ppo.packing, evaluate.packing): a micro-batch's sequences in one row with restarting
+positions give the padded rows' losses, scores, log-probs, values and gradients, a stage trains as
+it does padded with no padding, and its reference, held-out and scoring passes measure the same."""
 
 from __future__ import annotations
 
@@ -279,6 +279,38 @@ def test_a_preference_stage_packed_trains_as_padded_with_no_padding(stage, tiny_
                 (stage, a["step"], column)
     assert packed["train/pad_share"] == 0.0 < padded["train/pad_share"]
     assert packed["eval/loss"] == pytest.approx(padded["eval/loss"], rel=1e-4)
+    # The reference, held-out and final scoring passes pack too: every measured number agrees.
+    _assert_same_metrics(packed, padded, stage)
+
+
+def _assert_same_metrics(packed: dict, padded: dict, what: str) -> None:
+    """Every number of two runs' metrics.json within float tolerance, but the padding share (what
+    packing changes) and wall times. Sampling is unchanged by packing, so the responses are the
+    same and so are the judge's scores; what was scored or measured by a forward moves only by
+    rounding."""
+    assert packed.keys() == padded.keys()
+    numbers = [k for k, v in padded.items() if isinstance(v, (int, float)) and not isinstance(v, bool)
+               and not k.startswith("resources/")
+               and not any(part in k for part in ("pad_share", "time", "per_s", "seconds"))]
+    assert len(numbers) > 10
+    for key in numbers:
+        # abs: a margin is the difference of two float32 sums of ~50 log-probs (rounding ~5e-6 each)
+        assert packed[key] == pytest.approx(padded[key], rel=1e-4, abs=2e-5, nan_ok=True), (what, key)
+
+
+@pytest.mark.parametrize("stage", ["ppo", "evaluate", "rs", "onpolicy_dpo"])
+def test_packed_scoring_measures_as_padded(stage, tiny_data, tiny_models, tmp_path):
+    """ppo.packing (scoring pass, update and held-out measurement), evaluate.packing (the KL's
+    log-probs and the reward model's scores of every policy and best-of-n draw), and rs and
+    onpolicy_dpo's (the reward model's scores of their draws too): the same metrics as padded
+    rows, the KL and RM scores included."""
+    folders = {"data": tiny_data, "sft": tiny_models[0], "reward": tiny_models[1], "ppo": tiny_models[0]}
+    runs = {}
+    for packing in (False, True):
+        runs[packing] = run_stage(stage, tiny_params({stage: {"packing": packing}}), folders, tmp_path / str(packing))
+    kl = "best_of_2/rm" if stage == "evaluate" else f"{stage}/kl"
+    assert abs(runs[False][kl]) > 1e-3   # something was measured by a forward
+    _assert_same_metrics(runs[True], runs[False], stage)
 
 
 def test_a_token_budget_updates_ppo_as_fixed_micro_batches_do(tiny_data, tiny_models, tmp_path):

@@ -447,6 +447,36 @@ def test_ppo_packing_plans_one_row_of_the_micro_batch():
                for packing in (False, True)}
     assert planned[True] - planned[False] == pytest.approx(scores[True] - scores[False])
 
+def test_packed_scoring_plans_one_row_of_each_forward():
+    """ppo.packing and evaluate.packing: the scoring forwards (4 rollouts of 16 tokens per model, the
+    reward model's 8) and the measurement's KL forward (KL_BATCH sequences) in one row: the same
+    terms under SDPA; under eager attention each one's scores for the square of the row, so the
+    planners pass the keys."""
+    sdpa = (mt.shape_of(SMALL), mt.shape_of(SMALL, scalar_head=True))
+    eager = tuple(dataclasses.replace(s, eager_attention=True) for s in sdpa)
+    common = dict(micro_batch=4, rollout_batch=8, prompt_length=10, response_length=6)
+
+    def phases(shapes, packing: bool) -> dict:
+        actor, critic = shapes
+        return mt.rl_plan("ppo", actor, DistributedConfig(), critic=critic, reward=critic, packing=packing,
+                          **common).device
+
+    for phase in ("scoring", "measurement"):
+        assert phases(sdpa, True)[phase] == pytest.approx(phases(sdpa, False)[phase], rel=1e-12), phase
+    scoring = {p: phases(eager, p)["scoring"] for p in (False, True)}
+    # the largest scoring forward is the reward model's: 8 rows of 16, packed (8 x 16)^2 = 8 x (8 x 16^2)
+    scores = eager[1].heads * 2 * 16 * 16 * 8 * 4 / 2    # eager's 2*a*s^2*b of 8 padded rows, fp32
+    assert scoring[True] - scoring[False] == pytest.approx(7 * scores)
+    measured = {p: mt.inference_plan("evaluate", DistributedConfig(), eager[:1], eager[0], 10, 6, packed=p).device
+                for p in (False, True)}
+    assert measured[True]["measurement"] > measured[False]["measurement"]
+    planner = mp.measuring_planner("evaluate", Params(), eager[:1], ())
+    prompt, new = Params().prompts.max_length, Params().prompts.sampling.max_new_tokens
+    for packed in (False, True):
+        assert planner(EvaluateConfig(packing=packed)).device == \
+            mt.inference_plan("evaluate", DistributedConfig(), eager[:1], eager[0], prompt, new, packed=packed).device
+
+
 def test_scoring_phase_by_hand():
     """Scoring forwards without a graph, one model at a time, fp32, sequences of 16 tokens (R = 6):
     a language model's one layer plus its (R + 1) x V logits with the two fp32 copies (4 + 8
