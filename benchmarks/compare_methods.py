@@ -1,7 +1,9 @@
-"""The alignment methods side by side over seeds, and the DPO beta / PPO kl_coef sweeps.
+"""The alignment methods side by side over seeds, and the DPO beta / PPO kl_coef / GRPO
+kl_loss_coef sweeps.
 
     .venv/bin/python benchmarks/compare_methods.py                  # 3 seeds x every method, then the sweeps
     .venv/bin/python benchmarks/compare_methods.py --seeds 0 --methods dpo --sweep none
+    .venv/bin/python benchmarks/compare_methods.py --reuse --methods grpo --sweep grpo --merge docs/compare_methods.tsv
 
 Every method starts from the workspace's SFT policy and reward model (outputs/sft/model,
 outputs/reward/model: run `make pipeline` first), as compare/dvc.yaml's stages do; each method's
@@ -13,6 +15,8 @@ Prints and writes (`--out`, default /tmp/compare_methods.tsv) one row per (metho
 value): gold with its 95% half-width, gold and RM win rates over SFT, RM score, KL to SFT, the
 method stage's wall time and peak memory; then per method the median and range over seeds; and
 `--plot` (default /tmp/compare_methods.png): gold against KL, a point per run, best-of-n as a curve.
+`--merge FILE`: the rows of FILE but those of the methods run now (their seeds, or their sweep),
+then this run's rows, written to `--out` and plotted together.
 """
 
 from __future__ import annotations
@@ -35,7 +39,9 @@ from pipeline.stages import registry   # noqa: E402
 
 # method -> the model folders its stage reads (after --data): every stage whose policy compare measures
 METHODS = registry.methods()
-SWEEPS = {"dpo": ("dpo.beta", (0.05, 0.1, 0.3, 2.0)), "ppo": ("ppo.kl_coef", (0.05, 0.1, 0.2))}
+SWEEPS = {"dpo": ("dpo.beta", (0.05, 0.1, 0.3, 2.0)), "ppo": ("ppo.kl_coef", (0.05, 0.1, 0.2)),
+          "grpo": ("grpo.kl_loss_coef", (0.05, 0.1, 0.3, 1.0))}
+LABELS = {"beta": "β"}   # a sweep's label in the plot: its key's last part, or this
 COLUMNS = ["method", "seed", "sweep", "gold", "gold_ci95", "gold_win", "gold_win_low", "gold_win_high", "rm",
            "rm_win", "kl", "length", "wall_seconds", "peak_rss_gib"]
 
@@ -69,6 +75,20 @@ def rows_of(compare_dir: Path, runs: dict[str, tuple[str, int, str]]) -> list[di
     return rows
 
 
+def merged(path: Path, new: list[dict]) -> list[dict]:
+    """The rows of the table at `path`, but those that `new` replaces (a method's seed rows when
+    `new` has any, its rows of a sweep key when `new` has that key), then `new`; numbers as floats."""
+    with path.open() as f:
+        old = list(csv.DictReader(f, delimiter="\t"))
+    for r in old:
+        for c in COLUMNS:
+            if c not in ("method", "seed", "sweep"):
+                r[c] = float(r[c])
+        r["seed"] = int(r["seed"])
+    replaced = {(r["method"], r["sweep"].split("=")[0]) for r in new}
+    return [r for r in old if (r["method"], r["sweep"].split("=")[0]) not in replaced] + new
+
+
 def figure(rows: list[dict], m: dict):
     """Gold against KL: best-of-n from SFT as a curve, a point per (method, seed, sweep value) of `rows`,
     each sweep value labelled; `m` is the seed-0 compare stage's metrics.json. Returns the open figure."""
@@ -95,7 +115,8 @@ def figure(rows: list[dict], m: dict):
     for r in rows:
         if r["sweep"]:
             key, value = r["sweep"].split("=")
-            labels.append((r["kl"], r["gold"], f"{'β' if key.endswith('beta') else 'kl_coef'} {value}"))
+            name = key.rsplit(".", 1)[-1]
+            labels.append((r["kl"], r["gold"], f"{LABELS.get(name, name)} {value}"))
     points = [(r["kl"], r["gold"]) for r in rows] + [(v["kl"], v["gold"]) for _, v in bon]
     label_points(ax, labels, avoid=points, fontsize=7)
     return fig
@@ -114,6 +135,8 @@ def main() -> int:
     ap.add_argument("--out", type=Path, default=Path("/tmp/compare_methods.tsv"))
     ap.add_argument("--plot", type=Path, default=Path("/tmp/compare_methods.png"))
     ap.add_argument("--keep", type=Path, default=None, help="work folder to keep (default: a temporary one)")
+    ap.add_argument("--merge", type=Path, default=None,
+                    help="a table of earlier rows to keep but those this run replaces (module doc)")
     ap.add_argument("--reuse", action="store_true",
                     help="seed 0 with the default params: use the workspace's outputs/<method> (make pipeline; make "
                          "compare) instead of training again")
@@ -162,6 +185,8 @@ def main() -> int:
         rows += new
         for r in new:
             print("\t".join(f"{r[c]:.3f}" if isinstance(r[c], float) else str(r[c]) for c in COLUMNS), flush=True)
+    if args.merge is not None:
+        rows = merged(args.merge, rows)
     with args.out.open("w") as f:
         w = csv.DictWriter(f, COLUMNS, delimiter="\t")
         w.writeheader()

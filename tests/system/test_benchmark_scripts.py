@@ -526,3 +526,26 @@ def test_compare_methods_runs_every_method_seed_and_sweep_and_tabulates_them(tmp
     # rows_of reads every policy the compare stage measured, by the name it was given.
     assert [r["gold"] for r in bench.rows_of(work / "s0" / "compare", {"dpo": ("dpo", 0, ""), "ppo": ("ppo", 0, "")})] \
         == [m["dpo"]["gold"], m["ppo"]["gold"]]
+
+
+def test_compare_methods_merge_replaces_only_what_a_run_measured_again(tmp_path, own_sys_path):
+    """`--merge`: a run of one method's seeds replaces that method's seed rows and keeps its sweep
+    rows and every other method's; a run of its sweep replaces the sweep rows only."""
+    bench = load("compare_methods")
+
+    def row(method, seed, sweep, gold):
+        return {**dict.fromkeys(bench.COLUMNS, 1.0), "method": method, "seed": seed, "sweep": sweep, "gold": gold}
+    table = tmp_path / "old.tsv"
+    old = [row("ppo", 0, "", 2.7), row("grpo", 0, "", 2.5), row("grpo", 1, "", 2.6),
+           row("grpo", 0, "grpo.kl_loss_coef=0.1", 2.4), row("dpo", 0, "dpo.beta=0.1", 1.3)]
+    with table.open("w", newline="") as f:
+        w = csv.DictWriter(f, bench.COLUMNS, delimiter="\t")
+        w.writeheader()
+        w.writerows(old)
+    seeds = bench.merged(table, [row("grpo", 0, "", 2.2), row("grpo", 2, "", 2.3)])
+    assert [(r["method"], r["seed"], r["sweep"], r["gold"]) for r in seeds] == [
+        ("ppo", 0, "", 2.7), ("grpo", 0, "grpo.kl_loss_coef=0.1", 2.4), ("dpo", 0, "dpo.beta=0.1", 1.3),
+        ("grpo", 0, "", 2.2), ("grpo", 2, "", 2.3)]
+    swept = bench.merged(table, [row("grpo", 0, "grpo.kl_loss_coef=0.3", 2.0)])
+    assert [(r["method"], r["sweep"]) for r in swept] == [
+        ("ppo", ""), ("grpo", ""), ("grpo", ""), ("dpo", "dpo.beta=0.1"), ("grpo", "grpo.kl_loss_coef=0.3")]
