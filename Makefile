@@ -88,9 +88,10 @@ push: install
 # Re-render the measured numbers of README.md and docs/guide/*.md (their `<!-- rendered: ... -->`
 # blocks) from the committed data files: outputs/, dvc.lock, docs/compare_methods.tsv, docs/frontier.md,
 # docs/data/*.json. tests/system/test_docs.py fails while a page differs from its rendering.
+# ARGS=--this-run: after a run of your own (made here), first name it in docs/data/committed-run.json.
 .PHONY: docs
 docs:
-	$(BIN)/python scripts/render_docs.py
+	$(BIN)/python scripts/render_docs.py $(ARGS)
 
 # Rewrite .dvc/plots/offline.html (the page of `dvc plots show`, vega inline) and its NOTICE from the
 # venv's copies of vega, vega-lite and vega-embed, e.g. after a Snakemake upgrade.

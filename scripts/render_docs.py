@@ -147,11 +147,32 @@ def committed_run(root: Path, threads: Any) -> dict[str, Any]:
     recorded, actual = run.get("evaluate_metrics_md5"), lock_md5(root, "outputs/evaluate/metrics.json")
     if actual is not None and recorded != actual:
         raise RenderError(f"{COMMITTED_RUN}: evaluate_metrics_md5 is {recorded}, but dvc.lock's "
-                          f"outputs/evaluate/metrics.json is {actual}: it describes another run; write this "
-                          "run's machine, threads, date and md5 there")
+                          f"outputs/evaluate/metrics.json is {actual}: it describes another run than outputs/ "
+                          "holds (yours?); `make docs ARGS=--this-run` records this machine and your run's threads, "
+                          "date and md5 there, or `git checkout -- dvc.lock outputs` goes back to the committed run")
     if threads and run.get("threads") and str(run["threads"]) != str(threads):
         raise RenderError(f"{COMMITTED_RUN}: threads is {run['threads']}, but outputs/evaluate/config.json "
                           f"records {threads}")
+    return run
+
+
+def describe_this_run(root: Path) -> dict[str, Any]:
+    """Write docs/data/committed-run.json for the run in outputs/ (`--this-run`): this machine (the
+    run is taken to have been made here), the threads its evaluate stage recorded, the date of its
+    outputs/evaluate/metrics.json (UTC) and dvc.lock's md5 of that file. Returns what it wrote."""
+    import datetime
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    from demo_seeds import machine
+    from pipeline.files import atomic_write_json
+    metrics = root / "outputs/evaluate/metrics.json"
+    md5 = lock_md5(root, "outputs/evaluate/metrics.json")
+    if md5 is None or not metrics.is_file():
+        raise RenderError("--this-run: no run to describe (outputs/evaluate/metrics.json and its entry in "
+                          "dvc.lock come from `make pipeline`)")
+    threads = (get(read_json(root, "outputs/evaluate/config.json") or {}, "runtime") or {}).get("threads")
+    when = datetime.datetime.fromtimestamp(metrics.stat().st_mtime, datetime.timezone.utc).date().isoformat()
+    run = {"machine": machine(), "threads": threads, "date": when, "evaluate_metrics_md5": md5}
+    atomic_write_json(root / COMMITTED_RUN, run)
     return run
 
 
@@ -755,8 +776,14 @@ def main(argv: Optional[list[str]] = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--check", action="store_true", help="change nothing; exit 1 listing the blocks that differ")
     ap.add_argument("--root", type=Path, default=ROOT, help="the checkout to render (default: this one)")
+    ap.add_argument("--this-run", action="store_true",
+                    help=f"first describe the run in outputs/ in {COMMITTED_RUN}: this machine, its threads, "
+                         "date and md5 (after a run of your own, made here)")
     args = ap.parse_args(argv)
     try:
+        if args.this_run and not args.check:
+            run = describe_this_run(args.root)
+            print(f"render_docs: {COMMITTED_RUN}: {run['machine']}, {run['threads']} threads, {run['date']}")
         differ = render(args.root, args.check)
     except RenderError as e:
         print(f"render_docs: error: {e}", file=sys.stderr)

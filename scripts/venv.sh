@@ -78,7 +78,11 @@ fi
 # The torch build, and one line on why (printed when installing).
 nvidia_gpu() {
     # nvidia-smi -L prints "GPU 0: <name> (UUID: ...)" per GPU, "No devices were found" without one.
-    if command -v nvidia-smi >/dev/null && nvidia-smi -L 2>/dev/null | grep -q '^GPU [0-9]'; then
+    # Its output is read whole first: `nvidia-smi -L | grep -q` under pipefail fails when grep stops
+    # at the first GPU's line and nvidia-smi, still writing the next, dies of SIGPIPE.
+    local listed
+    listed=$( { command -v nvidia-smi >/dev/null && nvidia-smi -L 2>/dev/null; } || true)
+    if grep -q '^GPU [0-9]' <<<"$listed"; then
         echo "nvidia-smi lists a GPU"
     elif [ -e "$NVIDIA_PROC" ]; then
         echo "$NVIDIA_PROC exists (an NVIDIA driver is loaded)"
@@ -136,4 +140,15 @@ if [ ${#torch_args[@]} -gt 0 ] || [ ${#replace[@]} -gt 0 ]; then
         "$(grep -E '^torch==' requirements.lock)"
 fi
 run "$VENV/bin/python" -m pip install -q -c requirements.lock -c requirements-dev.lock -e '.[dev]'
+# What pip installed: where the build's index is out of reach (a proxy, an offline mirror), pip
+# takes PyPI's torch instead without failing (on Linux the CUDA build, several GB). Say so in one
+# line, and record the build the venv has, so the next run neither repeats nor hides it.
+if [ -z "$DRY_RUN" ] && [ "$build" != pypi ]; then
+    got=$("$VENV/bin/python" -m pip show torch 2>/dev/null | sed -n 's/^Version: //p')
+    if [ -n "$got" ] && [ "${got##*+}" != "$build" ]; then
+        echo "venv: torch $got is installed, not $name: pip could not use that index and took" \
+             "PyPI's build, which runs here too; TORCH=pypi keeps it, TORCH=$build with the index reachable replaces it" >&2
+        build=pypi
+    fi
+fi
 [ -n "$DRY_RUN" ] || echo "torch=$build" > "$stamp"

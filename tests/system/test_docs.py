@@ -15,6 +15,7 @@ Standard library and the project only; no stage runs, so the file takes seconds.
 from __future__ import annotations
 
 import dataclasses
+import datetime
 import json
 import re
 import shutil
@@ -248,11 +249,22 @@ def test_the_committed_runs_machine_must_describe_this_run(tmp_path):
     assert proc.returncode == 2 and proc.stderr.startswith(
         f"render_docs: error: docs/data/committed-run.json: evaluate_metrics_md5 is {'0' * 32}, "
         "but dvc.lock's outputs/evaluate/metrics.json is")
+    assert "`make docs ARGS=--this-run` records this machine" in proc.stderr
     threads = json.loads((root / "outputs/evaluate/config.json").read_text())["runtime"]["threads"]
     path.write_text(json.dumps({**run, "threads": int(threads) + 1}))
     with pytest.raises(render_docs.RenderError,
                        match=f"threads is {int(threads) + 1}, but outputs/evaluate/config.json"):
         render_docs.render_headline(root)
+    # --this-run: the run in outputs/ described as made here, then the pages render.
+    proc = _run_renderer(root, "--this-run")
+    assert proc.returncode == 0, proc.stderr
+    sys.path.insert(0, str(REPO / "benchmarks"))
+    from demo_seeds import machine
+    mtime = (root / "outputs/evaluate/metrics.json").stat().st_mtime
+    assert json.loads(path.read_text()) == {
+        "machine": machine(), "threads": threads, "evaluate_metrics_md5": run["evaluate_metrics_md5"],
+        "date": datetime.datetime.fromtimestamp(mtime, datetime.timezone.utc).date().isoformat()}
+    assert f"measured on {machine()} (" in render_docs.render_headline(root)
 
 
 def test_the_readme_says_which_machine_each_table_ran_on(tmp_path):

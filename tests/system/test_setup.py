@@ -95,17 +95,18 @@ def test_licence_file_and_metadata_agree():
 
 
 def _venv_script(tmp_path: Path, env: dict[str, str], *args: str,
-                 gpus: int = 0) -> subprocess.CompletedProcess:
+                 gpus: int = 0, pause: float = 0.0) -> subprocess.CompletedProcess:
     """scripts/venv.sh in a copy of the project's two input files, with `pip` replaced by a
     recorder, so what it would create and install is seen without installing anything. The machine
     has `gpus` NVIDIA GPUs: an `nvidia-smi` that lists that many comes first on PATH (it hides this
-    machine's own), and the driver's /proc file is one that does not exist unless `env` names one."""
+    machine's own; `pause`: seconds between its lines), and the driver's /proc file is one that does
+    not exist unless `env` names one."""
     work = tmp_path / "proj"
     (work / "scripts").mkdir(parents=True, exist_ok=True)
     for name in ("pyproject.toml", "requirements.lock", "requirements-dev.lock", "scripts/venv.sh"):
         if not (work / name).exists():   # copied once: a newer pyproject.toml means "install again"
             (work / name).write_bytes((REPO / name).read_bytes())
-    smi = _fake_nvidia_smi(tmp_path / f"nvidia-{gpus}", gpus)
+    smi = _fake_nvidia_smi(tmp_path / f"nvidia-{gpus}-{pause}", gpus, pause)
     env = {"PATH": os.environ["PATH"], "HOME": str(tmp_path), "VENV_NVIDIA_PROC": str(tmp_path / "no-driver"),
            **env}
     env["PATH"] = f"{smi}:{env['PATH']}"
@@ -113,11 +114,12 @@ def _venv_script(tmp_path: Path, env: dict[str, str], *args: str,
                           text=True, env=env, timeout=600)
 
 
-def _fake_nvidia_smi(folder: Path, gpus: int) -> Path:
+def _fake_nvidia_smi(folder: Path, gpus: int, pause: float = 0.0) -> Path:
     """A folder with an `nvidia-smi` whose `-L` lists `gpus` GPUs, as the real one does (none: its
-    message and exit status 6). Returns the folder."""
+    message and exit status 6), `pause` seconds between lines. Returns the folder."""
     folder.mkdir(parents=True, exist_ok=True)
-    lines = "".join(f'echo "GPU {i}: NVIDIA H100 80GB HBM3 (UUID: GPU-{i:08d})"\n' for i in range(gpus))
+    lines = "".join(f'echo "GPU {i}: NVIDIA H100 80GB HBM3 (UUID: GPU-{i:08d})"\n' + (f"sleep {pause}\n" if pause else "")
+                    for i in range(gpus))
     (folder / "nvidia-smi").write_text("#!/bin/sh\n" + (lines or 'echo "No devices were found"; exit 6\n'))
     (folder / "nvidia-smi").chmod(0o755)
     return folder
@@ -133,7 +135,12 @@ if [ "$1" = -c ]; then echo {version}; exit 0; fi
 if [ "$1" = -m ] && [ "$2" = venv ]; then
     mkdir -p "$3/bin"; cp "$0" "$3/bin/python"; exit 0
 fi
-if [ "$1" = -m ] && [ "$2" = pip ]; then echo "pip $*" >> "$(dirname "$0")/../pip.log"; exit 0; fi
+if [ "$1" = -m ] && [ "$2" = pip ]; then
+    echo "pip $*" >> "$(dirname "$0")/../pip.log"
+    # what pip installed: FAKE_TORCH, else the build the command asked for
+    if [ "$3" = show ]; then echo "Version: ${{FAKE_TORCH:-}}"; fi
+    exit 0
+fi
 exit 1
 """)
     script.chmod(0o755)
@@ -192,6 +199,30 @@ def test_venv_torch_build_choice_and_refusals(tmp_path):
     assert bad.returncode == 1 and "Python 3.10; this project needs one of 3.11 3.12 3.13" in bad.stderr
 
 
+def test_venv_says_when_pip_installed_another_torch_build_than_it_asked_for(tmp_path):
+    """No NVIDIA GPU, so the CPU-only build is asked for; where its index is out of reach pip takes
+    PyPI's torch (no local version label): one line on stderr says so, and the venv records the
+    build it has (pypi), so the next run neither repeats the line nor reinstalls. The CPU build
+    installed as asked: no line, `torch=cpu`."""
+    bin_ = tmp_path / "bin"
+    _fake_python(bin_, "python3.13", "3.13")
+    path = f"{bin_}:/usr/bin:/bin"
+    venv = tmp_path / "proj" / ".venv"
+    proc = _venv_script(tmp_path, {"PATH": path, "FAKE_TORCH": "2.13.0"})
+    assert proc.returncode == 0
+    assert proc.stderr.strip().splitlines() == [
+        "venv: torch 2.13.0 is installed, not the CPU-only build (https://download.pytorch.org/whl/cpu): pip could "
+        "not use that index and took PyPI's build, which runs here too; TORCH=pypi keeps it, TORCH=cpu with the "
+        "index reachable replaces it"]
+    assert (venv / ".installed").read_text() == "torch=pypi\n"
+    (venv / "pip.log").unlink()
+    again = _venv_script(tmp_path, {"PATH": path, "FAKE_TORCH": "2.13.0"})
+    assert again.returncode == 0 and again.stdout == again.stderr == "" and not (venv / "pip.log").exists()
+    ok = _venv_script(tmp_path / "cpu", {"PATH": path, "FAKE_TORCH": "2.13.0+cpu"})
+    assert ok.returncode == 0 and ok.stderr == ""
+    assert (tmp_path / "cpu" / "proj" / ".venv" / ".installed").read_text() == "torch=cpu\n"
+
+
 CPU_INDEX = "--extra-index-url https://download.pytorch.org/whl/cpu"
 PINNED = next(line for line in (REPO / "requirements.lock").read_text().splitlines() if line.startswith("torch=="))
 
@@ -201,10 +232,10 @@ def _torch_alone(index: str) -> str:
     return f".venv/bin/python -m pip install -q --no-deps {index} {PINNED}"
 
 
-def _dry_run(tmp_path: Path, env: dict[str, str], gpus: int = 0) -> tuple[str, list[str]]:
+def _dry_run(tmp_path: Path, env: dict[str, str], gpus: int = 0, pause: float = 0.0) -> tuple[str, list[str]]:
     """`venv.sh --dry-run` on a machine with `gpus` GPUs: (the line naming the torch build, the
     commands it would run). It changes nothing: no venv appears."""
-    proc = _venv_script(tmp_path, env, "--dry-run", gpus=gpus)
+    proc = _venv_script(tmp_path, env, "--dry-run", gpus=gpus, pause=pause)
     assert proc.returncode == 0, proc.stderr
     assert not (tmp_path / "proj" / ".venv").exists()
     choice, *commands = proc.stdout.strip().splitlines()
@@ -232,6 +263,10 @@ def test_venv_picks_the_torch_build_from_the_machine_unless_torch_says(tmp_path)
     assert choice == ("venv: torch: PyPI's default build (on Linux x86_64 the CUDA build, several GB): "
                       "nvidia-smi lists a GPU; TORCH=cpu installs the CPU-only build")
     assert commands[-1] == install.format("") and not any("--no-deps" in c for c in commands)
+    # Eight GPUs listed slowly: the first line decides, and nvidia-smi still writing the next ones
+    # (SIGPIPE once a reader stops) does not turn the answer into "no GPU".
+    choice, _ = _dry_run(tmp_path, {"PATH": path}, gpus=8, pause=0.05)
+    assert choice.startswith("venv: torch: PyPI's default build") and "nvidia-smi lists a GPU" in choice
 
     driver = tmp_path / "version"
     driver.write_text("NVRM version: NVIDIA UNIX x86_64 Kernel Module\n")
