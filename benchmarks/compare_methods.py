@@ -40,7 +40,7 @@ from pipeline.stages import registry   # noqa: E402
 # method -> the model folders its stage reads (after --data): every stage whose policy compare measures
 METHODS = registry.methods()
 SWEEPS = {"dpo": ("dpo.beta", (0.05, 0.1, 0.3, 2.0)), "ppo": ("ppo.kl_coef", (0.05, 0.1, 0.2)),
-          "grpo": ("grpo.kl_loss_coef", (0.05, 0.1, 0.3, 1.0))}
+          "grpo": ("grpo.kl_loss_coef", (0.05, 0.2, 0.5, 1.0))}
 LABELS = {"beta": "β"}   # a sweep's label in the plot: its key's last part, or this
 COLUMNS = ["method", "seed", "sweep", "gold", "gold_ci95", "gold_win", "gold_win_low", "gold_win_high", "rm",
            "rm_win", "kl", "length", "wall_seconds", "peak_rss_gib"]

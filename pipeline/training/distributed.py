@@ -24,6 +24,7 @@ import shutil
 import socket
 import sys
 import threading
+import time
 import warnings
 from pathlib import Path
 from typing import Any, Iterator, Mapping, Sequence
@@ -156,6 +157,40 @@ def silence_cpu_fallback_notice() -> None:
         logger.addFilter(_NoCpuFallbackNotice())
 
 
+# A build of DeepSpeed's CPU communication op takes about a minute; torch's build lock (its
+# FileBaton: the file `lock` in the op's build folder, which every other process waits on until it
+# is deleted) older than this was left by a build killed mid-way, and would hold every later
+# DeepSpeed start forever, silently.
+STALE_BUILD_LOCK_S = 600.0
+
+
+def clear_stale_build_locks(root: Path | None = None, older_than: float = STALE_BUILD_LOCK_S) -> list[Path]:
+    """Remove the build locks under torch's extensions folder (`root`: TORCH_EXTENSIONS_DIR, else
+    torch's default) older than `older_than` seconds, each with a warning naming it; returns them.
+    A build still running keeps its lock fresh enough: none takes ten minutes on these ops."""
+    if root is None:
+        env = os.environ.get("TORCH_EXTENSIONS_DIR")
+        if env:
+            root = Path(env)
+        else:
+            from torch.utils.cpp_extension import get_default_build_root
+            root = Path(get_default_build_root())
+    if not root.is_dir():
+        return []
+    removed = []
+    for lock in [*root.glob("*/lock"), *root.glob("*/*/lock")]:
+        try:
+            age = time.time() - lock.stat().st_mtime
+            if age > older_than:
+                lock.unlink()
+                removed.append(lock)
+                log.warning("removed %s, a build lock %.0f minutes old: a build of that op was killed "
+                            "mid-way, and every DeepSpeed start would have waited on it for ever", lock, age / 60)
+        except FileNotFoundError:   # its build finished meanwhile
+            continue
+    return removed
+
+
 def init(cfg: DistributedConfig) -> Context:
     """Join the process group (DeepSpeed backend) or stay a single plain process, on the device
     `distributed.device` resolves to: NCCL between GPUs, gloo between CPU processes."""
@@ -167,6 +202,7 @@ def init(cfg: DistributedConfig) -> Context:
     device = resolve_device(cfg, local)
     if device.type == "cpu":   # DeepSpeed would otherwise pick a GPU it finds for its own buffers
         os.environ.setdefault("DS_ACCELERATOR", "cpu")
+    clear_stale_build_locks()   # before DeepSpeed builds or loads its ops
     deepspeed = import_deepspeed()
 
     # DeepSpeed 0.19 calls torch collectives that torch 2.13 marks deprecated, once per step.

@@ -266,3 +266,29 @@ def test_the_zero3_export_container_keeps_the_generation_config(tmp_path):
         assert lora.is_peft(copy) == (r > 0)
         assert lora.unwrap(copy).generation_config.eos_token_id == ends
         assert lora.unwrap(copy).generation_config.temperature == 0.7
+
+
+def test_a_build_lock_left_by_a_killed_build_is_removed_a_fresh_one_kept(tmp_path, monkeypatch, caplog):
+    """torch's build lock of an extension op (its `lock` file, which other processes wait on until it
+    is deleted): one older than ten minutes was left by a killed build and is removed with a warning
+    naming it (DeepSpeed's start would wait on it for ever); a fresh one is a build running, kept.
+    TORCH_EXTENSIONS_DIR is where they are looked for, torch's versioned subfolder included."""
+    import os
+    import time
+
+    from pipeline.training.distributed import STALE_BUILD_LOCK_S, clear_stale_build_locks
+    stale, fresh, nested = (tmp_path / "deepspeed_shm_comm" / "lock", tmp_path / "cpu_adam" / "lock",
+                            tmp_path / "py311_cpu" / "fused_adam" / "lock")
+    for lock in (stale, fresh, nested):
+        lock.parent.mkdir(parents=True)
+        lock.touch()
+    old = time.time() - STALE_BUILD_LOCK_S - 60
+    for lock in (stale, nested):
+        os.utime(lock, (old, old))
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path))
+    with caplog.at_level("WARNING", logger="pipeline.training.distributed"):
+        removed = clear_stale_build_locks()
+    assert sorted(removed) == sorted([stale, nested])
+    assert not stale.exists() and not nested.exists() and fresh.exists()
+    assert [r.getMessage().split(",")[0] for r in caplog.records] == [f"removed {p}" for p in removed]
+    assert clear_stale_build_locks(tmp_path / "none") == []
