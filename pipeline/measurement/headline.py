@@ -11,6 +11,7 @@ against the label-noise ceiling, and what each stage cost. `dvc metrics show` pr
 from __future__ import annotations
 
 import json
+import os
 import textwrap
 from pathlib import Path
 from typing import Any, Optional
@@ -42,6 +43,26 @@ def _duration(seconds: Any) -> str:
     return f"{minutes}m{secs:02d}s" if minutes else f"{secs}s"
 
 
+def shown(path: Path) -> str:
+    """`path` as the headline names it: relative to the working directory when inside it, else with
+    the home folder as ~, and cut to its last parts (after `...`) to fit WIDTH columns with "run in"."""
+    path = Path(path)
+    try:
+        text = str(path.resolve().relative_to(Path.cwd().resolve()))
+    except ValueError:
+        home = str(Path.home())
+        text = str(path)
+        if text == home or text.startswith(home + os.sep):
+            text = "~" + text[len(home):]
+    room = WIDTH - len("run in /")
+    if len(text) > room:
+        parts = Path(text).parts
+        while len(parts) > 1 and len(os.sep.join(("...",) + parts)) > room:
+            parts = parts[1:]
+        text = os.sep.join(("...",) + parts)
+    return text
+
+
 def lines(outputs: Path, stages: tuple[str, ...] = ()) -> list[str]:
     """The headline of the run whose stage folders are in `outputs` (each at most WIDTH columns);
     `stages`: those whose cost it gives, in order (the default pipeline's, from the stage registry)."""
@@ -49,7 +70,7 @@ def lines(outputs: Path, stages: tuple[str, ...] = ()) -> list[str]:
     if ev is None:
         raise DataError(f"{outputs / 'evaluate' / 'metrics.json'}: no such file (run the pipeline first: make pipeline)")
     flat = flatten(ev, sep="/")
-    out = [f"run in {outputs}/"]
+    out = [f"run in {shown(outputs)}/"]
     out += textwrap.wrap("verdict: " + verdict(flat, detector_record(outputs / "ppo" / "model")), WIDTH,
                          subsequent_indent="  ")
     win = ev.get("win_rate", {})

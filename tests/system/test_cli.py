@@ -253,6 +253,25 @@ def test_console_command_is_the_module_entry_point():
     assert bad.returncode == 2 and "invalid choice: 'LOUD'" in bad.stderr
 
 
+def test_headline_names_the_run_folder_within_its_width(tmp_path, monkeypatch):
+    """The headline's first line names the outputs folder: relative inside the working directory,
+    under ~ in the home folder, and cut to its last parts when a long checkout path would pass 99
+    columns."""
+    from pipeline.measurement.headline import WIDTH, shown
+    deep = tmp_path.joinpath(*(["a-folder-name-as-long-as-a-users-project-folders"] * 4), "outputs")
+    deep.mkdir(parents=True)
+    monkeypatch.chdir(deep.parent)
+    assert shown(deep) == "outputs"
+    monkeypatch.chdir(tmp_path.parent)
+    cut = shown(deep)
+    assert len(f"run in {cut}/") <= WIDTH and cut.startswith("...") and cut.endswith(
+        "a-folder-name-as-long-as-a-users-project-folders/outputs")
+    monkeypatch.setenv("HOME", str(tmp_path))
+    (tmp_path / "elsewhere").mkdir()
+    monkeypatch.chdir(tmp_path / "elsewhere")
+    assert shown(tmp_path / "x" / "outputs") == "~/x/outputs"
+
+
 def test_headline_of_the_committed_run_fits_100_columns_and_states_its_numbers(tmp_path, capsys):
     import json
     assert main(["headline", "--outputs", str(REPO / "outputs")]) == 0

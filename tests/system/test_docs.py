@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import dataclasses
 import datetime
+import io
 import json
 import re
 import shutil
@@ -64,13 +65,53 @@ def rel(path: Path) -> str:
 # ---- 1. rendered blocks against their data ---------------------------------------------------------
 
 
+@lru_cache(maxsize=None)
+def committed_tree(checkout: Path = REPO) -> Path:
+    """Where the pages and the data they were rendered from are read: the checkout, or, when its
+    outputs/ hold a run of their own (`make pipeline` on a clone: dvc.lock's md5 of
+    outputs/evaluate/metrics.json is not the one docs/data/committed-run.json names), HEAD's tracked
+    files in a scratch folder. The pages describe the committed run; a user's run must not fail
+    their check, and a run described with `make docs ARGS=--this-run` is checked in place."""
+    run = json.loads((checkout / render_docs.COMMITTED_RUN).read_text())
+    if render_docs.lock_md5(checkout, "outputs/evaluate/metrics.json") == run.get("evaluate_metrics_md5"):
+        return checkout
+    import tarfile
+    import tempfile
+    root = Path(tempfile.mkdtemp(prefix="committed-tree."))
+    archive = subprocess.run(["git", "-C", str(checkout), "archive", "HEAD"], capture_output=True, check=True).stdout
+    with tarfile.open(fileobj=io.BytesIO(archive)) as tar:
+        # the "data" filter where this Python has it (3.11.4 and later); git archive's own files either way
+        tar.extractall(root, **({"filter": "data"} if hasattr(tarfile, "data_filter") else {}))
+    return root
+
+
 def test_the_pages_are_rendered_from_the_committed_data():
-    differ = render_docs.render(REPO, check=True)
+    root = committed_tree()
+    differ = render_docs.render(root, check=True)
     assert not differ, f"rendered blocks differ from their data; run `make docs`: {differ}"
-    proc = subprocess.run([sys.executable, str(REPO / "scripts" / "render_docs.py"), "--check"],
+    proc = subprocess.run([sys.executable, str(REPO / "scripts" / "render_docs.py"), "--check", "--root", str(root)],
                           capture_output=True, text=True)
     assert proc.returncode == 0, proc.stderr
 
+
+def test_a_run_of_your_own_is_checked_against_the_committed_pages(tmp_path):
+    """After `make pipeline` on a clone, outputs/ and dvc.lock are the user's run: the pages are then
+    checked against HEAD's committed data, not against that run (which they do not describe); a
+    checkout whose run is the one committed-run.json names is checked in place."""
+    clone = _copy_for_rendering(tmp_path)
+    git = ["git", "-C", str(clone), "-c", "user.name=t", "-c", "user.email=t@t"]
+    for args in (["init", "-q"], ["add", "-A"], ["commit", "-q", "-m", "committed run"]):
+        subprocess.run([*git, *args], check=True, capture_output=True)
+    assert committed_tree(clone) == clone
+    lock = clone / "dvc.lock"
+    committed = lock.read_text()
+    theirs = render_docs.lock_md5(clone, "outputs/evaluate/metrics.json")
+    lock.write_text(committed.replace(theirs, "f" * 32))                    # the user's own run
+    (clone / "outputs/evaluate/metrics.json").write_text("{}")
+    committed_tree.cache_clear()
+    tree = committed_tree(clone)
+    assert tree != clone and (tree / "dvc.lock").read_text() == committed
+    assert not render_docs.render(tree, check=True)
 
 def test_the_pages_have_the_blocks_they_should():
     """The README carries the demo and the headline; the guides the comparison and the frontier."""
@@ -87,14 +128,15 @@ def test_the_pages_have_the_blocks_they_should():
 def _copy_for_rendering(tmp_path: Path) -> Path:
     """The pages and the data files the renderer reads, in a scratch checkout."""
     root = tmp_path / "repo"
+    tree = committed_tree()
     for path in rendered_pages():
         (root / rel(path)).parent.mkdir(parents=True, exist_ok=True)
-        shutil.copy(path, root / rel(path))
+        shutil.copy(tree / rel(path), root / rel(path))
     for pattern in ("outputs/*/metrics.json", "outputs/*/config.json", "docs/compare_methods.tsv", "docs/frontier.md",
                     "docs/data/*.json", "dvc.yaml", "compare/dvc.yaml", "dvc.lock"):
-        for path in REPO.glob(pattern):
-            (root / rel(path)).parent.mkdir(parents=True, exist_ok=True)
-            shutil.copy(path, root / rel(path))
+        for path in tree.glob(pattern):
+            (root / path.relative_to(tree)).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy(path, root / path.relative_to(tree))
     return root
 
 
