@@ -607,6 +607,20 @@ def render_compare_seeds(root: Path) -> str:
     return "\n".join(lines)
 
 
+def render_grpo_sweep(root: Path) -> str:
+    """docs/guide/methods.md: GRPO's KL in the loss against where it ends (docs/data/grpo-kl-sweep.json)."""
+    d = read_json(root, "docs/data/grpo-kl-sweep.json")
+    if d is None:
+        return "`docs/data/grpo-kl-sweep.json` is not committed on this commit."
+    lines = [f"{d['machine']}, {d['date']}, seed {d['seed']}: {d['what']}.", "",
+             "| `grpo.kl_loss_coef` | KL to SFT, nats | gold ± 95% CI | gold gain over SFT ± 95% CI | length, words | threads |",
+             "| --- | --- | --- | --- | --- | --- |"]
+    for r in sorted(d["rows"], key=lambda r: r["kl_loss_coef"]):
+        lines.append(f"| {r['kl_loss_coef']:g} | {r['kl']:.2f} ± {r['kl_ci95']:.2f} | {r['gold']:.2f} ± {r['gold_ci95']:.2f} | "
+                     f"{r['gold_gain']:+.2f} ± {r['gold_gain_ci95']:.2f} | {r['length']:.1f} | {r['threads']} |")
+    return "\n".join(lines)
+
+
 def render_compare_sweeps(root: Path) -> str:
     """docs/guide/methods.md: the DPO beta and PPO kl_coef sweeps of docs/compare_methods.tsv."""
     rows = read_tsv(root, "docs/compare_methods.tsv")
@@ -687,6 +701,7 @@ RENDERERS: dict[str, Callable[[Path], str]] = {
     "compare-run": render_compare_run,
     "compare-seeds": render_compare_seeds,
     "compare-sweeps": render_compare_sweeps,
+    "grpo-sweep": render_grpo_sweep,
     "frontier": render_frontier,
     "hub-rehearsal": render_hub_rehearsal,
     "ppo-variants": render_ppo_variants,

@@ -125,7 +125,7 @@ def test_group_estimator_config_is_checked():
     with pytest.raises(ConfigError, match=r"params.yaml: grpo.samples_per_prompt: .* got 1"):
         load("grpo", samples_per_prompt=1)
     with pytest.raises(ConfigError, match=r"grpo.kl_loss_coef: .*never both"):
-        load("grpo", kl_coef=0.1)   # the grpo default has kl_loss_coef 0.05
+        load("grpo", kl_coef=0.1)   # the grpo default has kl_loss_coef 0.15
     # Batch sizes against processes: checked when the grpo stage starts (its SPEC's shape), so a
     # distributed setup for the default pipeline loads whatever the comparison's sizes; ppo's at load.
     assert (stage.SPEC.shape, registry.spec("ppo").shape) == ("start", "load")
@@ -143,7 +143,7 @@ def test_group_estimator_config_is_checked():
     # A partial section keeps GRPO's defaults; critic keys are accepted and unused.
     cfg = load("grpo", lr=3e-4, critic_lr=1.0, shared_backbone=True).grpo
     assert (cfg.advantage, cfg.samples_per_prompt, cfg.kl_coef, cfg.kl_loss_coef, cfg.kl_estimator) == \
-           ("grpo", 4, 0.0, 0.05, "k3") and not cfg.uses_critic
+           ("grpo", 4, 0.0, 0.15, "k3") and not cfg.uses_critic
     assert PPOConfig().uses_critic and PPOConfig().samples_per_prompt == 1   # ppo is unchanged
 
 

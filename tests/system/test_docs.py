@@ -117,7 +117,7 @@ def test_the_pages_have_the_blocks_they_should():
     """The README carries the demo and the headline; the guides the comparison and the frontier."""
     blocks = {rel(p): re.findall(r"<!-- rendered: ([\w-]+) -->", p.read_text()) for p in rendered_pages()}
     assert blocks["README.md"] == ["demo", "seeds", "headline"]
-    assert blocks["docs/guide/methods.md"] == ["compare-run", "compare-seeds", "compare-sweeps"]
+    assert blocks["docs/guide/methods.md"] == ["compare-run", "compare-seeds", "compare-sweeps", "grpo-sweep"]
     assert blocks["docs/guide/overoptimisation.md"] == ["frontier"]
     assert blocks["docs/guide/benchmarks.md"] == ["stage-resources", "throughput", "stage-pairs"]
     assert blocks["docs/guide/gpu-check.md"] == ["gpu-check"]
