@@ -51,6 +51,18 @@ def pack(seqs: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor]:
             torch.tensor(pos, dtype=torch.long, device="cpu")[None])     # (1, N)
 
 
+def pack_responses(prompts: list[list[int]], responses: list[list[int]]) -> tuple[torch.Tensor, ...]:
+    """Each prompt + its response end to end (`pack`): (1, N) ids, (1, N) position ids, and the (K,)
+    columns whose next token is a response token, K = the responses' tokens, sequence by sequence
+    (the row-major order of the responses' right-padded mask, as `unpack` reads it)."""
+    ids, pos = pack([p + r for p, r in zip(prompts, responses)])
+    predicting, start = [], 0
+    for p, r in zip(prompts, responses):
+        predicting += range(start + len(p) - 1, start + len(p) + len(r) - 1)
+        start += len(p) + len(r)
+    return ids, pos, torch.tensor(predicting, dtype=torch.long, device="cpu")
+
+
 def unpack(values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     """(K,) `values` of the True entries of (B, R) `mask`, in row-major order, as (B, R), zero
     elsewhere (with a graph to `values`): per-token results of a packed row back in padded rows."""

@@ -29,7 +29,7 @@ from typing import Any, Callable, Iterator, Mapping, Optional, Sequence
 import torch
 
 from ..config import SamplingConfig
-from ..data.padding import left_pad, pack, positions, right_pad, unpack
+from ..data.padding import left_pad, pack_responses, positions, right_pad, unpack
 from ..data.tokenizer import decode_response, encode_prompt, encode_response, end_ids
 from ..models.generation import stop_ids
 from ..models.logprobs import packed_stats, response_logprobs
@@ -168,14 +168,8 @@ def _logprobs(model, tok, prompts: list, responses: list[str], temperature: floa
         r_seqs = [encode_response(tok, r) for r in responses[start:start + KL_BATCH]]
         r_ids, r_mask = right_pad(r_seqs, tok.pad_token_id)                                         # (B, R) each
         if packed:
-            ids, pos = pack([p + r for p, r in zip(p_seqs, r_seqs)])                                 # (1, N) each
-            # the column before each response token, row by row (the row-major order of r_mask)
-            predicting, at = [], 0
-            for p, r in zip(p_seqs, r_seqs):
-                predicting += range(at + len(p) - 1, at + len(p) - 1 + len(r))
-                at += len(p) + len(r)
-            lp, _ = packed_stats(model, ids.to(device), pos.to(device),
-                                 torch.tensor(predicting, device="cpu").to(device), temperature)      # (K,)
+            ids, pos, predicting = pack_responses(p_seqs, r_seqs)                                   # (1, N), (1, N), (K,)
+            lp, _ = packed_stats(model, ids.to(device), pos.to(device), predicting.to(device), temperature)   # (K,)
             out.append((unpack(lp, r_mask.to(device)), r_mask.to(device)))
             continue
         p_ids, p_mask = left_pad(p_seqs, tok.pad_token_id)

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 import torch
 
 from ..data.inputs import fit_lengths
-from ..data.padding import left_pad, pack, positions, right_pad
+from ..data.padding import left_pad, pack_responses, positions, right_pad
 from ..data.preferences import Pair, check_distinct
 from ..data.tokenizer import cut_prompt, encode_prompt, encode_response
 from ..errors import DataError
@@ -116,12 +116,7 @@ def packed_sequence_logprobs(
     (data.padding.pack): no padding computed, attention within each sequence by its restarting
     position ids, and the LM head run only at the columns that predict a response token."""
     device = next(model.parameters()).device
-    ids, pos = pack([p + r for p, r in zip(prompts, responses)])  # (1, N) each
-    predicting, start = [], 0  # columns whose next token is a response token
-    for p, r in zip(prompts, responses):
-        predicting += range(start + len(p) - 1, start + len(p) + len(r) - 1)
-        start += len(p) + len(r)
-    cols = torch.tensor(predicting, dtype=torch.long, device="cpu")  # (K,), K = the responses' tokens
+    ids, pos, cols = pack_responses(prompts, responses)  # (1, N), (1, N), (K,): K = the responses' tokens
     per_token = packed_logprobs(model, ids.to(device), pos.to(device), cols.to(device))  # (K,)
     lengths = [len(r) for r in responses]
     summed = torch.stack([t.sum() for t in per_token.split(lengths)])  # (B,)
