@@ -4,16 +4,20 @@ kl_loss_coef sweeps.
     .venv/bin/python benchmarks/compare_methods.py                  # 3 seeds x every method, then the sweeps
     .venv/bin/python benchmarks/compare_methods.py --seeds 0 --methods dpo --sweep none
     .venv/bin/python benchmarks/compare_methods.py --reuse --methods grpo --sweep grpo --merge docs/compare_methods.tsv
+    .venv/bin/python benchmarks/compare_methods.py --reuse --seeds --methods dpo kto --sweep dpo kto \
+        --merge docs/compare_methods.tsv --out docs/compare_methods.tsv --plot docs/compare_methods.png
 
 Every method starts from the workspace's SFT policy and reward model (outputs/sft/model,
 outputs/reward/model: run `make pipeline` first), as compare/dvc.yaml's stages do; each method's
 own seed (`ppo.seed`, `dpo.seed`, `grpo.seed`, `rs.seed`) is set to the run's seed. Each seed's
-policies are then measured together by the compare stage (best-of-n only for seed 0). The stage
+policies are then measured together by the compare stage, and so are each sweep's values (seed 0);
+best-of-n is sampled in seed 0's compare and in every sweep's, so each of those policies has its
+gap to the best-of-n frontier at its own KL (`gap`, with its paired 95% interval). The stage
 commands run in a copy of the tracked files with MLflow off, one at a time.
 
 Prints and writes (`--out`, default /tmp/compare_methods.tsv) one row per (method, seed, sweep
 value): gold with its 95% half-width, gold and RM win rates over SFT, RM score, KL to SFT, the
-method stage's wall time and peak memory; then per method the median and range over seeds; and
+method stage's wall time and peak memory, the gap to best-of-n (blank past its KL or without it); then per method the median and range over seeds; and
 `--plot` (default /tmp/compare_methods.png): gold against KL, a point per run, best-of-n as a curve.
 `--merge FILE`: the rows of FILE but those of the methods run now (their seeds, or their sweep),
 then this run's rows, written to `--out` and plotted together.
@@ -39,11 +43,13 @@ from pipeline.stages import registry   # noqa: E402
 
 # method -> the model folders its stage reads (after --data): every stage whose policy compare measures
 METHODS = registry.methods()
-SWEEPS = {"dpo": ("dpo.beta", (0.05, 0.1, 0.3, 2.0)), "ppo": ("ppo.kl_coef", (0.05, 0.1, 0.2)),
-          "grpo": ("grpo.kl_loss_coef", (0.05, 0.2, 0.5, 1.0))}
+SWEEPS = {"dpo": ("dpo.beta", (0.05, 0.1, 0.3, 0.5, 1.0, 2.0)), "kto": ("kto.beta", (0.1, 0.3, 0.5, 1.0, 2.0)),
+          "ppo": ("ppo.kl_coef", (0.05, 0.1, 0.2)), "grpo": ("grpo.kl_loss_coef", (0.05, 0.2, 0.5, 1.0))}
+BEST_OF_N = [4, 16, 64]   # the frontier seed 0's methods and every sweep value are measured against
 LABELS = {"beta": "β"}   # a sweep's label in the plot: its key's last part, or this
 COLUMNS = ["method", "seed", "sweep", "gold", "gold_ci95", "gold_win", "gold_win_low", "gold_win_high", "rm",
-           "rm_win", "kl", "length", "wall_seconds", "peak_rss_gib"]
+           "rm_win", "kl", "length", "wall_seconds", "peak_rss_gib", "gap", "gap_low", "gap_high"]
+NAN = float("nan")
 
 
 def default_value(params: Path, key: str):
@@ -65,13 +71,19 @@ def run_method(work: Path, method: str, params: Path, out: Path, log: Path) -> N
 def rows_of(compare_dir: Path, runs: dict[str, tuple[str, int, str]]) -> list[dict]:
     m = json.loads((compare_dir / "metrics.json").read_text())
     rows = []
+    frontier = m.get("frontier", {})   # no best-of-n in that compare (seeds but 0): no gap
+
+    def gap(name: str, end: str = "") -> float:
+        value = frontier.get(f"{name}_gap_gold{end}")
+        return NAN if value is None else value
     for name, (method, seed, sweep) in runs.items():
         p, w = m[name], m["win_rate"]
         rows.append({"method": method, "seed": seed, "sweep": sweep, "gold": p["gold"], "gold_ci95": p["gold_ci95"],
                      "gold_win": w[f"{name}_vs_sft_gold"], "gold_win_low": w[f"{name}_vs_sft_gold_low"],
                      "gold_win_high": w[f"{name}_vs_sft_gold_high"], "rm": p["rm"], "rm_win": w[f"{name}_vs_sft_rm"],
                      "kl": p["kl"], "length": p["length"], "wall_seconds": p.get("stage_wall_seconds", float("nan")),
-                     "peak_rss_gib": p.get("stage_peak_rss_gib", float("nan"))})
+                     "peak_rss_gib": p.get("stage_peak_rss_gib", NAN),
+                     "gap": gap(name), "gap_low": gap(name, "_low"), "gap_high": gap(name, "_high")})
     return rows
 
 
@@ -83,7 +95,7 @@ def merged(path: Path, new: list[dict]) -> list[dict]:
     for r in old:
         for c in COLUMNS:
             if c not in ("method", "seed", "sweep"):
-                r[c] = float(r[c])
+                r[c] = float(r.get(c) or NAN)   # a column the table predates: not measured
         r["seed"] = int(r["seed"])
     replaced = {(r["method"], r["sweep"].split("=")[0]) for r in new}
     return [r for r in old if (r["method"], r["sweep"].split("=")[0]) not in replaced] + new
@@ -112,11 +124,16 @@ def figure(rows: list[dict], m: dict):
     ax.margins(x=0.06, y=0.08)
     fig.tight_layout()
     labels = []
+    swept_by: dict[str, set] = {}   # a swept key's last part -> the methods sweeping one of that name
+    for r in rows:
+        if r["sweep"]:
+            swept_by.setdefault(r["sweep"].split("=")[0].rsplit(".", 1)[-1], set()).add(r["method"])
     for r in rows:
         if r["sweep"]:
             key, value = r["sweep"].split("=")
             name = key.rsplit(".", 1)[-1]
-            labels.append((r["kl"], r["gold"], f"{LABELS.get(name, name)} {value}"))
+            who = f"{r['method']} " if len(swept_by[name]) > 1 else ""   # dpo's beta and kto's: say whose
+            labels.append((r["kl"], r["gold"], f"{who}{LABELS.get(name, name)} {value}"))
     points = [(r["kl"], r["gold"]) for r in rows] + [(v["kl"], v["gold"]) for _, v in bon]
     label_points(ax, labels, avoid=points, fontsize=7)
     return fig
@@ -129,7 +146,7 @@ def plot(rows: list[dict], compare0: Path, path: Path) -> None:
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
+    ap.add_argument("--seeds", type=int, nargs="*", default=[0, 1, 2], help="seeds of every method (none: sweeps only)")
     ap.add_argument("--methods", nargs="+", default=list(METHODS), choices=list(METHODS))
     ap.add_argument("--sweep", nargs="+", default=list(SWEEPS), help="methods to sweep on seed 0 (or 'none')")
     ap.add_argument("--out", type=Path, default=Path("/tmp/compare_methods.tsv"))
@@ -151,36 +168,47 @@ def main() -> int:
     rows: list[dict] = []
     compare0 = None
     runs_s0: dict[str, Path] = {}
-    plan = [(seed, None, None) for seed in args.seeds]
-    plan += [(0, method, value) for method in args.sweep if method in SWEEPS and method in args.methods
-             for value in SWEEPS[method][1]]
-    for seed, swept, value in plan:
+    plan = [(seed, None) for seed in args.seeds]
+    plan += [(0, method) for method in args.sweep if method in SWEEPS and method in args.methods]
+    for seed, swept in plan:
         overrides = {f"{m}.seed": seed for m in args.methods}
-        overrides["compare.best_of_n"] = [4, 16, 64] if (seed == 0 and swept is None) else []
-        methods = args.methods if swept is None else [swept]
-        if swept is not None:
-            overrides[SWEEPS[swept][0]] = value
-        tag = f"s{seed}" + (f"_{swept}{value}" if swept else "")
+        overrides["compare.best_of_n"] = BEST_OF_N if seed == 0 else []
+        tag = f"s{seed}" + (f"_{swept}" if swept else "")
         params = work / f"params_{tag}.yaml"
         write_params(work / "params.yaml", params, overrides)
         runs, policies = {}, []
-        for method in methods:
-            out = work / tag / method
-            if args.reuse and swept is None and seed == 0 and (ROOT / "outputs" / method / "model").is_dir():
-                out = ROOT / "outputs" / method      # the workspace's default run is seed 0's
-            if swept is not None and value == default_value(work / "params.yaml", SWEEPS[swept][0]):
-                out = runs_s0.get(method, out)       # the sweep's default point is seed 0's run
-            if not (out / "model").is_dir():
-                run_method(work, method, params, out, log)
-            name = method if swept is None else f"{method}_{value}"
-            runs[name] = (method, seed, f"{SWEEPS[swept][0]}={value}" if swept else "")
-            policies += ["--policy", f"{name}={out / 'model'}"]
-        if seed == 0 and swept is None:
-            runs_s0 = {method: Path(p.split("=", 1)[1]).parent for p in policies[1::2] for method in [p.split("=")[0]]}
+        if swept is None:
+            for method in args.methods:
+                out = work / tag / method
+                if args.reuse and seed == 0 and (ROOT / "outputs" / method / "model").is_dir():
+                    out = ROOT / "outputs" / method      # the workspace's default run is seed 0's
+                if not (out / "model").is_dir():
+                    run_method(work, method, params, out, log)
+                runs[method] = (method, seed, "")
+                policies += ["--policy", f"{method}={out / 'model'}"]
+            if seed == 0:
+                runs_s0 = {method: Path(p.split("=", 1)[1]).parent for p in policies[1::2] for method in [p.split("=")[0]]}
+        else:
+            # Every value of one sweep in one compare, beside best-of-n: each gap is paired with the same
+            # SFT and best-of-n samples, and best-of-n is sampled once per sweep.
+            key, default = SWEEPS[swept][0], default_value(work / "params.yaml", SWEEPS[swept][0])
+            for value in SWEEPS[swept][1]:
+                vtag = f"{tag}{value}"
+                out = work / vtag / swept
+                if value == default:                    # the sweep's default point is seed 0's run
+                    reused = ROOT / "outputs" / swept
+                    out = runs_s0.get(swept, reused if args.reuse and (reused / "model").is_dir() else out)
+                if not (out / "model").is_dir():
+                    vparams = work / f"params_{vtag}.yaml"
+                    write_params(work / "params.yaml", vparams, {**overrides, key: value})
+                    run_method(work, swept, vparams, out, log)
+                name = f"{swept}_{str(value).replace('.', 'p')}"   # a policy name has no dot
+                runs[name] = (swept, seed, f"{key}={value}")
+                policies += ["--policy", f"{name}={out / 'model'}"]
         cmp_dir = work / tag / "compare"
         stage(["compare", "--params", str(params), "--data", "data/prepared", "--sft", str(ROOT / "outputs/sft/model"),
                "--reward", str(ROOT / "outputs/reward/model"), *policies, "--out", str(cmp_dir)], work, 2, log)
-        compare0 = compare0 or (cmp_dir if swept is None else None)
+        compare0 = compare0 or (cmp_dir if seed == 0 else None)   # best-of-n: the plot's curve
         new = rows_of(cmp_dir, runs)
         rows += new
         for r in new:

@@ -401,6 +401,10 @@ def fake_stages(calls: list, seconds: dict[str, float]):
                     metrics["win_rate"][f"{name}_vs_sft_{key}"] = m["win_rate"][f"{method}_vs_sft_{key}"]
             for n in args.loaded.compare.best_of_n:
                 metrics[f"best_of_{n}"] = m[f"best_of_{n}"]
+            if args.loaded.compare.best_of_n:   # the gaps to best-of-n, of the method each name starts with
+                metrics["frontier"] = {f"{name}_gap_gold{end}": m["frontier"][f"{name.split('_')[0]}_gap_gold{end}"]
+                                       for name in (p.split("=", 1)[0] for p in args.policy)
+                                       for end in ("", "_low", "_high")}
             (out / "metrics.json").write_text(json.dumps(metrics))
         return seconds[cmd[0]]
     return stage
@@ -475,9 +479,9 @@ def test_compare_methods_runs_every_method_seed_and_sweep_and_tabulates_them(tmp
                                                                            capsys):
     """benchmarks/compare_methods.py's `main` over two seeds of PPO and DPO and the DPO beta sweep,
     the stages answered by fake_stages: which stages run (the sweep's default beta reuses seed 0's DPO
-    instead of training it again), the params each gets (the methods' seeds, best-of-n on seed 0 only,
-    the swept beta), the table's rows holding the compare stage's numbers, the medians over seeds, and
-    the plot. The methods' real training is the methods' own tests' (tests/stages/test_dpo.py,
+    instead of training it again; one compare measures every beta), the params each gets (the methods'
+    seeds, best-of-n on seed 0 and the sweep only, the swept beta), the table's rows holding the compare
+    stage's numbers and gaps to best-of-n, the medians over seeds, and the plot. The methods' real training is the methods' own tests' (tests/stages/test_dpo.py,
     test_grpo.py, test_rs.py)."""
     bench = load("compare_methods")
     root = tmp_path / "checkout"           # the workspace's SFT and RM the script insists on
@@ -493,16 +497,18 @@ def test_compare_methods_runs_every_method_seed_and_sweep_and_tabulates_them(tmp
     assert bench.main() == 0
     default_beta = bench.default_value(work / "params.yaml", "dpo.beta")
     betas = bench.SWEEPS["dpo"][1]
-    assert default_beta in betas and len(betas) == 4
+    assert default_beta in betas and {0.5, 1.0, 2.0} <= set(betas)
     assert [c for c, _ in calls] == ["prepare", "ppo", "dpo", "compare", "ppo", "dpo", "compare",
-                                     *[s for b in betas for s in ((["dpo"] if b != default_beta else []) + ["compare"])]]
+                                     *["dpo"] * (len(betas) - 1), "compare"]
 
     from pipeline.config import load_params
     s0, s1 = load_params(work / "params_s0.yaml"), load_params(work / "params_s1.yaml")
     assert (s0.ppo.seed, s0.dpo.seed, s0.compare.best_of_n) == (0, 0, (4, 16, 64))
     assert (s1.ppo.seed, s1.dpo.seed, s1.compare.best_of_n) == (1, 1, ())
     swept = load_params(work / f"params_s0_dpo{betas[0]}.yaml")
-    assert (swept.dpo.beta, swept.compare.best_of_n) == (betas[0], ())
+    assert (swept.dpo.beta, swept.dpo.seed) == (betas[0], 0)
+    assert load_params(work / "params_s0_dpo.yaml").compare.best_of_n == (4, 16, 64)
+    assert not (work / f"params_s0_dpo{default_beta}.yaml").exists()   # not trained again
 
     m = committed("compare")
     with open(table, newline="") as f:
@@ -517,6 +523,12 @@ def test_compare_methods_runs_every_method_seed_and_sweep_and_tabulates_them(tmp
             [p["gold_ci95"], p["rm"], p["kl"], p["length"], p["stage_wall_seconds"], p["stage_peak_rss_gib"]]
         assert [float(r[c]) for c in ("gold_win", "gold_win_low", "gold_win_high", "rm_win")] == \
             [w[f"{r['method']}_vs_sft_{k}"] for k in ("gold", "gold_low", "gold_high", "rm")]
+        gaps = [float(r[c]) for c in ("gap", "gap_low", "gap_high")]
+        want = [m["frontier"][f"{r['method']}_gap_gold{end}"] for end in ("", "_low", "_high")]
+        if r["seed"] == "1" or want[0] is None:   # no best-of-n in seed 1's compare; PPO past its KL
+            assert all(math.isnan(g) for g in gaps), r
+        else:
+            assert gaps == want and want[0] < 0, r
     out = capsys.readouterr().out
     for method in ("ppo", "dpo"):   # the median of seeds 0 and 1: gold + 0.5
         g = m[method]["gold"]
@@ -549,3 +561,12 @@ def test_compare_methods_merge_replaces_only_what_a_run_measured_again(tmp_path,
     swept = bench.merged(table, [row("grpo", 0, "grpo.kl_loss_coef=0.3", 2.0)])
     assert [(r["method"], r["sweep"]) for r in swept] == [
         ("ppo", ""), ("grpo", ""), ("grpo", ""), ("dpo", "dpo.beta=0.1"), ("grpo", "grpo.kl_loss_coef=0.3")]
+    # A table from before the gap columns: its rows come back with those not measured (NaN).
+    older = [c for c in bench.COLUMNS if not c.startswith("gap")]
+    with table.open("w", newline="") as f:
+        w = csv.DictWriter(f, older, delimiter="\t", extrasaction="ignore")
+        w.writeheader()
+        w.writerows(old)
+    kept = bench.merged(table, [row("grpo", 0, "", 2.2)])
+    assert [r["gold"] for r in kept] == [2.7, 2.4, 1.3, 2.2]
+    assert all(math.isnan(r["gap"]) for r in kept[:3]) and kept[3]["gap"] == 1.0

@@ -228,10 +228,13 @@ def test_methods_benchmark_plot_lays_out_every_text_legibly():
              for c, kl, gold in ((0.05, 10.2, 2.73), (0.1, 7.7, 2.71), (0.2, 4.2, 2.72))]
     rows += [{"method": "dpo", "seed": 0, "sweep": f"dpo.beta={b}", "kl": kl, "gold": gold, "gold_ci95": 0.25}
              for b, kl, gold in ((0.05, 18.4, 0.11), (0.1, 9.8, 1.26), (0.3, 4.0, 1.84), (2.0, 0.4, 1.38))]
+    rows += [{"method": "kto", "seed": 0, "sweep": f"kto.beta={b}", "kl": kl, "gold": gold, "gold_ci95": 0.2}
+             for b, kl, gold in ((0.1, 4.0, 1.13), (0.5, 1.33, 1.67), (2.0, 0.53, 1.22))]
     fig = methods_benchmark().figure(rows, m)
     assert layout_problems(fig) == []
-    assert sorted(t.get_text() for t in fig.axes[0].texts) == sorted(
-        ["kl_coef 0.05", "kl_coef 0.1", "kl_coef 0.2", "β 0.05", "β 0.1", "β 0.3", "β 2.0"])
+    assert sorted(t.get_text() for t in fig.axes[0].texts) == sorted(   # two methods sweep a beta: each named
+        ["kl_coef 0.05", "kl_coef 0.1", "kl_coef 0.2", "dpo β 0.05", "dpo β 0.1", "dpo β 0.3", "dpo β 2.0",
+         "kto β 0.1", "kto β 0.5", "kto β 2.0"])
 
 
 def test_the_check_finds_overlapping_clipped_and_covered_labels():
