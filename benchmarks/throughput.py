@@ -46,7 +46,8 @@ from pipeline.files import atomic_write_text  # noqa: E402
 from pipeline.models import reward_model as rm  # noqa: E402
 from pipeline.preference.logprobs import TokenPair, pair_logprobs  # noqa: E402
 from pipeline.training.demonstrations import ce_sum  # noqa: E402
-from pipeline.training.token_batches import micro_batches, padded_tokens  # noqa: E402
+from pipeline.data.padding import micro_batches  # noqa: E402
+from pipeline.training.token_batches import padded_tokens  # noqa: E402
 
 # bf16 dense peaks (datasheets, FLOP/s) of the GPUs a user trains on
 GPU_PEAKS = {"H100": 989e12, "H200": 989e12, "A100": 312e12, "L40S": 362e12, "A10": 125e12}

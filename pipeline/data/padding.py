@@ -13,6 +13,8 @@ variable-length kernel, a block-diagonal mask under SDPA or eager).
 
 from __future__ import annotations
 
+from typing import Optional, Sequence
+
 import torch
 
 
@@ -67,3 +69,20 @@ def unpack(values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     """(K,) `values` of the True entries of (B, R) `mask`, in row-major order, as (B, R), zero
     elsewhere (with a graph to `values`): per-token results of a packed row back in padded rows."""
     return values.new_zeros(mask.shape).masked_scatter(mask, values)
+
+
+def micro_batches(lengths: Sequence[int], rows: int, max_tokens: Optional[int]) -> list[list[int]]:
+    """Indices into `lengths` (one item each: the tokens it occupies in a padded micro-batch) of
+    each micro-batch, in the order they run: with `max_tokens` None, consecutive runs of `rows`;
+    else the items longest first, a micro-batch closed when one more item would make its rows x
+    longest exceed `max_tokens` (an item longer than the budget alone)."""
+    if max_tokens is None:
+        return [list(range(first, min(first + rows, len(lengths)))) for first in range(0, len(lengths), rows)]
+    order = sorted(range(len(lengths)), key=lambda i: -lengths[i])   # stable: ties keep their order
+    out: list[list[int]] = []
+    for i in order:
+        if out and (len(out[-1]) + 1) * lengths[out[-1][0]] <= max_tokens:
+            out[-1].append(i)
+        else:
+            out.append([i])
+    return out

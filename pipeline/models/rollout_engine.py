@@ -19,6 +19,7 @@ from typing import Protocol, Sequence
 import torch
 
 from ..config import SamplingConfig
+from ..data.padding import micro_batches
 from ..devices import generator
 from .generation import Sampled, concat, sample
 
@@ -77,24 +78,14 @@ class TorchSampler:
 def sampling_calls(request: Request) -> list[list[int]]:
     """Indices of `request.prompts` of each sampling call, in the order they run. By a token budget
     (`max_tokens`): the prompts longest first, a call closed when one more would make its rows x
-    (longest prompt + max_new_tokens) exceed the budget (a prompt longer than the budget alone), as
-    training's micro-batches by tokens are cut (training/token_batches.py): its KV cache and logits
-    are then bounded whatever the prompts' lengths. Else consecutive runs of `micro_batch` (0: one
+    (longest prompt + max_new_tokens) exceed the budget (a prompt longer than the budget alone): the
+    cut of training's micro-batches by tokens (data/padding.py's `micro_batches`), so its KV cache
+    and logits are bounded whatever the prompts' lengths. Else consecutive runs of `micro_batch` (0: one
     call)."""
-    n = len(request.prompts)
-    if request.max_tokens is None:
-        size = request.micro_batch or max(n, 1)
-        return [list(range(i, min(i + size, n))) for i in range(0, n, size)]
     # Longest first (ties in input order), so a call's first prompt is its longest: one more row
     # costs that prompt's length + max_new_tokens.
     cost = [len(p) + request.sampling.max_new_tokens for p in request.prompts]
-    calls: list[list[int]] = []
-    for i in sorted(range(n), key=lambda i: -cost[i]):
-        if calls and (len(calls[-1]) + 1) * cost[calls[-1][0]] <= request.max_tokens:
-            calls[-1].append(i)
-        else:
-            calls.append([i])
-    return calls
+    return micro_batches(cost, request.micro_batch or max(len(cost), 1), request.max_tokens)
 
 
 TORCH = TorchSampler()

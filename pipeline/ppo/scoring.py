@@ -16,12 +16,11 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from ..data.padding import unpack
+from ..data.padding import micro_batches, unpack
 from ..models import logprobs
 from ..models import reward_model as rm
 from ..models.reward_source import RewardSource
 from .mismatch import logprob_diff
-from ..training.token_batches import micro_batches
 from .rollout import Rollout
 
 if TYPE_CHECKING:   # annotations only (pipeline/models/checkpoints.py says why)

@@ -30,6 +30,7 @@ from ..progress import track
 from ..tracking.sinks import StepLog, Tracker
 from ..tracking.metric_names import METRICS_JSON, Metric
 from . import token_batches
+from ..data import padding
 from .batches import BatchSampler, total_steps
 from ..context import Context
 from .engines import TrainEngine, supervised_engine, write_deepspeed_config
@@ -141,7 +142,7 @@ def train(task: SupervisedTask, cfg: Any, engine: TrainEngine, micro: int, out: 
                       enabled=progress and ctx.is_main):
         batch = [task.items[i] for i in next(batches)]
         mine = ctx.shard(batch)
-        parts = token_batches.micro_batches([task.length(item) for item in mine], micro, budget)
+        parts = padding.micro_batches([task.length(item) for item in mine], micro, budget)
         sums = torch.zeros(len(task.columns), dtype=torch.float64, device="cpu")
         for run in token_batches.agreed_runs(len(parts), budget, ctx):
             filler = run.filler            # this rank has run its share: a repeat that adds nothing
@@ -188,7 +189,7 @@ def pad_share(task: SupervisedTask, cfg: Any, micro: int, ctx: Context) -> float
     tokens = [0, 0]                                               # real, computed
     for _ in range(total_steps(len(task.items), cfg.batch_size, cfg.epochs)):
         lengths = [task.length(task.items[i]) for i in ctx.shard(next(batches))]
-        parts = token_batches.micro_batches(lengths, micro, cfg.distributed.max_tokens_per_micro_batch)
+        parts = padding.micro_batches(lengths, micro, cfg.distributed.max_tokens_per_micro_batch)
         tokens = [a + b for a, b in zip(tokens, token_batches.padded_tokens(lengths, parts, task.forwards))]
     real, computed = ctx.sum(torch.tensor(tokens, dtype=torch.float64, device="cpu")).tolist()
     return 1.0 - real / computed

@@ -4,7 +4,7 @@ what they cost padded (rows x the longest row), not by a fixed number of rows, a
 number of rows is sized for the longest ones and pads the rest; a budget fills each micro-batch.
 
 The items are sorted by length (longest first, so the largest micro-batch runs first and a budget
-too small fails at once) and cut greedily. The global batch, and so the gradient, is the same: every
+too small fails at once) and cut greedily (data/padding.py's `micro_batches`). The global batch, and so the gradient, is the same: every
 loss is normalised by the global batch (pipeline/training/supervised.py), so the micro-batches'
 gradients sum to the fixed-row path's, up to the order of float additions. With no budget the
 micro-batches are today's: consecutive runs of a fixed number of rows.
@@ -15,23 +15,6 @@ from __future__ import annotations
 from typing import Callable, NamedTuple, Optional, Sequence
 
 from ..context import Context
-
-
-def micro_batches(lengths: Sequence[int], rows: int, max_tokens: Optional[int]) -> list[list[int]]:
-    """Indices into `lengths` (one item each: the tokens it occupies in a padded micro-batch) of
-    each micro-batch, in the order they run: with `max_tokens` None, consecutive runs of `rows`;
-    else the items longest first, a micro-batch closed when one more item would make its rows x
-    longest exceed `max_tokens` (an item longer than the budget alone)."""
-    if max_tokens is None:
-        return [list(range(first, min(first + rows, len(lengths)))) for first in range(0, len(lengths), rows)]
-    order = sorted(range(len(lengths)), key=lambda i: -lengths[i])   # stable: ties keep their order
-    out: list[list[int]] = []
-    for i in order:
-        if out and (len(out[-1]) + 1) * lengths[out[-1][0]] <= max_tokens:
-            out[-1].append(i)
-        else:
-            out.append([i])
-    return out
 
 
 class Run(NamedTuple):

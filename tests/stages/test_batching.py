@@ -17,7 +17,8 @@ import torch
 
 from conftest import run_stage, step_rows, tiny_params
 from pipeline.context import SINGLE
-from pipeline.training.token_batches import Run, agreed_runs, micro_batches, padded_tokens
+from pipeline.data.padding import micro_batches
+from pipeline.training.token_batches import Run, agreed_runs, padded_tokens
 
 BUDGET = 160   # padded tokens per micro-batch: several micro-batches per tiny global batch of 16
 
