@@ -531,6 +531,11 @@ class PPOConfig:
     # Scores divided by the reward model's stored scale (the standard deviation of its held-out
     # demonstration scores; OpenRLHF's --normalize_reward): kl_coef then weighs KL against a unit of spread.
     normalize_reward: bool = False
+    # k >= 2: the reward is log F(score), F the SFT policy's distribution of scores on the prompt,
+    # estimated from k SFT responses to each training prompt sampled before training; with kl_coef
+    # 1/(n-1) PPO's optimum is best-of-n's distribution (pipeline/ppo/quantile_reward.py). 0: off.
+    quantile_reward_samples: int = num(0, ge=0, le=1024, doc="SFT responses per training prompt that place "
+                                       "each score (the reward is its log CDF); 0: the score itself")
     reward_source: str = "reward_model"
     reward_timeout: float = num(600.0, gt=0.0, le=1e6, doc="seconds one call of a reward_source function may take")
     on_nonfinite: Literal["stop", "skip"] = "stop"   # a NaN/inf loss or gradient (training/nonfinite.py)
@@ -654,6 +659,13 @@ class PPOConfig:
         if self.normalize_reward and self.reward_source != "reward_model":
             raise ConfigError(f"{s}.normalize_reward: divides by the reward model's stored scale; "
                               f"{s}.reward_source {self.reward_source!r} is a function (scale it there)")
+        if self.quantile_reward_samples == 1:
+            raise ConfigError(f"{s}.quantile_reward_samples: one SFT response per prompt places a score only as "
+                              "below, tied with or above it; use 0 (off) or >= 2 (16 or more to aim at best-of-16)")
+        if self.quantile_reward_samples and self.whiten_rewards:
+            raise ConfigError(f"{s}.whiten_rewards: would rescale the log-CDF reward that "
+                              f"{s}.quantile_reward_samples makes, and kl_coef = 1/(n-1) aims at best-of-n only "
+                              "in its units; set whiten_rewards: false")
         if self.rollout_engine == "vllm":
             self._check_vllm()
         if type(self.recompute_logprobs) is not bool and self.recompute_logprobs != "auto":

@@ -26,6 +26,8 @@ from .rollout import Rollout
 if TYPE_CHECKING:   # annotations only (pipeline/models/checkpoints.py says why)
     from transformers import PreTrainedModel
 
+    from .quantile_reward import ReferenceScores
+
 
 def policy_logprobs(model: PreTrainedModel, ro: Rollout, temperature: float, with_entropy: bool = False,
                     entropy_grad: bool = True,
@@ -106,7 +108,8 @@ class Scored:
 def score_rollout(actor: PreTrainedModel, ref: PreTrainedModel, critic: PreTrainedModel | None, reward: RewardSource,
                   ro: Rollout, temperature: float, micro_batch_size: int,
                   missing_eos_score: float | None, score_clip: float | None,
-                  recompute_logprobs: bool = False, check_rows: int = 0, packed: bool = False) -> Scored:
+                  recompute_logprobs: bool = False, check_rows: int = 0, packed: bool = False,
+                  quantiles: ReferenceScores | None = None) -> Scored:
     """Run the models over `ro` in micro-batches (bounded memory). The actor's log-probs are the
     ones the sampler computed (its forward passes *are* the actor's pass over the rollout), unless
     `recompute_logprobs`. Micro-batches take rows of similar length and drop all-padding columns.
@@ -117,7 +120,9 @@ def score_rollout(actor: PreTrainedModel, ref: PreTrainedModel, critic: PreTrain
     touched). That forward's log-probs are only measured, never used.
 
     `packed`: each micro-batch's forwards over one packed row (`packed_rollout`); the reward
-    source packs its own forwards when it was built to (RewardModelSource's `packed`)."""
+    source packs its own forwards when it was built to (RewardModelSource's `packed`).
+    `quantiles`: the scores become their log CDF among the SFT policy's scores on each prompt
+    (`ppo.quantile_reward_samples`); `raw_scores` stay the reward source's."""
     B, R = ro.response_mask.shape
     mask = ro.response_mask
     recompute = recompute_logprobs or ro.logprobs is None
@@ -142,14 +147,24 @@ def score_rollout(actor: PreTrainedModel, ref: PreTrainedModel, critic: PreTrain
         mismatch = sampler_trainer_diff(actor, ro, temperature, micro_batch_size, min(check_rows, B), packed)
     # A reward function scores on the CPU, a reward model where it lives: the scores join the rollout's device.
     raw = reward.score(ro.prompts, ro.responses).float().to(mask.device)
+    scores = shaped_scores(raw, ro.ended, missing_eos_score, score_clip)
+    if quantiles is not None:   # the score's place among SFT's on the prompt (quantile_reward.py)
+        scores = quantiles.log_cdf(ro.prompts, scores)
+    return Scored(old, refp, values, scores, raw, mismatch)
+
+
+def shaped_scores(raw: torch.Tensor, ended: torch.Tensor, missing_eos_score: float | None,
+                  score_clip: float | None) -> torch.Tensor:
+    """(B,) sequence scores from the (B,) `raw` ones and (B,) bool `ended`: the missing-eos rule, then
+    the clip."""
     scores = raw.clone()
     if missing_eos_score is not None:
         # The "EOS trick" (Huang et al. 2024, N+ details): a response cut off by the length limit
         # gets a fixed low score, so the policy learns to finish instead of rambling.
-        scores = torch.where(ro.ended, scores, torch.full_like(scores, missing_eos_score))
+        scores = torch.where(ended, scores, torch.full_like(scores, missing_eos_score))
     if score_clip is not None:
         scores = scores.clamp(-score_clip, score_clip)
-    return Scored(old, refp, values, scores, raw, mismatch)
+    return scores
 
 
 @torch.no_grad()

@@ -4,7 +4,8 @@ One iteration (numbered as in the code):
   1. rollout     sample responses to a batch of prompts from the actor (KV cache, stop at eos);
                  each prompt k = samples_per_prompt times, its k rows consecutive
   2. score       old/ref log-probs, critic values (with a critic), reward-source scores (one forward
-                 per model); the sampler's vs a training forward's log-probs measured (mismatch.py)
+                 per model), or their log CDF among the SFT policy's (quantile_reward.py); the
+                 sampler's vs a training forward's log-probs measured (mismatch.py)
   3. rewards     per-token -kl_coef * KL_t plus the score on the last real token
   4. advantages  the estimator ppo.advantage names (advantages.ESTIMATORS); with a critic (gae): GAE
                  over response tokens, returns = advantages + values, whitened advantages; critic-free
@@ -42,6 +43,7 @@ from . import group_advantages as group
 from .losses import aggregate, policy_loss, truncated_is_weights, value_loss
 from .mismatch import TOLERANCE, ratio_deviation, resolve_recompute
 from .placement import PPOModels
+from .quantile_reward import ReferenceScores
 from .rollout import Rollout, rollout
 from .scoring import Scored, critic_values, policy_logprobs, score_rollout, update_chunks
 
@@ -102,6 +104,9 @@ class PPOTrainer:
             cfg.recompute_logprobs, cfg.distributed.precision, param.dtype, device.type, tis=cfg.tis_cap is not None,
             engine=engine.name)
         self._announced = False   # the log line on whose log-probs are used, once per process
+        # ppo.quantile_reward_samples: the SFT policy's scores per training prompt, which the stage
+        # samples before the first iteration (quantile_reward.py); None: the scores are the reward.
+        self.quantiles: ReferenceScores | None = None
         self.guard = NonfiniteGuard(cfg._section, cfg.on_nonfinite, cfg.max_skipped_updates)   # restored on resume
 
     # ---- steps 3-4 -------------------------------------------------------------------------
@@ -292,10 +297,12 @@ class PPOTrainer:
             sc = score_rollout(self.m.actor.forward, self.m.ref, critic, self.m.reward, ro,            # 2
                                cfg.sampling.temperature, cfg.score_micro_batch_size or cfg.micro_batch_size,
                                cfg.missing_eos_score, cfg.score_clip, self.recompute, cfg.logprob_check_rows,
-                               cfg.packing)
+                               cfg.packing, self.quantiles)
         _check_finite("rewards (scores)", sc.raw_scores, it)
         batch, stats = self.make_batch(ro, sc)                                                     # 3, 4
         stats.update(sc.mismatch)
+        if self.quantiles is not None:   # objective/scores are log CDFs then: the source's own beside them
+            stats["objective/source_scores"] = sc.raw_scores.mean().item()
         _check_finite("advantages", batch.advantages, it)
         t2 = time.perf_counter()
         stats.update(self.update(batch))                                                           # 5
@@ -372,7 +379,10 @@ def warn_health(stats: dict[str, float], iteration: int, sampler_logprobs: bool 
 TRAIN_COLUMNS = (
     ("step", "PPO iteration", None),
     ("objective/scores", "mean sequence score given to the rollouts (after the missing-eos rule and "
-                         "`ppo.score_clip`)", None),
+                         "`ppo.score_clip`; then the log CDF with `ppo.quantile_reward_samples`)", None),
+    ("objective/source_scores", "mean score of the rollouts by the reward source itself (`objective/scores` are "
+                                "then their log CDF among the SFT policy's, `ppo.quantile_reward_samples`)",
+     "quantile_reward"),
     ("objective/kl", "mean over rollouts of the summed per-token KL estimate to the reference "
                      "(`ppo.kl_estimator`)", None),
     ("objective/non_score_reward", "mean summed KL penalty, `-kl_coef * KL` (0 with `ppo.kl_loss_coef`, where "

@@ -30,6 +30,7 @@ if TYPE_CHECKING:   # annotations only: importing these loads torch, and listing
     from ..models.rollout_engine import RolloutEngine
     from ..ppo.detector import Detector
     from ..ppo.placement import PPOModels
+    from ..ppo.quantile_reward import ReferenceScores
     from ..ppo.trainer import PPOTrainer
     from ..training import memory_plan
     from .skeleton import StageRun
@@ -155,6 +156,26 @@ def compare_policies(models: PPOModels, cfg: PPOConfig, sampling: SamplingConfig
                            beside_sft=True, packed=cfg.packing)[0]
 
 
+def reference_scores(models: PPOModels, cfg: PPOConfig, prompts: list, progress: bool) -> ReferenceScores:
+    """Collective (each process samples the whole table, the same one). The SFT policy's shaped scores on
+    `cfg.quantile_reward_samples` responses to each training prompt, sampled as rollouts are (a
+    process's rollout batch per call, our sampler) from a stream of their own: the rollouts' stream
+    is untouched, so the first iteration samples what it would without them."""
+    from .. import devices
+    from ..measurement.policy import whole
+    from ..ppo.quantile_reward import sample_reference_scores
+    from ..ppo.scoring import shaped_scores
+    ctx = models.ctx
+    generator = devices.generator(ctx.device, cfg.seed + 104729)
+    with whole(models.reference()) as ref, models.actor.autocast():
+        return sample_reference_scores(
+            ref, models.tok, models.reward, prompts, cfg.quantile_reward_samples, cfg.sampling, generator,
+            lambda raw, ended: shaped_scores(raw, ended, cfg.missing_eos_score, cfg.score_clip),
+            cfg.rollout_batch_size // ctx.world_size, cfg.max_prompt_length, progress,
+            micro_batch=cfg.rollout_micro_batch_size, drop_finished=cfg.rollout_drop_finished,
+            max_tokens=cfg.rollout_max_tokens)
+
+
 def auditor_dirs(cfg: PPOConfig) -> list[Path]:
     det = cfg.detector
     return [Path(det.auditor)] if det.enabled and det.auditor is not None else []
@@ -274,6 +295,12 @@ def _run(run: StageRun, data_dir: Path, sft_dir: Path, reward_dir: Path, progres
         critic = {"critic": models.critic} if models.critic is not None else {}
         write_deepspeed_config(out / "deepspeed_config.json", actor=models.actor, **critic, frozen=models.frozen)
     trainer = PPOTrainer(cfg, models, prompts, judge, engine)
+    if cfg.quantile_reward_samples:   # before the first iteration, and again on resume (the same bits)
+        trainer.quantiles = reference_scores(models, cfg, prompts, progress and ctx.is_main)
+        if ctx.is_main:
+            log.warning("%s: reward = log CDF of the score among %d SFT responses per training prompt; %s",
+                        section, cfg.quantile_reward_samples,
+                        ", ".join(f"{k} {v:.3f}" for k, v in trainer.quantiles.stats().items()))
     step_log = StepLog(out / "train.tsv", tracker=run.tracker, series="train", write=ctx.is_main)
     detector = Detector(cfg.detector) if cfg.detector.enabled else None
     saved_log = checkpoint.load(trainer, run.checkpoint, fp)

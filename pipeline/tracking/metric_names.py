@@ -96,6 +96,8 @@ CONDITIONS = {
     "method_lora": "`lora.r > 0` in the section of a compare/dvc.yaml method (`dpo`, `rs`)",
     "compare": "the alignment methods of compare/dvc.yaml ran (`dvc repro compare/dvc.yaml`, `make compare`)",
     "tis": "`ppo.tis_cap` is set (truncated importance sampling)",
+    "quantile_reward": "`ppo.quantile_reward_samples` (`grpo.quantile_reward_samples` for grpo) >= 2: the reward is "
+                       "the score's log CDF among the SFT policy's",
 }
 IMPLIES = {"custom_pairs": ("no_judge",)}
 

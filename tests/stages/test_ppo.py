@@ -5,6 +5,7 @@ killed-then-resumed run equal to an uninterrupted one."""
 import csv
 import dataclasses
 import json
+import math
 
 import pytest
 import torch
@@ -327,5 +328,64 @@ def test_normalize_reward_divides_scores_and_critic_by_the_stored_scale(dirs, tm
     ({"normalize_reward": True, "reward_source": "pipeline.tasks.reviews:gold_scores"}, r"ppo.normalize_reward: .*function"),
 ])
 def test_warmup_horizon_and_normalisation_keys_are_checked(ppo, match):
+    with pytest.raises(ConfigError, match=r"^params.yaml: " + match):
+        from_dict(Params, {"ppo": ppo}, "params.yaml: ")
+
+
+def test_quantile_reward_scores_each_rollout_among_the_sft_policys_own(dirs):
+    """ppo.quantile_reward_samples: the table holds k shaped scores of the SFT policy per distinct
+    training prompt, equal to scoring a rollout of the reference sampled from the table's own stream
+    (so the bits are reproducible); a step's scores are their log CDF, its raw ones the RM's."""
+    from pipeline import devices
+    from pipeline.ppo.quantile_reward import log_quantile
+    from pipeline.ppo.scoring import shaped_scores
+    k = 4
+    params = _params(quantile_reward_samples=k, missing_eos_score=-3.0)
+    cfg = params.ppo
+    m = place_models(params, dirs / "sft", dirs / "rm")
+    prompts = ["Review the film Silent River . Focus on the music ."] * 3 + ["Review the film Lost Harbor . Focus on the plot ."]
+    table = stage.reference_scores(m, cfg, prompts, progress=False)
+    assert list(table.by_prompt) == [prompts[0], prompts[3]] and all(v.shape == (k,) for v in table.by_prompt.values())
+    # rollout_batch_size 8 rows per call: both prompts' 4 samples in one call, from seed + 104729's stream
+    ro = rollout(m.ref, m.tok, [prompts[0]] * k + [prompts[3]] * k, cfg.sampling,
+                 devices.generator("cpu", cfg.seed + 104729), cfg.max_prompt_length)
+    want = shaped_scores(m.reward.score(ro.prompts, ro.responses), ro.ended, -3.0, None).view(2, k)
+    torch.testing.assert_close(torch.stack([table.by_prompt[prompts[0]], table.by_prompt[prompts[3]]]), want)
+    assert torch.equal(stage.reference_scores(m, cfg, prompts, progress=False).by_prompt[prompts[3]], want[1])
+
+    trainer = PPOTrainer(cfg, m, prompts * 2)
+    trainer.quantiles = table
+    gen = torch.Generator().manual_seed(3)
+    ro = rollout(m.actor.model, m.tok, prompts, cfg.sampling, gen)
+    sc = score_rollout(m.actor.forward, m.ref, m.critic.model, m.reward, ro, 1.0, 2, -3.0, None, quantiles=table)
+    reference = torch.stack([table.by_prompt[p] for p in prompts])
+    torch.testing.assert_close(sc.scores, log_quantile(shaped_scores(sc.raw_scores, ro.ended, -3.0, None), reference))
+    stats = trainer.step()
+    assert math.log(0.5 / (k + 1)) <= stats["objective/scores"] <= math.log((k + 0.5) / (k + 1))
+    assert stats["objective/source_scores"] != stats["objective/scores"]
+
+
+def test_quantile_reward_run_resumes_to_the_same_run(dirs, tmp_path, monkeypatch):
+    """The stage samples the table before training and again on resume: a killed-then-resumed run
+    equals an uninterrupted one, and its step log has the reward source's own scores."""
+    params = _params(quantile_reward_samples=3, detector=DetectorConfig(enabled=False))
+    full = stage.run(params, dirs / "data", dirs / "sft", dirs / "rm", tmp_path / "full", progress=False)
+    die_in_iteration(monkeypatch, 3)
+    with pytest.raises(KeyboardInterrupt):
+        stage.run(params, dirs / "data", dirs / "sft", dirs / "rm", tmp_path / "resumed", progress=False)
+    monkeypatch.undo()
+    resumed = stage.run(params, dirs / "data", dirs / "sft", dirs / "rm", tmp_path / "resumed", progress=False)
+    assert_same_run(tmp_path / "full", tmp_path / "resumed", full, resumed)
+    with open(tmp_path / "full/train.tsv", newline="") as f:
+        rows = list(csv.DictReader(f, delimiter="\t"))
+    assert all(float(r["objective/scores"]) <= math.log(3.5 / 4) for r in rows)
+    assert len({r["objective/source_scores"] for r in rows}) == len(rows)
+
+
+@pytest.mark.parametrize("ppo, match", [
+    ({"quantile_reward_samples": 1}, r"ppo.quantile_reward_samples: one SFT response per prompt"),
+    ({"quantile_reward_samples": 8, "whiten_rewards": True}, r"ppo.whiten_rewards: would rescale the log-CDF reward"),
+])
+def test_quantile_reward_keys_are_checked(ppo, match):
     with pytest.raises(ConfigError, match=r"^params.yaml: " + match):
         from_dict(Params, {"ppo": ppo}, "params.yaml: ")
