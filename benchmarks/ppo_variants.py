@@ -36,6 +36,7 @@ VARIANTS: dict[str, list[str]] = {
     "norm": ["ppo.normalize_reward=true"],
     "warm": ["ppo.critic_warmup=10"],
     "adapt": ["ppo.adaptive_kl=true", "ppo.kl_target=3.0"],
+    "adaptc": ["ppo.adaptive_kl=true", "ppo.kl_target=3.0", "ppo.lr_schedule=constant"],   # the lr never reaches 0
     # the reward as log CDF among k SFT responses, kl_coef 1/(n-1): aimed at best-of-n (quantile_reward.py)
     "bon16": ["ppo.quantile_reward_samples=16", "ppo.kl_coef=0.0667"],
     "bon32": ["ppo.quantile_reward_samples=32", "ppo.kl_coef=0.0323"],
