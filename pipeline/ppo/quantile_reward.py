@@ -33,7 +33,6 @@ Tensor maths first (shapes on every tensor), then the table's sampling.
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Callable, Sequence
 
@@ -56,12 +55,6 @@ def log_quantile(scores: torch.Tensor, reference: torch.Tensor) -> torch.Tensor:
     below = (reference < s).sum(1).to(scores.dtype)                                # (B,)
     tied = (reference == s).sum(1).to(scores.dtype)                                # (B,)
     return torch.log((below + 0.5 * tied + 0.5) / (k + 1))
-
-
-def target_kl(n: int) -> float:
-    """Best-of-n's KL to its base policy, log n - (n-1)/n nats (Beirami et al. 2024 show it an upper
-    bound; exact without ties): where PPO with `kl_coef` 1/(n-1) and this reward is headed."""
-    return math.log(n) - (n - 1) / n
 
 
 @dataclass

@@ -8,7 +8,8 @@ import pytest
 import torch
 
 from pipeline.data.inputs import prompt_key
-from pipeline.ppo.quantile_reward import ReferenceScores, log_quantile, target_kl
+from pipeline.measurement.stats import best_of_n_kl
+from pipeline.ppo.quantile_reward import ReferenceScores, log_quantile
 
 
 def by_hand(score: float, reference: list[float]) -> float:
@@ -53,5 +54,4 @@ def test_the_kl_regularised_optimum_of_the_log_cdf_reward_is_best_of_n(n):
     optimum = torch.softmax(logits, 0)                                            # (M,)
     assert 0.5 * (optimum - best_of_n).abs().sum().item() < 0.01
     kl = (optimum * torch.log(optimum * M)).sum().item()
-    assert kl == pytest.approx(target_kl(n), rel=0.01)
-    assert target_kl(n) == pytest.approx(math.log(n) - (n - 1) / n)
+    assert kl == pytest.approx(best_of_n_kl(n), rel=0.01)
