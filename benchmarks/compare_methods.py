@@ -1,5 +1,5 @@
-"""The alignment methods side by side over seeds, and the DPO beta / PPO kl_coef / GRPO
-kl_loss_coef sweeps.
+"""The alignment methods side by side over seeds, and the DPO beta / KTO beta / PPO kl_target /
+GRPO kl_loss_coef sweeps.
 
     .venv/bin/python benchmarks/compare_methods.py                  # 3 seeds x every method, then the sweeps
     .venv/bin/python benchmarks/compare_methods.py --seeds 0 --methods dpo --sweep none
@@ -44,7 +44,8 @@ from pipeline.stages import registry   # noqa: E402
 # method -> the model folders its stage reads (after --data): every stage whose policy compare measures
 METHODS = registry.methods()
 SWEEPS = {"dpo": ("dpo.beta", (0.05, 0.1, 0.3, 0.5, 1.0, 2.0)), "kto": ("kto.beta", (0.1, 0.3, 0.5, 1.0, 2.0)),
-          "ppo": ("ppo.kl_coef", (0.05, 0.1, 0.2)), "grpo": ("grpo.kl_loss_coef", (0.05, 0.2, 0.5, 1.0))}
+          # PPO's KL is set by its adaptive controller's target (kl_coef is only its start)
+          "ppo": ("ppo.kl_target", (1.0, 2.0, 2.8)), "grpo": ("grpo.kl_loss_coef", (0.05, 0.2, 0.5, 1.0))}
 BEST_OF_N = [4, 16, 64]   # the frontier seed 0's methods and every sweep value are measured against
 LABELS = {"beta": "β"}   # a sweep's label in the plot: its key's last part, or this
 COLUMNS = ["method", "seed", "sweep", "gold", "gold_ci95", "gold_win", "gold_win_low", "gold_win_high", "rm",

@@ -504,7 +504,9 @@ class PPOConfig:
     ppo_epochs: int = num(4, ge=1)
     lr: float = num(1e-4, gt=0.0, doc="actor learning rate")
     critic_lr: float = num(3e-4, gt=0.0)
-    lr_schedule: Literal["constant", "linear"] = "linear"
+    # constant by default: with a decaying rate the run stops where the rate reaches 0, not where KL
+    # reaches its target (docs/decisions/2026-12-06-constant-lr-under-the-adaptive-kl.md)
+    lr_schedule: Literal["constant", "linear"] = "constant"
     max_grad_norm: float = num(1.0, gt=0.0)
     clip_eps: float = num(0.2, gt=0.0, lt=1.0)
     clip_eps_value: Optional[float] = num(0.2, gt=0.0, doc="None: unclipped value loss")
@@ -515,8 +517,10 @@ class PPOConfig:
     kl_coef: float = num(0.2, ge=0.0, doc="KL penalty in the reward (initial value when adaptive)")
     kl_loss_coef: float = num(0.0, ge=0.0, doc="KL term in the loss instead (GRPO style)")
     kl_estimator: str = named("KL estimator", "k1", doc="k1, k2 or k3 (Schulman 2020; ppo/advantages.py)")
-    adaptive_kl: bool = False
-    kl_target: float = num(6.0, gt=0.0)
+    # On by default, aimed inside best-of-64's KL (log 64 - 63/64 = 3.17 nats), where the report can
+    # still place PPO against the best-of-n frontier; runs end 0.1-0.3 nats above the target.
+    adaptive_kl: bool = True
+    kl_target: float = num(2.8, gt=0.0)
     # The adaptive controller's horizon in iterations (TRL's and Ziegler et al.'s is in episodes: theirs
     # divided by rollout_batch_size): each iteration moves kl_coef by at most 0.2 / horizon of itself.
     kl_horizon_iterations: float = num(10.0, gt=0.0, doc="adaptive controller horizon, in iterations")
@@ -692,11 +696,11 @@ class GRPOConfig(PPOConfig):
 
     GRPO as published (Shao et al. 2024): k = 4 responses per prompt, the group-std-scaled advantage,
     the per-response token mean (seq_mean), and the KL to the reference in the loss (k3 estimator)
-    instead of in the reward, coefficient 0.05 (DeepSeekMath used 0.04; at the top of the usual
-    range because this small policy drifts fast). Everything else equals `ppo`'s defaults:
-    rollout_batch_size counts responses, so 100 iterations of 64 responses generate the same 6400
-    responses, with the same optimizer steps (4 epochs of 2 minibatches) and learning rate, as PPO's
-    default: the two runs differ in the estimator and the KL's place only.
+    instead of in the reward at a fixed coefficient (0.15 here, see kl_loss_coef), with a learning
+    rate decaying linearly to 0. Everything else equals `ppo`'s defaults: rollout_batch_size counts
+    responses, so 100 iterations of 64 responses generate the same 6400 responses, with the same
+    optimizer steps (4 epochs of 2 minibatches) and peak learning rate, as PPO's default; PPO's own
+    default adapts its KL coefficient at a constant rate instead.
 
     The prompts are the `prompts` section's (training and held-out), as for every method."""
     _section: typing.ClassVar[str] = "grpo"
@@ -709,6 +713,11 @@ class GRPOConfig(PPOConfig):
     # docs/decisions/2026-12-06-grpo-kl-loss-coef.md).
     kl_loss_coef: float = num(0.15, ge=0.0, doc="KL term in the loss instead (GRPO style)")
     kl_estimator: str = named("KL estimator", "k3", doc="k1, k2 or k3 (Schulman 2020; ppo/advantages.py)")
+    # GRPO as published: a fixed KL coefficient in the loss and a linearly decaying rate, not PPO's
+    # adaptive KL in the reward with a constant rate.
+    lr_schedule: Literal["constant", "linear"] = "linear"
+    adaptive_kl: bool = False
+    kl_target: float = num(6.0, gt=0.0)
 
 
 

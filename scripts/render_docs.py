@@ -100,6 +100,17 @@ def frontier_gap(gap: Any, low: Any, high: Any, beyond: Any) -> str:
     return f"{num(gap, '+.2f')} ({num(low, '+.2f')} to {num(high, '+.2f')})"
 
 
+# Under a table with a gap shown without its interval (frontier_gap's NA case)
+NO_INTERVAL = ("A gap without an interval: PPO's KL is so near best-of-n's largest that too many bootstrap "
+               "resamples fall past the curve's end for one.")
+
+
+def gap_without_interval(r: dict[str, Any]) -> bool:
+    """Whether a run's gap is measured (inside best-of-n's range) but its interval is not."""
+    return (not r.get("ppo_beyond_best_of_n") and num(r.get("ppo_gap_gold"), "f") != NA
+            and NA in (num(r.get("ppo_gap_gold_low"), "f"), num(r.get("ppo_gap_gold_high"), "f")))
+
+
 def minutes(seconds: float) -> str:
     whole = int(round(seconds))
     return f"{whole // 60} min {whole % 60} s"
@@ -239,6 +250,15 @@ def headline_frontier(ev: dict[str, Any]) -> str:
                   f"{num(f.get('ppo_margin_gold_high'), '+.2f')}; negative: a cheaper best-of-n does better).")
         return (" PPO's KL to SFT is past best-of-n's largest, so its gap to the best-of-n frontier (the "
                 "curve fitted through the best-of-n points) is not measured." + margin)
+    if NA in (num(f.get("ppo_gap_gold_low"), "f"), num(f.get("ppo_gap_gold_high"), "f")):
+        margin = ("" if f.get("ppo_margin_gold") is None else
+                  f" Against the best gold that SFT or a best-of-n reaches at less KL, PPO's is "
+                  f"{num(f.get('ppo_margin_gold'), '+.2f')} (95% CI {num(f.get('ppo_margin_gold_low'), '+.2f')} to "
+                  f"{num(f.get('ppo_margin_gold_high'), '+.2f')}).")
+        return (f" Against the best-of-n frontier (the curve fitted through the best-of-n points) at its own KL, "
+                f"PPO's gold is {num(f.get('ppo_gap_gold'), '+.2f')} (negative: below it), without an interval: "
+                "its KL is so near best-of-n's largest that too many bootstrap resamples fall past the "
+                "curve's end." + margin)
     return (f" Against the best-of-n frontier (the curve fitted through the best-of-n points) at its own KL, "
             f"PPO's gold is {num(f.get('ppo_gap_gold'), '+.2f')} (95% CI "
             f"{num(f.get('ppo_gap_gold_low'), '+.2f')} to {num(f.get('ppo_gap_gold_high'), '+.2f')}; "
@@ -334,7 +354,8 @@ def render_seeds(root: Path) -> str:
     wins = [r["gold_win"] for r in runs if isinstance(r.get("gold_win"), (int, float))]
     if wins:
         lines += ["", f"PPO beats SFT by gold on {pct(min(wins))} to {pct(max(wins))} of the held-out prompts "
-                      f"over these {len(runs)} seeds (median {pct(statistics.median(wins))})."]
+                      f"over these {len(runs)} seeds (median {pct(statistics.median(wins))})."
+                  + (" " + NO_INTERVAL if gaps and any(gap_without_interval(r) for r in runs) else "")]
     return "\n".join(lines)
 
 
@@ -368,6 +389,8 @@ def render_ppo_variants(root: Path) -> str:
             lines.append(f"| {v.get('name', NA)} | {params} | {':'.join(str(r.get('run', NA)).split(':')[:2])} | "
                          f"{num(r.get('sft_gold'), '.2f')} → {num(r.get('ppo_gold'), '.2f')} | "
                          f"{num(r.get('ppo_kl'), '.2f')} | {against_frontier(r)} | {pct(r.get('gold_win'))} |")
+    if any(gap_without_interval(r) for v in data["variants"] for r in v.get("runs", [])):
+        lines += ["", NO_INTERVAL]
     return "\n".join(lines)
 
 

@@ -112,7 +112,8 @@ def gold_vs_kl_plot(m: dict[str, Any], names: tuple[str, ...], has_gold: bool, p
 
 def frontier_plot(points: list[dict], path: Path):
     """RM score (top) and gold score (bottom, where every point has one) of the PPO policy against its
-    KL to SFT, one point per experiment, labelled with its `ppo.kl_coef`. KL is drawn on a log scale
+    KL to SFT, one point per experiment, labelled with its `label` (its `ppo.kl_coef`, or "target
+    <kl_target>" under the adaptive controller), else its `kl_coef`. KL is drawn on a log scale
     where it spans a decade or more: a run without a penalty can drift tens of nats and would squeeze
     the others into a corner. Returns the open figure (see save_figure)."""
     from matplotlib.ticker import FuncFormatter, LogLocator, NullFormatter
@@ -132,8 +133,8 @@ def frontier_plot(points: list[dict], path: Path):
         bottom.xaxis.set_major_formatter(FuncFormatter(lambda v, _: f"{v:g}"))
         bottom.xaxis.set_minor_formatter(NullFormatter())
     bottom.set_xlabel("KL(PPO || SFT), nats per response" + (" (log scale)" if log else ""))
-    fig.suptitle("Reward vs gold across the kl_coef sweep (points: ppo.kl_coef)")
+    fig.suptitle("Reward vs gold across the KL sweep (points: ppo.kl_coef or kl_target)")
     fig.tight_layout()
     for ax, key in zip(axes[:, 0], keys):
-        label_points(ax, [(p["kl"], p[key], f"{p['kl_coef']:g}") for p in points], fontsize=8)
+        label_points(ax, [(p["kl"], p[key], p.get("label") or f"{p['kl_coef']:g}") for p in points], fontsize=8)
     return save_figure(fig, path, close=False)

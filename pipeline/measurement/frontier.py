@@ -1,8 +1,9 @@
 """`python -m pipeline frontier`: gold-vs-KL and RM-vs-KL across DVC experiments, as a PNG.
 
 Reads the experiments of the last commits (`dvc.api.exp_show`), takes the PPO policy's KL to SFT,
-reward-model score and gold score from the evaluate stage's metrics, and the experiment's
-`ppo.kl_coef`, and draws both scores against KL. A sweep over kl_coef traces the frontier; with a
+reward-model score and gold score from the evaluate stage's metrics, and the param that set the
+experiment's KL: `ppo.kl_target` where the adaptive controller is on (the default), else the fixed
+`ppo.kl_coef`; and draws both scores against KL. A sweep over either traces the frontier; with a
 small penalty the RM score keeps rising while the gold score falls (reward over-optimisation,
 Gao et al. 2023).
 """
@@ -62,11 +63,16 @@ def collect(rows: list[dict[str, Any]], fixed: Optional[Mapping[str, Any]] = Non
         coef = _lookup(row, "ppo.kl_coef")
         if values["kl"] is None or values["rm"] is None or coef is None:
             continue
-        key = (coef, *values.values())
+        # Under the adaptive controller kl_coef is only its starting value: the target sets the KL.
+        target = _lookup(row, "ppo.kl_target") if _same(row, "ppo.adaptive_kl", True) else None
+        label = f"{coef:g}" if target is None else f"target {target:g}"
+        key = (label, *values.values())
         if key not in seen:
             seen.add(key)
-            points.append({"name": row.get("Experiment") or row.get("rev") or "workspace", "kl_coef": coef, **values})
-    return sorted(points, key=lambda p: p["kl_coef"])
+            points.append({"name": row.get("Experiment") or row.get("rev") or "workspace", "kl_coef": coef,
+                           "kl_target": target, "label": label, **values})
+    # The fixed coefficients first, by value, then the targets, by value
+    return sorted(points, key=lambda p: (p["kl_target"] is not None, p["kl_target"] or p["kl_coef"]))
 
 
 def main(out: Path = Path("outputs/frontier.png"), num: int = 10) -> list[dict[str, Any]]:
@@ -81,10 +87,11 @@ def main(out: Path = Path("outputs/frontier.png"), num: int = 10) -> list[dict[s
     if not points:
         raise SystemExit("frontier: no experiment has evaluate metrics yet (run `dvc exp run` first)")
     close_figure(frontier_plot(points, out))
-    table = ["| experiment | ppo.kl_coef | KL to SFT | RM score | gold score |", "| --- | --- | --- | --- | --- |"]
+    table = ["| experiment | ppo.kl_coef (or adaptive: ppo.kl_target) | KL to SFT | RM score | gold score |",
+             "| --- | --- | --- | --- | --- |"]
     for p in points:
         gold = f"{p['gold']:.3f}" if p["gold"] is not None else "n/a"
-        table.append(f"| {p['name']} | {p['kl_coef']:g} | {p['kl']:.2f} | {p['rm']:.3f} | {gold} |")
+        table.append(f"| {p['name']} | {p['label']} | {p['kl']:.2f} | {p['rm']:.3f} | {gold} |")
     atomic_write_text(out.with_suffix(".md"), "\n".join(table) + "\n")
     print("\n".join(table))
     print(f"frontier: wrote {out} and {out.with_suffix('.md')}")

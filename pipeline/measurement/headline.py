@@ -11,6 +11,7 @@ against the label-noise ceiling, and what each stage cost. `dvc metrics show` pr
 from __future__ import annotations
 
 import json
+import math
 import os
 import textwrap
 from pathlib import Path
@@ -83,7 +84,7 @@ def lines(outputs: Path, stages: tuple[str, ...] = ()) -> list[str]:
                        f"{_num(win.get(name + '_low'), '.1%'):>11}-{_num(win.get(name + '_high'), '.1%')}")
     gap = frontier_line(ev)
     if gap:
-        out.append(gap)
+        out += textwrap.wrap(gap, WIDTH, subsequent_indent="  ")
     out.append("")
     out.append(f"{'policy':<14}{'gold':>16}{'RM score':>18}{'KL to SFT':>12}{'length':>9}")
     for policy in _policies(ev):
@@ -124,6 +125,15 @@ def frontier_line(ev: dict[str, Any]) -> str:
     gap, low, high = f.get("ppo_gap_gold"), f.get("ppo_gap_gold_low"), f.get("ppo_gap_gold_high")
     if not isinstance(gap, (int, float)):
         return "PPO to the best-of-n frontier: not measured (fewer than two best-of-n)"
+    if not all(isinstance(v, (int, float)) and math.isfinite(v) for v in (low, high)):
+        # KL so near best-of-n's largest that too many resamples fall past it for an interval
+        # (measurement/frontier_gap.py); the margin over the best point at no more KL has one.
+        margin = f.get("ppo_margin_gold")
+        against = (f"; against the best point at less KL {_num(margin, '+.2f')}, 95% interval "
+                   f"{_num(f.get('ppo_margin_gold_low'), '+.2f')} to {_num(f.get('ppo_margin_gold_high'), '+.2f')}"
+                   if isinstance(margin, (int, float)) else "")
+        return (f"PPO to the best-of-n frontier: gold {_num(gap, '+.2f')} at KL {_num(kl, '.2f')} (no interval: "
+                f"at the end of best-of-n's KL range){against}")
     return (f"PPO to the best-of-n frontier: gold {_num(gap, '+.2f')} at KL {_num(kl, '.2f')}, "
             f"95% interval {_num(low, '+.2f')} to {_num(high, '+.2f')}")
 

@@ -86,6 +86,15 @@ def test_frontier_collects_points_from_exp_show_rows():
     fixed = flatten({"num_layers": 4, "name_or_path": None}, "model.") | flatten({"lr": 3e-4}, "reward.")
     assert fixed == {"model.num_layers": 4, "model.name_or_path": None, "reward.lr": 3e-4}
     assert [p["name"] for p in collect(rows, fixed)] == ["exp-a", "workspace"]
+    # Under the adaptive controller (the default) the KL target, not kl_coef (its start), names a point;
+    # exp_show gives a bool as a bool or as its text.
+    sweep = [{"Experiment": name, "rev": name, "ppo.kl": kl, "ppo.rm": 1.0, "ppo.gold": 1.0, "ppo.kl_coef": 0.2,
+              "ppo.adaptive_kl": adaptive, "ppo.kl_target": 2.8}
+             for name, kl, adaptive in (("t2.8", 3.1, True), ("fixed", 4.2, False), ("again", 3.1, "True"))]
+    sweep[0]["ppo.kl_target"] = sweep[2]["ppo.kl_target"] = 2.8
+    sweep.append({**sweep[0], "Experiment": "t1", "ppo.kl": 1.2, "ppo.kl_target": 1.0})
+    assert [(p["name"], p["label"]) for p in collect(sweep)] == [("fixed", "0.2"), ("t1", "target 1"),
+                                                                ("t2.8", "target 2.8")]
 
 
 def test_best_of_n_keeps_the_favourite_among_the_first_n():
@@ -287,6 +296,18 @@ def test_the_headline_gives_ppos_gap_to_the_frontier(tmp_path):
     path.write_text(json.dumps(ev))
     beyond = "PPO to the best-of-n frontier: past it, KL 4.24 > best-of-n's largest 3.17; gold -0.12 against it"
     assert beyond in lines(tmp_path)
+    # Inside the range but at its end, where too many resamples fall past it for an interval: the
+    # margin's interval instead.
+    ev["ppo"]["kl"], ev["frontier"] = 3.08, {"ppo_gap_gold": -0.0503, "ppo_gap_gold_low": None,
+                                             "ppo_gap_gold_high": None, "ppo_beyond_best_of_n": False,
+                                             "ppo_margin_gold": 0.2981, "ppo_margin_gold_low": -0.1184,
+                                             "ppo_margin_gold_high": 0.4589}
+    path.write_text(json.dumps(ev))
+    end = ("PPO to the best-of-n frontier: gold -0.05 at KL 3.08 (no interval: at the end of best-of-n's KL "
+           "range); against the best point at less KL +0.30, 95% interval -0.12 to +0.46")
+    out = lines(tmp_path)
+    first = next(i for i, x in enumerate(out) if x.startswith("PPO to the best-of-n frontier"))
+    assert " ".join(x.strip() for x in out[first:first + 2]) == end and max(map(len, out)) < 100
     del ev["frontier"]
     path.write_text(json.dumps(ev))
     assert not any(x.startswith("PPO to the best-of-n") for x in lines(tmp_path))

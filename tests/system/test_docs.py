@@ -205,6 +205,12 @@ def test_the_frontier_gap_is_rendered_where_the_data_has_it(tmp_path):
     cm = json.loads(compare_path.read_text())
     cm.pop("frontier", None)
     compare_path.write_text(json.dumps(cm))
+    grid_path = root / "docs/data/seed-grid.json"
+    grid = json.loads(grid_path.read_text())
+    for run in grid["runs"]:
+        for key in [k for k in run if k.startswith(("ppo_gap_gold", "ppo_beyond", "ppo_margin"))]:
+            del run[key]
+    grid_path.write_text(json.dumps(grid))
     before = {name: render_docs.RENDERERS[name](root) for name in ("headline", "seeds", "compare-run")}
     assert "best-of-n frontier" not in before["headline"] and "gap to best-of-n" not in before["seeds"]
     assert "gap to best-of-n" not in before["compare-run"]
@@ -224,18 +230,27 @@ def test_the_frontier_gap_is_rendered_where_the_data_has_it(tmp_path):
             "through the best-of-n points) is not measured. Against the best gold that SFT or a best-of-n reaches "
             "at less KL, PPO's is -0.12 (95% CI -0.27 to +0.03; negative: a cheaper best-of-n does better)."
             ) in render_docs.render_headline(root)
-    # The seeds table: a column once a run has the gap, "—" for a run recorded before it.
-    grid_path = root / "docs/data/seed-grid.json"
-    grid = json.loads(grid_path.read_text())
+    # The seeds table: a column once a run has the gap, "—" for a run recorded before it. The first
+    # two recorded before the margin was, the third before the gap was, the fourth with both.
     grid["runs"][0].update(ppo_gap_gold=0.1234, ppo_gap_gold_low=0.0111, ppo_gap_gold_high=0.2345,
                            ppo_beyond_best_of_n=False)
     grid["runs"][1].update(ppo_gap_gold=None, ppo_gap_gold_low=None, ppo_gap_gold_high=None,
                            ppo_beyond_best_of_n=True)
+    grid["runs"][3].update(ppo_gap_gold=None, ppo_gap_gold_low=None, ppo_gap_gold_high=None,
+                           ppo_beyond_best_of_n=True, ppo_margin_gold=-0.1821, ppo_margin_gold_low=-0.3355,
+                           ppo_margin_gold_high=0.3061)
     grid_path.write_text(json.dumps(grid))
     seeds = render_docs.render_seeds(root).splitlines()
     rows = [line.split(" | ") for line in seeds if line.startswith("| ")]
     col = rows[0].index("gold gap to best-of-n (95% CI)")
-    assert [r[col] for r in rows[2:5]] == ["+0.12 (+0.01 to +0.23)", "beyond best-of-n", "—"]
+    assert [r[col] for r in rows[2:6]] == ["+0.12 (+0.01 to +0.23)", "beyond best-of-n", "—",
+                                           "beyond; margin -0.18 (-0.34 to +0.31)"]
+    assert render_docs.NO_INTERVAL not in render_docs.render_seeds(root)   # every gap shown has its interval
+    grid["runs"][4].update(ppo_gap_gold=-0.0503, ppo_gap_gold_low=None, ppo_gap_gold_high=None,
+                           ppo_beyond_best_of_n=False)
+    grid_path.write_text(json.dumps(grid))
+    seeds = render_docs.render_seeds(root)
+    assert "| -0.05 |" in seeds and seeds.rstrip().endswith(render_docs.NO_INTERVAL)
     assert {len(r) for r in rows} == {len(rows[0])}
     # The compare run: a column for every policy, `-` for the baselines.
     cpath = root / "outputs/compare/metrics.json"
