@@ -646,8 +646,8 @@ def render_grpo_sweep(root: Path) -> str:
 
 
 def render_compare_sweeps(root: Path) -> str:
-    """docs/guide/methods.md: the sweeps of docs/compare_methods.tsv (DPO and KTO beta, PPO kl_coef), each
-    row with its gap to the best-of-n frontier where measured."""
+    """docs/guide/methods.md: the sweeps of docs/compare_methods.tsv (DPO and KTO beta, PPO kl_target,
+    GRPO kl_loss_coef), each row with its gap to the best-of-n frontier where measured."""
     rows = read_tsv(root, "docs/compare_methods.tsv")
     if rows is None:
         return "`docs/compare_methods.tsv` is not committed on this commit."
@@ -676,6 +676,9 @@ def render_compare_sweeps(root: Path) -> str:
                      f"{pct(win)} ({interval(low, high)}) | {num(_float(r, 'rm'), '.2f')} | {num(kl, '.2f')} | "
                      f"{frontier_gap(gap, _float(r, 'gap_low'), _float(r, 'gap_high'), beyond)} | "
                      f"{num(_float(r, 'length'), '.1f')} |")
+    if any(gap_without_interval({"ppo_gap_gold": _float(r, "gap"), "ppo_gap_gold_low": _float(r, "gap_low"),
+                                 "ppo_gap_gold_high": _float(r, "gap_high")}) for r in swept):
+        lines += ["", NO_INTERVAL.replace("PPO's KL", "the method's KL")]
     return "\n".join(lines)
 
 
