@@ -82,6 +82,7 @@ def run_ours(out: Path, updates: int) -> dict:
     torch.manual_seed(SEED)
     cfg = PPOConfig(iterations=updates + 1, rollout_batch_size=BATCH, minibatch_size=BATCH, micro_batch_size=MICRO,
                     ppo_epochs=EPOCHS, lr=LR, critic_lr=LR, kl_coef=KL, missing_eos_score=None,
+                    adaptive_kl=False, lr_schedule="linear",   # TRL's: a fixed coefficient, a linear decay
                     sampling=SamplingConfig(max_new_tokens=RESPONSE, temperature=1.0), seed=SEED)
     params = Params(ppo=cfg)
     models = place_models(params, out / "policy", out / "reward")

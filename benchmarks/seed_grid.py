@@ -1,7 +1,7 @@
 """The default pipeline over a grid of seeds: does its result hold on every draw?
 
     .venv/bin/python benchmarks/seed_grid.py                       # 2 upstream x 5 PPO seeds + 2 one-thread runs
-    .venv/bin/python benchmarks/seed_grid.py --runs 0:0 0:1 -S ppo.kl_coef=0     # chosen runs, params changed
+    .venv/bin/python benchmarks/seed_grid.py --runs 0:0 0:1 -S ppo.adaptive_kl=false -S ppo.kl_coef=0   # params changed
 
 A run is `UPSTREAM:PPO[:THREADS]`: `sft.seed` and `reward.seed` set to UPSTREAM (they change
 together: another SFT model is another starting point for everything after it), `ppo.seed` to PPO,

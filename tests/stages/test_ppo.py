@@ -130,7 +130,10 @@ def test_function_reward_source_gold_oracle(dirs):
 def test_kl_in_reward_and_loss_together_is_rejected():
     with pytest.raises(ConfigError, match=r"params.yaml: ppo.kl_loss_coef: .*never both"):
         from_dict(Params, {"ppo": {"kl_coef": 0.1, "kl_loss_coef": 0.1}}, "params.yaml: ")
-    from_dict(Params, {"ppo": {"kl_coef": 0.0, "kl_loss_coef": 0.1}}, "params.yaml: ")   # either alone is fine
+    # either alone is fine (a coefficient of 0 with a fixed one: the adaptive controller cannot scale 0)
+    from_dict(Params, {"ppo": {"kl_coef": 0.0, "kl_loss_coef": 0.1, "adaptive_kl": False}}, "params.yaml: ")
+    with pytest.raises(ConfigError, match=r"params.yaml: ppo.adaptive_kl: needs ppo.kl_coef > 0"):
+        from_dict(Params, {"ppo": {"kl_coef": 0.0, "kl_loss_coef": 0.1}}, "params.yaml: ")
 
 
 def test_nan_reward_stops_with_iteration_and_keeps_checkpoint(dirs, tmp_path, monkeypatch):

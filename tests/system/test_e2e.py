@@ -163,7 +163,9 @@ def test_dvc_exp_run_changes_param_and_reports_eval_metrics(tiny_run_copy):
     run(["git", "-c", "user.name=t", "-c", "user.email=t@t", "add", "-A"], repo)
     run(["git", "-c", "user.name=t", "-c", "user.email=t@t", "commit", "-qm", "baseline"], repo)
     bare = bare_env(repo)   # the README's `.venv/bin/dvc exp run`, no venv on PATH
-    run([str(BIN / "dvc"), "exp", "run", "-n", "kl-low", "-S", "ppo.kl_coef=0.05"], repo, env=bare)
+    # A fixed coefficient (the default adapts it from kl_coef towards ppo.kl_target): two keys at once.
+    run([str(BIN / "dvc"), "exp", "run", "-n", "kl-low", "-S", "ppo.kl_coef=0.05", "-S", "ppo.adaptive_kl=false"],
+        repo, env=bare)
     import dvc.api
     rows = {row["Experiment"] or row["rev"]: row for row in dvc.api.exp_show(repo=str(repo))}
     assert "kl-low" in rows
@@ -178,9 +180,15 @@ def test_dvc_exp_run_changes_param_and_reports_eval_metrics(tiny_run_copy):
         gold = {k: v for k, v in row.items() if k.endswith("ppo.gold")}
         assert len(gold) == 2 and all(isinstance(v, float) for v in gold.values()), gold
         assert sorted("evaluate" in k for k in gold) == [False, True], gold
-    # The experiment re-ran PPO with the new penalty: its logged kl_coef is the new one.
+    # The experiment re-ran PPO with the new penalty: its logged kl_coef is the new one; the
+    # baseline's is the adaptive controller's, moved from 0.2 by at most 0.2 / horizon of itself per
+    # iteration before the last.
+    adaptive = [[str(v) for v in find(row, "ppo.adaptive_kl")] for row in (rows["kl-low"], baseline)]
+    assert adaptive == [["False"], ["True"]]   # exp_show gives a bool as its text
     assert find(rows["kl-low"], "train.kl_coef") == [0.05]
-    assert find(baseline, "train.kl_coef") == [0.2]
+    (coef,) = find(baseline, "train.kl_coef")
+    (iterations,), (horizon,) = find(baseline, "ppo.iterations"), find(baseline, "ppo.kl_horizon_iterations")
+    assert coef != 0.2 and abs(math.log(coef / 0.2)) <= (iterations - 1) * -math.log(1 - 0.2 / horizon) + 1e-6
 
     # A queued experiment runs in a fresh copy without the (gitignored) resumable checkpoints; it
     # too re-runs only the stages its param reaches.

@@ -88,7 +88,7 @@ def test_a_reward_functions_cpu_scores_join_the_rollouts_device(dirs):
     in the EOS rule and, for GRPO, in the group baseline."""
     from pipeline.tasks import reviews
     params = _params(reward_source="pipeline.tasks.reviews:gold_scores", advantage="grpo", samples_per_prompt=2,
-                     kl_coef=0.0, kl_loss_coef=0.05, kl_estimator="k3")
+                     kl_coef=0.0, kl_loss_coef=0.05, kl_estimator="k3", adaptive_kl=False)
     cpu, ro = _models_and_rollout(dirs, params, torch.device("cpu"))
     with fake_device.use_fake_gpu() as dev:
         m, ro_dev = _models_and_rollout(dirs, params, dev)
