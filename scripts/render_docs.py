@@ -101,14 +101,27 @@ def frontier_gap(gap: Any, low: Any, high: Any, beyond: Any) -> str:
 
 
 # Under a table with a gap shown without its interval (frontier_gap's NA case)
-NO_INTERVAL = ("A gap without an interval: PPO's KL is so near best-of-n's largest that too many bootstrap "
-               "resamples fall past the curve's end for one.")
+NO_INTERVAL = ("A gap without an interval: the policy's KL is so near best-of-n's largest that too many "
+               "bootstrap resamples fall past the curve's end for one.")
 
 
-def gap_without_interval(r: dict[str, Any]) -> bool:
-    """Whether a run's gap is measured (inside best-of-n's range) but its interval is not."""
-    return (not r.get("ppo_beyond_best_of_n") and num(r.get("ppo_gap_gold"), "f") != NA
-            and NA in (num(r.get("ppo_gap_gold_low"), "f"), num(r.get("ppo_gap_gold_high"), "f")))
+def gap_without_interval(gap: Any, low: Any, high: Any, beyond: Any = False) -> bool:
+    """Whether a gap is measured (inside best-of-n's range) but its interval is not."""
+    return not beyond and num(gap, "f") != NA and NA in (num(low, "f"), num(high, "f"))
+
+
+def ppo_gap_without_interval(r: dict[str, Any]) -> bool:
+    return gap_without_interval(r.get("ppo_gap_gold"), r.get("ppo_gap_gold_low"), r.get("ppo_gap_gold_high"),
+                                r.get("ppo_beyond_best_of_n"))
+
+
+def margin_sentence(f: dict[str, Any], reading: str) -> str:
+    """The README's sentence on PPO's margin over the best gold SFT or a best-of-n reaches at less KL."""
+    if f.get("ppo_margin_gold") is None:
+        return ""
+    return (f" Against the best gold that SFT or a best-of-n reaches at less KL, PPO's is "
+            f"{num(f.get('ppo_margin_gold'), '+.2f')} (95% CI {num(f.get('ppo_margin_gold_low'), '+.2f')} to "
+            f"{num(f.get('ppo_margin_gold_high'), '+.2f')}{reading}).")
 
 
 def minutes(seconds: float) -> str:
@@ -244,17 +257,11 @@ def headline_frontier(ev: dict[str, Any]) -> str:
     if not isinstance(f, dict) or "ppo_gap_gold" not in f:
         return ""
     if f.get("ppo_beyond_best_of_n"):
-        margin = ("" if f.get("ppo_margin_gold") is None else
-                  f" Against the best gold that SFT or a best-of-n reaches at less KL, PPO's is "
-                  f"{num(f.get('ppo_margin_gold'), '+.2f')} (95% CI {num(f.get('ppo_margin_gold_low'), '+.2f')} to "
-                  f"{num(f.get('ppo_margin_gold_high'), '+.2f')}; negative: a cheaper best-of-n does better).")
         return (" PPO's KL to SFT is past best-of-n's largest, so its gap to the best-of-n frontier (the "
-                "curve fitted through the best-of-n points) is not measured." + margin)
+                "curve fitted through the best-of-n points) is not measured."
+                + margin_sentence(f, "; negative: a cheaper best-of-n does better"))
     if NA in (num(f.get("ppo_gap_gold_low"), "f"), num(f.get("ppo_gap_gold_high"), "f")):
-        margin = ("" if f.get("ppo_margin_gold") is None else
-                  f" Against the best gold that SFT or a best-of-n reaches at less KL, PPO's is "
-                  f"{num(f.get('ppo_margin_gold'), '+.2f')} (95% CI {num(f.get('ppo_margin_gold_low'), '+.2f')} to "
-                  f"{num(f.get('ppo_margin_gold_high'), '+.2f')}).")
+        margin = margin_sentence(f, "")
         return (f" Against the best-of-n frontier (the curve fitted through the best-of-n points) at its own KL, "
                 f"PPO's gold is {num(f.get('ppo_gap_gold'), '+.2f')} (negative: below it), without an interval: "
                 "its KL is so near best-of-n's largest that too many bootstrap resamples fall past the "
@@ -355,7 +362,7 @@ def render_seeds(root: Path) -> str:
     if wins:
         lines += ["", f"PPO beats SFT by gold on {pct(min(wins))} to {pct(max(wins))} of the held-out prompts "
                       f"over these {len(runs)} seeds (median {pct(statistics.median(wins))})."
-                  + (" " + NO_INTERVAL if gaps and any(gap_without_interval(r) for r in runs) else "")]
+                  + (" " + NO_INTERVAL if gaps and any(ppo_gap_without_interval(r) for r in runs) else "")]
     return "\n".join(lines)
 
 
@@ -389,7 +396,7 @@ def render_ppo_variants(root: Path) -> str:
             lines.append(f"| {v.get('name', NA)} | {params} | {':'.join(str(r.get('run', NA)).split(':')[:2])} | "
                          f"{num(r.get('sft_gold'), '.2f')} → {num(r.get('ppo_gold'), '.2f')} | "
                          f"{num(r.get('ppo_kl'), '.2f')} | {against_frontier(r)} | {pct(r.get('gold_win'))} |")
-    if any(gap_without_interval(r) for v in data["variants"] for r in v.get("runs", [])):
+    if any(ppo_gap_without_interval(r) for v in data["variants"] for r in v.get("runs", [])):
         lines += ["", NO_INTERVAL]
     return "\n".join(lines)
 
@@ -676,9 +683,8 @@ def render_compare_sweeps(root: Path) -> str:
                      f"{pct(win)} ({interval(low, high)}) | {num(_float(r, 'rm'), '.2f')} | {num(kl, '.2f')} | "
                      f"{frontier_gap(gap, _float(r, 'gap_low'), _float(r, 'gap_high'), beyond)} | "
                      f"{num(_float(r, 'length'), '.1f')} |")
-    if any(gap_without_interval({"ppo_gap_gold": _float(r, "gap"), "ppo_gap_gold_low": _float(r, "gap_low"),
-                                 "ppo_gap_gold_high": _float(r, "gap_high")}) for r in swept):
-        lines += ["", NO_INTERVAL.replace("PPO's KL", "the method's KL")]
+    if any(gap_without_interval(_float(r, "gap"), _float(r, "gap_low"), _float(r, "gap_high")) for r in swept):
+        lines += ["", NO_INTERVAL]
     return "\n".join(lines)
 
 
