@@ -45,7 +45,11 @@ TINY_SFT = Params(model=TINY_MODEL, sft=SFTConfig(epochs=1.0, batch_size=8, eval
 
 
 def _tracking_records(caplog) -> list[logging.LogRecord]:
+    """This thread's tracking warnings: the sink warns from the stage's own thread, while an
+    earlier test's MLflow client thread may still be retrying its stopped server in this worker
+    (urllib3 warns from that thread) and would be counted as this test's."""
     return [r for r in caplog.records if r.levelno >= logging.WARNING
+            and r.thread == threading.get_ident()
             and r.name.startswith(("pipeline", "mlflow", "urllib3", "requests"))]
 
 
@@ -254,9 +258,7 @@ def test_parent_run_description_is_set_and_outage_tolerant(tmp_path, caplog):
             raise ConnectionError("server down")
     tracker.client = Down()
     tracker.set_description("anything")            # warns once, turns MLflow off, raises nothing
-    # This thread's records only: an earlier test's MLflow client thread may still be retrying
-    # its stopped server (urllib3 warns from that thread) while this test runs in the same worker.
-    mine = [r for r in _tracking_records(caplog) if r.thread == threading.get_ident()]
+    mine = _tracking_records(caplog)
     assert not tracker.enabled and len(mine) == 1 and "describing the parent run" in mine[0].getMessage()
     NO_TRACKER.set_description("no-op")
 
