@@ -10,10 +10,13 @@ point or more off. For each kind of fault of `reviews.corrupt`, this draws revie
 evaluation titles (the task's sampler, seed 778), corrupts each once, keeps the pairs where the
 annotator scores the corrupted copy lower, and prints per model the fraction where the reward model
 prefers the intact review (0.5: blind to that fault; 1: always sees it) and the mean score gap.
-The last column, `aspect`, does the same for `reviews.swap_aspect`: a review against itself turned
+The column `aspect` does the same for `reviews.swap_aspect`: a review against itself turned
 to or away from the asked aspect, the one the annotator prefers counted as the intact one. PPO's
 residual losses are mostly reviews that praise another aspect, so a reward model that trades this
-column for the fault columns trades one exploit for another.
+column for the fault columns trades one exploit for another. The last column, `exchange`, is
+`reviews.exchange_aspects`: the asked aspect and another one the review discusses, traded, so that
+only what is said of the asked aspect changes. A reward model can see that the asked aspect is named
+(`aspect` near 1) and not what is said of it (`exchange` near 0.5).
 Defaults follow params.yaml's `data` section and `reward.max_length`.
 """
 
@@ -37,8 +40,8 @@ N_REVIEWS, SEED = 1000, 778
 
 
 def fault_pairs(seed: int, eval_fraction: float) -> dict[str, tuple[list[str], list[str], list[str]]]:
-    """Per fault kind and "aspect": (prompts, intact reviews, worse copies), only where gold differs;
-    for "aspect" the review the annotator prefers (on the asked aspect) comes first."""
+    """Per fault kind, "aspect" and "exchange": (prompts, intact reviews, worse copies), only where
+    gold differs; for "aspect" and "exchange" the review the annotator prefers comes first."""
     _, eval_titles = reviews.split_titles(random.Random(seed), eval_fraction)   # prepare's title split
     rng = random.Random(SEED)
     prompts = prepare._prompts(rng, eval_titles, N_REVIEWS)
@@ -54,6 +57,12 @@ def fault_pairs(seed: int, eval_fraction: float) -> dict[str, tuple[list[str], l
         if s is not None and reviews.gold_score(p, s) != reviews.gold_score(p, r):
             rows.append((p, *sorted((r, s), key=lambda x: -reviews.gold_score(p, x))))
     out["aspect"] = tuple(map(list, zip(*rows)))
+    rows = []
+    for p, r in zip(prompts, intact):
+        x = reviews.exchange_aspects(rng, p, r)        # None, or a review the annotator scores otherwise
+        if x is not None:
+            rows.append((p, *sorted((r, x), key=lambda y: -reviews.gold_score(p, y))))
+    out["exchange"] = tuple(map(list, zip(*rows)))
     return out
 
 

@@ -66,12 +66,15 @@ class DataConfig:
     eval_title_fraction: float = num(0.2, gt=0.0, lt=1.0)
     aspect_contrast: float = num(0.3, ge=0.0, le=1.0, doc="fraction of training pairs contrasting one review with its aspect swapped")
     corrupt_contrast: float = num(0.15, ge=0.0, le=1.0, doc="fraction of training pairs contrasting one review with a copy with one local fault (aspect_contrast + this <= 1)")
+    aspect_exchange: float = num(0.0, ge=0.0, le=1.0, doc="fraction of training pairs contrasting one review with the asked aspect and another it discusses exchanged (aspect_contrast + corrupt_contrast + this <= 1)")
     n_audit_pairs: int = num(0, ge=0, doc="fresh pairs for an auditor reward model (pairs_audit.jsonl; 0: none)")
 
     def __post_init__(self) -> None:
-        if self.aspect_contrast + self.corrupt_contrast > 1:
+        total = self.aspect_contrast + self.corrupt_contrast + self.aspect_exchange
+        if total > 1:
             raise ConfigError(f"data.corrupt_contrast: {self.corrupt_contrast} + data.aspect_contrast="
-                              f"{self.aspect_contrast} exceeds 1 (both are fractions of the same training pairs)")
+                              f"{self.aspect_contrast} + data.aspect_exchange={self.aspect_exchange} exceeds 1 "
+                              "(all are fractions of the same training pairs)")
 
 
 @dataclass(frozen=True)

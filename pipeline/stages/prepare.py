@@ -49,7 +49,8 @@ def bradley_terry_label(rng: random.Random, gold_a: float, gold_b: float, temper
 
 
 def make_pairs(rng: random.Random, prompts: list[str], temperature: float, contrast: float = 0.0,
-               contrast_rng: random.Random | None = None, corrupt: float = 0.0) -> tuple[list[dict], float]:
+               contrast_rng: random.Random | None = None, corrupt: float = 0.0,
+               exchange: float = 0.0) -> tuple[list[dict], float]:
     """Preference pairs with noisy labels, and the noise ceiling (gold ordering vs the labels).
 
     With `contrast` > 0 that fraction of pairs compares a review with itself turned to or away from
@@ -58,22 +59,29 @@ def make_pairs(rng: random.Random, prompts: list[str], temperature: float, contr
     hardest part of the annotator's judgement, slowly from them (contrast sets, Gardner et al. 2020).
     With `corrupt` > 0 a further fraction compares a review with a copy of itself with one local
     fault (reviews.corrupt: a word dropped or inserted, sentences run together, the end cut), the
-    faults a policy's samples have and the sampler's reviews lack. One draw per pair from
-    `contrast_rng` picks aspect contrast (below `contrast`), corruption (below `contrast + corrupt`)
-    or neither; the swap and the fault draw from it too, so `rng` is consumed as without contrast
-    and every other split keeps its bytes (and `corrupt: 0` keeps these)."""
+    faults a policy's samples have and the sampler's reviews lack. With `exchange` > 0 a further
+    fraction compares a review that discusses the asked aspect and another with itself, the two
+    exchanged (reviews.exchange_aspects): what is said of the asked aspect differs and nothing else,
+    which the aspect swap does not teach (a model can learn that the asked aspect is named without
+    learning what is said of it); where a review has no such pair of aspects the pair stays an
+    ordinary one. One draw per pair from `contrast_rng` picks aspect contrast (below `contrast`),
+    corruption (below `contrast + corrupt`), exchange (below `contrast + corrupt + exchange`) or
+    neither; the swap, the fault and the exchange draw from it too, so `rng` is consumed as without
+    contrast and every other split keeps its bytes (and `corrupt: 0`, `exchange: 0` keep these)."""
     rows, agree = [], 0.0
     for prompt in prompts:
         a = reviews.sample_review(rng, prompt, _random_style(rng))
         b = reviews.sample_review(rng, prompt, _random_style(rng))
         while b == a:
             b = reviews.sample_review(rng, prompt, _random_style(rng))
-        if (contrast > 0 or corrupt > 0) and contrast_rng is not None:
+        if (contrast > 0 or corrupt > 0 or exchange > 0) and contrast_rng is not None:
             u = contrast_rng.random()
             if u < contrast:
                 b = reviews.swap_aspect(contrast_rng, prompt, a) or b
             elif u < contrast + corrupt:
                 b = reviews.corrupt(contrast_rng, a) or b
+            elif u < contrast + corrupt + exchange:
+                a, b = _exchange_pair(contrast_rng, prompt, a, b)
         ga, gb = reviews.gold_score(prompt, a), reviews.gold_score(prompt, b)
         a_wins = bradley_terry_label(rng, ga, gb, temperature)
         chosen, rejected, gc, gr = (a, b, ga, gb) if a_wins else (b, a, gb, ga)
@@ -81,6 +89,26 @@ def make_pairs(rng: random.Random, prompts: list[str], temperature: float, contr
         agree += 1.0 if gc > gr else 0.5 if gc == gr else 0.0
         rows.append({"prompt": prompt, "chosen": chosen, "rejected": rejected})
     return rows, agree / len(prompts)
+
+
+EXCHANGE_TRIES = 20
+
+
+def _exchange_pair(rng: random.Random, prompt: str, a: str, b: str) -> tuple[str, str]:
+    """A review and its aspect exchange: of `a`, else of `b`, else of a fresh review of the prompt
+    (drawn from `rng`, up to EXCHANGE_TRIES); (a, b) unchanged when none has one. Few reviews discuss
+    the asked aspect and another one said differently, so without the fresh draws most of the pairs
+    meant as exchanges would stay ordinary ones."""
+    for review in (a, b):
+        exchanged = reviews.exchange_aspects(rng, prompt, review)
+        if exchanged is not None:
+            return review, exchanged
+    for _ in range(EXCHANGE_TRIES):
+        review = reviews.sample_review(rng, prompt, _random_style(rng))
+        exchanged = reviews.exchange_aspects(rng, prompt, review)
+        if exchanged is not None:
+            return review, exchanged
+    return a, b
 
 
 def pair_key(row: dict) -> tuple[str, frozenset[str]]:
@@ -125,7 +153,7 @@ def build_splits(cfg: DataConfig) -> tuple[dict[str, list[dict]], dict[str, Any]
     splits["pairs_train"], ceiling_train = make_pairs(rng, _prompts(rng, train_titles, cfg.n_pairs),
                                                       cfg.label_temperature, cfg.aspect_contrast,
                                                       random.Random(f"{cfg.seed}-aspect-contrast"),
-                                                      cfg.corrupt_contrast)
+                                                      cfg.corrupt_contrast, cfg.aspect_exchange)
     splits["pairs_eval"], ceiling_eval = make_pairs(rng, _prompts(rng, eval_titles, cfg.n_pairs_eval),
                                                     cfg.label_temperature)
     splits["ppo_prompts"] = [{"prompt": p} for p in _prompts(rng, train_titles, cfg.n_ppo_prompts)]

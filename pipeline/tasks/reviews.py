@@ -288,6 +288,24 @@ def swap_aspect(rng: random.Random, prompt: str, response: str) -> str | None:
     return " ".join(new if w == old else w for w in words)
 
 
+def exchange_aspects(rng: random.Random, prompt: str, response: str) -> str | None:
+    """The response with the asked aspect and another aspect it discusses exchanged throughout, so
+    that what it says about each moves to the other: what the review says about the asked aspect
+    changes, and whether it discusses it and how positive it is overall do not. A reward model that
+    has learnt only whether the asked aspect is named, not what is said of it, scores both alike.
+    None when the review does not discuss the asked aspect and another one, or when the annotator
+    scores the exchange the same (both aspects said alike)."""
+    asked = requested_aspect(prompt)
+    words = response.split()
+    others = sorted({w for w in words if w in ASPECTS} - {asked})
+    if asked is None or asked not in words or not others:
+        return None
+    other = rng.choice(others)
+    swap = {asked: other, other: asked}
+    out = " ".join(swap.get(w, w) for w in words)
+    return None if gold_score(prompt, out) == gold_score(prompt, response) else out
+
+
 CORRUPTIONS = ("drop_word", "merge_sentences", "insert_word", "replace_word", "cut_end")
 
 

@@ -275,7 +275,7 @@ def test_rm_expected_accuracy_benchmark_scores_a_model_against_the_ceiling(tiny_
 def test_rm_faults_benchmark_prints_how_often_a_model_prefers_the_intact_review(tiny_rm, own_sys_path,
                                                                               monkeypatch, capsys):
     """benchmarks/rm_faults.py's `main` on 100 reviews (1000 in the benchmark): a column per fault
-    kind and `aspect`, with the pair counts of fault_pairs; a real model's fraction in [0, 1]; the
+    kind, `aspect` and `exchange`, with the pair counts of fault_pairs; a real model's fraction in [0, 1]; the
     gold annotator as the model sees every fault (1.00, positive gap), its negative none (0.00), a
     model tying everything is blind (0.50, gap 0)."""
     from pipeline.tasks import reviews
@@ -284,7 +284,7 @@ def test_rm_faults_benchmark_prints_how_often_a_model_prefers_the_intact_review(
     from pipeline.config import load_params
     data = load_params(ROOT / "params.yaml").data
     counts = {k: len(v[0]) for k, v in bench.fault_pairs(data.seed, data.eval_title_fraction).items()}
-    assert list(counts) == [*reviews.CORRUPTIONS, "aspect"] and all(n > 0 for n in counts.values()), counts
+    assert list(counts) == [*reviews.CORRUPTIONS, "aspect", "exchange"] and all(n > 0 for n in counts.values()), counts
     cell = re.compile(r"(\w+) ([\d.]+) \(gap ([+-][\d.]+), n=(\d+)\)")
 
     def columns(out: str, model: str) -> dict[str, tuple[float, float, int]]:

@@ -89,8 +89,11 @@ def test_shipped_values_spot_check():
     ("sft: 3\n",
      "params.yaml: sft: expected a mapping of keys, got 3 (int)"),
     ("data:\n  aspect_contrast: 0.75\n  corrupt_contrast: 0.5\n",
-     "params.yaml: data.corrupt_contrast: 0.5 + data.aspect_contrast=0.75 exceeds 1 (both are fractions of the "
-     "same training pairs)"),
+     "params.yaml: data.corrupt_contrast: 0.5 + data.aspect_contrast=0.75 + data.aspect_exchange=0.0 exceeds 1 "
+     "(all are fractions of the same training pairs)"),
+    ("data:\n  aspect_contrast: 0.5\n  corrupt_contrast: 0.25\n  aspect_exchange: 0.3\n",
+     "params.yaml: data.corrupt_contrast: 0.25 + data.aspect_contrast=0.5 + data.aspect_exchange=0.3 exceeds 1 "
+     "(all are fractions of the same training pairs)"),
     ("model:\n  attn_implementation: flash_attention_2\n",
      "params.yaml: reward.shared_prompt: needs an attention that takes a custom mask (eager or sdpa); "
      "flash_attention_2 does not. Set reward.shared_prompt: false"),

@@ -339,6 +339,40 @@ def test_aspect_contrast_pairs_leave_other_splits_byte_identical():
     assert [r["prompt"] for r in contrast["pairs_train"]] == [r["prompt"] for r in plain["pairs_train"]]
 
 
+def test_exchange_aspects_moves_what_is_said_between_the_asked_aspect_and_another():
+    review = "the music was good . the plot was dull . I liked the plot . " + CLOSE
+    swapped = R.exchange_aspects(random.Random(0), PROMPT, review)
+    assert swapped == "the plot was good . the music was dull . I liked the music . " + CLOSE
+    # Still on the asked aspect, as positive overall: only the asked aspect's sentiment moves, from +1
+    # to the mean of (-1, +1) = 0, so gold falls by W_ASPECT_SENTIMENT x 1.
+    assert gold(review) - gold(swapped) == pytest.approx(R.W_ASPECT_SENTIMENT)
+    assert R.exchange_aspects(random.Random(0), PROMPT, "the music was good . " + CLOSE) is None       # no other aspect
+    assert R.exchange_aspects(random.Random(0), PROMPT, "the plot was good . the acting was bad . " + CLOSE) is None
+    assert R.exchange_aspects(random.Random(0), PROMPT, "the music was good . the plot was great . " + CLOSE) is None  # said alike
+
+
+def test_aspect_exchange_pairs_leave_other_splits_byte_identical():
+    base = {**SMALL.__dict__, "n_pairs": 400, "aspect_contrast": 0.25, "corrupt_contrast": 0.15}
+    plain, _ = build_splits(DataConfig(**{**base, "aspect_exchange": 0.0}))
+    exchanged, _ = build_splits(DataConfig(**{**base, "aspect_exchange": 0.3}))
+    for name in SPLITS:                                # the exchanges draw from the contrast stream
+        if name != "pairs_train":
+            assert exchanged[name] == plain[name]
+    assert [r["prompt"] for r in exchanged["pairs_train"]] == [r["prompt"] for r in plain["pairs_train"]]
+
+    def an_exchange(r):                 # same words in place but the asked aspect and one other, traded
+        a, b = r["chosen"].split(), r["rejected"].split()
+        asked = R.requested_aspect(r["prompt"])
+        diff = {(x, y) for x, y in zip(a, b) if x != y}
+        return len(a) == len(b) and len(diff) == 2 and any(asked in d for d in diff) and \
+            {frozenset(d) for d in diff} == {frozenset(next(iter(diff)))}
+    share = sum(map(an_exchange, exchanged["pairs_train"])) / 400
+    # 30% drawn; a fresh review stands in where neither of the pair's has two aspects said differently.
+    assert 0.22 < share < 0.38 and sum(map(an_exchange, plain["pairs_train"])) == 0
+    assert all(gold(r["chosen"], r["prompt"]) != gold(r["rejected"], r["prompt"])
+               for r in exchanged["pairs_train"] if an_exchange(r))
+
+
 def test_corrupt_makes_one_local_fault_of_each_kind():
     review = "the music was good . I liked the plot . overall , I recommend it ."
     words = review.split()
@@ -505,10 +539,13 @@ def test_rm_faults_benchmark_pairs_are_intact_against_worse_copies():
     bench = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(bench)
     pairs = bench.fault_pairs(0, 0.2)
-    assert set(pairs) == set(R.CORRUPTIONS) | {"aspect"}
+    assert list(pairs) == [*R.CORRUPTIONS, "aspect", "exchange"]
     _, eval_titles = R.split_titles(random.Random(0), 0.2)
     for kind, (prompts, intact, broken) in pairs.items():
-        assert 0.8 * bench.N_REVIEWS < len(prompts) <= bench.N_REVIEWS   # most faults cost the annotator points
+        if kind == "exchange":      # only reviews on the asked aspect and another one, said otherwise
+            assert 0.1 * bench.N_REVIEWS < len(prompts) < 0.5 * bench.N_REVIEWS
+        else:                       # most faults cost the annotator points
+            assert 0.8 * bench.N_REVIEWS < len(prompts) <= bench.N_REVIEWS
         assert all(R.gold_score(p, c) < R.gold_score(p, r) for p, r, c in zip(prompts, intact, broken))
         assert all(any(f" {t} " in f" {p} " for t in eval_titles) for p in prompts[:50])
     # The aspect pairs differ in aspect words only, and the first review is the one on the asked aspect.
@@ -516,3 +553,8 @@ def test_rm_faults_benchmark_pairs_are_intact_against_worse_copies():
         asked = R.requested_aspect(p)
         assert [w for w in good.split() if w not in R.ASPECTS] == [w for w in bad.split() if w not in R.ASPECTS]
         assert asked in good.split() and asked not in bad.split()
+    # The exchange pairs name the asked aspect both, and trade it with one other aspect.
+    for p, good, bad in zip(*pairs["exchange"]):
+        asked = R.requested_aspect(p)
+        assert asked in good.split() and asked in bad.split() and len(good.split()) == len(bad.split())
+        assert len({frozenset((x, y)) for x, y in zip(good.split(), bad.split()) if x != y}) == 1
