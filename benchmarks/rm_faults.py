@@ -51,18 +51,14 @@ def fault_pairs(seed: int, eval_fraction: float) -> dict[str, tuple[list[str], l
         rows = [(p, r, reviews.corrupt(rng, r, kind)) for p, r in zip(prompts, intact)]
         rows = [(p, r, c) for p, r, c in rows if c is not None and reviews.gold_score(p, c) < reviews.gold_score(p, r)]
         out[kind] = tuple(map(list, zip(*rows)))
-    rows = []
-    for p, r in zip(prompts, intact):
-        s = reviews.swap_aspect(rng, p, r)
-        if s is not None and reviews.gold_score(p, s) != reviews.gold_score(p, r):
-            rows.append((p, *sorted((r, s), key=lambda x: -reviews.gold_score(p, x))))
-    out["aspect"] = tuple(map(list, zip(*rows)))
-    rows = []
-    for p, r in zip(prompts, intact):
-        x = reviews.exchange_aspects(rng, p, r)        # None, or a review the annotator scores otherwise
-        if x is not None:
-            rows.append((p, *sorted((r, x), key=lambda y: -reviews.gold_score(p, y))))
-    out["exchange"] = tuple(map(list, zip(*rows)))
+    # A review against itself with its aspects moved: the version the annotator prefers first.
+    for name, move in (("aspect", reviews.swap_aspect), ("exchange", reviews.exchange_aspects)):
+        rows = []
+        for p, r in zip(prompts, intact):
+            s = move(rng, p, r)
+            if s is not None and reviews.gold_score(p, s) != reviews.gold_score(p, r):
+                rows.append((p, *sorted((r, s), key=lambda x: -reviews.gold_score(p, x))))
+        out[name] = tuple(map(list, zip(*rows)))
     return out
 
 
