@@ -42,9 +42,10 @@ VARIANTS: dict[str, list[str]] = {
     "adapt": ["ppo.adaptive_kl=true", "ppo.kl_target=3.0", "ppo.lr_schedule=linear"],
     "adaptc": ["ppo.adaptive_kl=true", "ppo.kl_target=3.0", "ppo.lr_schedule=constant"],   # the lr never reaches 0
     # adaptc aimed a little lower: KL ends 0.1-0.3 nats past the target, and best-of-64's is 3.17;
-    # the default since 2026-12-06
+    # the default from the adaptive-KL record until the reward stage's restart check
     "adaptc28": ["ppo.adaptive_kl=true", "ppo.kl_target=2.8", "ppo.lr_schedule=constant"],
-    # lower still: the committed run's kl_target sweep (docs/compare_methods.tsv) put 2.0 on the curve
+    # lower still: the committed run's kl_target sweep (docs/compare_methods.tsv) put 2.0 on the curve;
+    # the default since the reward stage's restart check (the decision record of that date)
     "adaptc20": ["ppo.adaptive_kl=true", "ppo.kl_target=2.0", "ppo.lr_schedule=constant"],
     # the reward as log CDF among k SFT responses, kl_coef 1/(n-1): aimed at best-of-n (quantile_reward.py)
     "bon16": [*FIXED, "ppo.quantile_reward_samples=16", "ppo.kl_coef=0.0667"],

@@ -68,6 +68,7 @@ class DataConfig:
     corrupt_contrast: float = num(0.15, ge=0.0, le=1.0, doc="fraction of training pairs contrasting one review with a copy with one local fault (aspect_contrast + this <= 1)")
     aspect_exchange: float = num(0.0, ge=0.0, le=1.0, doc="fraction of training pairs contrasting one review with the asked aspect and another it discusses exchanged (aspect_contrast + corrupt_contrast + this <= 1)")
     n_audit_pairs: int = num(0, ge=0, doc="fresh pairs for an auditor reward model (pairs_audit.jsonl; 0: none)")
+    n_val_pairs: int = num(2000, ge=0, doc="fresh pairs of training titles the reward model's restart check reads (pairs_val.jsonl; 0: none)")
 
     def __post_init__(self) -> None:
         total = self.aspect_contrast + self.corrupt_contrast + self.aspect_exchange
@@ -300,6 +301,20 @@ class PreferenceDataConfig:
 
 
 @dataclass(frozen=True)
+class RestartConfig:
+    """`reward.restart`: a training run that has not learnt by `at_step` starts again from a fresh
+    draw (training/restart.py). Whether a reward model learns to read what a response says of the
+    prompt's aspect is a draw of its head's initialisation and its batch order, and a run that has
+    not by mid-training does not later; its accuracy on validation pairs of training titles (never
+    the held-out ones) over the evaluations up to `at_step` tells the two apart."""
+    at_step: int = num(2500, ge=0, doc="the step of the check (0: off); a run of fewer steps is never checked")
+    window: int = num(3, ge=1, doc="validation evaluations averaged, every eval_every steps, the last at at_step")
+    min_accuracy: Optional[float] = num(0.775, gt=0.0, le=1.0, doc="restart when the window's mean validation accuracy is below this (null: never)")
+    max_restarts: int = num(1, ge=0, doc="restarts at most; restart k trains with seed reward.seed + 1000 k")
+    holdout: float = num(0.0, ge=0.0, lt=1.0, doc="with reward.dataset.path: share of training prompts held out as validation pairs")
+
+
+@dataclass(frozen=True)
 class RewardConfig(SupervisedConfig):
     """`reward`: Bradley-Terry reward model on preference pairs."""
     name_or_path: Optional[str] = None  # None: initialise from the SFT checkpoint (InstructGPT)
@@ -322,8 +337,15 @@ class RewardConfig(SupervisedConfig):
     # ids cannot say.
     packing: bool = False
     dataset: PreferenceDataConfig = field(default_factory=PreferenceDataConfig)
+    restart: RestartConfig = field(default_factory=RestartConfig)
 
     def __post_init__(self) -> None:
+        r = self.restart
+        first = r.at_step - (r.window - 1) * self.eval_every      # the window's first evaluation
+        if r.at_step and first < 1:
+            raise ConfigError(f"reward.restart.at_step: {r.at_step} leaves no room for its window of {r.window} "
+                              f"evaluations every reward.eval_every={self.eval_every} steps; set it to at least "
+                              f"{(r.window - 1) * self.eval_every + 1}")
         if self.packing and self.shared_prompt:
             raise ConfigError("reward.packing: packs whole sequences, not reward.shared_prompt's branch "
                               "rows; set reward.shared_prompt: false to pack, or reward.packing: false")
@@ -523,7 +545,7 @@ class PPOConfig:
     # On by default, aimed inside best-of-64's KL (log 64 - 63/64 = 3.17 nats), where the report can
     # still place PPO against the best-of-n frontier; runs end 0.1-0.3 nats above the target.
     adaptive_kl: bool = True
-    kl_target: float = num(2.8, gt=0.0)
+    kl_target: float = num(2.0, gt=0.0)
     # The adaptive controller's horizon in iterations (TRL's and Ziegler et al.'s is in episodes: theirs
     # divided by rollout_batch_size): each iteration moves kl_coef by at most 0.2 / horizon of itself.
     kl_horizon_iterations: float = num(10.0, gt=0.0, doc="adaptive controller horizon, in iterations")

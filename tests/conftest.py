@@ -59,7 +59,7 @@ BIN = Path(sys.executable).parent
 # Small enough that a whole `dvc repro` takes seconds; the structure is the default's.
 TINY = {
     "data": {"n_sft": 64, "n_sft_eval": 16, "n_pairs": 48, "n_pairs_eval": 16, "n_ppo_prompts": 16,
-             "n_eval_prompts": 8},
+             "n_eval_prompts": 8, "n_val_pairs": 32},
     "model": {"hidden_size": 32, "num_layers": 1, "num_heads": 2, "intermediate_size": 64},
     "sft": {"epochs": 1.0, "batch_size": 16, "eval_every": 2, "n_eval_generations": 8,
             "sampling": {"max_new_tokens": 16}},

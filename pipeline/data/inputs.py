@@ -24,7 +24,7 @@ from typing import Any, Callable, Hashable, TypeVar, Union
 
 from ..config import Params, PreferenceDataConfig, PromptDatasetConfig, SFTDatasetConfig
 from .records import load_demonstrations, load_prompts
-from ..errors import DataError
+from ..errors import ConfigError, DataError
 from ..files import nonempty_text
 from .preferences import ASSISTANT_TURN, Pair, _rows, load_pairs
 
@@ -248,3 +248,30 @@ def preference_pairs(ds: PreferenceDataConfig, data_dir: Path, section: str) -> 
     held = held_out([(p.where, key(p)) for p in train], held, [(p.where, key(p)) for p in held],
                     ds.leakage, f"{section}.dataset.leakage", "pair")
     return train, held
+
+
+def validation_pairs(ds: PreferenceDataConfig, data_dir: Path, train: list[Pair], holdout: float,
+                     key: str) -> tuple[list[Pair], list[Pair]]:
+    """Training and validation pairs for a check on training titles (reward.restart): prepare's
+    pairs_val.jsonl (fresh pairs of the training titles, the training pairs untouched) when the
+    pairs are the prepared ones; else the training pairs whose prompt falls in the `holdout` share
+    (by a stable hash of the prompt, so a prompt's pairs are all on one side), taken out of
+    training. `key`: the setting to name when neither is there."""
+    import hashlib
+    if ds.path is None:
+        path = data_dir / "pairs_val.jsonl"
+        if not path.exists():
+            raise DataError(f"{path}: missing; the restart check reads it (prepare writes it with data.n_val_pairs > 0), "
+                            f"or set {key}.min_accuracy: null")
+        fields = PREPARED_PAIR_FIELDS + ((ds.margin_column,) if ds.margin_column else ())
+        return train, load_pairs(path, layout=ds.layout, margin_column=ds.margin_column, allowed=fields)
+    if holdout <= 0:
+        raise ConfigError(f"{key}.holdout: 0 with {key.split('.')[0]}.dataset.path set: the check needs validation pairs "
+                        f"of your training prompts; set {key}.holdout (e.g. 0.02) and a {key}.min_accuracy for your "
+                        f"pairs, or {key}.min_accuracy: null")
+    bucket = lambda p: int(hashlib.sha256(prompt_key(p.prompt).encode()).hexdigest()[:8], 16) / 16**8  # noqa: E731
+    kept, val = [p for p in train if bucket(p) >= holdout], [p for p in train if bucket(p) < holdout]
+    if not val or not kept:
+        raise DataError(f"{key}.holdout: {holdout} leaves {len(val)} validation and {len(kept)} training pairs "
+                        f"of {len(train)}; both must be non-empty")
+    return kept, val

@@ -1,8 +1,9 @@
 """The `prepare` stage: write every split of the default task, deterministically from `data`.
 
 Outputs (one folder, replaced atomically): sft_train/sft_eval (prompt, response), pairs_train/
-pairs_eval (prompt, chosen, rejected), ppo_prompts and eval_prompts (prompt), the tokenizer, and
-stats.json. Titles are split first, so every evaluation split names films never seen in training.
+pairs_eval (prompt, chosen, rejected), ppo_prompts and eval_prompts (prompt), pairs_val (fresh pairs
+of training titles for the reward stage's restart check) and pairs_audit when asked for, the
+tokenizer, and stats.json. Titles are split first, so every evaluation split names films never seen in training.
 """
 
 from __future__ import annotations
@@ -116,17 +117,27 @@ def pair_key(row: dict) -> tuple[str, frozenset[str]]:
     return row["prompt"], frozenset((row["chosen"], row["rejected"]))
 
 
-def audit_pairs(cfg: DataConfig, train_titles: list[str], train_pairs: list[dict]) -> list[dict]:
-    """Fresh preference pairs of the training titles for an auditor reward model (ppo.detector.auditor):
-    drawn from their own seeded stream, so the training RM's pairs are neither reused nor taken away,
-    and without the aspect contrast, so the auditor learns from ordinary pairs. A fresh pair that
-    happens to equal a training pair is left out: the two data sets are disjoint by construction."""
-    rng = random.Random(f"{cfg.seed}-audit")
-    rows, _ = make_pairs(rng, _prompts(rng, train_titles, cfg.n_audit_pairs), cfg.label_temperature)
+def fresh_pairs(cfg: DataConfig, train_titles: list[str], train_pairs: list[dict], n: int,
+                stream: str) -> tuple[list[dict], float]:
+    """`n` fresh preference pairs of the training titles, and their noise ceiling: drawn from their
+    own seeded stream `stream`, so the training RM's pairs are neither reused nor taken away and
+    every other split keeps its bytes, and without the aspect contrast, as the held-out pairs. A
+    fresh pair that happens to equal a training pair is left out: the two sets are disjoint by
+    construction. Used for an auditor reward model's pairs (ppo.detector.auditor) and for the
+    reward stage's validation pairs (reward.restart)."""
+    rng = random.Random(f"{cfg.seed}-{stream}")
+    rows, _ = make_pairs(rng, _prompts(rng, train_titles, n), cfg.label_temperature)
     train_keys = {pair_key(r) for r in train_pairs}
     rows = [r for r in rows if pair_key(r) not in train_keys]
     assert not train_keys & {pair_key(r) for r in rows}
-    return rows
+    return rows, noise_ceiling(rows)
+
+
+def noise_ceiling(rows: list[dict]) -> float:
+    """Share of the pairs whose label agrees with the gold ordering (a gold tie counts 1/2): the
+    accuracy of the best any model can do (make_pairs computes the same while it draws)."""
+    gold = [(reviews.gold_score(r["prompt"], r["chosen"]), reviews.gold_score(r["prompt"], r["rejected"])) for r in rows]
+    return sum(1.0 if gc > gr else 0.5 if gc == gr else 0.0 for gc, gr in gold) / max(len(rows), 1)
 
 
 def check_leakage(splits: dict[str, list[dict]], eval_titles: list[str]) -> None:
@@ -158,8 +169,12 @@ def build_splits(cfg: DataConfig) -> tuple[dict[str, list[dict]], dict[str, Any]
                                                     cfg.label_temperature)
     splits["ppo_prompts"] = [{"prompt": p} for p in _prompts(rng, train_titles, cfg.n_ppo_prompts)]
     splits["eval_prompts"] = [{"prompt": p} for p in _prompts(rng, eval_titles, cfg.n_eval_prompts)]
+    ceilings = {"pairs_train": ceiling_train, "pairs_eval": ceiling_eval}
     if cfg.n_audit_pairs:
-        splits["pairs_audit"] = audit_pairs(cfg, train_titles, splits["pairs_train"])
+        splits["pairs_audit"], _ = fresh_pairs(cfg, train_titles, splits["pairs_train"], cfg.n_audit_pairs, "audit")
+    if cfg.n_val_pairs:
+        splits["pairs_val"], ceilings["pairs_val"] = fresh_pairs(cfg, train_titles, splits["pairs_train"],
+                                                                 cfg.n_val_pairs, "validation")
     for name, rows in splits.items():
         for i, row in enumerate(rows):
             row["id"] = f"{name}-{i}"
@@ -169,7 +184,7 @@ def build_splits(cfg: DataConfig) -> tuple[dict[str, list[dict]], dict[str, Any]
     stats = {
         "sizes": {name: len(rows) for name, rows in splits.items()},
         "titles": {"train": len(train_titles), "eval": len(eval_titles)},
-        "noise_ceiling": {"pairs_train": ceiling_train, "pairs_eval": ceiling_eval},
+        "noise_ceiling": ceilings,
         "demonstrations": {
             "gold_mean": sum(gold) / len(gold),
             "well_formed_rate": sum(map(reviews.is_well_formed, (r["response"] for r in demos))) / len(demos),

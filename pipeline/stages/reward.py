@@ -5,7 +5,9 @@ each optimizer step scoring chosen and rejected of a batch in one forward pass. 
 scores are normalised on the held-out demonstrations and the model is measured against the task's
 gold annotator: pairwise accuracy next to the noise ceiling, Spearman correlation with gold on
 held-out responses and on responses of the SFT policy (the distribution PPO starts from), score
-statistics of chosen vs rejected, and calibration.
+statistics of chosen vs rejected, and calibration. A run whose accuracy on validation pairs of
+training titles is below `reward.restart.min_accuracy` at its check starts again from the next
+attempt's seed (training/restart.py).
 """
 
 from __future__ import annotations
@@ -39,6 +41,8 @@ METRIC_FILES = {
     "eval.tsv": "held-out pairs during training",
     "calibration.tsv": "one row per bin of predicted preference probability; `calibration.png` plots "
                        "it",
+    "restart.tsv": "the restart check's validation evaluations (`reward.restart`), every attempt's; only the "
+                   "header when the run is not checked",
     "metrics.json": "after training and normalisation; RM scores are normalised (held-out "
                     "demonstrations average 0) unless `no_normalize`",
 }
@@ -53,6 +57,14 @@ def declared_metrics() -> list[Metric]:
                        "adapters and the score head") + [
         m("train.tsv", "accuracy", "fraction of the batch's pairs with r(chosen) > r(rejected)"),
         m("eval.tsv", "accuracy", "pairwise accuracy on the held-out pairs"),
+        m("restart.tsv", "step", "the attempt's optimizer step the validation evaluation followed"),
+        m("restart.tsv", "attempt", "the attempt evaluated: 0 the first, k the k-th restart (seed `reward.seed` + 1000 k)"),
+        m("restart.tsv", "accuracy", "pairwise accuracy on the validation pairs of training titles (prepare's "
+                                     "pairs_val.jsonl, or `reward.restart.holdout` of your training prompts)"),
+        m(METRICS_JSON, "train/restarts", "restarts the check made (0: the first draw was kept, or no check)"),
+        m(METRICS_JSON, "train/seed", "the seed the kept run trained with (`reward.seed` + 1000 x restarts)"),
+        m(METRICS_JSON, "train/validation_accuracy", "the kept run's mean validation accuracy over the check's "
+                                                     "window", "restart_checked"),
         m("calibration.tsv", "step", "bin of predicted probability, 0 .. `reward.calibration_bins` - 1 (empty "
                                      "bins have no row)"),
         m("calibration.tsv", "predicted", "mean predicted preference probability sigmoid(r_a - r_b) in the bin; "
@@ -308,64 +320,102 @@ def normalise(model, tok, params: Params, demos: list[dict], packed: bool = Fals
 
 def train(run: StageRun, data_dir: Path, sft_dir: Path, progress: bool = True):
     """Train, normalise and measure; in a multi-process run rank 0 returns the whole model, the
-    other ranks (None, tokenizer, {})."""
+    other ranks (None, tokenizer, {}). With `reward.restart`, a run that falls short at its check
+    starts again with the next attempt's seed (training/restart.py)."""
+    import dataclasses
+    import logging
     import torch
+    from ..data import inputs
     from ..measurement.policy import whole
     from ..models import lora, reward_model as rm
     from ..models.checkpoints import load_kwargs
-    from ..training import loading, supervised, token_batches
+    from ..training import loading, restart, resume, supervised, token_batches
+    from ..training.batches import total_steps
     from ..training.supervised import SupervisedTask
     params, ctx, out_dir = run.params, run.ctx, run.out
     cfg = params.reward
     train_pairs, eval_pairs = pair_sources(params, data_dir)
     init = cfg.name_or_path if cfg.name_or_path is not None else sft_dir
-    with loading.partitioned(cfg.distributed, ctx):   # ZeRO-3: each rank loads its partition only
-        model, tok = rm.init_reward_model(init, cfg.seed, cfg.head_init_std, params.model.trust_remote_code,
-                                          load_kwargs(params.model, loading.load_dtype(cfg.distributed, trained=True)))
-    model = lora.wrap(model, cfg.lora, "SEQ_CLS", "reward.lora")
-    encoded = rm.EncodedPairs(tok, cfg.max_length)      # every prompt and response tokenised once, not once per epoch
-    train_pairs, n_trunc, n_drop = fit_pairs(train_pairs, encoded, cfg.overlong)
     held = held_out(params, data_dir, eval_pairs)
-    torch.manual_seed(cfg.seed)
+    val_pairs: list[Pair] = []
+    if restart.active(cfg.restart, total_steps(len(train_pairs), cfg.batch_size, cfg.epochs)):   # validation pairs of training titles, read (and a holdout taken out) before any step
+        train_pairs, val_pairs = inputs.validation_pairs(cfg.dataset, data_dir, train_pairs, cfg.restart.holdout,
+                                                         "reward.restart")
+    restart_log = StepLog(out_dir / "restart.tsv", restart.COLUMNS, run.tracker, series="restart", write=ctx.is_main)
+    attempt = resume.attempt(run.checkpoint, run.fingerprint)   # a killed run resumes the attempt it was in
+    gates: list[Optional[restart.Gate]] = []
 
-    def task(engine, micro: int) -> SupervisedTask:
-        # With `packing`, a micro-batch's pairs in one row, and so every held-out and final scoring pass.
-        def loss(part: list[Pair], batch: list[Pair]) -> tuple[torch.Tensor, list[float]]:
-            rc, rr = batch_scores(engine.model, tok, part, cfg.max_length, engine.device, cfg.shared_prompt,
-                                  encoded, cfg.packing)
-            total, correct = rm.pairwise_loss_sum(rc, rr, torch.tensor([p.margin for p in part], device=rc.device))
-            return total / cfg.batch_size, [total.item(), correct]
+    while True:
+        seed = restart.seed_of(cfg.seed, attempt)
+        with loading.partitioned(cfg.distributed, ctx):   # ZeRO-3: each rank loads its partition only
+            model, tok = rm.init_reward_model(init, seed, cfg.head_init_std, params.model.trust_remote_code,
+                                              load_kwargs(params.model, loading.load_dtype(cfg.distributed, trained=True)))
+        model = lora.wrap(model, cfg.lora, "SEQ_CLS", "reward.lora")
+        encoded = rm.EncodedPairs(tok, cfg.max_length)      # every prompt and response tokenised once, not once per epoch
+        fitted, n_trunc, n_drop = fit_pairs(train_pairs, encoded, cfg.overlong)
+        if val_pairs:
+            val_pairs, _, _ = fit_pairs(val_pairs, encoded, cfg.overlong)
+        torch.manual_seed(seed)
 
-        return SupervisedTask("reward", train_pairs, ["loss", "accuracy"], loss,
-                              normaliser=lambda batch: cfg.batch_size, eval_columns=["loss", "accuracy"],
-                              evaluate=lambda: eval_pairs_loss(engine.model, tok, eval_pairs, cfg.max_length, ctx,
-                                                               engine.device, shared_prompt=cfg.shared_prompt,
-                                                               encoded=encoded, packed=cfg.packing),
-                              length=lambda p: encoded.row_tokens((p.prompt, p.chosen, p.rejected),
-                                                                  cfg.shared_prompt, cfg.packing),
-                              forwards=token_batches.packed if cfg.packing else
-                              lambda lengths: rm.length_sorted_parts(lengths, rm.PAIRS_PER_FORWARD))
+        def task(engine, micro: int, fitted=fitted, encoded=encoded, tok=tok, attempt=attempt) -> SupervisedTask:
+            # With `packing`, a micro-batch's pairs in one row, and so every held-out and final scoring pass.
+            def loss(part: list[Pair], batch: list[Pair]) -> tuple[torch.Tensor, list[float]]:
+                rc, rr = batch_scores(engine.model, tok, part, cfg.max_length, engine.device, cfg.shared_prompt,
+                                      encoded, cfg.packing)
+                total, correct = rm.pairwise_loss_sum(rc, rr, torch.tensor([p.margin for p in part], device=rc.device))
+                return total / cfg.batch_size, [total.item(), correct]
 
-    def measure(engine) -> tuple[Optional[float], Scored]:
-        # Every rank, with the trained model whole on its device: the offset (the same on every rank),
-        # the held-out pairs and the SFT policy's samples scored by it, each rank its share.
-        offset = None
-        with whole(engine) as trained:
-            if cfg.normalize:
-                offset = normalise(trained, tok, params, held.demonstrations, cfg.packing)   # (mean, std)
-            rc, rr, imbalance = score_pairs(trained, tok, eval_pairs, cfg.max_length, ctx, engine.device,
-                                            shared_prompt=cfg.shared_prompt, packed=cfg.packing)
-            stored = rm.offset(trained)
-        return offset, Scored(rc, rr, stored, imbalance, sft_samples(engine, tok, params, sft_dir, held, ctx))
+            def scored(pairs: list[Pair]) -> dict[str, float]:
+                return eval_pairs_loss(engine.model, tok, pairs, cfg.max_length, ctx, engine.device,
+                                       shared_prompt=cfg.shared_prompt, encoded=encoded, packed=cfg.packing)
 
-    def report(model, result, measured) -> dict[str, Any]:
-        offset, scored = measured
-        return {**({"eval/offset": offset[0], "eval/scale": offset[1]} if offset is not None else {}),
-                **evaluate(params, held, out_dir, scored, run.tracker)}
+            gates.append(restart.gate(cfg.restart, total_steps(len(fitted), cfg.batch_size, cfg.epochs), cfg.eval_every,
+                                      attempt, lambda: scored(val_pairs)["accuracy"], restart_log))
+            return SupervisedTask("reward", fitted, ["loss", "accuracy"], loss,
+                                  normaliser=lambda batch: cfg.batch_size, eval_columns=["loss", "accuracy"],
+                                  evaluate=lambda: scored(eval_pairs),
+                                  length=lambda p: encoded.row_tokens((p.prompt, p.chosen, p.rejected),
+                                                                      cfg.shared_prompt, cfg.packing),
+                                  forwards=token_batches.packed if cfg.packing else
+                                  lambda lengths: rm.length_sorted_parts(lengths, rm.PAIRS_PER_FORWARD),
+                                  gate=gates[-1])
 
-    recipe = supervised.Recipe(model, len(train_pairs), task, measure, report,
-                               counts={"data/truncated": n_trunc, "data/dropped": n_drop})
-    model, metrics = supervised.run("reward", cfg, recipe, out_dir, run.checkpoint, run.tracker, ctx, run.fingerprint, progress)
+        def measure(engine, tok=tok) -> tuple[Optional[float], Scored]:
+            # Every rank, with the trained model whole on its device: the offset (the same on every rank),
+            # the held-out pairs and the SFT policy's samples scored by it, each rank its share.
+            offset = None
+            with whole(engine) as trained:
+                if cfg.normalize:
+                    offset = normalise(trained, tok, params, held.demonstrations, cfg.packing)   # (mean, std)
+                rc, rr, imbalance = score_pairs(trained, tok, eval_pairs, cfg.max_length, ctx, engine.device,
+                                                shared_prompt=cfg.shared_prompt, packed=cfg.packing)
+                stored = rm.offset(trained)
+            return offset, Scored(rc, rr, stored, imbalance, sft_samples(engine, tok, params, sft_dir, held, ctx))
+
+        def report(model, result, measured) -> dict[str, Any]:
+            offset, scored_ = measured
+            return {**({"eval/offset": offset[0], "eval/scale": offset[1]} if offset is not None else {}),
+                    **evaluate(params, held, out_dir, scored_, run.tracker)}
+
+        recipe = supervised.Recipe(model, len(fitted), task, measure, report,
+                                   counts={"data/truncated": n_trunc, "data/dropped": n_drop})
+        try:
+            model, metrics = supervised.run("reward", dataclasses.replace(cfg, seed=seed), recipe, out_dir,
+                                            run.checkpoint, run.tracker, ctx, run.fingerprint, progress)
+        except restart.Restarted as short:
+            logging.getLogger(__name__).warning(
+                "reward: validation accuracy %.4f < reward.restart.min_accuracy %s at step %d: restarting with "
+                "seed %d (restart %d of at most %d)", short.accuracy, short.bar, cfg.restart.at_step,
+                restart.seed_of(cfg.seed, attempt + 1), attempt + 1, cfg.restart.max_restarts)
+            attempt += 1
+            gates.clear()   # the abandoned attempt's gate holds its engine: let it go before the next is built
+            del model, recipe
+            continue
+        break
+    restart_log.flush()
+    kept = gates[-1] if gates else None
+    if model is not None:
+        metrics.update(restart.summary(attempt, seed, kept.accuracy() if kept is not None else None))
     return model, tok, metrics
 
 

@@ -85,6 +85,8 @@ CONDITIONS = {
     "custom_pairs": "`reward.dataset.path` is set (your own pairs: no noise ceiling from the prepare stage); "
                     "implies `no_judge`",
     "no_normalize": "`reward.normalize: false`",
+    "restart_checked": "the reward run reached `reward.restart.at_step` with `reward.restart.min_accuracy` set (not "
+                       "the demo's shorter run)",
     "sft_lora": "`sft.lora.r > 0`",
     "reward_lora": "`reward.lora.r > 0`",
     "no_detector": "`ppo.detector.enabled: false`",

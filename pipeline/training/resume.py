@@ -131,6 +131,17 @@ def restoring(path: Path):
     return loading(path, "the resumable checkpoint", "; delete that folder to start afresh")   # named first
 
 
+def attempt(path: Path, fp: str) -> int:
+    """The restart (training/restart.py) the checkpoint at `path` belongs to, when it belongs to
+    this run; 0 otherwise. Read before the model is built: the attempt sets its seed."""
+    state = read_state(path, fp)
+    value = state.get("attempt", 0) if state is not None else 0
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise CheckpointError(f"{path / 'state.json'}: attempt must be a whole number >= 0, got {value!r}; "
+                              "delete the folder holding it to start afresh")
+    return value
+
+
 def load_engine(engine: Any, path: Path, name: str) -> None:
     """Restore a training engine's weights, optimizer and schedule saved as `name`."""
     with restoring(path):
@@ -150,9 +161,10 @@ class SupervisedState:
     the training time of every run that worked on it."""
 
     def __init__(self, stage: str, path: Path, fp: str, engine: Any, sampler: BatchSampler,
-                 logs: dict[str, StepLog], ctx: Context):
+                 logs: dict[str, StepLog], ctx: Context, attempt: int = 0):
         self.stage, self.path, self.fp, self.engine, self.sampler, self.logs, self.ctx = \
             stage, path, fp, engine, sampler, logs, ctx
+        self.attempt = attempt             # the restart this run is (training/restart.py; 0: the first)
         self.seconds_before = 0.0          # training time of the interrupted runs (restored by `load`)
         self.t0 = time.perf_counter()      # this run's start of training
 
@@ -173,13 +185,31 @@ class SupervisedState:
 
         save_staged(self.path, self.ctx, write, {
             "fingerprint": self.fp, "step": step, "seconds": self.elapsed(), "world_size": self.ctx.world_size,
-            "sampler": sampler,
+            "sampler": sampler, "attempt": self.attempt,
             "logs": {name: {"columns": log_.columns, "rows": log_.rows} for name, log_ in self.logs.items()}})
 
+    def mark_restart(self, attempt: int, keep: str) -> None:
+        """Collective: replace the checkpoint by a marker of restart `attempt` (state.json at step 0,
+        no weights) that carries the log `keep` and the training time so far, so a run killed
+        before the new attempt's first save starts that attempt, not the abandoned one."""
+        for log_ in self.logs.values():
+            log_.flush()
+        kept = self.logs[keep]
+        save_staged(self.path, self.ctx, lambda staging: None, {
+            "fingerprint": self.fp, "step": 0, "seconds": self.elapsed(), "world_size": self.ctx.world_size,
+            "attempt": attempt, "logs": {keep: {"columns": kept.columns, "rows": kept.rows}}})
+
     def load(self) -> int:
-        """Restore the last save of this run; returns its step (0: nothing to resume)."""
+        """Restore the last save of this run; returns its step (0: nothing to resume; a restart's
+        marker gives back only the logs and time it carries)."""
         state = read_state(self.path, self.fp)
         if state is None:
+            return 0
+        if state["step"] == 0:
+            with restoring(self.path):
+                for name, saved in state["logs"].items():
+                    self.logs[name].restore(saved["rows"], saved["columns"])
+                self.seconds_before, self.t0 = float(state["seconds"]), time.perf_counter()
             return 0
         load_engine(self.engine, self.path, "model")
         rng = load_rng(self.path, self.ctx.rank)

@@ -35,7 +35,7 @@ from .batches import BatchSampler, total_steps
 from ..context import Context
 from .engines import TrainEngine, supervised_engine, write_deepspeed_config
 from .resume import SupervisedState
-from . import stopping
+from . import restart, stopping
 
 
 @dataclass
@@ -55,6 +55,7 @@ class SupervisedTask:
     length: Callable[[Any], int]
     # a micro-batch's item lengths -> the forwards the loss splits it into (index lists); None: one
     forwards: Optional[Callable[[list[int]], list[list[int]]]] = None
+    gate: Optional[restart.Gate] = None         # a restart check (training/restart.py); None: none
 
 
 @dataclass
@@ -130,8 +131,10 @@ def train(task: SupervisedTask, cfg: Any, engine: TrainEngine, micro: int, out: 
                         series="train", write=ctx.is_main)
     eval_log = StepLog(out / "eval.tsv", task.eval_columns, tracker, series="eval", write=ctx.is_main)
     batches = BatchSampler(len(task.items), cfg.batch_size, cfg.seed)   # the same global batches on every rank
-    state = SupervisedState(task.name, checkpoint, resume_fingerprint, engine, batches,
-                            {"train": train_log, "eval": eval_log}, ctx)
+    gate = task.gate
+    logs = {"train": train_log, "eval": eval_log, **({"restart": gate.log} if gate is not None else {})}
+    state = SupervisedState(task.name, checkpoint, resume_fingerprint, engine, batches, logs, ctx,
+                            gate.attempt if gate is not None else 0)
     start = state.load()
     if start:
         tracker.mark_resumed(start)
@@ -166,6 +169,13 @@ def train(task: SupervisedTask, cfg: Any, engine: TrainEngine, micro: int, out: 
                 eval_log.log(step, task.evaluate())
             train_log.flush()
             eval_log.flush()
+        if gate is not None:
+            with engine.autocast():
+                gate.observe(step)
+            verdict = gate.verdict(step)
+            if verdict is not None:   # this draw has not learnt: the next attempt starts from its marker
+                state.mark_restart(gate.attempt + 1, "restart")
+                raise verdict
         saved = step % cfg.save_every == 0 or step == steps
         if saved:
             state.save(step)

@@ -428,21 +428,25 @@ def test_corrupt_contrast_pairs_leave_other_splits_byte_identical():
     assert sum(moved) / len(moved) > 0.8
 
 
-def test_audit_pairs_are_fresh_and_disjoint_from_the_training_pairs():
-    from pipeline.stages.prepare import pair_key
+@pytest.mark.parametrize("split, key", [("pairs_audit", "n_audit_pairs"), ("pairs_val", "n_val_pairs")])
+def test_fresh_pairs_are_disjoint_from_the_training_pairs(split, key):
+    from pipeline.stages.prepare import noise_ceiling, pair_key
     plain, _ = build_splits(DataConfig(**{**SMALL.__dict__, "n_pairs": 300}))
-    splits, stats = build_splits(DataConfig(**{**SMALL.__dict__, "n_pairs": 300, "n_audit_pairs": 300}))
+    splits, stats = build_splits(DataConfig(**{**SMALL.__dict__, "n_pairs": 300, key: 300}))
     for name in SPLITS:                       # opting in changes no other split
         assert splits[name] == plain[name]
-    audit, train = splits["pairs_audit"], splits["pairs_train"]
-    assert not {pair_key(r) for r in audit} & {pair_key(r) for r in train}
-    assert 250 < len(audit) <= 300 and stats["sizes"]["pairs_audit"] == len(audit)
-    assert not _titles_in(audit) & _titles_in(splits["pairs_eval"])     # training titles only
-    assert "pairs_audit" not in plain
+    fresh, train = splits[split], splits["pairs_train"]
+    assert not {pair_key(r) for r in fresh} & {pair_key(r) for r in train}
+    assert 250 < len(fresh) <= 300 and stats["sizes"][split] == len(fresh)
+    assert not _titles_in(fresh) & _titles_in(splits["pairs_eval"])     # training titles only
+    assert split not in plain
+    if split == "pairs_val":                  # its ceiling, as make_pairs counts it for the other splits
+        assert stats["noise_ceiling"]["pairs_val"] == noise_ceiling(fresh) and 0.8 < noise_ceiling(fresh) < 0.95
+        assert noise_ceiling(splits["pairs_eval"]) == stats["noise_ceiling"]["pairs_eval"]
 
 
 SMALL = DataConfig(seed=3, n_sft=40, n_sft_eval=20, n_pairs=30, n_pairs_eval=20, n_ppo_prompts=25,
-                   n_eval_prompts=20, label_temperature=0.5, eval_title_fraction=0.2)
+                   n_eval_prompts=20, label_temperature=0.5, eval_title_fraction=0.2, n_val_pairs=0)
 TRAIN = ("sft_train", "pairs_train", "ppo_prompts")
 EVAL = ("sft_eval", "pairs_eval", "eval_prompts")
 
