@@ -35,7 +35,7 @@ def fresh_pairs(seed: int, eval_fraction: float, temperature: float) -> tuple[li
     and P(chosen preferred) under the annotator: (N,). Only the probability is used, not the label."""
     _, eval_titles = reviews.split_titles(random.Random(seed), eval_fraction)  # prepare's title split
     rng = random.Random(SEED)
-    rows, _ = prepare.make_pairs(rng, prepare._prompts(rng, eval_titles, N_PAIRS), temperature)
+    rows = prepare.make_pairs(rng, prepare._prompts(rng, eval_titles, N_PAIRS), temperature)
     prompts = [r["prompt"] for r in rows]
     chosen, rejected = [r["chosen"] for r in rows], [r["rejected"] for r in rows]
     gap = torch.tensor([reviews.gold_score(p, c) - reviews.gold_score(p, r)

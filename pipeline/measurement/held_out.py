@@ -26,7 +26,7 @@ from ..models.checkpoints import load_policy
 from ..models.generation import check_stop_tokens
 from ..models.reward_source import RewardModelSource
 from ..context import SINGLE, Context
-from .frontier_gap import Series, gaps
+from .frontier_gap import Gap, Series, gaps
 from .policy import Measured, Policy, best_of_n, candidates, measure_policies, summary
 from .stats import win_rate
 
@@ -98,15 +98,22 @@ def frontier_metrics(per: dict[str, Measured], names: tuple[str, ...], n_boot: i
     (frontier_gap.gaps over the `best_of_<n>` of `per`, paired bootstrap over the prompts with the
     win rates' resamples): `frontier/<policy>_gap_gold` with `_low`/`_high` 95% bounds (NaN where
     there is no gap: beyond best-of-n's largest KL, or fewer than two best-of-n) and
-    `frontier/<policy>_beyond_best_of_n` (None without a best-of-n)."""
+    `frontier/<policy>_beyond_best_of_n` (None without a best-of-n); and the same gap in the reward
+    model's score, `frontier/<policy>_gap_rm`: with the gold gap it tells a policy that gets less of
+    the score it optimises per nat than best-of-n (both below) from one whose score gains are worth
+    less gold (only gold below: over-optimisation)."""
     if not names:
         return {}
-    best = [Series(p.values["kl"], p.values["gold"]) for name, p in per.items()
-            if name.startswith("best_of_")]
-    policies = {n: Series(per[n].values["kl"], per[n].values["gold"]) for n in names}
-    found = gaps(per["sft"].values["gold"], best, policies, n_boot, seed)
+
+    def found(score: str) -> dict[str, Gap]:
+        best = [Series(p.values["kl"], p.values[score]) for name, p in per.items() if name.startswith("best_of_")]
+        policies = {n: Series(per[n].values["kl"], per[n].values[score]) for n in names}
+        return gaps(per["sft"].values[score], best, policies, n_boot, seed)
     out: dict[str, Any] = {}
-    for name, g in found.items():
+    for name, g in found("rm").items():
+        base = f"frontier/{name}_gap_rm"
+        out[base], out[f"{base}_low"], out[f"{base}_high"] = g.gap, g.low, g.high
+    for name, g in found("gold").items():
         base = f"frontier/{name}_gap_gold"
         out[base], out[f"{base}_low"], out[f"{base}_high"] = g.gap, g.low, g.high
         out[f"frontier/{name}_beyond_best_of_n"] = g.beyond
@@ -132,5 +139,9 @@ def frontier_declarations(stage: str, policy: str, condition: Optional[str]) -> 
                                           "reaches at no more KL (defined at every KL; negative: dominated by a "
                                           "point that spends less KL); null without a best-of-n",
         f"frontier/{policy}_margin_gold_low": "lower end of its paired bootstrap 95% interval",
-        f"frontier/{policy}_margin_gold_high": "upper end of that interval"}
+        f"frontier/{policy}_margin_gold_high": "upper end of that interval",
+        f"frontier/{policy}_gap_rm": "the same gap in the reward model's score (its curve fitted the same way "
+                                     "through SFT's and best-of-n's mean scores); null where the gold gap is",
+        f"frontier/{policy}_gap_rm_low": "lower end of its paired bootstrap 95% interval",
+        f"frontier/{policy}_gap_rm_high": "upper end of that interval"}
     return [Metric(stage, METRICS_JSON, name, meaning, condition) for name, meaning in meanings.items()]

@@ -62,6 +62,9 @@ every policy, and refits. Past best-of-n's largest KL the curve is not extrapola
 bounds are null and `frontier/ppo_beyond_best_of_n` is true. `frontier/ppo_margin_gold`, defined at
 every KL, is PPO's mean gold minus the best mean gold SFT or a best-of-n reaches at no more KL. A gap,
 or a margin, below -{BELOW_FRONTIER:.2f} whose whole interval is below 0 makes the verdict not OK.
+`frontier/ppo_gap_rm` is the same gap in the reward model's score: below in both, PPO gets less of the
+score it optimises per nat of KL than best-of-n; below in gold only, its score gains are worth less
+gold than best-of-n's (over-optimisation of the reward model).
 """
 
 def declared_metrics() -> list[Metric]:
@@ -196,9 +199,17 @@ def frontier_sentence(m: dict[str, Any], ns: tuple[int, ...]) -> str:
     interval = (f"95% CI {low:+.3f} to {high:+.3f}" if finite(low) and finite(high) else
                 f"no interval: over {1 - MIN_DEFINED:.0%} of the prompt resamples put PPO's KL past "
                 "best-of-n's largest")
-    return (f"Against the best-of-n curve fitted through SFT and these points (Gao et al. 2023: "
-            f"gold - gold(SFT) = d (a - b d), d = sqrt KL), PPO's gold is {abs(gap):.3f} {side} what "
-            f"best-of-n reaches at PPO's KL: gap {gap:+.3f} ({interval}).")
+    sentence = (f"Against the best-of-n curve fitted through SFT and these points (Gao et al. 2023: "
+                f"gold - gold(SFT) = d (a - b d), d = sqrt KL), PPO's gold is {abs(gap):.3f} {side} what "
+                f"best-of-n reaches at PPO's KL: gap {gap:+.3f} ({interval}).")
+    rm_gap, rm_low, rm_high = (m.get(f"frontier/ppo_gap_rm{s}") for s in ("", "_low", "_high"))
+    if not finite(rm_gap):
+        return sentence
+    rm_interval = f" (95% CI {rm_low:+.3f} to {rm_high:+.3f})" if finite(rm_low) and finite(rm_high) else ""
+    return (f"{sentence} In the reward model's own score, its curve fitted the same way, PPO's gap is "
+            f"{rm_gap:+.3f}{rm_interval}: `frontier/ppo_gap_rm`. Below in both, PPO gets less of the score "
+            f"it optimises per nat of KL than best-of-n; below in gold only, its score gains are worth less "
+            f"gold than best-of-n's.")
 
 
 def report_markdown(m: dict[str, Any], samples: str, has_gold: bool, names: tuple[str, ...],
@@ -250,6 +261,9 @@ def console_lines(m: dict[str, Any], folders: dict[str, Path]) -> list[str]:
         beyond = m["frontier/ppo_beyond_best_of_n"]
         lines.append("  frontier/ppo_gap_gold = "
                      + ("none: PPO's KL is past best-of-n's largest" if beyond else f"{gap:+.3f}{ci}"))
+        rm_gap = m.get("frontier/ppo_gap_rm")
+        if not beyond and finite(rm_gap):
+            lines.append(f"  frontier/ppo_gap_rm = {rm_gap:+.3f}")
     return [*lines, verdict(m, detector_record(folders["ppo"]))]
 
 

@@ -51,8 +51,8 @@ def bradley_terry_label(rng: random.Random, gold_a: float, gold_b: float, temper
 
 def make_pairs(rng: random.Random, prompts: list[str], temperature: float, contrast: float = 0.0,
                contrast_rng: random.Random | None = None, corrupt: float = 0.0,
-               exchange: float = 0.0) -> tuple[list[dict], float]:
-    """Preference pairs with noisy labels, and the noise ceiling (gold ordering vs the labels).
+               exchange: float = 0.0) -> list[dict]:
+    """Preference pairs with noisy labels (their noise ceiling: `noise_ceiling`).
 
     With `contrast` > 0 that fraction of pairs compares a review with itself turned to or away from
     the asked aspect (reviews.swap_aspect), so the pair differs in nothing else. Two independent
@@ -69,7 +69,7 @@ def make_pairs(rng: random.Random, prompts: list[str], temperature: float, contr
     corruption (below `contrast + corrupt`), exchange (below `contrast + corrupt + exchange`) or
     neither; the swap, the fault and the exchange draw from it too, so `rng` is consumed as without
     contrast and every other split keeps its bytes (and `corrupt: 0`, `exchange: 0` keep these)."""
-    rows, agree = [], 0.0
+    rows = []
     for prompt in prompts:
         a = reviews.sample_review(rng, prompt, _random_style(rng))
         b = reviews.sample_review(rng, prompt, _random_style(rng))
@@ -85,11 +85,9 @@ def make_pairs(rng: random.Random, prompts: list[str], temperature: float, contr
                 a, b = _exchange_pair(contrast_rng, prompt, a, b)
         ga, gb = reviews.gold_score(prompt, a), reviews.gold_score(prompt, b)
         a_wins = bradley_terry_label(rng, ga, gb, temperature)
-        chosen, rejected, gc, gr = (a, b, ga, gb) if a_wins else (b, a, gb, ga)
-        # The best any model can do is predict the gold ordering; ties are a coin flip.
-        agree += 1.0 if gc > gr else 0.5 if gc == gr else 0.0
+        chosen, rejected = (a, b) if a_wins else (b, a)
         rows.append({"prompt": prompt, "chosen": chosen, "rejected": rejected})
-    return rows, agree / len(prompts)
+    return rows
 
 
 EXCHANGE_TRIES = 20
@@ -126,7 +124,7 @@ def fresh_pairs(cfg: DataConfig, train_titles: list[str], train_pairs: list[dict
     construction. Used for an auditor reward model's pairs (ppo.detector.auditor) and for the
     reward stage's validation pairs (reward.restart)."""
     rng = random.Random(f"{cfg.seed}-{stream}")
-    rows, _ = make_pairs(rng, _prompts(rng, train_titles, n), cfg.label_temperature)
+    rows = make_pairs(rng, _prompts(rng, train_titles, n), cfg.label_temperature)
     train_keys = {pair_key(r) for r in train_pairs}
     rows = [r for r in rows if pair_key(r) not in train_keys]
     assert not train_keys & {pair_key(r) for r in rows}
@@ -135,7 +133,7 @@ def fresh_pairs(cfg: DataConfig, train_titles: list[str], train_pairs: list[dict
 
 def noise_ceiling(rows: list[dict]) -> float:
     """Share of the pairs whose label agrees with the gold ordering (a gold tie counts 1/2): the
-    accuracy of the best any model can do (make_pairs computes the same while it draws)."""
+    accuracy of the best any model can do, which predicts the gold ordering (a tie is a coin flip)."""
     gold = [(reviews.gold_score(r["prompt"], r["chosen"]), reviews.gold_score(r["prompt"], r["rejected"])) for r in rows]
     return sum(1.0 if gc > gr else 0.5 if gc == gr else 0.0 for gc, gr in gold) / max(len(rows), 1)
 
@@ -161,15 +159,13 @@ def build_splits(cfg: DataConfig) -> tuple[dict[str, list[dict]], dict[str, Any]
                               for p in _prompts(rng, titles, n)]
     splits: dict[str, list[dict]] = {"sft_train": demo(train_titles, cfg.n_sft),
                                      "sft_eval": demo(eval_titles, cfg.n_sft_eval)}
-    splits["pairs_train"], ceiling_train = make_pairs(rng, _prompts(rng, train_titles, cfg.n_pairs),
-                                                      cfg.label_temperature, cfg.aspect_contrast,
-                                                      random.Random(f"{cfg.seed}-aspect-contrast"),
-                                                      cfg.corrupt_contrast, cfg.aspect_exchange)
-    splits["pairs_eval"], ceiling_eval = make_pairs(rng, _prompts(rng, eval_titles, cfg.n_pairs_eval),
-                                                    cfg.label_temperature)
+    splits["pairs_train"] = make_pairs(rng, _prompts(rng, train_titles, cfg.n_pairs), cfg.label_temperature,
+                                       cfg.aspect_contrast, random.Random(f"{cfg.seed}-aspect-contrast"),
+                                       cfg.corrupt_contrast, cfg.aspect_exchange)
+    splits["pairs_eval"] = make_pairs(rng, _prompts(rng, eval_titles, cfg.n_pairs_eval), cfg.label_temperature)
     splits["ppo_prompts"] = [{"prompt": p} for p in _prompts(rng, train_titles, cfg.n_ppo_prompts)]
     splits["eval_prompts"] = [{"prompt": p} for p in _prompts(rng, eval_titles, cfg.n_eval_prompts)]
-    ceilings = {"pairs_train": ceiling_train, "pairs_eval": ceiling_eval}
+    ceilings = {name: noise_ceiling(splits[name]) for name in ("pairs_train", "pairs_eval")}
     if cfg.n_audit_pairs:
         splits["pairs_audit"], _ = fresh_pairs(cfg, train_titles, splits["pairs_train"], cfg.n_audit_pairs, "audit")
     if cfg.n_val_pairs:

@@ -322,101 +322,120 @@ def train(run: StageRun, data_dir: Path, sft_dir: Path, progress: bool = True):
     """Train, normalise and measure; in a multi-process run rank 0 returns the whole model, the
     other ranks (None, tokenizer, {}). With `reward.restart`, a run that falls short at its check
     starts again with the next attempt's seed (training/restart.py)."""
-    import dataclasses
+    import gc
     import logging
-    import torch
     from ..data import inputs
-    from ..measurement.policy import whole
-    from ..models import lora, reward_model as rm
-    from ..models.checkpoints import load_kwargs
-    from ..training import loading, restart, resume, supervised, token_batches
+    from ..training import restart, resume
     from ..training.batches import total_steps
-    from ..training.supervised import SupervisedTask
-    params, ctx, out_dir = run.params, run.ctx, run.out
-    cfg = params.reward
-    train_pairs, eval_pairs = pair_sources(params, data_dir)
-    init = cfg.name_or_path if cfg.name_or_path is not None else sft_dir
-    held = held_out(params, data_dir, eval_pairs)
+    cfg = run.params.reward
+    train_pairs, eval_pairs = pair_sources(run.params, data_dir)
+    held = held_out(run.params, data_dir, eval_pairs)
     val_pairs: list[Pair] = []
     if restart.active(cfg.restart, total_steps(len(train_pairs), cfg.batch_size, cfg.epochs)):   # validation pairs of training titles, read (and a holdout taken out) before any step
         train_pairs, val_pairs = inputs.validation_pairs(cfg.dataset, data_dir, train_pairs, cfg.restart.holdout,
                                                          "reward.restart")
-    restart_log = StepLog(out_dir / "restart.tsv", restart.COLUMNS, run.tracker, series="restart", write=ctx.is_main)
+    restart_log = StepLog(run.out / "restart.tsv", restart.COLUMNS, run.tracker, series="restart",
+                          write=run.ctx.is_main)
     attempt = resume.attempt(run.checkpoint, run.fingerprint)   # a killed run resumes the attempt it was in
-    gates: list[Optional[restart.Gate]] = []
-
+    pairs = Split(train_pairs, eval_pairs, val_pairs)
     while True:
-        seed = restart.seed_of(cfg.seed, attempt)
-        with loading.partitioned(cfg.distributed, ctx):   # ZeRO-3: each rank loads its partition only
-            model, tok = rm.init_reward_model(init, seed, cfg.head_init_std, params.model.trust_remote_code,
-                                              load_kwargs(params.model, loading.load_dtype(cfg.distributed, trained=True)))
-        model = lora.wrap(model, cfg.lora, "SEQ_CLS", "reward.lora")
-        encoded = rm.EncodedPairs(tok, cfg.max_length)      # every prompt and response tokenised once, not once per epoch
-        fitted, n_trunc, n_drop = fit_pairs(train_pairs, encoded, cfg.overlong)
-        if val_pairs:
-            val_pairs, _, _ = fit_pairs(val_pairs, encoded, cfg.overlong)
-        torch.manual_seed(seed)
-
-        def task(engine, micro: int, fitted=fitted, encoded=encoded, tok=tok, attempt=attempt) -> SupervisedTask:
-            # With `packing`, a micro-batch's pairs in one row, and so every held-out and final scoring pass.
-            def loss(part: list[Pair], batch: list[Pair]) -> tuple[torch.Tensor, list[float]]:
-                rc, rr = batch_scores(engine.model, tok, part, cfg.max_length, engine.device, cfg.shared_prompt,
-                                      encoded, cfg.packing)
-                total, correct = rm.pairwise_loss_sum(rc, rr, torch.tensor([p.margin for p in part], device=rc.device))
-                return total / cfg.batch_size, [total.item(), correct]
-
-            def scored(pairs: list[Pair]) -> dict[str, float]:
-                return eval_pairs_loss(engine.model, tok, pairs, cfg.max_length, ctx, engine.device,
-                                       shared_prompt=cfg.shared_prompt, encoded=encoded, packed=cfg.packing)
-
-            gates.append(restart.gate(cfg.restart, total_steps(len(fitted), cfg.batch_size, cfg.epochs), cfg.eval_every,
-                                      attempt, lambda: scored(val_pairs)["accuracy"], restart_log))
-            return SupervisedTask("reward", fitted, ["loss", "accuracy"], loss,
-                                  normaliser=lambda batch: cfg.batch_size, eval_columns=["loss", "accuracy"],
-                                  evaluate=lambda: scored(eval_pairs),
-                                  length=lambda p: encoded.row_tokens((p.prompt, p.chosen, p.rejected),
-                                                                      cfg.shared_prompt, cfg.packing),
-                                  forwards=token_batches.packed if cfg.packing else
-                                  lambda lengths: rm.length_sorted_parts(lengths, rm.PAIRS_PER_FORWARD),
-                                  gate=gates[-1])
-
-        def measure(engine, tok=tok) -> tuple[Optional[float], Scored]:
-            # Every rank, with the trained model whole on its device: the offset (the same on every rank),
-            # the held-out pairs and the SFT policy's samples scored by it, each rank its share.
-            offset = None
-            with whole(engine) as trained:
-                if cfg.normalize:
-                    offset = normalise(trained, tok, params, held.demonstrations, cfg.packing)   # (mean, std)
-                rc, rr, imbalance = score_pairs(trained, tok, eval_pairs, cfg.max_length, ctx, engine.device,
-                                                shared_prompt=cfg.shared_prompt, packed=cfg.packing)
-                stored = rm.offset(trained)
-            return offset, Scored(rc, rr, stored, imbalance, sft_samples(engine, tok, params, sft_dir, held, ctx))
-
-        def report(model, result, measured) -> dict[str, Any]:
-            offset, scored_ = measured
-            return {**({"eval/offset": offset[0], "eval/scale": offset[1]} if offset is not None else {}),
-                    **evaluate(params, held, out_dir, scored_, run.tracker)}
-
-        recipe = supervised.Recipe(model, len(fitted), task, measure, report,
-                                   counts={"data/truncated": n_trunc, "data/dropped": n_drop})
         try:
-            model, metrics = supervised.run("reward", dataclasses.replace(cfg, seed=seed), recipe, out_dir,
-                                            run.checkpoint, run.tracker, ctx, run.fingerprint, progress)
+            model, tok, metrics, checked = train_attempt(run, attempt, sft_dir, pairs, held, restart_log, progress)
+            break
         except restart.Restarted as short:
             logging.getLogger(__name__).warning(
                 "reward: validation accuracy %.4f < reward.restart.min_accuracy %s at step %d: restarting with "
                 "seed %d (restart %d of at most %d)", short.accuracy, short.bar, cfg.restart.at_step,
                 restart.seed_of(cfg.seed, attempt + 1), attempt + 1, cfg.restart.max_restarts)
             attempt += 1
-            gates.clear()   # the abandoned attempt's gate holds its engine: let it go before the next is built
-            del model, recipe
-            continue
-        break
+        gc.collect()   # the abandoned attempt's engine, held in cycles through its traceback's frames, before the next
     restart_log.flush()
-    kept = gates[-1] if gates else None
     if model is not None:
-        metrics.update(restart.summary(attempt, seed, kept.accuracy() if kept is not None else None))
+        metrics.update(restart.summary(attempt, restart.seed_of(cfg.seed, attempt), checked))
     return model, tok, metrics
+
+
+@dataclass(frozen=True)
+class Split:
+    """The reward stage's pairs: training, held-out, and validation (the restart check's; maybe none)."""
+    train: list[Pair]
+    eval: list[Pair]
+    val: list[Pair]
+
+
+def train_attempt(run: StageRun, attempt: int, sft_dir: Path, pairs: Split, held: HeldOut, restart_log: StepLog,
+                  progress: bool) -> tuple[Any, Any, dict[str, Any], Optional[float]]:
+    """One attempt of the stage, seeded `restart.seed_of(reward.seed, attempt)`: train's returns and the
+    attempt's mean validation accuracy over the check's window (None unchecked). Raises
+    restart.Restarted at a check that falls short while restarts are left."""
+    import dataclasses
+    import torch
+    from ..measurement.policy import whole
+    from ..models import lora, reward_model as rm
+    from ..models.checkpoints import load_kwargs
+    from ..training import loading, restart, supervised, token_batches
+    from ..training.batches import total_steps
+    from ..training.supervised import SupervisedTask
+    params, ctx, out_dir = run.params, run.ctx, run.out
+    cfg = params.reward
+    init = cfg.name_or_path if cfg.name_or_path is not None else sft_dir
+    seed = restart.seed_of(cfg.seed, attempt)
+    with loading.partitioned(cfg.distributed, ctx):   # ZeRO-3: each rank loads its partition only
+        model, tok = rm.init_reward_model(init, seed, cfg.head_init_std, params.model.trust_remote_code,
+                                          load_kwargs(params.model, loading.load_dtype(cfg.distributed, trained=True)))
+    model = lora.wrap(model, cfg.lora, "SEQ_CLS", "reward.lora")
+    encoded = rm.EncodedPairs(tok, cfg.max_length)      # every prompt and response tokenised once, not once per epoch
+    fitted, n_trunc, n_drop = fit_pairs(pairs.train, encoded, cfg.overlong)
+    val_pairs = fit_pairs(pairs.val, encoded, cfg.overlong)[0] if pairs.val else []
+    torch.manual_seed(seed)
+    gates: list[Optional[restart.Gate]] = []   # the task's (None: unchecked)
+
+    def task(engine, micro: int) -> SupervisedTask:
+        # With `packing`, a micro-batch's pairs in one row, and so every held-out and final scoring pass.
+        def loss(part: list[Pair], batch: list[Pair]) -> tuple[torch.Tensor, list[float]]:
+            rc, rr = batch_scores(engine.model, tok, part, cfg.max_length, engine.device, cfg.shared_prompt,
+                                  encoded, cfg.packing)
+            total, correct = rm.pairwise_loss_sum(rc, rr, torch.tensor([p.margin for p in part], device=rc.device))
+            return total / cfg.batch_size, [total.item(), correct]
+
+        def scored(pairs_: list[Pair]) -> dict[str, float]:
+            return eval_pairs_loss(engine.model, tok, pairs_, cfg.max_length, ctx, engine.device,
+                                   shared_prompt=cfg.shared_prompt, encoded=encoded, packed=cfg.packing)
+
+        gates.append(restart.gate(cfg.restart, total_steps(len(fitted), cfg.batch_size, cfg.epochs), cfg.eval_every,
+                                  attempt, lambda: scored(val_pairs)["accuracy"], restart_log))
+        return SupervisedTask("reward", fitted, ["loss", "accuracy"], loss,
+                              normaliser=lambda batch: cfg.batch_size, eval_columns=["loss", "accuracy"],
+                              evaluate=lambda: scored(pairs.eval),
+                              length=lambda p: encoded.row_tokens((p.prompt, p.chosen, p.rejected),
+                                                                  cfg.shared_prompt, cfg.packing),
+                              forwards=token_batches.packed if cfg.packing else
+                              lambda lengths: rm.length_sorted_parts(lengths, rm.PAIRS_PER_FORWARD),
+                              gate=gates[-1])
+
+    def measure(engine) -> tuple[Optional[float], Scored]:
+        # Every rank, with the trained model whole on its device: the offset (the same on every rank),
+        # the held-out pairs and the SFT policy's samples scored by it, each rank its share.
+        offset = None
+        with whole(engine) as trained:
+            if cfg.normalize:
+                offset = normalise(trained, tok, params, held.demonstrations, cfg.packing)   # (mean, std)
+            rc, rr, imbalance = score_pairs(trained, tok, pairs.eval, cfg.max_length, ctx, engine.device,
+                                            shared_prompt=cfg.shared_prompt, packed=cfg.packing)
+            stored = rm.offset(trained)
+        return offset, Scored(rc, rr, stored, imbalance, sft_samples(engine, tok, params, sft_dir, held, ctx))
+
+    def report(model, result, measured) -> dict[str, Any]:
+        offset, scored_ = measured
+        return {**({"eval/offset": offset[0], "eval/scale": offset[1]} if offset is not None else {}),
+                **evaluate(params, held, out_dir, scored_, run.tracker)}
+
+    recipe = supervised.Recipe(model, len(fitted), task, measure, report,
+                               counts={"data/truncated": n_trunc, "data/dropped": n_drop})
+    model, metrics = supervised.run("reward", dataclasses.replace(cfg, seed=seed), recipe, out_dir,
+                                    run.checkpoint, run.tracker, ctx, run.fingerprint, progress)
+    gate = gates[-1] if gates else None
+    return model, tok, metrics, gate.accuracy() if gate is not None else None
 
 
 def eval_pairs_loss(model, tok, pairs: list[Pair], max_length: int, ctx: Context = SINGLE,

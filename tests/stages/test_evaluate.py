@@ -246,18 +246,28 @@ def test_evaluate_writes_ppos_gap_to_the_frontier_and_reports_it():
     assert (m["frontier/ppo_gap_gold"], m["frontier/ppo_gap_gold_low"], m["frontier/ppo_gap_gold_high"],
             m["frontier/ppo_beyond_best_of_n"]) == (want.gap, want.low, want.high, False)
     assert want.gap < -0.1 and want.high < 0          # the data put PPO below the curve
+    # The same gap in the reward model's score: the same fit on the `rm` values, the same resamples.
+    by_rm = {name: Series(p.values["kl"], p.values["rm"]) for name, p in per.items()}
+    rm = gaps(per["sft"].values["rm"], [by_rm[f"best_of_{k}"] for k in (4, 16, 64)], {"ppo": by_rm["ppo"]},
+              n_boot=200, seed=5)["ppo"]
+    assert (m["frontier/ppo_gap_rm"], m["frontier/ppo_gap_rm_low"], m["frontier/ppo_gap_rm_high"]) == (rm.gap, rm.low, rm.high)
+    assert rm.gap != want.gap and rm.low < rm.gap < rm.high
     assert not passed(m)
     lines = ppo_vs_best_of_n(m, (4, 16, 64), "gold")
     assert lines[-1] == (f"- Against the best-of-n curve fitted through SFT and these points (Gao et al. "
                          f"2023: gold - gold(SFT) = d (a - b d), d = sqrt KL), PPO's gold is {-want.gap:.3f} "
                          f"below what best-of-n reaches at PPO's KL: gap {want.gap:+.3f} (95% CI "
-                         f"{want.low:+.3f} to {want.high:+.3f}).")
+                         f"{want.low:+.3f} to {want.high:+.3f}). In the reward model's own score, its curve fitted "
+                         f"the same way, PPO's gap is {rm.gap:+.3f} (95% CI {rm.low:+.3f} to {rm.high:+.3f}): "
+                         "`frontier/ppo_gap_rm`. Below in both, PPO gets less of the score it optimises per nat of "
+                         "KL than best-of-n; below in gold only, its score gains are worth less gold than best-of-n's.")
     report = report_markdown(m, "", True, policies(EvaluateConfig()), (4, 16, 64), verdict(m, None))
     assert lines[-1] in report and "**PPO is below the best-of-n frontier" in report
     # Past best-of-64's KL: flagged, not extrapolated.
     per["ppo"].values["kl"] = [5.0] * 60
     far = summarise(per, n_boot=200, seed=5)
     assert far["frontier/ppo_beyond_best_of_n"] is True and math.isnan(far["frontier/ppo_gap_gold"])
+    assert math.isnan(far["frontier/ppo_gap_rm"])
     margin, m_low, m_high = (far[f"frontier/ppo_margin_gold{s}"] for s in ("", "_low", "_high"))
     assert margin == pytest.approx(far["ppo/gold"] - max(far["sft/gold"], *(far[f"best_of_{n}/gold"] for n in (4, 16, 64))))
     assert m_low <= margin <= m_high

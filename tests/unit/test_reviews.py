@@ -15,7 +15,7 @@ import random
 import pytest
 
 from pipeline.config import DataConfig
-from pipeline.stages.prepare import SPLITS, bradley_terry_label, build_splits, check_leakage, make_pairs, write
+from pipeline.stages.prepare import SPLITS, bradley_terry_label, build_splits, check_leakage, make_pairs, noise_ceiling, write
 from pipeline.files import read_jsonl
 from pipeline.tasks import reviews as R
 
@@ -292,7 +292,8 @@ def test_bradley_terry_small_temperature_does_not_overflow():
 
 def test_make_pairs_rows_and_noise_ceiling():
     prompts = [R.make_prompt(t, a, i % 3) for i, (t, a) in enumerate(zip(R.TITLES[:60], R.ASPECTS * 5))]
-    rows, ceiling = make_pairs(random.Random(11), prompts, temperature=0.5)
+    rows = make_pairs(random.Random(11), prompts, temperature=0.5)
+    ceiling = noise_ceiling(rows)
     assert [r["prompt"] for r in rows] == prompts
     assert all(set(r) == {"prompt", "chosen", "rejected"} for r in rows)
     assert all(r["chosen"] != r["rejected"] for r in rows)
@@ -302,7 +303,7 @@ def test_make_pairs_rows_and_noise_ceiling():
         agree += 1.0 if gc > gr else 0.5 if gc == gr else 0.0
     assert ceiling == pytest.approx(agree / len(rows), abs=1e-12)
     assert 0.5 < ceiling < 1.0  # labels follow gold more often than not, but with noise
-    assert make_pairs(random.Random(11), prompts, 0.5) == (rows, ceiling)
+    assert make_pairs(random.Random(11), prompts, 0.5) == rows
 
 
 def test_swap_aspect_turns_a_review_to_or_away_from_the_asked_aspect():
@@ -430,7 +431,7 @@ def test_corrupt_contrast_pairs_leave_other_splits_byte_identical():
 
 @pytest.mark.parametrize("split, key", [("pairs_audit", "n_audit_pairs"), ("pairs_val", "n_val_pairs")])
 def test_fresh_pairs_are_disjoint_from_the_training_pairs(split, key):
-    from pipeline.stages.prepare import noise_ceiling, pair_key
+    from pipeline.stages.prepare import pair_key
     plain, _ = build_splits(DataConfig(**{**SMALL.__dict__, "n_pairs": 300}))
     splits, stats = build_splits(DataConfig(**{**SMALL.__dict__, "n_pairs": 300, key: 300}))
     for name in SPLITS:                       # opting in changes no other split
