@@ -339,14 +339,16 @@ def train(run: StageRun, data_dir: Path, sft_dir: Path, progress: bool = True):
     attempt = resume.attempt(run.checkpoint, run.fingerprint)   # a killed run resumes the attempt it was in
     pairs = Split(train_pairs, eval_pairs, val_pairs)
     while True:
+        restart_log.tracked = lambda row, now=attempt: row["attempt"] == now   # earlier attempts: their own runs
         try:
             model, tok, metrics, checked = train_attempt(run, attempt, sft_dir, pairs, held, restart_log, progress)
             break
         except restart.Restarted as short:
-            logging.getLogger(__name__).warning(
-                "reward: validation accuracy %.4f < reward.restart.min_accuracy %s at step %d: restarting with "
-                "seed %d (restart %d of at most %d)", short.accuracy, short.bar, cfg.restart.at_step,
-                restart.seed_of(cfg.seed, attempt + 1), attempt + 1, cfg.restart.max_restarts)
+            why = (f"restarted: validation accuracy {short.accuracy:.4f} < reward.restart.min_accuracy {short.bar} "
+                   f"at step {cfg.restart.at_step}; seed {restart.seed_of(cfg.seed, attempt + 1)} trains again "
+                   f"(restart {attempt + 1} of at most {cfg.restart.max_restarts})")
+            logging.getLogger(__name__).warning("reward: %s", why)
+            run.tracker.restart(why)
             attempt += 1
         gc.collect()   # the abandoned attempt's engine, held in cycles through its traceback's frames, before the next
     restart_log.flush()

@@ -135,6 +135,7 @@ class MlflowTracker(Tracker):
         self._figures: set[str] = set()   # file names logged with log_figure
         self.model_id: str | None = None  # the stage's MLflow logged model (stages that register one)
         self._system: Any = None          # MLflow's system metrics monitor of the run
+        self._tags: dict[str, str] = {}   # the stage run's tags (a restarted attempt's run gets them too)
 
     def _guard(self, doing: str, call: Callable[[], Any], soft: bool = False) -> Any:
         """Run one MLflow call; on the first failure warn once and turn this tracker off, so the
@@ -181,7 +182,6 @@ class MlflowTracker(Tracker):
             os.environ.setdefault(key, value)
         from filelock import FileLock
         from mlflow import MlflowClient
-        from mlflow.entities import Param
         # Stages of parallel queued experiments may start at once: one finds-or-creates at a time.
         # The client is made under the lock too: its SQLite store creates the database's tables on
         # first use, and two processes doing that at once fail ("table experiments already exists").
@@ -192,6 +192,13 @@ class MlflowTracker(Tracker):
             exp_id = self.experiment_id = self._experiment_id()
             self._soft("marking orphaned runs KILLED", lambda: self._reap_orphans(exp_id))
             self.parent_id, self.owns_parent = self._parent(exp_id, tags)
+        self._tags = tags
+        self._create_run(stage, config, tags)
+
+    def _create_run(self, stage: str, config: Mapping[str, Any], tags: dict[str, str]) -> None:
+        """The stage's own run under `self.parent_id`, with its params, system metrics and logged model."""
+        from mlflow.entities import Param
+        exp_id = self.experiment_id
         # `mlflow.parentRunId` is the tag MLflow's UI nests runs by (mlflow/utils/mlflow_tags.py).
         run = self.client.create_run(exp_id, run_name=stage, tags={**tags, "mlflow.parentRunId": self.parent_id})
         self.run_id = run.info.run_id
@@ -401,6 +408,22 @@ class MlflowTracker(Tracker):
                 self.client.set_tag(previous.info.run_id, "resumed_by", self.run_id)
         self._soft("linking the resumed run to the killed one", call)
 
+    def restart(self, why: str) -> None:
+        """The abandoned attempt's run ends KILLED, tagged `pipeline_end` = `why`; a new run of the
+        stage (same params and tags, under the same parent) takes the next attempt. The two are
+        linked (`restarted_by`, `restart_of`), as a resumed run is to the one it continues."""
+        if not self.enabled:
+            return
+        abandoned = self.run_id
+        self._end_run("KILLED")
+        self._guard("ending the abandoned attempt's run", lambda: self.client.set_tag(abandoned, "pipeline_end", why))
+        self._pending, self._latest, self._last_step, self._figures = [], {}, 0, set()
+        self.model_id = self._system = None
+        self._guard("starting the restarted run", lambda: self._create_run(
+            self.stage, self.config, {**self._tags, "restart_of": abandoned}))
+        self._soft("linking the abandoned run to the restarted one",
+                   lambda: self.client.set_tag(abandoned, "restarted_by", self.run_id))
+
     def alias_evaluated(self, stage: str, name: str, alias: str) -> None:
         """Point `alias` (e.g. `champion`) of `stage`'s registered model `name` at the version this
         pipeline execution registered (the run beside this one under the same parent), else at its
@@ -441,6 +464,13 @@ class MlflowTracker(Tracker):
         self._system.start()
 
     def finish(self, status: str) -> None:
+        self._end_run(status)
+        if self.owns_parent:
+            self._guard("ending the parent run", lambda: self.client.set_terminated(self.parent_id, status))
+
+
+    def _end_run(self, status: str) -> None:
+        """End the stage's current run (not the parent): its system metrics, buffered points, logged model."""
         if self._system is not None:
             self._soft("stopping the system metrics monitor", self._system.finish)
         self.flush()
@@ -448,8 +478,6 @@ class MlflowTracker(Tracker):
             self._soft("marking the logged model failed",
                        lambda: self.client.finalize_logged_model(self.model_id, "FAILED"))
         self._guard("ending the stage's run", lambda: self.client.set_terminated(self.run_id, status))
-        if self.owns_parent:
-            self._guard("ending the parent run", lambda: self.client.set_terminated(self.parent_id, status))
 
 
 def _retrying(call: Callable[[], Any]) -> Any:

@@ -14,7 +14,7 @@ MLflow, the second sink, lives in `mlflow_sink.py` (models: `mlflow_models.py`);
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any, Callable, Mapping
 
 from ..files import atomic_write_json, atomic_write_text
 
@@ -51,6 +51,11 @@ class Tracker:
     def mark_resumed(self, step: int) -> None:
         """This run continues an interrupted one from `step` (MLflow: links the two runs)."""
 
+    def restart(self, why: str) -> None:
+        """The stage abandons what it trained so far and trains again from step 1 (a restart check,
+        training/restart.py). MLflow: the abandoned attempt's run ends KILLED with `why`, and a new
+        run of the stage takes the rest, so no run holds two points at one step of a series."""
+
     def set_description(self, text: str) -> None:
         """Describe the pipeline execution (MLflow: the parent run's description)."""
 
@@ -78,6 +83,9 @@ class StepLog:
     def __init__(self, path: Path, columns: list[str] | None = None, tracker: Tracker | None = None,
                  series: str = "", write: bool = True):
         self.path = Path(path)
+        # Which rows go to the tracker (all by default). A log that outlives a restart (the restart
+        # check's own) sends only the current attempt's: the abandoned ones are in their own runs.
+        self.tracked: Callable[[Mapping[str, Any]], bool] = lambda row: True
         self.write = write  # False on every rank but 0 of a multi-process run: one writer per file
         self.columns = ["step", *columns] if columns is not None else None
         self.rows: list[dict[str, Any]] = []
@@ -94,7 +102,8 @@ class StepLog:
         if unknown:
             raise KeyError(f"{self.path.name}: metrics {sorted(unknown)} are not columns of this log")
         self.rows.append({"step": step, **metrics})
-        self.tracker.log_metrics(step, {self.metric_name(k): v for k, v in metrics.items()})
+        if self.tracked(self.rows[-1]):
+            self.tracker.log_metrics(step, {self.metric_name(k): v for k, v in metrics.items()})
 
     def restore(self, rows: list[dict[str, Any]], columns: list[str] | None = None) -> None:
         """Take over the rows of an interrupted run (resume); the tracker's new run gets them too.

@@ -19,7 +19,7 @@ import mlflow.transformers
 import pytest
 from mlflow import MlflowClient
 
-from conftest import flat, free_port, tiny_policy_and_reward_model
+from conftest import flat, free_port, supervised_run, tiny_params, tiny_policy_and_reward_model
 from mlflow_store import registered_weights, server, tracking_env, tsv  # noqa: F401 (fixtures)
 from pipeline.tracking import mlflow_sink as tracking
 from pipeline.stages import sft
@@ -429,3 +429,55 @@ def test_the_champion_is_the_last_policy_whose_verdict_was_ok(tmp_path, monkeypa
     assert int(client.get_model_version_by_alias("rlhf-policy", "champion").version) == 2
     assert judged(failing) == [False, False, False, False]
     assert int(client.get_model_version_by_alias("rlhf-policy", "champion").version) == 2   # not 3
+
+
+def test_a_restarted_reward_stage_logs_each_attempt_in_a_run_of_its_own(tiny_data, tiny_sft, tmp_path, monkeypatch):
+    # The tiny reward run whose check always fails (a bar of 1.0): 12 steps, checked at step 6, once.
+    (tmp_path / "dvc.yaml").write_text("stages: {}\n")
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("MLFLOW_ENABLE_SYSTEM_METRICS_LOGGING", "false")
+    params = tiny_params({"reward": {"epochs": 4.0, "save_every": 2,
+                                     "restart": {"at_step": 6, "window": 2, "min_accuracy": 1.0}}})
+    metrics = supervised_run("reward", params, tiny_data, tiny_sft)(tmp_path / "out")
+    assert metrics["train/restarts"] == 1
+
+    client = MlflowClient(f"sqlite:///{tmp_path.resolve()}/mlflow.db")
+    exp = client.get_experiment_by_name("rlhf-pipeline")
+    runs = client.search_runs([exp.experiment_id], "tags.stage = 'reward'")
+    (abandoned,) = [r for r in runs if "restart_of" not in r.data.tags]
+    (kept,) = [r for r in runs if "restart_of" in r.data.tags]
+    assert (abandoned.info.status, kept.info.status) == ("KILLED", "FINISHED")
+    assert kept.data.tags["restart_of"] == abandoned.info.run_id
+    assert abandoned.data.tags["restarted_by"] == kept.info.run_id
+    assert abandoned.data.tags["pipeline_end"].startswith("restarted: validation accuracy ")
+    assert "seed 1000 trains again" in abandoned.data.tags["pipeline_end"]
+    assert kept.data.tags["mlflow.parentRunId"] == abandoned.data.tags["mlflow.parentRunId"]
+    assert kept.data.params == abandoned.data.params and kept.data.params["reward.seed"] == "0"
+
+    def points(run, name):
+        return [(m.step, m.value) for m in client.get_metric_history(run.info.run_id, name)]
+    # Each run holds one attempt's steps, each once: the kept run's series is train.tsv's.
+    assert [s for s, _ in points(abandoned, "train/loss")] == list(range(1, 7))
+    rows = tsv(tmp_path / "out/train.tsv")
+    assert points(kept, "train/loss") == [(int(r["step"]), pytest.approx(float(r["loss"]), rel=1e-5)) for r in rows]
+    assert len(rows) == 12
+    assert points(abandoned, "restart/attempt") == [(4, 0.0), (6, 0.0)]
+    assert points(kept, "restart/attempt") == [(4, 1.0), (6, 1.0)]
+    assert kept.data.metrics["train/restarts"] == 1 and "train/restarts" not in abandoned.data.metrics
+    # Each run its own logged model: the abandoned one failed, the kept one holds the weights.
+    models = {m.source_run_id: str(m.status) for m in
+              client.search_logged_models([exp.experiment_id], filter_string="name = 'reward'")}
+    assert set(models) == {abandoned.info.run_id, kept.info.run_id}
+    assert "FAILED" in models[abandoned.info.run_id] and "READY" in models[kept.info.run_id]
+
+
+def test_a_step_log_sends_the_tracker_only_the_rows_it_tracks(tmp_path):
+    rec = Recorder()
+    log = StepLog(tmp_path / "restart.tsv", ["attempt", "accuracy"], tracker=rec, series="restart")
+    log.tracked = lambda row: row["attempt"] == 1
+    log.restore([{"step": 4, "attempt": 0, "accuracy": 0.5}, {"step": 4, "attempt": 1, "accuracy": 0.7}])
+    log.log(6, {"attempt": 1, "accuracy": 0.8})
+    log.flush()
+    assert rec.points == [("restart/attempt", 4, 1), ("restart/accuracy", 4, 0.7),
+                          ("restart/attempt", 6, 1), ("restart/accuracy", 6, 0.8)]
+    assert [r["step"] for r in tsv(tmp_path / "restart.tsv")] == ["4", "4", "6"]   # the file keeps every row
