@@ -47,6 +47,9 @@ METRIC_FILES = {
     "metrics.json": "per policy (`sft`, `best_of_<n>` for each n of `evaluate.best_of_n`, `ppo`) on "
                     "the held-out prompts, then the win rates and PPO's gap to the best-of-n frontier",
 }
+# How the gap in the reward model's score reads beside the gold gap: the metrics page and the report.
+RM_GAP_READING = ("Below in both, PPO gets less of the score it optimises per nat of KL than best-of-n; below in "
+                  "gold only, its score gains are worth less gold than best-of-n's")
 METRIC_NOTES = f"""\
 `best_of_<n>` keeps the reward model's favourite among the first n of max(n) SFT samples per prompt
 (nested: one draw serves every n). `report.md` opens with the verdict (did PPO beat SFT by the gold
@@ -62,9 +65,8 @@ every policy, and refits. Past best-of-n's largest KL the curve is not extrapola
 bounds are null and `frontier/ppo_beyond_best_of_n` is true. `frontier/ppo_margin_gold`, defined at
 every KL, is PPO's mean gold minus the best mean gold SFT or a best-of-n reaches at no more KL. A gap,
 or a margin, below -{BELOW_FRONTIER:.2f} whose whole interval is below 0 makes the verdict not OK.
-`frontier/ppo_gap_rm` is the same gap in the reward model's score: below in both, PPO gets less of the
-score it optimises per nat of KL than best-of-n; below in gold only, its score gains are worth less
-gold than best-of-n's (over-optimisation of the reward model).
+`frontier/ppo_gap_rm` is the same gap in the reward model's score.
+{RM_GAP_READING} (over-optimisation of the reward model).
 """
 
 def declared_metrics() -> list[Metric]:
@@ -207,9 +209,7 @@ def frontier_sentence(m: dict[str, Any], ns: tuple[int, ...]) -> str:
         return sentence
     rm_interval = f" (95% CI {rm_low:+.3f} to {rm_high:+.3f})" if finite(rm_low) and finite(rm_high) else ""
     return (f"{sentence} In the reward model's own score, its curve fitted the same way, PPO's gap is "
-            f"{rm_gap:+.3f}{rm_interval}: `frontier/ppo_gap_rm`. Below in both, PPO gets less of the score "
-            f"it optimises per nat of KL than best-of-n; below in gold only, its score gains are worth less "
-            f"gold than best-of-n's.")
+            f"{rm_gap:+.3f}{rm_interval}: `frontier/ppo_gap_rm`. {RM_GAP_READING}.")
 
 
 def report_markdown(m: dict[str, Any], samples: str, has_gold: bool, names: tuple[str, ...],
