@@ -8,7 +8,8 @@ A variant is a name and the params it changes (VARIANTS). Each one runs through
 benchmarks/seed_grid.py with the same work folder, so the runs of one upstream seed share one SFT
 model and one reward model whatever the variant, and only PPO and evaluate run again; each variant's
 table lands in the work folder as `variant_<name>.json`. `--collect` merges every table found there
-into one file with the machine and date (`make docs` renders it in the decision record that chose
+(and with `--base` an earlier collected file's variants and runs, but those measured again) into one
+file with the machine and each variant's date (`make docs` renders it in the decision record that chose
 among them), reading a run's `frontier/*` from its evaluate metrics where an older table lacks a
 column. Choose on some seeds and confirm on others that no choice used. `--seed-grid NAME` also
 writes that variant's runs as benchmarks/seed_grid.py's JSON (the README's seeds table, once the
@@ -47,6 +48,14 @@ VARIANTS: dict[str, list[str]] = {
     # lower still: the committed run's kl_target sweep (docs/compare_methods.tsv) put 2.0 on the curve;
     # the default since the reward stage's restart check (the decision record of that date)
     "adaptc20": ["ppo.adaptive_kl=true", "ppo.kl_target=2.0", "ppo.lr_schedule=constant"],
+    # more optimisation at the default's KL target: twice the iterations (and episodes) under the
+    # same controller; and twice the rollout batch for half the iterations with the controller's
+    # horizon halved in iterations (the same horizon in episodes)
+    "i200": ["ppo.adaptive_kl=true", "ppo.kl_target=2.0", "ppo.lr_schedule=constant", "ppo.iterations=200"],
+    # the default's iterations with twice the actor's learning rate: more movement per iteration at no cost
+    "lr2": ["ppo.adaptive_kl=true", "ppo.kl_target=2.0", "ppo.lr_schedule=constant", "ppo.lr=2.0e-4"],
+    "b128i50h5": ["ppo.adaptive_kl=true", "ppo.kl_target=2.0", "ppo.lr_schedule=constant",
+                  "ppo.rollout_batch_size=128", "ppo.iterations=50", "ppo.kl_horizon_iterations=5.0"],
     # the reward as log CDF among k SFT responses, kl_coef 1/(n-1): aimed at best-of-n (quantile_reward.py)
     "bon16": [*FIXED, "ppo.quantile_reward_samples=16", "ppo.kl_coef=0.0667"],
     "bon32": [*FIXED, "ppo.quantile_reward_samples=32", "ppo.kl_coef=0.0323"],
@@ -73,22 +82,35 @@ def run_variant(name: str, runs: list[str], keep: Path) -> None:
     part.unlink()
 
 
-def collect(keep: Path, out: Path) -> dict:
+def collect(keep: Path, out: Path, base: Path | None = None) -> dict:
+    """Every variant table of `keep` in one file; with `base` (an earlier --collect's file, e.g. the
+    committed docs/data/ppo-variants.json) its variants and runs too, except the (variant, run) pairs
+    `keep` measured again. Each variant keeps the date its runs were measured."""
     from demo_seeds import machine
+    earlier = {v["name"]: v for v in json.loads(base.read_text())["variants"]} if base is not None else {}
+    base_date = json.loads(base.read_text()).get("date") if base is not None else None
     variants = []
     for name, settings in VARIANTS.items():
         table = keep / f"variant_{name}.json"
+        old = earlier.get(name)
         if not table.exists():
+            if old is not None:
+                variants.append({"date": base_date, **old})
             continue
-        runs = json.loads(table.read_text())["runs"]
+        measured = json.loads(table.read_text())
+        runs = measured["runs"]
+        again = {r["run"] for r in runs}
+        runs = [r for r in (old or {}).get("runs", []) if r["run"] not in again] + runs
         for r in runs:
             upstream, ppo, threads = r["run"].split(":")
             metrics = keep / f"u{upstream}_p{ppo}_t{threads}_{name}" / "evaluate" / "metrics.json"
             if any(k not in r for k in FRONTIER) and metrics.exists():
                 frontier = json.loads(metrics.read_text()).get("frontier", {})
                 r.update({k: frontier.get(k) for k in FRONTIER if k not in r})
-        variants.append({"name": name, "overrides": settings, "runs": runs})
-    result = {"machine": machine(), "date": datetime.date.today().isoformat(), "variants": variants}
+        variants.append({"name": name, "overrides": settings, "runs": runs,
+                         "date": measured.get("date") or datetime.date.today().isoformat()})
+    result = {"machine": machine(), "date": max((v["date"] for v in variants if v.get("date")),
+                                                default=datetime.date.today().isoformat()), "variants": variants}
     tmp = out.with_suffix(".json.tmp")
     tmp.write_text(json.dumps(result, indent=1, allow_nan=False) + "\n")
     tmp.replace(out)
@@ -119,13 +141,15 @@ def main() -> int:
     ap.add_argument("--runs", nargs="+", default=["0:0", "1:1", "2:2"], help="UPSTREAM:PPO[:THREADS] per run")
     ap.add_argument("--collect", action="store_true", help="only merge the variants' tables into --out")
     ap.add_argument("--out", type=Path, default=Path("/tmp/ppo-variants.json"))
+    ap.add_argument("--base", type=Path, default=None,
+                    help="an earlier --collect's file whose variants and runs the new file keeps (but those measured again)")
     ap.add_argument("--seed-grid", nargs=2, metavar=("NAME", "OUT"), default=None,
                     help="also write variant NAME's runs as seed_grid.py's JSON to OUT")
     args = ap.parse_args()
     if not args.collect:
         for name in args.variants:
             run_variant(name, args.runs, args.keep)
-    result = collect(args.keep, args.out)
+    result = collect(args.keep, args.out, args.base)
     if args.seed_grid:
         as_seed_grid(result, args.seed_grid[0], Path(args.seed_grid[1]))
     return 0

@@ -383,7 +383,9 @@ def render_ppo_variants(root: Path) -> str:
     if data is None or not data.get("variants"):
         return ("No PPO variants are measured on this commit: `benchmarks/ppo_variants.py` runs them, and "
                 "`make docs` renders them here.")
-    lines = [f"Measured on {data.get('machine', 'an unrecorded machine')}, {data.get('date', 'undated')}, the "
+    dates = sorted({v["date"] for v in data["variants"] if v.get("date")}) or [data.get("date", "undated")]
+    when = dates[0] if len(dates) == 1 else f"{dates[0]} to {dates[-1]} (each variant's runs on one day)"
+    lines = [f"Measured on {data.get('machine', 'an unrecorded machine')}, {when}, the "
              "full default's SFT and reward model per seed, PPO and evaluate per variant; seed `s:p` as in the "
              "README's seeds table. Against best-of-n: the gold gap to its curve at PPO's own KL, or, past "
              "best-of-n's largest KL, the margin over the best gold SFT or a best-of-n reaches at no more KL "

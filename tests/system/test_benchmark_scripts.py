@@ -475,6 +475,37 @@ def test_seed_grid_runs_the_stages_and_tabulates_each_run(tmp_path, own_sys_path
         {k: want[k] for k in ("gold_win", "ppo_kl", "sft_seconds", "ppo_seconds")}
 
 
+def test_ppo_variants_collects_its_tables_over_an_earlier_file(tmp_path, own_sys_path, monkeypatch):
+    """benchmarks/ppo_variants.py --collect --base: a variant measured again on a seed replaces that
+    seed's run and keeps the others; a variant not measured again is kept whole; each keeps its date;
+    the frontier columns a table lacks are read from the run's evaluate metrics."""
+    monkeypatch.syspath_prepend(str(ROOT / "benchmarks"))   # as when run as a script: it imports demo_seeds
+    bench = load("ppo_variants")
+    run = lambda r, gold: {"run": r, "ppo_gold": gold, **{k: None for k in bench.FRONTIER}}   # noqa: E731
+    base = tmp_path / "base.json"
+    base.write_text(json.dumps({"machine": "m", "date": "2026-01-01", "variants": [
+        {"name": "adaptc20", "overrides": bench.VARIANTS["adaptc20"], "runs": [run("0:0:2", 1.0), run("2:2:2", 2.0)]},
+        {"name": "fixed", "overrides": bench.VARIANTS["fixed"], "runs": [run("0:0:2", 3.0)]}]}))
+    keep = tmp_path / "keep"
+    keep.mkdir()
+    again = {k: v for k, v in run("2:2:2", 2.5).items() if k not in ("ppo_gap_gold", "ppo_beyond_best_of_n")}
+    (keep / "variant_adaptc20.json").write_text(json.dumps({"date": "2026-02-02", "runs": [again]}))
+    (keep / "variant_i200.json").write_text(json.dumps({"date": "2026-02-03", "runs": [run("2:2:2", 4.0)]}))
+    frontier = keep / "u2_p2_t2_adaptc20/evaluate/metrics.json"
+    frontier.parent.mkdir(parents=True)
+    frontier.write_text(json.dumps({"frontier": {"ppo_gap_gold": -0.25, "ppo_beyond_best_of_n": False}}))
+    result = bench.collect(keep, tmp_path / "out.json", base)
+    assert json.loads((tmp_path / "out.json").read_text()) == result
+    got = {v["name"]: v for v in result["variants"]}
+    assert [v["name"] for v in result["variants"]] == [n for n in bench.VARIANTS if n in got] \
+        and set(got) == {"adaptc20", "fixed", "i200"}
+    assert [(r["run"], r["ppo_gold"]) for r in got["adaptc20"]["runs"]] == [("0:0:2", 1.0), ("2:2:2", 2.5)]
+    assert got["adaptc20"]["runs"][1]["ppo_gap_gold"] == -0.25 and got["adaptc20"]["runs"][1]["ppo_beyond_best_of_n"] is False
+    assert [(r["run"], r["ppo_gold"]) for r in got["fixed"]["runs"]] == [("0:0:2", 3.0)]
+    assert {n: v["date"] for n, v in got.items()} == {"adaptc20": "2026-02-02", "fixed": "2026-01-01", "i200": "2026-02-03"}
+    assert result["date"] == "2026-02-03" and got["i200"]["overrides"] == bench.VARIANTS["i200"]
+
+
 def test_compare_methods_runs_every_method_seed_and_sweep_and_tabulates_them(tmp_path, own_sys_path, monkeypatch,
                                                                            capsys):
     """benchmarks/compare_methods.py's `main` over two seeds of PPO and DPO and the DPO beta sweep,
