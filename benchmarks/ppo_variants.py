@@ -9,7 +9,7 @@ benchmarks/seed_grid.py with the same work folder, so the runs of one upstream s
 model and one reward model whatever the variant, and only PPO and evaluate run again; each variant's
 table lands in the work folder as `variant_<name>.json`. `--collect` merges every table found there
 (and with `--base` an earlier collected file's variants and runs, but those measured again) into one
-file with the machine and each variant's date (`make docs` renders it in the decision record that chose
+file with the machine and each run's date (`make docs` renders it in the decision record that chose
 among them), reading a run's `frontier/*` from its evaluate metrics where an older table lacks a
 column. Choose on some seeds and confirm on others that no choice used. `--seed-grid NAME` also
 writes that variant's runs as benchmarks/seed_grid.py's JSON (the README's seeds table, once the
@@ -85,7 +85,7 @@ def run_variant(name: str, runs: list[str], keep: Path) -> None:
 def collect(keep: Path, out: Path, base: Path | None = None) -> dict:
     """Every variant table of `keep` in one file; with `base` (an earlier --collect's file, e.g. the
     committed docs/data/ppo-variants.json) its variants and runs too, except the (variant, run) pairs
-    `keep` measured again. Each variant keeps the date its runs were measured."""
+    `keep` measured again. Each run keeps the date it was measured (`date`)."""
     from demo_seeds import machine
     earlier = {v["name"]: v for v in json.loads(base.read_text())["variants"]} if base is not None else {}
     base_date = json.loads(base.read_text()).get("date") if base is not None else None
@@ -93,24 +93,26 @@ def collect(keep: Path, out: Path, base: Path | None = None) -> dict:
     for name, settings in VARIANTS.items():
         table = keep / f"variant_{name}.json"
         old = earlier.get(name)
+        kept = [{"date": base_date, **r} for r in (old or {}).get("runs", [])]   # a run's own date first
         if not table.exists():
             if old is not None:
-                variants.append({"date": base_date, **old})
+                variants.append({**old, "runs": kept})
             continue
         measured = json.loads(table.read_text())
-        runs = measured["runs"]
+        today = measured.get("date") or datetime.date.today().isoformat()
+        runs = [{"date": today, **r} for r in measured["runs"]]
         again = {r["run"] for r in runs}
-        runs = [r for r in (old or {}).get("runs", []) if r["run"] not in again] + runs
+        runs = sorted([r for r in kept if r["run"] not in again] + runs,
+                      key=lambda r: [int(x) for x in r["run"].split(":")])
         for r in runs:
             upstream, ppo, threads = r["run"].split(":")
             metrics = keep / f"u{upstream}_p{ppo}_t{threads}_{name}" / "evaluate" / "metrics.json"
             if any(k not in r for k in FRONTIER) and metrics.exists():
                 frontier = json.loads(metrics.read_text()).get("frontier", {})
                 r.update({k: frontier.get(k) for k in FRONTIER if k not in r})
-        variants.append({"name": name, "overrides": settings, "runs": runs,
-                         "date": measured.get("date") or datetime.date.today().isoformat()})
-    result = {"machine": machine(), "date": max((v["date"] for v in variants if v.get("date")),
-                                                default=datetime.date.today().isoformat()), "variants": variants}
+        variants.append({"name": name, "overrides": settings, "runs": runs})
+    dates = [r["date"] for v in variants for r in v["runs"] if r.get("date")]
+    result = {"machine": machine(), "date": max(dates, default=datetime.date.today().isoformat()), "variants": variants}
     tmp = out.with_suffix(".json.tmp")
     tmp.write_text(json.dumps(result, indent=1, allow_nan=False) + "\n")
     tmp.replace(out)

@@ -383,20 +383,21 @@ def render_ppo_variants(root: Path) -> str:
     if data is None or not data.get("variants"):
         return ("No PPO variants are measured on this commit: `benchmarks/ppo_variants.py` runs them, and "
                 "`make docs` renders them here.")
-    dates = sorted({v["date"] for v in data["variants"] if v.get("date")}) or [data.get("date", "undated")]
-    when = dates[0] if len(dates) == 1 else f"{dates[0]} to {dates[-1]} (each variant's runs on one day)"
+    dates = sorted({r["date"] for v in data["variants"] for r in v.get("runs", []) if r.get("date")}) \
+        or [data.get("date", "undated")]
+    when = dates[0] if len(dates) == 1 else f"{dates[0]} to {dates[-1]}"
     lines = [f"Measured on {data.get('machine', 'an unrecorded machine')}, {when}, the "
              "full default's SFT and reward model per seed, PPO and evaluate per variant; seed `s:p` as in the "
              "README's seeds table. Against best-of-n: the gold gap to its curve at PPO's own KL, or, past "
              "best-of-n's largest KL, the margin over the best gold SFT or a best-of-n reaches at no more KL "
              "(95% intervals, paired over prompts):", "",
-             "| variant | params | seed | gold: SFT → PPO | KL to SFT, nats | against best-of-n (95% CI) | "
-             "PPO beats SFT, gold |", "|" + " --- |" * 7]
+             "| variant | params | seed | measured | gold: SFT → PPO | KL to SFT, nats | against best-of-n (95% CI) | "
+             "PPO beats SFT, gold |", "|" + " --- |" * 8]
     for v in data["variants"]:
         params = ", ".join(f"`{o}`" for o in v.get("overrides", [])) or "as committed"
         for r in v.get("runs", []):
             lines.append(f"| {v.get('name', NA)} | {params} | {':'.join(str(r.get('run', NA)).split(':')[:2])} | "
-                         f"{num(r.get('sft_gold'), '.2f')} → {num(r.get('ppo_gold'), '.2f')} | "
+                         f"{r.get('date') or data.get('date', NA)} | {num(r.get('sft_gold'), '.2f')} → {num(r.get('ppo_gold'), '.2f')} | "
                          f"{num(r.get('ppo_kl'), '.2f')} | {against_frontier(r)} | {pct(r.get('gold_win'))} |")
     if any(ppo_gap_without_interval(r) for v in data["variants"] for r in v.get("runs", [])):
         lines += ["", NO_INTERVAL]

@@ -477,7 +477,7 @@ def test_seed_grid_runs_the_stages_and_tabulates_each_run(tmp_path, own_sys_path
 
 def test_ppo_variants_collects_its_tables_over_an_earlier_file(tmp_path, own_sys_path, monkeypatch):
     """benchmarks/ppo_variants.py --collect --base: a variant measured again on a seed replaces that
-    seed's run and keeps the others; a variant not measured again is kept whole; each keeps its date;
+    seed's run and keeps the others; a variant not measured again is kept whole; each run keeps its date;
     the frontier columns a table lacks are read from the run's evaluate metrics."""
     monkeypatch.syspath_prepend(str(ROOT / "benchmarks"))   # as when run as a script: it imports demo_seeds
     bench = load("ppo_variants")
@@ -502,7 +502,9 @@ def test_ppo_variants_collects_its_tables_over_an_earlier_file(tmp_path, own_sys
     assert [(r["run"], r["ppo_gold"]) for r in got["adaptc20"]["runs"]] == [("0:0:2", 1.0), ("2:2:2", 2.5)]
     assert got["adaptc20"]["runs"][1]["ppo_gap_gold"] == -0.25 and got["adaptc20"]["runs"][1]["ppo_beyond_best_of_n"] is False
     assert [(r["run"], r["ppo_gold"]) for r in got["fixed"]["runs"]] == [("0:0:2", 3.0)]
-    assert {n: v["date"] for n, v in got.items()} == {"adaptc20": "2026-02-02", "fixed": "2026-01-01", "i200": "2026-02-03"}
+    assert {(n, r["run"]): r["date"] for n, v in got.items() for r in v["runs"]} == {
+        ("adaptc20", "0:0:2"): "2026-01-01", ("adaptc20", "2:2:2"): "2026-02-02", ("fixed", "0:0:2"): "2026-01-01",
+        ("i200", "2:2:2"): "2026-02-03"}
     assert result["date"] == "2026-02-03" and got["i200"]["overrides"] == bench.VARIANTS["i200"]
 
 
