@@ -468,7 +468,6 @@ class MlflowTracker(Tracker):
         if self.owns_parent:
             self._guard("ending the parent run", lambda: self.client.set_terminated(self.parent_id, status))
 
-
     def _end_run(self, status: str) -> None:
         """End the stage's current run (not the parent): its system metrics, buffered points, logged model."""
         if self._system is not None:
