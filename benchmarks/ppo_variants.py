@@ -52,6 +52,12 @@ VARIANTS: dict[str, list[str]] = {
     # same controller; and twice the rollout batch for half the iterations with the controller's
     # horizon halved in iterations (the same horizon in episodes)
     "i200": ["ppo.adaptive_kl=true", "ppo.kl_target=2.0", "ppo.lr_schedule=constant", "ppo.iterations=200"],
+    # the cheaper middle: half the extra iterations, half the extra time
+    "i150": ["ppo.adaptive_kl=true", "ppo.kl_target=2.0", "ppo.lr_schedule=constant", "ppo.iterations=150"],
+    # the default's iterations with a controller three times as fast (kl_coef moves <= 6.7% per
+    # iteration, not 2%): the default overshoots to ~4 nats by iteration 20-60 and is still being
+    # pulled back at 100; a controller that catches the overshoot early spends the run at the target
+    "h3": ["ppo.adaptive_kl=true", "ppo.kl_target=2.0", "ppo.lr_schedule=constant", "ppo.kl_horizon_iterations=3.0"],
     # the default's iterations with twice the actor's learning rate: more movement per iteration at no cost
     "lr2": ["ppo.adaptive_kl=true", "ppo.kl_target=2.0", "ppo.lr_schedule=constant", "ppo.lr=2.0e-4"],
     "b128i50h5": ["ppo.adaptive_kl=true", "ppo.kl_target=2.0", "ppo.lr_schedule=constant",
