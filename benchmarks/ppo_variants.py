@@ -108,8 +108,8 @@ def collect(keep: Path, out: Path, base: Path | None = None) -> dict:
         old = earlier.get(name)
         kept = [{"date": base_date, **r} for r in (old or {}).get("runs", [])]   # a run's own date first
         if not table.exists():
-            if old is not None:
-                variants.append({**old, "runs": kept})
+            if old is not None:   # its overrides as VARIANTS names them now (a default made explicit)
+                variants.append({**old, "overrides": settings, "runs": kept})
             continue
         measured = json.loads(table.read_text())
         today = measured.get("date") or datetime.date.today().isoformat()
