@@ -477,7 +477,8 @@ def test_seed_grid_runs_the_stages_and_tabulates_each_run(tmp_path, own_sys_path
 
 def test_ppo_variants_collects_its_tables_over_an_earlier_file(tmp_path, own_sys_path, monkeypatch):
     """benchmarks/ppo_variants.py --collect --base: a variant measured again on a seed replaces that
-    seed's run and keeps the others; a variant not measured again is kept whole; each run keeps its date;
+    seed's run and keeps the others; a variant not measured again is kept whole, with the overrides
+    VARIANTS gives it now; each run keeps its date;
     the frontier columns a table lacks are read from the run's evaluate metrics."""
     monkeypatch.syspath_prepend(str(ROOT / "benchmarks"))   # as when run as a script: it imports demo_seeds
     bench = load("ppo_variants")
@@ -485,7 +486,7 @@ def test_ppo_variants_collects_its_tables_over_an_earlier_file(tmp_path, own_sys
     base = tmp_path / "base.json"
     base.write_text(json.dumps({"machine": "m", "date": "2026-01-01", "variants": [
         {"name": "adaptc20", "overrides": bench.VARIANTS["adaptc20"], "runs": [run("0:0:2", 1.0), run("2:2:2", 2.0)]},
-        {"name": "fixed", "overrides": bench.VARIANTS["fixed"], "runs": [run("0:0:2", 3.0)]}]}))
+        {"name": "fixed", "overrides": bench.VARIANTS["fixed"][:-1], "runs": [run("0:0:2", 3.0)]}]}))
     keep = tmp_path / "keep"
     keep.mkdir()
     again = {k: v for k, v in run("2:2:2", 2.5).items() if k not in ("ppo_gap_gold", "ppo_beyond_best_of_n")}
@@ -506,6 +507,8 @@ def test_ppo_variants_collects_its_tables_over_an_earlier_file(tmp_path, own_sys
         ("adaptc20", "0:0:2"): "2026-01-01", ("adaptc20", "2:2:2"): "2026-02-02", ("fixed", "0:0:2"): "2026-01-01",
         ("i200", "2:2:2"): "2026-02-03"}
     assert result["date"] == "2026-02-03" and got["i200"]["overrides"] == bench.VARIANTS["i200"]
+    # a variant kept from the base file is labelled as VARIANTS names it now (its count made explicit)
+    assert got["fixed"]["overrides"] == bench.VARIANTS["fixed"] and "ppo.iterations=100" in got["fixed"]["overrides"]
 
 
 def test_compare_methods_runs_every_method_seed_and_sweep_and_tabulates_them(tmp_path, own_sys_path, monkeypatch,
