@@ -325,7 +325,7 @@ def test_normalize_reward_divides_scores_and_critic_by_the_stored_scale(dirs, tm
 @pytest.mark.parametrize("ppo, match", [
     ({"adaptive_kl": True, "kl_horizon": 10000}, r"ppo.kl_horizon: no longer a key: .* is kl_horizon_iterations, "
                                                   r"in iterations \(an episode count divided by rollout_batch_size\)$"),
-    ({"critic_warmup": 100}, r"ppo.critic_warmup: 100 iterations leave none"),
+    ({"critic_warmup": 100, "iterations": 100}, r"ppo.critic_warmup: 100 iterations leave none of the 100 "),
     ({"critic_warmup": 5, "advantage": "grpo", "samples_per_prompt": 4}, r"ppo.critic_warmup: grpo has no critic"),
     ({"critic_warmup": 5, "shared_backbone": True}, r"ppo.critic_warmup: with shared_backbone"),
     ({"normalize_reward": True, "reward_source": "pipeline.tasks.reviews:gold_scores"}, r"ppo.normalize_reward: .*function"),
