@@ -46,19 +46,19 @@ VARIANTS: dict[str, list[str]] = {
     # the default from the adaptive-KL record until the reward stage's restart check
     "adaptc28": ["ppo.adaptive_kl=true", "ppo.kl_target=2.8", "ppo.lr_schedule=constant"],
     # lower still: the committed run's kl_target sweep (docs/compare_methods.tsv) put 2.0 on the curve;
-    # the default since the reward stage's restart check (the decision record of that date)
+    # the default from the reward stage's restart check (the decision record of that date) until i150
     "adaptc20": ["ppo.adaptive_kl=true", "ppo.kl_target=2.0", "ppo.lr_schedule=constant"],
     # more optimisation at the default's KL target: twice the iterations (and episodes) under the
     # same controller; and twice the rollout batch for half the iterations with the controller's
     # horizon halved in iterations (the same horizon in episodes)
     "i200": ["ppo.adaptive_kl=true", "ppo.kl_target=2.0", "ppo.lr_schedule=constant", "ppo.iterations=200"],
-    # the cheaper middle: half the extra iterations, half the extra time
+    # the cheaper middle: half the extra iterations, half the extra time; the default since 2026-12-07
     "i150": ["ppo.adaptive_kl=true", "ppo.kl_target=2.0", "ppo.lr_schedule=constant", "ppo.iterations=150"],
-    # the default's iterations with a controller three times as fast (kl_coef moves <= 6.7% per
+    # 100 iterations with a controller three times as fast (kl_coef moves <= 6.7% per
     # iteration, not 2%): the default overshoots to ~4 nats by iteration 20-60 and is still being
     # pulled back at 100; a controller that catches the overshoot early spends the run at the target
     "h3": ["ppo.adaptive_kl=true", "ppo.kl_target=2.0", "ppo.lr_schedule=constant", "ppo.kl_horizon_iterations=3.0"],
-    # the default's iterations with twice the actor's learning rate: more movement per iteration at no cost
+    # 100 iterations with twice the actor's learning rate: more movement per iteration at no cost
     "lr2": ["ppo.adaptive_kl=true", "ppo.kl_target=2.0", "ppo.lr_schedule=constant", "ppo.lr=2.0e-4"],
     "b128i50h5": ["ppo.adaptive_kl=true", "ppo.kl_target=2.0", "ppo.lr_schedule=constant",
                   "ppo.rollout_batch_size=128", "ppo.iterations=50", "ppo.kl_horizon_iterations=5.0"],
