@@ -65,6 +65,19 @@ VARIANTS: dict[str, list[str]] = {
     # the default's controller started where it ends: kl_coef climbs from 0.2 to 0.8-1.0 over the
     # default's run, and the 40-60 iterations it takes are the overshoot (KL ~4 nats at a 2-nat target)
     "kc08": ["ppo.adaptive_kl=true", "ppo.kl_target=2.0", "ppo.lr_schedule=constant", "ppo.kl_coef=0.8"],
+    # the default (i150) with GAE's lambda at 1: the advantage is the return less the critic's value,
+    # the critic a baseline only; at 0.95 a response's early tokens lean on the critic's values of
+    # later prefixes, and the critic explains little of the return in the first iterations
+    "lam1": ["ppo.adaptive_kl=true", "ppo.kl_target=2.0", "ppo.lr_schedule=constant", "ppo.iterations=150",
+             "ppo.lam=1.0"],
+    # and the other way: lambda 0.9 leans on the critic more (it explains 0.9 of the return's
+    # variance from iteration ~20 on)
+    "lam09": ["ppo.adaptive_kl=true", "ppo.kl_target=2.0", "ppo.lr_schedule=constant", "ppo.iterations=150",
+              "ppo.lam=0.9"],
+    # the default (i150) with minibatches of 16 rollouts: twice the optimiser steps per rollout batch
+    # at the same forwards and backwards (the micro-batch is 16 rollouts either way)
+    "mb16": ["ppo.adaptive_kl=true", "ppo.kl_target=2.0", "ppo.lr_schedule=constant", "ppo.iterations=150",
+             "ppo.minibatch_size=16"],
     # the reward as log CDF among k SFT responses, kl_coef 1/(n-1): aimed at best-of-n (quantile_reward.py)
     "bon16": [*FIXED, "ppo.quantile_reward_samples=16", "ppo.kl_coef=0.0667"],
     "bon32": [*FIXED, "ppo.quantile_reward_samples=32", "ppo.kl_coef=0.0323"],
