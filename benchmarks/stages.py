@@ -80,6 +80,16 @@ def run_stage(tree: Path, cmd: str, env: dict[str, str]) -> float:
     return time.perf_counter() - t0
 
 
+def head_label(args: argparse.Namespace) -> str:
+    """What the head side ran: beside a base commit, this tree's commit (with "+ uncommitted
+    changes" when it has some), so the file says which two commits it timed."""
+    if not args.base:
+        return str(args.vs_params or args.params or "params.yaml")
+    git = lambda *a: subprocess.run(["git", *a], cwd=ROOT, capture_output=True, text=True, check=True).stdout.strip()
+    dirty = " + uncommitted changes" if git("status", "--porcelain", "--untracked-files=no") else ""
+    return f"{git('rev-parse', '--short', 'HEAD')}{dirty}" + (f" with {args.params}" if args.params else "")
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--base", help="a commit to run beside this working tree, stage by stage")
@@ -130,7 +140,7 @@ def main() -> int:
             "machine": machine(), "threads": threads, "date": time.strftime("%Y-%m-%d"),
             "command": "benchmarks/stages.py " + " ".join(sys.argv[1:]),
             "sides": {"base": str(args.base or args.params or "params.yaml"),
-                      "head": str(args.vs_params or args.params or "params.yaml")} if len(sides) == 2 else None,
+                      "head": head_label(args)} if len(sides) == 2 else None,
             "rows": rows, "total": total}, indent=1) + "\n")
     return 0
 

@@ -458,11 +458,12 @@ def render_throughput(root: Path) -> str:
     return "\n".join(out).strip() or "No throughput measurement is committed."
 
 
-def render_stage_pairs(root: Path) -> str:
-    """docs/guide/benchmarks.md: the default pipeline's stage wall times under two params files,
-    alternating stage by stage (docs/data/stages-*.json, written by benchmarks/stages.py --json)."""
+def render_stage_pairs(root: Path, pattern: str = "stages-compile-*.json") -> str:
+    """docs/guide/benchmarks.md: the pipeline's stage wall times on two sides, alternating stage by
+    stage (docs/data/stages-*.json, written by benchmarks/stages.py --json): two params files
+    (stages-compile-*.json), or this tree against an earlier commit (stages-commits-*.json)."""
     out = []
-    for path in sorted((root / "docs" / "data").glob("stages-*.json")):
+    for path in sorted((root / "docs" / "data").glob(pattern)):
         r = read_json(root, str(path.relative_to(root)))
         base, head = r["sides"]["base"], r["sides"]["head"]
         out += [f"{r['machine']}, torch threads: {r['threads']}, {r['date']}; `{r['command']}` "
@@ -742,6 +743,7 @@ RENDERERS: dict[str, Callable[[Path], str]] = {
     "stage-resources": render_stage_resources,
     "throughput": render_throughput,
     "stage-pairs": render_stage_pairs,
+    "stage-commits": lambda root: render_stage_pairs(root, "stages-commits-*.json"),
     "compare-run": render_compare_run,
     "compare-seeds": render_compare_seeds,
     "compare-sweeps": render_compare_sweeps,

@@ -125,6 +125,9 @@ def test_stages_benchmark_runs_both_sides_and_compares_their_models(tmp_path):
     data = json.loads((tmp_path / "stages.json").read_text())
     assert [r["stage"] for r in data["rows"]] == [r["stage"] for r in table] and data["machine"]
     assert data["total"]["head"] == pytest.approx(sum(float(r["head_s"]) for r in table), abs=0.01)
+    head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True).stdout.strip()
+    assert data["sides"]["base"] == "HEAD" and data["sides"]["head"].startswith(head), data["sides"]   # the commits timed
+    assert data["sides"]["head"].endswith(f"with {tmp_path / 'tiny.yaml'}")
     both = subprocess.run([sys.executable, str(ROOT / "benchmarks/stages.py"), "--base", "HEAD", "--vs-params",
                            str(tmp_path / "tiny.yaml")], cwd=ROOT, capture_output=True, text=True)
     assert both.returncode == 2 and "one comparison at a time" in both.stderr

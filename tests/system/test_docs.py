@@ -119,7 +119,7 @@ def test_the_pages_have_the_blocks_they_should():
     assert blocks["README.md"] == ["demo", "seeds", "headline"]
     assert blocks["docs/guide/methods.md"] == ["compare-run", "compare-seeds", "compare-sweeps", "grpo-sweep"]
     assert blocks["docs/guide/overoptimisation.md"] == ["frontier"]
-    assert blocks["docs/guide/benchmarks.md"] == ["stage-resources", "throughput", "stage-pairs"]
+    assert blocks["docs/guide/benchmarks.md"] == ["stage-resources", "stage-commits", "throughput", "stage-pairs"]
     assert blocks["docs/guide/gpu-check.md"] == ["gpu-check"]
     assert blocks["docs/architecture.md"] == ["stages"]
     assert set(render_docs.RENDERERS) == {b for bs in blocks.values() for b in bs}, "a renderer no page uses"
