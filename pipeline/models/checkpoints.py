@@ -9,6 +9,7 @@ whole pipeline runs in minutes on two CPU cores. With `model.name_or_path` set, 
 from __future__ import annotations
 
 import contextlib
+import sys
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Iterator
 
@@ -142,7 +143,34 @@ def modifying(params: list[torch.nn.Parameter]) -> Iterator[None]:
         yield
 
 
+@contextlib.contextmanager
+def deepspeed_unimported_is_unavailable() -> Iterator[None]:
+    """`save_pretrained` unwraps the model through accelerate, which imports deepspeed, where it is
+    installed, only to ask whether the model is a `DeepSpeedEngine`: 1-2 s at every stage's end,
+    most of it the mlflow that deepspeed imports in turn. A model cannot be an engine of a module
+    never imported, so while deepspeed is not, accelerate is told it is unavailable; the unwrapping
+    and the files written are the same."""
+    if "deepspeed" in sys.modules:
+        yield
+        return
+    try:
+        from accelerate.utils import other
+    except ImportError:   # transformers unwraps without accelerate: nothing imports deepspeed
+        yield
+        return
+    probe = getattr(other, "is_deepspeed_available", None)
+    if probe is None:
+        yield
+        return
+    other.is_deepspeed_available = lambda: False
+    try:
+        yield
+    finally:
+        other.is_deepspeed_available = probe
+
+
 def save_checkpoint(model: PreTrainedModel, tok: PreTrainedTokenizerBase, out: Path) -> None:
     """An HF checkpoint (safetensors weights, config, tokenizer) in `out`."""
-    model.save_pretrained(str(out), safe_serialization=True)
+    with deepspeed_unimported_is_unavailable():
+        model.save_pretrained(str(out), safe_serialization=True)
     tok.save_pretrained(str(out))
