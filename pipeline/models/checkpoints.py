@@ -150,14 +150,12 @@ def deepspeed_unimported_is_unavailable() -> Iterator[None]:
     most of it the mlflow that deepspeed imports in turn. A model cannot be an engine of a module
     never imported, so while deepspeed is not, accelerate is told it is unavailable; the unwrapping
     and the files written are the same."""
-    if "deepspeed" in sys.modules:
-        yield
-        return
-    try:
-        from accelerate.utils import other
-    except ImportError:   # transformers unwraps without accelerate: nothing imports deepspeed
-        yield
-        return
+    other = None
+    if "deepspeed" not in sys.modules:
+        try:
+            from accelerate.utils import other
+        except ImportError:   # transformers unwraps without accelerate: nothing imports deepspeed
+            pass
     probe = getattr(other, "is_deepspeed_available", None)
     if probe is None:
         yield
