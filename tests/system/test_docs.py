@@ -651,7 +651,7 @@ def test_the_link_check_on_a_sample(tmp_path):
 
 def test_the_readme_is_a_product_page():
     text = README.read_text()
-    assert len(text.splitlines()) <= 250
+    assert len(text.splitlines()) < 250    # under 250 lines
     for command in ("make pipeline", "make test", "make demo"):
         assert f"\n{command}" in text, command
     outside = re.sub(r"<!-- rendered: [\w-]+ -->.*?<!-- /rendered -->", "", text, flags=re.S)
