@@ -454,6 +454,11 @@ def render_throughput(root: Path) -> str:
             out.append(f"| {row['stage']} | {a['tokens_per_second']:.0f} ({row['micro_rows']} rows) | {pct(a['pad_share'], 0)} | "
                        f"{pct(a['mfu'])} | {b['tokens_per_second']:.0f} ({row['budget']} tokens) | "
                        f"{pct(b['pad_share'], 0)} | {pct(b['mfu'])} | {row['speedup']:.2f}x |")
+        if "sampler" in r:
+            smp = r["sampler"]
+            out += ["", f"Our sampler on the same model: {smp['tokens_per_second']:.0f} new tokens/s "
+                    f"({smp['prompts']} prompts of those lengths, up to {smp['new_tokens']} new tokens each, one call "
+                    f"of {smp['seconds_per_call']:.2f} s)."]
         out.append("")
     return "\n".join(out).strip() or "No throughput measurement is committed."
 

@@ -78,21 +78,30 @@ def test_ppo_vs_trl_builds_the_shared_models_and_times_our_trainer(tmp_path, mon
 def test_throughput_benchmark_times_both_batchings_of_every_stage(tmp_path):
     """benchmarks/throughput.py at a toy shape: every stage timed both ways, its numbers consistent
     with each other (the speed-up is the ratio of the medians; the budget's sorted micro-batches
-    carry less padding than fixed rows on lengths that vary 10x), written where asked."""
+    carry less padding than fixed rows on lengths that vary 10x; PPO's update trains the actor and
+    the critic), the sampler timed beside them, written where asked."""
     out = tmp_path / "throughput.json"
     assert load("throughput").main(["--hidden", "32", "--layers", "1", "--heads", "2", "--vocab", "256",
-                                    "--batch", "8", "--rows", "2", "--steps", "2", "--out", str(out)]) == 0
+                                    "--batch", "8", "--rows", "2", "--steps", "2", "--new-tokens", "16",
+                                    "--out", str(out)]) == 0
     result = json.loads(out.read_text())
-    assert [r["stage"] for r in result["stages"]] == ["sft", "reward", "dpo"]
-    assert result["peak_flops"] > 0 and result["model"]["non_embedding_params"] > 0
+    assert [r["stage"] for r in result["stages"]] == ["sft", "reward", "dpo", "ppo"]
+    n = result["model"]["non_embedding_params"]
+    assert result["peak_flops"] > 0 and n > 0
     for row in result["stages"]:
         fixed, budget = row["rows"], row["tokens"]
         assert row["speedup"] == pytest.approx(fixed["seconds_per_batch"] / budget["seconds_per_batch"])
         assert 0 <= budget["pad_share"] < fixed["pad_share"] < 1, row
+        # The critic is the actor's trunk with a scalar head in place of the vocabulary's.
+        per_token = 6 * (2 * n - 256 * 32 + 32) if row["stage"] == "ppo" else 6 * n
+        assert row["flops_per_token"] == per_token, row
         for way in (fixed, budget):
             assert way["tokens_per_second"] > 0
-            assert way["mfu"] == pytest.approx(6 * result["model"]["non_embedding_params"] * way["tokens_per_second"]
-                                               / result["peak_flops"])
+            assert way["mfu"] == pytest.approx(per_token * way["tokens_per_second"] / result["peak_flops"])
+    sampler = result["sampler"]
+    assert sampler["prompts"] == 8 and sampler["new_tokens"] == 16 and sampler["seconds_per_call"] > 0
+    # at most every prompt's 16 new tokens a call, at least one each
+    assert 8 / sampler["seconds_per_call"] <= sampler["tokens_per_second"] <= 8 * 16 / sampler["seconds_per_call"]
 
 
 @pytest.mark.long
