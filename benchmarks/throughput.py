@@ -65,13 +65,10 @@ from pipeline.training.token_batches import padded_tokens  # noqa: E402
 GPU_PEAKS = {"H100": 989e12, "H200": 989e12, "A100": 312e12, "L40S": 362e12, "A10": 125e12}
 
 
-PROMPT_MAX = 500   # the longest prompt drawn
-
-
 def lengths(n: int, gen: torch.Generator) -> list[tuple[int, int, int]]:
     """(prompt, response, second response) token counts of `n` examples: prompts log-normal around
     ~150 tokens clipped to 50-500, responses uniform 20-300."""
-    prompt = torch.exp(torch.randn(n, generator=gen) * 0.6 + math.log(150)).clamp(50, PROMPT_MAX).long()
+    prompt = torch.exp(torch.randn(n, generator=gen) * 0.6 + math.log(150)).clamp(50, 500).long()
     responses = torch.randint(20, 301, (n, 2), generator=gen)
     return [(int(p), int(a), int(b)) for p, (a, b) in zip(prompt, responses.tolist())]
 
@@ -139,9 +136,7 @@ def stages(model, rm_model, vocab: int, n: int, gen: torch.Generator) -> list[St
     return [Stage("sft", sft_items, lambda x: len(x[0]) + len(x[1]), sft_loss),
             Stage("reward", pair_items, lambda t: len(t.prompt) + len(t.chosen) + len(t.rejected), rm_loss),
             Stage("dpo", pair_items, lambda t: 2 * t.width, dpo_loss),
-            # The trainer's token budget counts a row as the rollout's prompt width (its longest
-            # prompt, here up to PROMPT_MAX) plus the row's response (ppo.scoring.update_chunks).
-            Stage("ppo", sft_items, lambda x: PROMPT_MAX + len(x[1]), None,
+            Stage("ppo", sft_items, lambda x: len(x[0]) + len(x[1]), None,
                   run=lambda batch, rows, budget: ppo_update(model, rm_model, batch, rows, budget, pad))]
 
 
@@ -163,7 +158,8 @@ def ppo_update(actor, critic, batch: list, rows: int, budget, pad: int) -> tuple
     returns fixed."""
     device = next(actor.parameters()).device
     ro = rollout_of(batch, pad)
-    parts = update_chunks(ro.response_mask, torch.arange(len(batch)), rows, ro.n_prompt, budget)
+    prompt_lengths = ro.attention_mask[:, :ro.n_prompt].sum(1)                  # (B,)
+    parts = update_chunks(ro.response_mask, torch.arange(len(batch)), rows, prompt_lengths, budget)
     real = computed = 0
     for m in (actor, critic):
         m.zero_grad(set_to_none=True)

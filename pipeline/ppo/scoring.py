@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from ..data.padding import micro_batches, unpack
+from ..data.padding import unpack
 from ..models import logprobs
 from ..models import reward_model as rm
 from ..models.reward_source import RewardSource
@@ -80,15 +80,29 @@ def length_sorted_chunks(mask: torch.Tensor, rows: torch.Tensor, size: int) -> l
     return list(order.split(size))
 
 
-def update_chunks(mask: torch.Tensor, rows: torch.Tensor, size: int, n_prompt: int,
+def update_chunks(mask: torch.Tensor, rows: torch.Tensor, size: int, prompt_lengths: torch.Tensor,
                   budget: int | None) -> list[torch.Tensor]:
     """The update's micro-batches of `rows`: `length_sorted_chunks` of `size` rows, or with a token
     `budget` (distributed.max_tokens_per_micro_batch) as many rows, longest response first, as keep
-    rows x (the `n_prompt` prompt columns + the longest response) within it (training/token_batches.py)."""
+    the micro-batch's padded size within it: rows x (its longest prompt + its longest response),
+    the columns `Rollout.select(trim=True)` keeps of left-padded prompts and right-padded responses.
+    A row over the budget alone is a micro-batch of its own. `prompt_lengths`: (B,) real prompt
+    tokens of every row of the rollout."""
     if budget is None:
         return length_sorted_chunks(mask, rows, size)
-    lengths = (mask[rows].sum(1) + n_prompt).tolist()
-    return [rows[torch.tensor(part, device=rows.device)] for part in micro_batches(lengths, size, budget)]
+    order = rows[torch.argsort(mask[rows].sum(1), descending=True, stable=True)]   # (N,) longest response first
+    responses, prompts = mask[order].sum(1).tolist(), prompt_lengths[order].tolist()
+    parts: list[list[int]] = []
+    widest = longest = 0                # the open micro-batch's longest prompt and response
+    for k, (p, r) in enumerate(zip(prompts, responses)):
+        p, r = max(p, 1), max(r, 1)     # select(trim=True) keeps a column of each at least
+        if parts and (len(parts[-1]) + 1) * (max(widest, p) + longest) <= budget:
+            parts[-1].append(k)
+            widest = max(widest, p)
+        else:
+            parts.append([k])
+            widest, longest = p, r      # the first row's response is the micro-batch's longest
+    return [order[torch.tensor(part, device=rows.device)] for part in parts]
 
 
 @dataclass

@@ -244,6 +244,7 @@ class PPOTrainer:
         first: dict[str, float] = {}
         n_minibatches, epochs_done = 0, 0
         budget = cfg.distributed.max_tokens_per_micro_batch
+        prompt_lengths = b.ro.attention_mask[:, :b.ro.n_prompt].sum(1)    # (B,) real prompt tokens
         for _ in range(cfg.ppo_epochs):
             # The shuffle stream is the CPU's on every device (a resumed run restores it), the rows the rollout's.
             perm = torch.randperm(B, generator=self.shuffle_gen, device="cpu").to(b.ro.response_mask.device)
@@ -253,7 +254,7 @@ class PPOTrainer:
                 n_tokens = float(self.ctx.sum(b.ro.response_mask[mb].sum().double()).clamp(min=1))
                 n_rows = float(len(mb) * self.ctx.world_size)   # equal slices on every rank
                 mb_stats: dict[str, float] = {}
-                chunks = update_chunks(b.ro.response_mask, mb, cfg.micro_batch_size, b.ro.n_prompt, budget)
+                chunks = update_chunks(b.ro.response_mask, mb, cfg.micro_batch_size, prompt_lengths, budget)
                 # A budget gives each rank its own count: all run the largest (ZeRO's collectives pair up).
                 for run in token_batches.agreed_runs(len(chunks), budget, self.ctx):
                     micro = chunks[run.part] if not run.filler else chunks[0][:1]

@@ -417,3 +417,46 @@ def test_adaptive_kl_in_iterations_reaches_its_target() -> None:
             kl = 1.2 / controller.kl_coef
             controller.update(kl, 1)
         assert (abs(1.2 / controller.kl_coef - 3.0) < 0.15) is settles
+
+
+def test_update_chunks_under_a_budget_fill_it_with_the_trimmed_width() -> None:
+    """PPO's micro-batches by a token budget: every row once, longest response first; each
+    micro-batch's trimmed rollout (left-padded prompts, right-padded responses, `select(trim=True)`)
+    holds rows x (its longest prompt + its longest response) tokens, within the budget unless a
+    row alone exceeds it, and no micro-batch could have taken the next row. One long prompt in the
+    rollout does not shrink the micro-batches of the short ones (the cut counts each micro-batch's
+    own prompts, not the rollout's widest)."""
+    from pipeline.ppo.rollout import Rollout
+    from pipeline.ppo.scoring import update_chunks
+
+    gen = torch.Generator().manual_seed(0)
+    prompts = [120] + torch.randint(5, 40, (15,), generator=gen).tolist()      # one long prompt
+    responses = torch.randint(1, 60, (16,), generator=gen).tolist()
+    P, R = max(prompts), max(responses)
+    prompt_mask = torch.arange(P)[None, :] >= P - torch.tensor(prompts)[:, None]   # (16, P) left-padded
+    response_mask = ragged_mask(responses, R)                                       # (16, R) right-padded
+    attention = torch.cat([prompt_mask, response_mask], 1).long()                   # (16, P + R)
+    ids = torch.where(attention.bool(), 7, 0)
+    ro = Rollout([""] * 16, [""] * 16, ids, attention, response_mask, torch.ones(16, dtype=torch.bool), P)
+    prompt_lengths = attention[:, :P].sum(1)
+    rows = torch.randperm(16, generator=gen)
+    budget = 400
+    parts = update_chunks(response_mask, rows, 4, prompt_lengths, budget)
+    order = torch.cat(parts)
+    assert sorted(order.tolist()) == list(range(16))
+    assert (response_mask[order].sum(1).diff() <= 0).all()            # longest response first
+    for k, part in enumerate(parts):
+        trimmed = ro.select(part, trim=True).input_ids                 # (rows, its longest prompt + response)
+        width = max(prompts[i] for i in part.tolist()) + max(responses[i] for i in part.tolist())
+        assert trimmed.shape == (len(part), width)
+        assert trimmed.numel() <= budget or len(part) == 1
+        if k + 1 < len(parts):                                          # the next row would not have fitted
+            nxt = int(parts[k + 1][0])
+            grown = max(prompts[i] for i in part.tolist() + [nxt]) + max(responses[i] for i in part.tolist())
+            assert (len(part) + 1) * grown > budget
+    # Against counting every row at the rollout's prompt width (P): fewer, fuller micro-batches.
+    wide = update_chunks(response_mask, rows, 4, torch.full((16,), P), budget)
+    assert len(parts) < len(wide)
+    # Without a budget: fixed runs of `size` rows, longest response first.
+    fixed = update_chunks(response_mask, rows, 4, prompt_lengths, None)
+    assert [len(p) for p in fixed] == [4, 4, 4, 4]
